@@ -1,0 +1,26 @@
+"""kvtier's thin client: `from kvtier.client import Client, Status`.
+
+Importing this package needs only grpcio, protobuf and crc32c.
+"""
+
+from kvtier.client.client import Client
+from kvtier.proto.errors import (
+    ConnectError,
+    InvalidKeyError,
+    KvtierError,
+    ProtocolError,
+    ReadError,
+    TransportError,
+)
+from kvtier.proto.status import Status
+
+__all__ = [
+    "Client",
+    "Status",
+    "KvtierError",
+    "InvalidKeyError",
+    "TransportError",
+    "ConnectError",
+    "ReadError",
+    "ProtocolError",
+]

@@ -1,0 +1,396 @@
+"""`Client`: batched, zero-copy put/get against a kvtier cluster.
+
+Contracts every method keeps:
+- One master round trip per batch: `batch_put` makes one PutStart and one
+  PutEnd (plus one PutRevoke only when some writes failed); `batch_get*` make
+  one GetReplicas, whatever the number of keys.
+- Integrity: a CRC32C of every value goes to the master at PutEnd; every read
+  is verified against it. Bytes that fail verification are never returned:
+  the key is a miss (counted in `stats()["checksum_mismatches"]`) after the
+  other replicas, if any, were tried.
+- Visibility: the master shows an object to readers only after PutEnd, which
+  the client sends only after every replica's bytes were acknowledged.
+- Failure shape: reads degrade to misses (None, or a negative `Status` from
+  the `*_into` calls) and log why; `batch_put` returns a `Status` per key;
+  `put` raises `KvtierError`; invalid keys raise `InvalidKeyError`
+  (a `ValueError`) before anything is sent.
+- Thread safety: one Client may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c
+from kvtier.client.config import ClientConfig
+from kvtier.client.master import MasterClient
+from kvtier.client.transport import choose_endpoint, open_connector
+from kvtier.client.transport.base import Connector
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.errors import KvtierError, TransportError
+from kvtier.proto.keys import check_key
+from kvtier.proto.status import Status, to_status
+
+logger = logging.getLogger(__name__)
+
+_OK = 0
+_NOT_FOUND = int(Status.NOT_FOUND)
+_MISMATCH = int(Status.CHECKSUM_MISMATCH)
+_TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
+
+
+def as_bytes_view(value: Any) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (bytes, bytearray, numpy, ...)."""
+    view = value if isinstance(value, memoryview) else memoryview(value)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    if not view.c_contiguous:
+        raise ValueError("buffers must be C-contiguous")
+    return view.cast("B")
+
+
+def as_writable_view(buffer: Any) -> memoryview:
+    view = as_bytes_view(buffer)
+    if view.readonly:
+        raise TypeError(f"buffer of type {type(buffer).__name__} is read-only; pass a bytearray, memoryview or array")
+    return view
+
+
+class Client:
+    """A thread-safe handle on one kvtier cluster, scoped to one namespace.
+
+    `Client(master, namespace=..., timeout=...)`; use as a context manager or
+    call `close()`. Keys are non-empty UTF-8 strings of at most 1 KiB without
+    NUL; clients in different namespaces never see each other's objects.
+    """
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        namespace: str = "default",
+        timeout: float = 5.0,
+        connections_per_segment: int = 4,
+        transport: str = "",
+    ) -> None:
+        self.config = ClientConfig(
+            master=master,
+            namespace=namespace,
+            timeout=timeout,
+            connections_per_segment=connections_per_segment,
+            transport=transport or ClientConfig.transport_override(),
+        ).validate()
+        self.namespace = namespace
+        self._master = MasterClient(master, timeout)
+        self._connectors: dict[tuple[str, ...], Connector] = {}
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            connectors, self._connectors = list(self._connectors.values()), {}
+        for connector in connectors:
+            connector.close()
+        self._master.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this client: gets, hits, misses, checksum_mismatches, bytes_read, ..."""
+        with self._lock:
+            return dict(self._stats)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._stats.update(deltas)
+
+    def _connector(self, segment: pb.SegmentEndpoint) -> Connector:
+        key = tuple(segment.endpoints)
+        with self._lock:
+            connector = self._connectors.get(key)
+            if connector is None:
+                if self._closed:
+                    raise KvtierError(Status.CANCELLED, "client is closed")
+                scheme, endpoint = choose_endpoint(segment.endpoints, self.config.transport)
+                connector = self._connectors[key] = open_connector(scheme, endpoint, self.config)
+            return connector
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, value: Any, *, replicas: int = 1) -> None:
+        """Store `value` (any bytes-like buffer) under `key`. Raises KvtierError on failure.
+
+        Idempotent: putting a key that is already complete succeeds without rewriting it.
+        """
+        status = self.batch_put([key], [value], replicas=replicas)[0]
+        if status != Status.OK:
+            raise KvtierError(status, f"put of {key!r:.80} failed")
+
+    put_from = put  # zero-copy already: the value's buffer is sent as is
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1) -> list[Status]:
+        """Store many values; one `Status` per key (OK also for keys that already existed)."""
+        keys = [check_key(k) for k in keys]
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if not keys:
+            return []
+        views = [as_bytes_view(v) for v in values]
+        sizes = [len(v) for v in views]
+        checksums = [crc32c.crc32c(v) for v in views]
+        try:
+            reply = self._master.call(
+                "PutStart",
+                pb.PutStartRequest(namespace=self.namespace, keys=keys, sizes=sizes, replicas=replicas),
+            )
+        except KvtierError as exc:
+            logger.warning("batch_put failed: %s", exc)
+            return [exc.status] * len(keys)
+        statuses = list(reply.statuses)
+        counts = reply.replica_counts
+        if reply.error:
+            logger.debug("PutStart: %s", reply.error)
+        segments = {s.segment_id: s for s in reply.segments}
+        per_segment: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        pos = 0
+        for i, count in enumerate(counts):
+            for j in range(pos, pos + count):
+                per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j]))
+            pos += count
+        for segment_id, items in per_segment.items():
+            results = self._write_segment(segments.get(segment_id), [(off, views[i]) for i, off in items])
+            for (i, _), result in zip(items, results, strict=True):
+                if result != _OK and statuses[i] == _OK:
+                    statuses[i] = result
+        written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
+        failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
+        if written:
+            try:
+                ended = self._master.call(
+                    "PutEnd",
+                    pb.PutEndRequest(
+                        namespace=self.namespace,
+                        keys=[keys[i] for i in written],
+                        checksums=[checksums[i] for i in written],
+                        put_id=reply.put_id,
+                    ),
+                )
+                for i, status in zip(written, ended.statuses, strict=True):
+                    statuses[i] = status
+            except KvtierError as exc:  # the master reclaims the pending puts after its timeout
+                logger.warning("PutEnd failed: %s", exc)
+                for i in written:
+                    statuses[i] = int(exc.status)
+        if failed:
+            self._revoke([keys[i] for i in failed], reply.put_id)
+        self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK),
+                    bytes_written=sum(sizes[i] * counts[i] for i in written))
+        return [to_status(s) for s in statuses]
+
+    batch_put_from = batch_put
+
+    def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> list[int]:
+        if segment is None:
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges)
+        try:
+            return self._connector(segment).write(ranges)
+        except TransportError as exc:
+            logger.warning("write to segment %s failed: %s", segment.name, exc)
+            return [int(exc.status)] * len(ranges)
+
+    def _revoke(self, keys: list[str], put_id: int) -> None:
+        try:
+            self._master.call("PutRevoke", pb.PutRevokeRequest(namespace=self.namespace, keys=keys, put_id=put_id))
+        except KvtierError as exc:  # harmless: the master reclaims abandoned puts itself
+            logger.warning("PutRevoke failed (master will reclaim): %s", exc)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: str) -> bytes | None:
+        """The value of `key`, or None on a miss (absent, unreachable or failing verification)."""
+        return self.batch_get([key])[0]
+
+    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values of many keys (None per miss), with one GetReplicas round trip."""
+        results = self._fetch(keys, None)
+        return [r if isinstance(r, bytes) else None for r in results]
+
+    def get_into(self, key: str, buffer: Any) -> int:
+        """Read `key` into `buffer`: bytes written, or a negative Status (NOT_FOUND, BUFFER_TOO_SMALL, ...)."""
+        return self.batch_get_into([key], [buffer])[0]
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        """Read many keys into caller-owned writable buffers; per key bytes written or a negative Status.
+
+        Nothing is written past the object's size; on a negative result the
+        buffer's first `size` bytes are unspecified.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = [as_writable_view(b) for b in buffers]
+        return self._fetch(keys, views)  # type: ignore[return-value]
+
+    def _fetch(self, keys: Sequence[str], views: list[memoryview] | None) -> list[bytes | int]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        try:
+            reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        except KvtierError as exc:
+            logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
+            self._count(gets=len(keys), misses=len(keys), master_failures=1)
+            return [int(exc.status)] * len(keys)
+        started = time.monotonic()
+        lease_s = reply.lease_ms / 1000
+        out: list[bytes | int] = list(reply.statuses)
+        segments = {s.segment_id: s for s in reply.segments}
+        replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
+        pos = 0
+        for i, count in enumerate(reply.replica_counts):
+            if out[i] == _OK:
+                if views is not None and len(views[i]) < reply.sizes[i]:
+                    out[i] = int(Status.BUFFER_TOO_SMALL)
+                elif reply.sizes[i] == 0:
+                    out[i] = 0 if views is not None else b""
+                else:
+                    replicas[i] = list(range(pos, pos + count))
+            pos += count
+        attempt = 0
+        transferred = 0
+        while replicas:
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i, positions in replicas.items():
+                groups[reply.replica_segments[positions[attempt]]].append(i)
+            retry: dict[int, list[int]] = {}
+            for segment_id, indices in groups.items():
+                results = self._read_segment(segments.get(segment_id), reply, replicas, indices, attempt, views)
+                expired = time.monotonic() - started > lease_s
+                for i, result in zip(indices, results, strict=True):
+                    if isinstance(result, int) and result != _OK:
+                        status = result
+                    elif expired:  # the bytes may have been reused after the lease: never trust them
+                        status = int(Status.LEASE_EXPIRED)
+                    else:
+                        size = reply.sizes[i]
+                        data = result if views is None else views[i][:size]
+                        transferred += size
+                        if crc32c.crc32c(data) == reply.checksums[i]:
+                            out[i] = data if views is None else size
+                            continue
+                        status = _MISMATCH
+                        self._count(checksum_mismatches=1)
+                        logger.warning(
+                            "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
+                            self.namespace, keys[i], segments[segment_id].name if segment_id in segments else segment_id,
+                        )
+                    out[i] = status
+                    if attempt + 1 < len(replicas[i]):
+                        retry[i] = replicas[i]
+            replicas = retry
+            attempt += 1
+        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
+        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits, bytes_read=transferred)
+        return out
+
+    def _read_segment(
+        self,
+        segment: pb.SegmentEndpoint | None,
+        reply: pb.GetReplicasResponse,
+        replicas: dict[int, list[int]],
+        indices: list[int],
+        attempt: int,
+        views: list[memoryview] | None,
+    ) -> list[bytes | int]:
+        if segment is None:
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices)
+        offsets = [reply.replica_offsets[replicas[i][attempt]] for i in indices]
+        try:
+            connector = self._connector(segment)
+            if views is None:
+                return connector.read([(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)])
+            return connector.read_into(  # type: ignore[return-value]
+                [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
+            )
+        except TransportError as exc:
+            logger.warning("read from segment %s failed: %s", segment.name, exc)
+            return [int(exc.status)] * len(indices)
+
+    # ------------------------------------------------------------------ presence
+
+    def exists(self, key: str) -> bool:
+        """Whether a complete object is stored under `key`. Grants no lease."""
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._exists(keys).exists)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are all present: what an engine may load instead of recomputing."""
+        return self._exists(keys).prefix_count
+
+    def _exists(self, keys: Sequence[str]) -> pb.ExistsResponse:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return pb.ExistsResponse()
+        return self._master.call("Exists", pb.KeysRequest(namespace=self.namespace, keys=keys))
+
+    # ------------------------------------------------------------------ removal and inspection
+
+    def remove(self, key: str) -> bool:
+        """Remove `key`; True if an object was removed. Readers holding a lease finish first."""
+        return self.batch_remove([key])[0] == Status.OK
+
+    def batch_remove(self, keys: Sequence[str]) -> list[Status]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        reply = self._master.call("Remove", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        return [to_status(s) for s in reply.statuses]
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every object of this namespace whose key starts with `prefix`; the count removed."""
+        reply = self._master.call("RemovePrefix", pb.RemovePrefixRequest(namespace=self.namespace, prefix=prefix))
+        return reply.removed
+
+    def locate(self, key: str) -> list[dict[str, Any]]:
+        """Where `key`'s replicas live (segment, endpoints, offset, size, tier, checksum); [] on a miss."""
+        reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=[check_key(key)]))
+        if reply.statuses[0] != _OK:
+            return []
+        segments = {s.segment_id: s for s in reply.segments}
+        out = []
+        for j in range(reply.replica_counts[0]):
+            segment = segments.get(reply.replica_segments[j])
+            out.append(
+                {
+                    "segment_id": reply.replica_segments[j],
+                    "segment": segment.name if segment else "",
+                    "endpoints": list(segment.endpoints) if segment else [],
+                    "offset": reply.replica_offsets[j],
+                    "size": reply.sizes[0],
+                    "tier": _TIERS.get(reply.replica_tiers[j], "unknown"),
+                    "checksum": reply.checksums[0],
+                }
+            )
+        return out
+
+    def cluster_status(self) -> pb.StatusResponse:
+        """The master's view of the cluster (segments, capacity, objects)."""
+        return self._master.call("Status", pb.StatusRequest())

@@ -1,0 +1,32 @@
+"""The client's configuration, in one place. `KVTIER_*` env vars fill what the caller did not set."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvtier.proto.keys import check_namespace
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    master: str
+    namespace: str = "default"
+    timeout: float = 5.0  # seconds for one call, master retries and transfers included
+    connections_per_segment: int = 4  # pooled data-plane sockets per segment endpoint
+    frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)
+    transport: str = ""  # force a scheme ("tcp"); default from KVTIER_TRANSPORT, else best available
+
+    def validate(self) -> ClientConfig:
+        check_namespace(self.namespace)
+        if not self.master:
+            raise ValueError("master address is required, e.g. 127.0.0.1:50051")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.connections_per_segment < 1:
+            raise ValueError("connections_per_segment must be at least 1")
+        return self
+
+    @staticmethod
+    def transport_override() -> str:
+        return os.environ.get("KVTIER_TRANSPORT", "").strip().lower()

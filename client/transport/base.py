@@ -1,0 +1,30 @@
+"""What a client-side transport (connector) provides.
+
+A connector moves bytes between caller memory and one segment server's
+region. It is created per segment endpoint, shared by threads, and bounds its
+own resources (sockets, mappings) by configuration. Every method returns one
+status per range (`Status.OK` = 0) and never raises for data-plane failures:
+a failed range is a failed key, the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+Buffer = memoryview  # a flat, byte-formatted view ("B", contiguous)
+
+
+class Connector(Protocol):
+    scheme: str
+
+    def write(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        """Copy each buffer into the region at its offset. OK only once the bytes are in place."""
+
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        """Fill each (writable) buffer from the region at its offset; its length is the range length."""
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+        """The bytes of each (offset, length) range, or a negative status."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,217 @@
+"""The `tcp` connector: the framed protocol over pooled blocking sockets.
+
+Payloads go out with scatter-gather `sendmsg` straight from the caller's
+buffers and come in with `recv_into` (MSG_WAITALL) straight into the caller's
+buffers, so no payload is copied in user space. Requests to one segment are
+pipelined: all frames of a batch are sent before the responses are read.
+
+Sockets are blocking with kernel send/receive timeouts (SO_SNDTIMEO,
+SO_RCVTIMEO), which keeps each transfer to a few syscalls. A socket that
+failed in any way is closed, never returned to the pool. At most
+`connections_per_segment` sockets exist per endpoint; further callers wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from kvtier.client.config import ClientConfig
+from kvtier.client.transport.base import Buffer
+from kvtier.proto import frames
+from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
+from kvtier.proto.frames import Op
+from kvtier.proto.status import Status, to_status
+from kvtier.proto.units import parse_hostport
+
+logger = logging.getLogger(__name__)
+
+_IOV_MAX = 1024
+_OK = 0
+_FAILED = int(Status.TRANSFER_FAILED)
+
+
+def send_all(sock: socket.socket, buffers: list) -> None:
+    """sendmsg every buffer, continuing after partial sends (the kernel may take part of an iovec)."""
+    index = 0
+    while index < len(buffers):
+        batch = buffers[index : index + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        for buf in batch:
+            size = len(buf)
+            if sent >= size:
+                sent -= size
+                index += 1
+            else:
+                buffers[index] = memoryview(buf)[sent:]
+                break
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ReadError("segment server closed the connection mid-frame")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = sock.recv(size, socket.MSG_WAITALL)  # one allocation, received in place
+    if len(data) == size:
+        return data
+    if not data:
+        raise ReadError("segment server closed the connection mid-frame")
+    buf = bytearray(size)
+    buf[: len(data)] = data
+    recv_exact_into(sock, memoryview(buf)[len(data) :])
+    return bytes(buf)
+
+
+class TcpConnector:
+    scheme = "tcp"
+
+    def __init__(self, endpoint: str, config: ClientConfig) -> None:
+        self.endpoint = endpoint
+        self._address = parse_hostport(endpoint.split("://", 1)[-1])
+        self._timeout = config.timeout
+        self._frame_bytes = config.frame_bytes
+        self._limit = config.connections_per_segment
+        self._idle: list[socket.socket] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._request_ids = iter(range(1, 1 << 62))
+        self._closed = False
+
+    # ------------------------------------------------------------- pool
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection(self._address, timeout=self._timeout)
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to segment {self.endpoint}: {exc}") from None
+        sock.settimeout(None)  # blocking; the kernel enforces the timeouts below
+        timeval = struct.pack("ll", int(self._timeout), int((self._timeout % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    @contextmanager
+    def _socket(self) -> Iterator[socket.socket]:
+        with self._cond:
+            while not self._idle and self._open >= self._limit:
+                if not self._cond.wait(self._timeout):
+                    raise ConnectError(f"no free connection to {self.endpoint} within {self._timeout}s")
+            sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                self._open += 1
+        if sock is None:
+            try:
+                sock = self._connect()
+            except BaseException:
+                with self._cond:
+                    self._open -= 1
+                    self._cond.notify()
+                raise
+        healthy = False
+        try:
+            yield sock
+            healthy = True
+        finally:
+            with self._cond:
+                if healthy and not self._closed:
+                    self._idle.append(sock)
+                else:
+                    self._open -= 1
+                    sock.close()
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for sock in self._idle:
+                sock.close()
+            self._open -= len(self._idle)
+            self._idle.clear()
+
+    # ------------------------------------------------------------- framing
+
+    def _frames(self, sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """Split ranges into frames: [start, end) index pairs within the payload and range limits."""
+        start, payload = 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and (payload + size > self._frame_bytes or i - start >= frames.MAX_RANGES_PER_FRAME):
+                yield start, i
+                start, payload = i, 0
+            payload += size
+        if start < len(sizes):
+            yield start, len(sizes)
+
+    def _read_response(self, sock: socket.socket, request_id: int, header: bytearray) -> tuple[int, int]:
+        recv_exact_into(sock, memoryview(header))
+        magic, version, _op, rid, status, _flags, payload_len = frames.RESPONSE.unpack(header)
+        if magic != frames.MAGIC or version != frames.VERSION or rid != request_id:
+            raise ProtocolError(f"bad response from {self.endpoint}: magic={magic:#x} request={rid}/{request_id}")
+        return status, payload_len
+
+    def _error_message(self, sock: socket.socket, payload_len: int) -> str:
+        if payload_len > frames.MAX_ERROR_MESSAGE:
+            raise ProtocolError(f"error message of {payload_len} bytes from {self.endpoint}")
+        return recv_exact(sock, payload_len).decode(errors="replace") if payload_len else ""
+
+    def _run(self, op: Op, ranges: Sequence[tuple[int, Buffer | int]], into: bool) -> list:
+        """Send every frame, then read every response; per-range results."""
+        sizes = [r[1] if isinstance(r[1], int) else len(r[1]) for r in ranges]
+        results: list = [_FAILED] * len(ranges)
+        try:
+            with self._socket() as sock:
+                sent = []
+                for start, end in self._frames(sizes):
+                    request_id = next(self._request_ids)
+                    table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
+                    payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
+                    buffers: list = [frames.pack_request(op, request_id, table, payload_len)]
+                    if op == Op.WRITE:
+                        buffers.extend(ranges[i][1] for i in range(start, end) if sizes[i])
+                    send_all(sock, buffers)
+                    sent.append((request_id, start, end))
+                header = bytearray(frames.RESPONSE.size)
+                for request_id, start, end in sent:
+                    status, payload_len = self._read_response(sock, request_id, header)
+                    if status != _OK:
+                        message = self._error_message(sock, payload_len)
+                        logger.warning("segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message)
+                        results[start:end] = [status] * (end - start)
+                        continue
+                    if op == Op.READ:
+                        expected = sum(sizes[start:end])
+                        if payload_len != expected:
+                            raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
+                        for i in range(start, end):
+                            if into:
+                                recv_exact_into(sock, ranges[i][1])  # type: ignore[arg-type]
+                                results[i] = _OK
+                            else:
+                                results[i] = recv_exact(sock, sizes[i]) if sizes[i] else b""
+                    else:
+                        results[start:end] = [_OK] * (end - start)
+        except (ConnectError, ReadError, ProtocolError) as exc:
+            logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc.message)
+        except OSError as exc:  # timeouts (EAGAIN), resets, broken pipes
+            logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc)
+        return results
+
+    # ------------------------------------------------------------- Connector API
+
+    def write(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        return self._run(Op.WRITE, ranges, into=False)
+
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        return self._run(Op.READ, ranges, into=True)
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+        return self._run(Op.READ, ranges, into=False)

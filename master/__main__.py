@@ -1,0 +1,33 @@
+"""`kvtier-master`: the metadata master."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from kvtier.master.config import parse_args
+from kvtier.master.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s level=%(levelname)s component=master logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        logging.getLogger(__name__).warning("uvloop not installed; using the default asyncio loop")
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Offset allocator for one segment's DRAM region.
+
+Segregated fit: free extents are kept in power-of-two size bins (bin i holds
+extents of size [2**i, 2**(i+1))) with a bitmask of non-empty bins, so an
+allocation looks at most at a few extents of its own bin and then takes any
+extent of the next non-empty larger bin, which always fits. Freed extents
+coalesce with free neighbours on both sides through start- and end-indexed
+maps, so after every allocation is freed the region is one extent again.
+
+All sizes are rounded up to `alignment`. Not thread-safe: the master's state
+owns one allocator per segment and mutates it from its event loop only.
+"""
+
+from __future__ import annotations
+
+_MAX_BINS = 64
+_SCAN_OWN_BIN = 8  # extents of the request's own bin inspected before going up a bin
+
+
+class OffsetAllocator:
+    def __init__(self, capacity: int, alignment: int = 64) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, not {alignment}")
+        self.alignment = alignment
+        self.capacity = capacity - capacity % alignment
+        self.used = 0
+        self._free_by_start: dict[int, int] = {}  # start -> size
+        self._free_by_end: dict[int, int] = {}  # end -> start
+        self._bins: list[dict[int, int]] = [{} for _ in range(_MAX_BINS)]  # per bin: start -> size
+        self._nonempty = 0  # bit i set when bin i has an extent
+        if self.capacity:
+            self._insert(0, self.capacity)
+
+    def aligned(self, size: int) -> int:
+        return -(-size // self.alignment) * self.alignment
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._free_by_start)
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of a new range of `size` bytes (> 0), or None when no extent fits."""
+        if size <= 0:
+            raise ValueError("allocation size must be positive")
+        size = self.aligned(size)
+        if size > self.free:
+            return None
+        own = size.bit_length() - 1
+        bucket = self._bins[own]
+        if bucket:
+            for scanned, (start, extent) in enumerate(bucket.items()):
+                if extent >= size:
+                    return self._take(start, extent, size)
+                if scanned >= _SCAN_OWN_BIN:
+                    break
+        larger = self._nonempty >> (own + 1)
+        if not larger:
+            return None
+        index = own + 1 + ((larger & -larger).bit_length() - 1)
+        start, extent = next(iter(self._bins[index].items()))
+        return self._take(start, extent, size)
+
+    def release(self, offset: int, size: int) -> None:
+        """Return a range obtained from `allocate(size)`; merges with free neighbours."""
+        size = self.aligned(size)
+        if offset < 0 or offset + size > self.capacity or offset in self._free_by_start:
+            raise ValueError(f"release of a range that is not allocated: offset={offset} size={size}")
+        self.used -= size
+        end = offset + size
+        after = self._free_by_start.get(end)
+        if after is not None:
+            self._remove(end, after)
+            end += after
+        before_start = self._free_by_end.get(offset)
+        if before_start is not None:
+            self._remove(before_start, offset - before_start)
+            offset = before_start
+        self._insert(offset, end - offset)
+
+    def _take(self, start: int, extent: int, size: int) -> int:
+        self._remove(start, extent)
+        if extent > size:
+            self._insert(start + size, extent - size)
+        self.used += size
+        return start
+
+    def _insert(self, start: int, size: int) -> None:
+        self._free_by_start[start] = size
+        self._free_by_end[start + size] = start
+        index = size.bit_length() - 1
+        self._bins[index][start] = size
+        self._nonempty |= 1 << index
+
+    def _remove(self, start: int, size: int) -> None:
+        del self._free_by_start[start]
+        del self._free_by_end[start + size]
+        index = size.bit_length() - 1
+        bucket = self._bins[index]
+        del bucket[start]
+        if not bucket:
+            self._nonempty &= ~(1 << index)

@@ -1,0 +1,67 @@
+"""The master's configuration: one dataclass of defaults, validated once at start.
+
+Loaded by the entry point from flags and `KVTIER_MASTER_*` environment variables
+(flags win); nothing deeper in the master reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from kvtier.proto.units import parse_hostport
+
+
+@dataclass(frozen=True, slots=True)
+class MasterConfig:
+    listen: str = "127.0.0.1:50051"  # gRPC address; binds exactly this address
+    cluster_id: str = "default"  # segments of another cluster are refused
+    segment_ttl_s: float = 10.0  # a segment silent this long is unmounted, its replicas dropped
+    heartbeat_interval_s: float = 1.0  # told to segments at mount
+    lease_s: float = 10.0  # read lease granted by GetReplicas
+    put_timeout_s: float = 30.0  # a PutStart without PutEnd this long is reclaimed
+    max_batch_keys: int = 100_000  # keys per request; more is BATCH_TOO_LARGE
+    alignment: int = 64  # allocation granularity inside a region, bytes
+    tick_interval_s: float = 0.2  # how often expiry and reclaim run
+    ready_file: str = ""  # if set, JSON with the bound address is written here once serving
+    log_level: str = "INFO"
+
+    def validate(self) -> MasterConfig:
+        parse_hostport(self.listen)
+        for name in ("segment_ttl_s", "heartbeat_interval_s", "lease_s", "put_timeout_s", "tick_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_interval_s * 2 > self.segment_ttl_s:
+            raise ValueError(
+                f"segment_ttl_s ({self.segment_ttl_s}) must be at least twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        if self.max_batch_keys < 1:
+            raise ValueError("max_batch_keys must be at least 1")
+        if self.alignment < 1 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {self.alignment}")
+        if not self.cluster_id or "/" in self.cluster_id or len(self.cluster_id) > 64:
+            raise ValueError("cluster_id must be 1-64 characters without '/'")
+        return self
+
+
+def parse_args(argv: list[str] | None = None) -> MasterConfig:
+    """Build the config from defaults, `KVTIER_MASTER_<FIELD>` env vars, then flags."""
+    defaults = MasterConfig()
+    parser = argparse.ArgumentParser(prog="kvtier-master", description="kvtier metadata master (gRPC).")
+    for f in fields(MasterConfig):
+        env = os.environ.get(f"KVTIER_MASTER_{f.name.upper()}")
+        value = getattr(defaults, f.name)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(value),
+            default=type(value)(env) if env is not None else value,
+            help=f"(default: {value!r})",
+        )
+    opts = parser.parse_args(argv)
+    try:
+        return MasterConfig(**vars(opts)).validate()
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2 and a one-line message
+        raise  # unreachable

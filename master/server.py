@@ -1,0 +1,71 @@
+"""Runs the master: a grpc.aio server on uvloop plus the periodic tick task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import uuid
+
+import grpc
+from kvtier.master.config import MasterConfig
+from kvtier.master.servicer import MasterServicer
+from kvtier.master.state import MasterState
+from kvtier.proto import master_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Batches of 10,000+ keys of up to 1 KiB exceed gRPC's 4 MiB default.
+GRPC_MESSAGE_LIMIT = 256 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+    ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+    ("grpc.so_reuseport", 0),  # a second master on the same port must fail, not share it
+]
+
+
+def write_ready_file(path: str, info: dict) -> None:
+    """Atomically publish readiness (tests and `kvtier up` poll for this file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
+    state = MasterState(config)
+    epoch = uuid.uuid4().hex[:16]
+    servicer = MasterServicer(state, epoch)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise SystemExit(f"kvtier-master: cannot bind {config.listen}")
+    host = config.listen.rpartition(":")[0]
+    address = f"{host}:{port}"
+    await server.start()
+    logger.info("master serving address=%s cluster_id=%s epoch=%s", address, config.cluster_id, epoch)
+    print(f"kvtier-master listening on {address} (cluster {config.cluster_id})", flush=True)
+    if config.ready_file:
+        write_ready_file(config.ready_file, {"address": address, "epoch": epoch, "pid": os.getpid()})
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(config.tick_interval_s)
+            try:
+                state.tick()
+            except Exception:  # a bug here must not stop expiry forever
+                logger.exception("tick failed")
+
+    tick_task = asyncio.create_task(ticker())
+    await stop.wait()
+    logger.info("master stopping")
+    tick_task.cancel()
+    await server.stop(grace=1.0)

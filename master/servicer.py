@@ -1,0 +1,218 @@
+"""gRPC plumbing for the master: parse requests, call `MasterState`, build responses.
+
+Every handler goes through `_rpc`, which counts requests and failures, times
+the call, logs slow or failing ones and turns an unexpected exception into an
+INTERNAL response instead of a crashed stream. Handlers contain no logic of
+their own beyond request validation that needs the wire form.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from kvtier.master.state import MasterState
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto import master_pb2_grpc
+from kvtier.proto.errors import InvalidKeyError
+from kvtier.proto.keys import check_namespace
+from kvtier.proto.status import Status
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _rpc(response_type: type) -> Callable[[Handler], Handler]:
+    def decorate(handler: Handler) -> Handler:
+        name = handler.__name__
+
+        @functools.wraps(handler)
+        async def wrapper(self: MasterServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            self.requests[name] += 1
+            try:
+                return await handler(self, request, context)
+            except InvalidKeyError as exc:
+                self.failures[name] += 1
+                return response_type(status=Status.INVALID_KEY, error=exc.message)
+            except Exception:
+                self.failures[name] += 1
+                logger.exception("rpc failed method=%s", name)
+                return response_type(status=Status.INTERNAL, error=f"internal error in {name}")
+            finally:
+                elapsed = time.perf_counter() - started
+                if elapsed > 0.5:
+                    logger.warning("slow rpc method=%s seconds=%.3f", name, elapsed)
+
+        return wrapper
+
+    return decorate
+
+
+class MasterServicer(master_pb2_grpc.MasterServicer):
+    def __init__(self, state: MasterState, epoch: str) -> None:
+        self.state = state
+        self.epoch = epoch
+        self.requests: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+
+    def _too_many(self, keys: Iterable[str], response_type: type) -> Any | None:
+        count = len(keys)  # type: ignore[arg-type]
+        limit = self.state.config.max_batch_keys
+        if count > limit:
+            return response_type(status=Status.BATCH_TOO_LARGE, error=f"{count} keys in one request; the limit is {limit}")
+        return None
+
+    def _endpoints(self, segment_ids: Iterable[int]) -> list[pb.SegmentEndpoint]:
+        out = []
+        for segment_id in set(segment_ids):
+            segment = self.state.segments.get(segment_id)
+            if segment is not None:
+                out.append(
+                    pb.SegmentEndpoint(
+                        segment_id=segment_id, name=segment.name, host_id=segment.host_id, endpoints=segment.endpoints
+                    )
+                )
+        return out
+
+    # -------------------------------------------------------------- segments
+
+    @_rpc(pb.MountSegmentResponse)
+    async def MountSegment(self, request, context):
+        result = self.state.mount_segment(
+            request.cluster_id, request.name, request.host_id, list(request.endpoints), request.dram_capacity
+        )
+        if result.segment is None:
+            return pb.MountSegmentResponse(status=result.status, error=result.error)
+        config = self.state.config
+        return pb.MountSegmentResponse(
+            status=Status.OK,
+            segment_id=result.segment.segment_id,
+            heartbeat_interval_ms=int(config.heartbeat_interval_s * 1000),
+            ttl_ms=int(config.segment_ttl_s * 1000),
+            master_epoch=self.epoch,
+        )
+
+    @_rpc(pb.UnmountSegmentResponse)
+    async def UnmountSegment(self, request, context):
+        return pb.UnmountSegmentResponse(status=self.state.unmount_segment(request.segment_id))
+
+    @_rpc(pb.HeartbeatResponse)
+    async def Heartbeat(self, request, context):
+        return pb.HeartbeatResponse(status=self.state.heartbeat(request.segment_id), master_epoch=self.epoch)
+
+    # -------------------------------------------------------------- objects
+
+    @_rpc(pb.PutStartResponse)
+    async def PutStart(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.PutStartResponse):
+            return rejected
+        if len(request.sizes) != len(request.keys):
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="keys and sizes differ in length")
+        if request.replicas < 1:
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="replicas must be at least 1")
+        result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas)
+        return pb.PutStartResponse(
+            status=Status.OK,
+            error=result.first_error,
+            statuses=result.statuses,
+            replica_counts=result.replica_counts,
+            replica_segments=result.replica_segments,
+            replica_offsets=result.replica_offsets,
+            segments=self._endpoints(result.replica_segments),
+            put_id=result.put_id,
+        )
+
+    @_rpc(pb.KeyStatusResponse)
+    async def PutEnd(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        if len(request.checksums) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="keys and checksums differ in length")
+        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @_rpc(pb.KeyStatusResponse)
+    async def PutRevoke(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        statuses = self.state.put_revoke(namespace, request.keys, request.put_id)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @_rpc(pb.GetReplicasResponse)
+    async def GetReplicas(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
+            return rejected
+        r = self.state.get_replicas(namespace, request.keys)
+        return pb.GetReplicasResponse(
+            status=Status.OK,
+            statuses=r.statuses,
+            sizes=r.sizes,
+            checksums=r.checksums,
+            replica_counts=r.replica_counts,
+            replica_segments=r.replica_segments,
+            replica_offsets=r.replica_offsets,
+            replica_tiers=r.replica_tiers,
+            segments=self._endpoints(r.replica_segments),
+            lease_ms=r.lease_ms,
+        )
+
+    @_rpc(pb.ExistsResponse)
+    async def Exists(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.ExistsResponse):
+            return rejected
+        found, prefix = self.state.exists(namespace, request.keys)
+        return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)
+
+    @_rpc(pb.RemoveResponse)
+    async def Remove(self, request, context):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.RemoveResponse):
+            return rejected
+        statuses = self.state.remove(namespace, request.keys)
+        return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
+
+    @_rpc(pb.RemoveResponse)
+    async def RemovePrefix(self, request, context):
+        namespace = check_namespace(request.namespace)
+        return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
+
+    @_rpc(pb.StatusResponse)
+    async def Status(self, request, context):
+        snap = self.state.snapshot()
+        now = self.state.clock()
+        segments = [
+            pb.SegmentInfo(
+                segment_id=s.segment_id,
+                name=s.name,
+                host_id=s.host_id,
+                endpoints=s.endpoints,
+                dram_capacity=s.capacity,
+                dram_used=s.used,
+                objects=s.objects,
+                heartbeat_age_ms=int((now - s.last_heartbeat) * 1000),
+                state=s.state.name,
+            )
+            for s in snap.segments
+        ]
+        return pb.StatusResponse(
+            cluster_id=self.state.config.cluster_id,
+            master_epoch=self.epoch,
+            objects=snap.objects,
+            pending_puts=snap.pending_puts,
+            capacity=sum(s.capacity for s in snap.segments),
+            used=sum(s.used for s in snap.segments),
+            segments=segments,
+            uptime_s=now - self.state.started_at,
+        )

@@ -1,0 +1,463 @@
+"""The master's tables: segments, objects, their replicas and read leases.
+
+Plain Python, no gRPC: the servicer parses requests, calls these methods and
+maps the results to responses. Time comes from an injected `clock` so the
+unit tests drive expiry without sleeping.
+
+Concurrency: one owner. Every method is called from the master's event loop
+thread; none blocks or awaits, so each call is atomic with respect to others.
+
+Object lifecycle (per namespace and key):
+
+    (absent) --put_start--> PENDING --put_end--> COMPLETE --remove/segment loss--> (absent)
+                               |
+                               +--put_revoke / put timeout / segment loss--> (absent)
+
+Only COMPLETE objects are visible to `get_replicas` and `exists`. Ranges of a
+removed object whose read lease is still running are freed when it ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.master.allocator import OffsetAllocator
+from kvtier.master.config import MasterConfig
+from kvtier.proto.status import Status
+
+logger = logging.getLogger(__name__)
+
+TIER_DRAM = 0
+TIER_SSD = 1
+
+_OK = int(Status.OK)
+
+
+class ObjectState(enum.Enum):
+    PENDING = 1  # ranges allocated by PutStart, bytes in flight: invisible to readers
+    COMPLETE = 2  # PutEnd received: all bytes are in place, readable
+
+
+class SegmentState(enum.Enum):
+    ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    segment_id: int
+    offset: int
+    tier: int = TIER_DRAM
+
+
+@dataclass(slots=True, eq=False)
+class ObjectRecord:
+    size: int
+    replicas: list[Replica]
+    state: ObjectState
+    put_id: int
+    started_at: float
+    checksum: int = 0
+    lease_until: float = 0.0
+    last_access: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class SegmentRecord:
+    segment_id: int
+    name: str
+    host_id: str
+    endpoints: tuple[str, ...]
+    allocator: OffsetAllocator
+    last_heartbeat: float
+    mounted_at: float
+    state: SegmentState = SegmentState.ACTIVE
+    objects: int = 0  # replicas (pending or complete) held by this segment
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+
+@dataclass(slots=True)
+class PutStartResult:
+    put_id: int
+    statuses: list[int]
+    replica_counts: list[int]
+    replica_segments: list[int]
+    replica_offsets: list[int]
+    first_error: str = ""
+
+
+@dataclass(slots=True)
+class GetResult:
+    statuses: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    replica_counts: list[int]
+    replica_segments: list[int]
+    replica_offsets: list[int]
+    replica_tiers: list[int]
+    lease_ms: int
+
+
+@dataclass(slots=True)
+class MountResult:
+    status: Status
+    segment: SegmentRecord | None = None
+    error: str = ""
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    objects: int
+    pending_puts: int
+    segments: list[SegmentRecord] = field(default_factory=list)
+
+
+def master_key_problem(key: str) -> bool:
+    """True when a key received by the master is invalid (see kvtier.proto.keys).
+
+    protobuf already guarantees valid UTF-8; a key of <= 256 characters is at
+    most 1024 bytes, so only longer ones pay for an encode.
+    """
+    return not key or "\x00" in key or (len(key) > 256 and len(key.encode()) > 1024)
+
+
+class MasterState:
+    """Segments, objects and leases of one cluster. See the module docstring."""
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.started_at = clock()
+        self.segments: dict[int, SegmentRecord] = {}
+        self._segments_by_name: dict[str, int] = {}
+        self._namespaces: dict[str, dict[str, ObjectRecord]] = {}
+        # Pending puts in start order, for reclaim: (namespace, key) -> record.
+        self._pending: dict[tuple[str, str], ObjectRecord] = {}
+        # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
+        self._deferred: list[tuple[float, int, int, int, int]] = []
+        self._segment_ids = itertools.count(1)
+        self._put_ids = itertools.count(1)
+        self._seq = itertools.count()
+        self.object_count = 0
+
+    # ------------------------------------------------------------------ segments
+
+    def mount_segment(
+        self, cluster_id: str, name: str, host_id: str, endpoints: Sequence[str], capacity: int
+    ) -> MountResult:
+        """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT or OK.
+
+        A name that is already mounted is replaced: its old replicas are dropped
+        (the previous process under that name is gone; the region file lock on
+        the segment's host guarantees one live owner per name).
+        """
+        if cluster_id != self.config.cluster_id:
+            return MountResult(
+                Status.CLUSTER_MISMATCH, error=f"segment is in cluster {cluster_id!r}, master in {self.config.cluster_id!r}"
+            )
+        if not name or not endpoints or capacity < self.config.alignment:
+            return MountResult(Status.INVALID_ARGUMENT, error="a segment needs a name, an endpoint and capacity")
+        old = self._segments_by_name.get(name)
+        if old is not None:
+            logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
+            self._drop_segment(old, reason="remounted")
+        now = self.clock()
+        segment = SegmentRecord(
+            segment_id=next(self._segment_ids),
+            name=name,
+            host_id=host_id,
+            endpoints=tuple(endpoints),
+            allocator=OffsetAllocator(capacity, self.config.alignment),
+            last_heartbeat=now,
+            mounted_at=now,
+        )
+        self.segments[segment.segment_id] = segment
+        self._segments_by_name[name] = segment.segment_id
+        logger.info("segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints)
+        return MountResult(Status.OK, segment)
+
+    def unmount_segment(self, segment_id: int) -> Status:
+        """Remove a segment and every replica on it. SEGMENT_NOT_FOUND or OK."""
+        if segment_id not in self.segments:
+            return Status.SEGMENT_NOT_FOUND
+        self._drop_segment(segment_id, reason="unmounted")
+        return Status.OK
+
+    def heartbeat(self, segment_id: int) -> Status:
+        """Keep a segment alive. SEGMENT_NOT_FOUND tells it to mount again."""
+        segment = self.segments.get(segment_id)
+        if segment is None:
+            return Status.SEGMENT_NOT_FOUND
+        segment.last_heartbeat = self.clock()
+        return Status.OK
+
+    def _drop_segment(self, segment_id: int, reason: str) -> None:
+        segment = self.segments.pop(segment_id)
+        if self._segments_by_name.get(segment.name) == segment_id:
+            del self._segments_by_name[segment.name]
+        lost = 0
+        for namespace, objects in self._namespaces.items():
+            doomed = []
+            for key, record in objects.items():
+                if not any(r.segment_id == segment_id for r in record.replicas):
+                    continue
+                record.replicas = [r for r in record.replicas if r.segment_id != segment_id]
+                if not record.replicas or record.state is ObjectState.PENDING:
+                    doomed.append(key)
+            for key in doomed:
+                self._delete(namespace, key, objects.pop(key))
+                lost += 1
+        self._deferred = [d for d in self._deferred if d[2] != segment_id]
+        heapq.heapify(self._deferred)
+        logger.warning("segment dropped id=%d name=%s reason=%s objects_lost=%d", segment_id, segment.name, reason, lost)
+
+    # ------------------------------------------------------------------ writes
+
+    def put_start(self, namespace: str, keys: Sequence[str], sizes: Sequence[int], replicas: int) -> PutStartResult:
+        """Allocate `replicas` ranges on distinct segments for each key.
+
+        Per key: OK with ranges to write; OK with zero ranges when the key is
+        already complete (idempotent put); PUT_IN_PROGRESS when another put of
+        the key is pending; INVALID_KEY; TOO_LARGE when no segment could ever
+        hold it; NO_REPLICA when fewer segments are mounted than replicas asked;
+        NO_SPACE when the segments are too full now.
+        """
+        now = self.clock()
+        put_id = next(self._put_ids)
+        result = PutStartResult(put_id, [], [], [], [])
+        objects = self._namespaces.setdefault(namespace, {})
+        active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
+        largest = max((s.capacity for s in active), default=0)
+        statuses, counts = result.statuses, result.replica_counts
+        for key, size in zip(keys, sizes, strict=True):
+            status = _OK
+            if master_key_problem(key):
+                status = Status.INVALID_KEY
+            else:
+                existing = objects.get(key)
+                if existing is not None:
+                    if existing.state is ObjectState.COMPLETE:
+                        statuses.append(_OK)
+                        counts.append(0)
+                        continue
+                    if now - existing.started_at < self.config.put_timeout_s:
+                        status = Status.PUT_IN_PROGRESS
+                    else:  # abandoned: reclaim inline so the new writer can proceed
+                        self._delete(namespace, key, objects.pop(key))
+            if status == _OK:
+                if replicas > len(active):
+                    status = Status.NO_REPLICA
+                elif size > largest:
+                    status = Status.TOO_LARGE
+            if status == _OK:
+                placed = self._place(active, size, replicas)
+                if placed is None:
+                    status = Status.NO_SPACE
+                else:
+                    record = ObjectRecord(size, placed, ObjectState.PENDING, put_id, now)
+                    objects[key] = record
+                    self._pending[(namespace, key)] = record
+                    self.object_count += 1
+                    for replica in placed:
+                        result.replica_segments.append(replica.segment_id)
+                        result.replica_offsets.append(replica.offset)
+                    statuses.append(_OK)
+                    counts.append(len(placed))
+                    continue
+            statuses.append(int(status))
+            counts.append(0)
+            if not result.first_error:
+                result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
+        return result
+
+    def _place(self, active: list[SegmentRecord], size: int, replicas: int) -> list[Replica] | None:
+        """Ranges on `replicas` distinct segments, the freest first; None if they do not fit."""
+        placed: list[Replica] = []
+        candidates = sorted(active, key=lambda s: s.allocator.free, reverse=True)
+        for segment in candidates:
+            if len(placed) == replicas:
+                break
+            if size == 0:  # nothing to store, but the object still lives on a segment
+                offset: int | None = 0
+            else:
+                offset = segment.allocator.allocate(size)
+            if offset is not None:
+                placed.append(Replica(segment.segment_id, offset))
+                segment.objects += 1
+        if len(placed) < replicas:
+            self._release_replicas(placed, size)
+            return None
+        return placed
+
+    def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
+        """Make pending objects of put `put_id` visible with their checksums.
+
+        Per key: OK (also when already complete with the same checksum: a retried
+        PutEnd is harmless); NOT_PENDING when there is no pending put of this
+        key under `put_id` (reclaimed, revoked, or another writer's).
+        """
+        objects = self._namespaces.get(namespace, {})
+        out = []
+        for key, checksum in zip(keys, checksums, strict=True):
+            record = objects.get(key)
+            if record is None or record.put_id != put_id:
+                out.append(int(Status.NOT_PENDING))
+            elif record.state is ObjectState.COMPLETE:
+                out.append(_OK if record.checksum == checksum else int(Status.NOT_PENDING))
+            else:
+                record.state = ObjectState.COMPLETE
+                record.checksum = checksum
+                record.last_access = self.clock()
+                del self._pending[(namespace, key)]
+                out.append(_OK)
+        return out
+
+    def put_revoke(self, namespace: str, keys: Sequence[str], put_id: int) -> list[int]:
+        """Undo pending puts of `put_id`, freeing their ranges. OK or NOT_PENDING per key."""
+        objects = self._namespaces.get(namespace, {})
+        out = []
+        for key in keys:
+            record = objects.get(key)
+            if record is None or record.put_id != put_id or record.state is not ObjectState.PENDING:
+                out.append(int(Status.NOT_PENDING))
+                continue
+            self._delete(namespace, key, objects.pop(key))
+            out.append(_OK)
+        return out
+
+    # ------------------------------------------------------------------ reads
+
+    def get_replicas(self, namespace: str, keys: Sequence[str]) -> GetResult:
+        """Placements of complete objects and a read lease on them.
+
+        Per key OK or NOT_FOUND (absent or still pending) or INVALID_KEY. The
+        lease keeps the returned ranges from being freed or reused until it ends.
+        """
+        now = self.clock()
+        lease_until = now + self.config.lease_s
+        objects = self._namespaces.get(namespace, {})
+        result = GetResult([], [], [], [], [], [], [], int(self.config.lease_s * 1000))
+        not_found = int(Status.NOT_FOUND)
+        for key in keys:
+            record = objects.get(key)
+            if record is None or record.state is not ObjectState.COMPLETE:
+                result.statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
+                result.sizes.append(0)
+                result.checksums.append(0)
+                result.replica_counts.append(0)
+                continue
+            if record.lease_until < lease_until:
+                record.lease_until = lease_until
+            record.last_access = now
+            result.statuses.append(_OK)
+            result.sizes.append(record.size)
+            result.checksums.append(record.checksum)
+            result.replica_counts.append(len(record.replicas))
+            for replica in record.replicas:
+                result.replica_segments.append(replica.segment_id)
+                result.replica_offsets.append(replica.offset)
+                result.replica_tiers.append(replica.tier)
+        return result
+
+    def exists(self, namespace: str, keys: Sequence[str]) -> tuple[list[bool], int]:
+        """Whether each key is complete, and how many leading keys are. Grants no lease."""
+        objects = self._namespaces.get(namespace, {})
+        complete = ObjectState.COMPLETE
+        found = []
+        for key in keys:
+            record = objects.get(key)
+            found.append(record is not None and record.state is complete)
+        prefix = found.index(False) if False in found else len(found)
+        return found, prefix
+
+    # ------------------------------------------------------------------ removal
+
+    def remove(self, namespace: str, keys: Sequence[str]) -> list[int]:
+        """Remove complete objects. OK, NOT_FOUND, or PUT_IN_PROGRESS per key."""
+        objects = self._namespaces.get(namespace, {})
+        out = []
+        for key in keys:
+            record = objects.get(key)
+            if record is None:
+                out.append(int(Status.NOT_FOUND))
+            elif record.state is ObjectState.PENDING:
+                out.append(int(Status.PUT_IN_PROGRESS))
+            else:
+                self._delete(namespace, key, objects.pop(key))
+                out.append(_OK)
+        return out
+
+    def remove_prefix(self, namespace: str, prefix: str) -> int:
+        """Remove every complete object of `namespace` whose key starts with `prefix`."""
+        objects = self._namespaces.get(namespace, {})
+        doomed = [k for k, r in objects.items() if k.startswith(prefix) and r.state is ObjectState.COMPLETE]
+        for key in doomed:
+            self._delete(namespace, key, objects.pop(key))
+        return len(doomed)
+
+    def _delete(self, namespace: str, key: str, record: ObjectRecord) -> None:
+        """Forget a record already popped from its namespace; free or defer its ranges."""
+        self.object_count -= 1
+        if record.state is ObjectState.PENDING:
+            self._pending.pop((namespace, key), None)
+        now = self.clock()
+        if record.lease_until > now:
+            for replica in record.replicas:
+                segment = self.segments.get(replica.segment_id)
+                if segment is not None:
+                    segment.objects -= 1
+                    if record.size:
+                        heapq.heappush(
+                            self._deferred,
+                            (record.lease_until, next(self._seq), replica.segment_id, replica.offset, record.size),
+                        )
+        else:
+            self._release_replicas(record.replicas, record.size)
+
+    def _release_replicas(self, replicas: Iterable[Replica], size: int) -> None:
+        for replica in replicas:
+            segment = self.segments.get(replica.segment_id)
+            if segment is None:
+                continue
+            segment.objects -= 1
+            if size:
+                segment.allocator.release(replica.offset, size)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self) -> None:
+        """Expire silent segments, reclaim abandoned puts, free ranges whose lease ended."""
+        now = self.clock()
+        ttl = self.config.segment_ttl_s
+        for segment_id in [s.segment_id for s in self.segments.values() if now - s.last_heartbeat > ttl]:
+            self._drop_segment(segment_id, reason="heartbeat ttl expired")
+        timeout = self.config.put_timeout_s
+        while self._pending:
+            (namespace, key), record = next(iter(self._pending.items()))
+            if now - record.started_at < timeout:
+                break  # insertion order is start order: the rest are younger
+            logger.info("reclaiming abandoned put namespace=%s key=%.80s put_id=%d", namespace, key, record.put_id)
+            del self._namespaces[namespace][key]
+            self._delete(namespace, key, record)
+        while self._deferred and self._deferred[0][0] <= now:
+            _, _, segment_id, offset, size = heapq.heappop(self._deferred)
+            segment = self.segments.get(segment_id)
+            if segment is not None:
+                segment.allocator.release(offset, size)
+
+    # ------------------------------------------------------------------ views
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))

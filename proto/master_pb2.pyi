@@ -1,0 +1,268 @@
+from kvtier.proto import status_pb2 as _status_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAM: _ClassVar[Tier]
+    SSD: _ClassVar[Tier]
+DRAM: Tier
+SSD: Tier
+
+class SegmentEndpoint(_message.Message):
+    __slots__ = ("segment_id", "name", "host_id", "endpoints")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    name: str
+    host_id: str
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MountSegmentRequest(_message.Message):
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    name: str
+    host_id: str
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    dram_capacity: int
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ...) -> None: ...
+
+class MountSegmentResponse(_message.Message):
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    segment_id: int
+    heartbeat_interval_ms: int
+    ttl_ms: int
+    master_epoch: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    def __init__(self, segment_id: _Optional[int] = ...) -> None: ...
+
+class UnmountSegmentResponse(_message.Message):
+    __slots__ = ("status", "error")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    def __init__(self, segment_id: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("status", "master_epoch", "error")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    master_epoch: str
+    error: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "sizes", "replicas")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    replicas: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class PutStartResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    replica_counts: _containers.RepeatedScalarFieldContainer[int]
+    replica_segments: _containers.RepeatedScalarFieldContainer[int]
+    replica_offsets: _containers.RepeatedScalarFieldContainer[int]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
+    put_id: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "checksums", "put_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    put_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ...) -> None: ...
+
+class PutRevokeRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "put_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    put_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyStatusResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ...) -> None: ...
+
+class GetReplicasResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TIERS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    replica_counts: _containers.RepeatedScalarFieldContainer[int]
+    replica_segments: _containers.RepeatedScalarFieldContainer[int]
+    replica_offsets: _containers.RepeatedScalarFieldContainer[int]
+    replica_tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
+    lease_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("status", "error", "exists", "prefix_count")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    prefix_count: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., exists: _Optional[_Iterable[bool]] = ..., prefix_count: _Optional[int] = ...) -> None: ...
+
+class RemovePrefixRequest(_message.Message):
+    __slots__ = ("namespace", "prefix")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prefix: str
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses", "removed")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    removed: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., removed: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentInfo(_message.Message):
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DRAM_USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    name: str
+    host_id: str
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    dram_capacity: int
+    dram_used: int
+    objects: int
+    heartbeat_age_ms: int
+    state: str
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    master_epoch: str
+    objects: int
+    pending_puts: int
+    capacity: int
+    used: int
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
+    uptime_s: float
+    status: _status_pb2.Status
+    error: str
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...

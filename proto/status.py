@@ -1,0 +1,57 @@
+"""`Status`: the one error enum of kvtier, as a Python IntEnum.
+
+Built from `status.proto` (the single definition; its comments document each
+member), so servers, clients and the wire always agree. `OK` is 0; errors are
+negative, grouped in ranges by domain. `GRPC_CODE` maps each status to the gRPC
+status code used when a whole RPC fails with it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+from kvtier.proto import status_pb2
+
+Status = enum.IntEnum(  # type: ignore[misc]
+    "Status",
+    {v.name: v.number for v in status_pb2.DESCRIPTOR.enum_types_by_name["Status"].values},
+    module=__name__,
+)
+Status.__doc__ = "kvtier result codes: OK = 0, errors negative (see proto/status.proto)."
+
+_GRPC_BY_NAME = {
+    "OK": grpc.StatusCode.OK,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "CANCELLED": grpc.StatusCode.CANCELLED,
+    "BATCH_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "INVALID_KEY": grpc.StatusCode.INVALID_ARGUMENT,
+    "PUT_IN_PROGRESS": grpc.StatusCode.ABORTED,
+    "CHECKSUM_MISMATCH": grpc.StatusCode.DATA_LOSS,
+    "TOO_LARGE": grpc.StatusCode.OUT_OF_RANGE,
+    "BUFFER_TOO_SMALL": grpc.StatusCode.OUT_OF_RANGE,
+    "NOT_PENDING": grpc.StatusCode.FAILED_PRECONDITION,
+    "NO_SPACE": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "QUOTA_EXCEEDED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "SEGMENT_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "INVALID_RANGE": grpc.StatusCode.OUT_OF_RANGE,
+    "CLUSTER_MISMATCH": grpc.StatusCode.FAILED_PRECONDITION,
+    "PROTOCOL_ERROR": grpc.StatusCode.INVALID_ARGUMENT,
+    "TRANSFER_FAILED": grpc.StatusCode.UNAVAILABLE,
+    "NO_REPLICA": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "LEASE_EXPIRED": grpc.StatusCode.ABORTED,
+}
+
+GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}
+
+
+def to_status(value: int) -> Status:
+    """Map a wire value to `Status`; unknown values (a newer peer) become INTERNAL."""
+    try:
+        return Status(value)
+    except ValueError:
+        return Status.INTERNAL

@@ -1,0 +1,44 @@
+"""Human sizes and durations for flags and config: `512MiB`, `4GiB`, `1.5GB`, `4096`."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size; raise ValueError with a readable message when malformed."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use bytes or a unit like 512MiB, 4GiB, 1GB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Render bytes with a binary unit, e.g. 1.5 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_hostport(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """Parse `HOST:PORT` (or `[v6]:PORT`, or `:PORT`); raise ValueError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"invalid address {text!r}: expected HOST:PORT")
+    host = host.strip("[]") or default_host
+    return host, int(port)

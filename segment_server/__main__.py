@@ -1,0 +1,36 @@
+"""`kvtier-segment`: a segment server owning a DRAM region."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from kvtier.segment_server.config import parse_args
+from kvtier.segment_server.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s level=%(levelname)s component=segment logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        logging.getLogger(__name__).warning("uvloop not installed; using the default asyncio loop")
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(serve(config))
+    except (FileExistsError, OSError) as exc:
+        print(f"kvtier-segment: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The segment server's configuration: one dataclass of defaults, validated once at start.
+
+Loaded by the entry point from flags and `KVTIER_SEGMENT_*` environment
+variables (flags win); nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass, fields
+
+from kvtier.proto.units import parse_hostport, parse_size
+
+MIN_DRAM = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentConfig:
+    master: str = "127.0.0.1:50051"  # master gRPC address
+    listen: str = "127.0.0.1:0"  # data-plane TCP address; binds exactly this address (port 0: any free port)
+    dram: str = "1GiB"  # DRAM region size
+    name: str = ""  # stable segment name; default: <hostname>-<random>
+    cluster_id: str = "default"
+    shm_dir: str = "/dev/shm"  # where region files live
+    ready_file: str = ""  # if set, JSON with endpoints is written here once mounted
+    log_level: str = "INFO"
+
+    @property
+    def dram_bytes(self) -> int:
+        return parse_size(self.dram)
+
+    def validate(self) -> SegmentConfig:
+        parse_hostport(self.master)
+        parse_hostport(self.listen)
+        if self.dram_bytes < MIN_DRAM:
+            raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")
+        if not self.cluster_id or "/" in self.cluster_id or len(self.cluster_id) > 64:
+            raise ValueError("cluster_id must be 1-64 characters without '/'")
+        if "/" in self.name or len(self.name) > 120:
+            raise ValueError("name must be at most 120 characters without '/'")
+        if not os.path.isdir(self.shm_dir):
+            raise ValueError(f"shm_dir {self.shm_dir!r} is not a directory")
+        return self
+
+    def with_defaults(self) -> SegmentConfig:
+        """Fill in values that depend on the machine (the default name)."""
+        if self.name:
+            return self
+        name = f"{socket.gethostname()[:64]}-{uuid.uuid4().hex[:8]}".replace("/", "_")
+        return SegmentConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, "name": name})
+
+
+def parse_args(argv: list[str] | None = None) -> SegmentConfig:
+    """Build the config from defaults, `KVTIER_SEGMENT_<FIELD>` env vars, then flags."""
+    defaults = SegmentConfig()
+    parser = argparse.ArgumentParser(prog="kvtier-segment", description="kvtier segment server (DRAM + data plane).")
+    for f in fields(SegmentConfig):
+        value = getattr(defaults, f.name)
+        env = os.environ.get(f"KVTIER_SEGMENT_{f.name.upper()}")
+        parser.add_argument("--" + f.name.replace("_", "-"), default=env if env is not None else value,
+                            help=f"(default: {value!r})")
+    opts = parser.parse_args(argv)
+    try:
+        return SegmentConfig(**vars(opts)).validate().with_defaults()
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise

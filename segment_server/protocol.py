@@ -1,0 +1,238 @@
+"""The segment server's side of the data-plane frame protocol (see kvtier.proto.frames).
+
+`DataProtocol` is an `asyncio.BufferedProtocol`: the event loop reads straight
+into buffers this class hands out. Headers and range tables land in small
+per-connection buffers; WRITE payloads land directly in the region at their
+target offsets, so no payload byte is copied in user space. READ responses
+are queued with `writelines` as slices of the region (no copy either); the
+bytes stay valid because the master does not free a range while its read
+lease runs.
+
+Invariants that keep the stream in sync:
+- `get_buffer` never returns an empty buffer (uvloop closes the connection on
+  one), so zero-length ranges are skipped before a payload state is entered,
+  and a header buffer is exactly the missing header bytes;
+- a WRITE whose ranges are rejected still has its payload drained into a
+  scratch buffer before the error response is sent;
+- a header that cannot be trusted (bad magic, version, op, limits) gets a
+  PROTOCOL_ERROR response and the connection is closed.
+Backpressure: while the transport's write buffer is above its high-water mark
+no new request is read (`pause_reading` until `resume_writing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+from kvtier.proto import frames
+from kvtier.proto.frames import Op
+from kvtier.proto.status import Status
+
+logger = logging.getLogger(__name__)
+
+_HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED = range(5)
+_SCRATCH_SIZE = 256 << 10
+_OPS = {int(op) for op in Op}
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    """Counters shared by every connection of one segment server (single thread)."""
+
+    connections: int = 0
+    requests: int = 0
+    bytes_written: int = 0  # payload bytes received into the region
+    bytes_read: int = 0  # payload bytes queued to clients from the region
+    range_errors: int = 0
+    protocol_errors: int = 0
+
+
+class DataProtocol(asyncio.BufferedProtocol):
+    """One client connection. Created per connection by the TCP listener."""
+
+    def __init__(self, region: memoryview, stats: DataPlaneStats) -> None:
+        self._region = region
+        self._capacity = len(region)
+        self._stats = stats
+        self._transport = None
+        self._header = bytearray(frames.REQUEST.size)
+        self._header_view = memoryview(self._header)
+        self._table = bytearray(0)
+        self._scratch = memoryview(bytearray(_SCRATCH_SIZE))
+        self._state = _HEADER
+        self._filled = 0  # bytes received into the current buffer
+        self._need = frames.REQUEST.size  # size of the current buffer
+        # Current request.
+        self._op = 0
+        self._request_id = 0
+        self._nranges = 0
+        self._payload_len = 0
+        self._ranges: tuple[int, ...] = ()
+        self._range_index = 0  # WRITE: which range the payload is filling
+        self._drain_left = 0
+        self._drain_status = 0
+        self._drain_message = ""
+
+    # ----------------------------------------------------------- asyncio hooks
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        self._stats.connections += 1
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self._state = _CLOSED
+        self._stats.connections -= 1
+        self._transport = None
+
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and self._state != _CLOSED:
+            self._transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        state = self._state
+        if state == _PAYLOAD:
+            base = self._ranges[2 * self._range_index]
+            return self._region[base + self._filled : base + self._need]
+        if state == _HEADER:
+            return self._header_view[self._filled :]
+        if state == _RANGES:
+            return memoryview(self._table)[self._filled : self._need]
+        if state == _DRAIN:
+            return self._scratch[: min(self._drain_left, _SCRATCH_SIZE)]
+        return self._scratch  # closed: swallow whatever is still in flight
+
+    def buffer_updated(self, nbytes: int) -> None:
+        state = self._state
+        if state == _DRAIN:
+            self._drain_left -= nbytes
+            if self._drain_left == 0:
+                self._send_error(self._drain_status, self._drain_message)
+                self._start_header()
+            return
+        self._filled += nbytes
+        if self._filled < self._need:
+            return
+        if state == _PAYLOAD:
+            self._stats.bytes_written += self._need
+            self._next_write_range()
+        elif state == _HEADER:
+            self._on_header()
+        elif state == _RANGES:
+            self._ranges = frames.unpack_ranges(self._table, self._nranges)
+            self._on_request()
+
+    # ----------------------------------------------------------- state machine
+
+    def _start_header(self) -> None:
+        self._state = _HEADER
+        self._filled = 0
+        self._need = frames.REQUEST.size
+
+    def _on_header(self) -> None:
+        magic, version, op, request_id, nranges, _flags, payload_len = frames.REQUEST.unpack(self._header)
+        self._op, self._request_id = op, request_id
+        if magic != frames.MAGIC or version != frames.VERSION:
+            return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
+        if op not in _OPS:
+            return self._fatal(f"unknown op {op}")
+        if nranges > frames.MAX_RANGES_PER_FRAME:
+            return self._fatal(f"{nranges} ranges in one frame; the limit is {frames.MAX_RANGES_PER_FRAME}")
+        if op == Op.WRITE and payload_len > self._capacity:
+            return self._fatal(f"write payload of {payload_len} bytes exceeds the region ({self._capacity})")
+        if op != Op.WRITE and payload_len:
+            return self._fatal(f"op {op} must not carry a payload")
+        self._stats.requests += 1
+        self._nranges = nranges
+        self._payload_len = payload_len
+        if nranges == 0:
+            self._ranges = ()
+            return self._on_request()
+        need = 16 * nranges
+        if len(self._table) < need:
+            self._table = bytearray(need)
+        self._state = _RANGES
+        self._filled = 0
+        self._need = need
+
+    def _on_request(self) -> None:
+        op, ranges, capacity = self._op, self._ranges, self._capacity
+        total = 0
+        bad = None
+        for i in range(0, len(ranges), 2):
+            offset, length = ranges[i], ranges[i + 1]
+            if offset + length > capacity:
+                bad = (offset, length)
+                break
+            total += length
+        if op == Op.WRITE:
+            if bad is None and total != self._payload_len:
+                return self._fatal(f"write payload_len {self._payload_len} != sum of range lengths {total}")
+            if bad is not None:
+                self._stats.range_errors += 1
+                return self._drain(Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}")
+            self._range_index = -1
+            self._next_write_range()
+        elif op == Op.READ:
+            if bad is not None:
+                self._stats.range_errors += 1
+                self._send_error(Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}")
+                return self._start_header()
+            region = self._region
+            parts = [frames.pack_response(op, self._request_id, 0, total)]
+            for i in range(0, len(ranges), 2):
+                if ranges[i + 1]:
+                    parts.append(region[ranges[i] : ranges[i] + ranges[i + 1]])
+            self._transport.writelines(parts)
+            self._stats.bytes_read += total
+            self._start_header()
+        else:  # PING
+            self._transport.write(frames.pack_response(op, self._request_id, 0))
+            self._start_header()
+
+    def _next_write_range(self) -> None:
+        """Enter the next non-empty range of the current WRITE, or finish it."""
+        ranges = self._ranges
+        index = self._range_index + 1
+        while index < self._nranges and ranges[2 * index + 1] == 0:
+            index += 1
+        if index < self._nranges:
+            self._range_index = index
+            self._state = _PAYLOAD
+            self._filled = 0
+            self._need = ranges[2 * index + 1]
+            return
+        self._transport.write(frames.pack_response(Op.WRITE, self._request_id, 0))
+        self._start_header()
+
+    def _drain(self, status: Status, message: str) -> None:
+        if self._payload_len == 0:
+            self._send_error(status, message)
+            return self._start_header()
+        self._state = _DRAIN
+        self._drain_left = self._payload_len
+        self._drain_status, self._drain_message = status, message
+
+    def _send_error(self, status: int, message: str) -> None:
+        data = message.encode()[: frames.MAX_ERROR_MESSAGE]
+        self._transport.write(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
+
+    def _fatal(self, message: str) -> None:
+        self._stats.protocol_errors += 1
+        peer = self._transport.get_extra_info("peername")
+        logger.warning("protocol error peer=%s: %s; closing connection", peer, message)
+        self._send_error(Status.PROTOCOL_ERROR, message)
+        self._state = _CLOSED
+        self._transport.close()

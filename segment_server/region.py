@@ -1,0 +1,177 @@
+"""A segment's DRAM region: one shared-memory file, mapped for the process's life.
+
+File layout: a 4 KiB header, then the data area the master allocates from
+(offsets on the wire are relative to the data area).
+
+    header  magic "KVTREGN1" | format:u32 | data_offset:u64 | capacity:u64 |
+            nonce:16 bytes | cluster id, segment name, boot id (NUL-padded)
+
+Ownership: the live owner holds an exclusive `flock` on the file. A file of
+our cluster whose lock can be taken has no live owner (the process died
+without cleaning up) and is removed at start; a file whose lock is held
+belongs to a live process and is never touched. Files without our magic are
+never deleted. The file is created 0600, space is reserved with
+`posix_fallocate` so a full /dev/shm is an error at start instead of a
+SIGBUS on first write, and the mapping is populated up front.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import struct
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVTREGN1"
+FORMAT = 1
+HEADER_SIZE = 4096
+_HEADER = struct.Struct("<8sIQQ16s64s128s64s")
+SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """This machine's identity for this boot: machine id + boot id, never a hostname."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            parts.append("")
+    return ":".join(parts)
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def region_path(directory: str, cluster_id: str, segment_name: str) -> str:
+    return os.path.join(directory, f"kvtier-{cluster_id}-{segment_name}.region")
+
+
+class DramRegion:
+    """Creates, maps, owns and finally removes one segment's region file."""
+
+    def __init__(self, path: str, capacity: int, cluster_id: str, segment_name: str) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.cluster_id = cluster_id
+        self.segment_name = segment_name
+        self.nonce = secrets.token_bytes(16)
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self.view: memoryview  # the data area, writable
+
+    def open(self) -> DramRegion:
+        remove_if_orphaned(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size = HEADER_SIZE + self.capacity
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot reserve {size} bytes for {self.path}: {exc.strerror}") from None
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        self._fd = fd
+        self._map[:_HEADER.size] = _HEADER.pack(
+            MAGIC,
+            FORMAT,
+            HEADER_SIZE,
+            self.capacity,
+            self.nonce,
+            self.cluster_id.encode(),
+            self.segment_name.encode(),
+            boot_id().encode(),
+        )
+        self.view = memoryview(self._map)[HEADER_SIZE:]
+        logger.info("region created path=%s capacity=%d", self.path, self.capacity)
+        return self
+
+    def close(self) -> None:
+        """Unmap and delete the file. Safe to call twice."""
+        if self._fd < 0:
+            return
+        self.view.release()
+        assert self._map is not None
+        try:
+            self._map.close()
+        except BufferError:  # a transport still holds a slice; the mapping dies with the process
+            logger.warning("region still referenced at close path=%s", self.path)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # drops the lock last: nobody may take over a file we still use
+        self._fd = -1
+        logger.info("region removed path=%s", self.path)
+
+
+def read_header(path: str) -> dict | None:
+    """Parsed header of a region file, or None if it is not one of ours."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size or not raw.startswith(MAGIC):
+        return None
+    magic, fmt, data_offset, capacity, nonce, cluster, name, boot = _HEADER.unpack(raw)
+    return {
+        "format": fmt,
+        "data_offset": data_offset,
+        "capacity": capacity,
+        "nonce": nonce,
+        "cluster_id": cluster.rstrip(b"\0").decode(errors="replace"),
+        "segment_name": name.rstrip(b"\0").decode(errors="replace"),
+        "boot_id": boot.rstrip(b"\0").decode(errors="replace"),
+    }
+
+
+def remove_if_orphaned(path: str) -> bool:
+    """Delete `path` if it is a kvtier region file whose owner is gone. True if removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FileExistsError(f"{path} is held by a live process: is another segment server using this name?")
+        if read_header(path) is None:
+            raise FileExistsError(f"{path} exists and is not a kvtier region file; not touching it")
+        os.unlink(path)
+        logger.warning("removed stale region file left by a dead process path=%s", path)
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_orphans(directory: str, cluster_id: str) -> int:
+    """Remove every orphaned region file of `cluster_id` in `directory`; live ones stay."""
+    removed = 0
+    prefix = f"kvtier-{cluster_id}-"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(prefix) and name.endswith(".region"):
+            try:
+                removed += remove_if_orphaned(os.path.join(directory, name))
+            except (FileExistsError, OSError):
+                continue
+    return removed

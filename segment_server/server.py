@@ -1,0 +1,87 @@
+"""Runs a segment server: region, listeners, master link, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+from kvtier.proto import master_pb2 as pb
+from kvtier.segment_server.config import SegmentConfig
+from kvtier.segment_server.listeners import TcpListener
+from kvtier.segment_server.master_link import MasterLink
+from kvtier.segment_server.protocol import DataPlaneStats
+from kvtier.segment_server.region import DramRegion, host_id, region_path, remove_orphans
+
+logger = logging.getLogger(__name__)
+
+
+def _write_ready_file(path: str, info: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+async def serve(config: SegmentConfig) -> int:
+    """Serve until SIGINT/SIGTERM; return the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    fatal: list[str] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    orphans = remove_orphans(config.shm_dir, config.cluster_id)
+    if orphans:
+        logger.warning("removed orphaned region files count=%d", orphans)
+    region = DramRegion(
+        region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
+    ).open()
+    stats = DataPlaneStats()
+    listeners = [TcpListener(config.listen, region.view, stats)]
+    link = None
+    try:
+        endpoints = [await listener.start() for listener in listeners]
+        mounted = asyncio.Event()
+
+        def on_fatal(message: str) -> None:
+            fatal.append(message)
+            loop.call_soon_threadsafe(stop.set)
+
+        link = MasterLink(
+            config.master,
+            pb.MountSegmentRequest(
+                cluster_id=config.cluster_id,
+                name=config.name,
+                host_id=host_id(),
+                endpoints=endpoints,
+                dram_capacity=region.capacity,
+            ),
+            on_mounted=lambda _id: loop.call_soon_threadsafe(mounted.set),
+            on_fatal=on_fatal,
+        )
+        link.start()
+        print(f"kvtier-segment {config.name} serving {', '.join(endpoints)} dram={region.capacity}", flush=True)
+        waiter = asyncio.create_task(mounted.wait())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if mounted.is_set() and config.ready_file:
+            _write_ready_file(
+                config.ready_file,
+                {"name": config.name, "endpoints": endpoints, "region": region.path, "pid": os.getpid()},
+            )
+        await stopper
+        waiter.cancel()
+    finally:
+        logger.info("segment server stopping name=%s", config.name)
+        if link is not None:
+            link.stop(unmount=not fatal)
+        for listener in listeners:
+            await listener.stop()
+        region.close()
+    if fatal:
+        logger.error("segment server exiting: %s", fatal[0])
+        return 1
+    return 0
