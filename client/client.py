@@ -200,8 +200,11 @@ class Client:
                     statuses[i] = int(exc.status)
         if failed:
             self._revoke([keys[i] for i in failed], reply.put_id)
-        self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK),
-                    bytes_written=sum(sizes[i] * counts[i] for i in written))
+        self._count(
+            puts=len(keys),
+            put_failures=sum(1 for s in statuses if s != _OK),
+            bytes_written=sum(sizes[i] * counts[i] for i in written),
+        )
         return [to_status(s) for s in statuses]
 
     batch_put_from = batch_put
@@ -298,7 +301,9 @@ class Client:
                         self._count(checksum_mismatches=1)
                         logger.warning(
                             "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
-                            self.namespace, keys[i], segments[segment_id].name if segment_id in segments else segment_id,
+                            self.namespace,
+                            keys[i],
+                            segments[segment_id].name if segment_id in segments else segment_id,
                         )
                     out[i] = status
                     if attempt + 1 < len(replicas[i]):

@@ -66,7 +66,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         count = len(keys)  # type: ignore[arg-type]
         limit = self.state.config.max_batch_keys
         if count > limit:
-            return response_type(status=Status.BATCH_TOO_LARGE, error=f"{count} keys in one request; the limit is {limit}")
+            return response_type(
+                status=Status.BATCH_TOO_LARGE, error=f"{count} keys in one request; the limit is {limit}"
+            )
         return None
 
     def _endpoints(self, segment_ids: Iterable[int]) -> list[pb.SegmentEndpoint]:

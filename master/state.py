@@ -165,7 +165,8 @@ class MasterState:
         """
         if cluster_id != self.config.cluster_id:
             return MountResult(
-                Status.CLUSTER_MISMATCH, error=f"segment is in cluster {cluster_id!r}, master in {self.config.cluster_id!r}"
+                Status.CLUSTER_MISMATCH,
+                error=f"segment is in cluster {cluster_id!r}, master in {self.config.cluster_id!r}",
             )
         if not name or not endpoints or capacity < self.config.alignment:
             return MountResult(Status.INVALID_ARGUMENT, error="a segment needs a name, an endpoint and capacity")
@@ -185,7 +186,9 @@ class MasterState:
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
-        logger.info("segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints)
+        logger.info(
+            "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
+        )
         return MountResult(Status.OK, segment)
 
     def unmount_segment(self, segment_id: int) -> Status:
@@ -221,7 +224,9 @@ class MasterState:
                 lost += 1
         self._deferred = [d for d in self._deferred if d[2] != segment_id]
         heapq.heapify(self._deferred)
-        logger.warning("segment dropped id=%d name=%s reason=%s objects_lost=%d", segment_id, segment.name, reason, lost)
+        logger.warning(
+            "segment dropped id=%d name=%s reason=%s objects_lost=%d", segment_id, segment.name, reason, lost
+        )
 
     # ------------------------------------------------------------------ writes
 

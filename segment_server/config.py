@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> SegmentConfig:
     for f in fields(SegmentConfig):
         value = getattr(defaults, f.name)
         env = os.environ.get(f"KVTIER_SEGMENT_{f.name.upper()}")
-        parser.add_argument("--" + f.name.replace("_", "-"), default=env if env is not None else value,
-                            help=f"(default: {value!r})")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), default=env if env is not None else value, help=f"(default: {value!r})"
+        )
     opts = parser.parse_args(argv)
     try:
         return SegmentConfig(**vars(opts)).validate().with_defaults()

@@ -65,7 +65,9 @@ class MasterLink:
                 if not self.segment_id:
                     self._mount()
                 else:
-                    reply = self._stub.Heartbeat(pb.HeartbeatRequest(segment_id=self.segment_id), timeout=_RPC_TIMEOUT_S)
+                    reply = self._stub.Heartbeat(
+                        pb.HeartbeatRequest(segment_id=self.segment_id), timeout=_RPC_TIMEOUT_S
+                    )
                     if reply.status == Status.SEGMENT_NOT_FOUND:
                         logger.warning("master forgot segment_id=%d; mounting again", self.segment_id)
                         self.segment_id = 0
@@ -89,7 +91,10 @@ class MasterLink:
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
         logger.info(
             "mounted segment_id=%d name=%s epoch=%s heartbeat_s=%.2f",
-            reply.segment_id, self._request.name, reply.master_epoch, self._interval_s,
+            reply.segment_id,
+            self._request.name,
+            reply.master_epoch,
+            self._interval_s,
         )
         self._on_mounted(reply.segment_id)
 

@@ -182,13 +182,17 @@ class DataProtocol(asyncio.BufferedProtocol):
                 return self._fatal(f"write payload_len {self._payload_len} != sum of range lengths {total}")
             if bad is not None:
                 self._stats.range_errors += 1
-                return self._drain(Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}")
+                return self._drain(
+                    Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}"
+                )
             self._range_index = -1
             self._next_write_range()
         elif op == Op.READ:
             if bad is not None:
                 self._stats.range_errors += 1
-                self._send_error(Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}")
+                self._send_error(
+                    Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}"
+                )
                 return self._start_header()
             region = self._region
             parts = [frames.pack_response(op, self._request_id, 0, total)]

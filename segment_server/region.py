@@ -86,7 +86,7 @@ class DramRegion:
             os.unlink(self.path)
             raise
         self._fd = fd
-        self._map[:_HEADER.size] = _HEADER.pack(
+        self._map[: _HEADER.size] = _HEADER.pack(
             MAGIC,
             FORMAT,
             HEADER_SIZE,
@@ -150,7 +150,9 @@ def remove_if_orphaned(path: str) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise FileExistsError(f"{path} is held by a live process: is another segment server using this name?")
+            raise FileExistsError(
+                f"{path} is held by a live process: is another segment server using this name?"
+            ) from None
         if read_header(path) is None:
             raise FileExistsError(f"{path} exists and is not a kvtier region file; not touching it")
         os.unlink(path)

@@ -184,7 +184,9 @@ class TcpConnector:
                     status, payload_len = self._read_response(sock, request_id, header)
                     if status != _OK:
                         message = self._error_message(sock, payload_len)
-                        logger.warning("segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message)
+                        logger.warning(
+                            "segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message
+                        )
                         results[start:end] = [status] * (end - start)
                         continue
                     if op == Op.READ:

@@ -1,0 +1,242 @@
+"""`kvtier`: the operator's and developer's command line.
+
+    kvtier up [--listen ADDR] [--dram SIZE] [--segments N]   local cluster in the foreground
+    kvtier status [--master ADDR] [--json]                   segments, capacity, used, objects
+    kvtier put KEY FILE|-                                    store a file (or stdin)
+    kvtier get KEY [-o FILE]                                 fetch to a file (or stdout)
+    kvtier bench [--master ADDR] ...                         throughput and latency
+
+The master address comes from `--master`, else `KVTIER_MASTER`, else
+127.0.0.1:50051. Invalid arguments print one line and exit with status 2;
+a miss or a failed operation exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kvtier.proto.errors import KvtierError
+from kvtier.proto.units import format_size, parse_hostport, parse_size
+
+DEFAULT_MASTER = "127.0.0.1:50051"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _address(text: str) -> str:
+    try:
+        parse_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_master(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--master",
+        type=_address,
+        default=os.environ.get("KVTIER_MASTER", DEFAULT_MASTER),
+        help=f"master address (default: $KVTIER_MASTER or {DEFAULT_MASTER})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvtier", description="kvtier: a distributed, tiered KV-cache store.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    up = sub.add_parser("up", help="run a local master and segment server in the foreground")
+    up.add_argument("--listen", type=_address, default=DEFAULT_MASTER, help="master address (default: %(default)s)")
+    up.add_argument("--dram", type=_size, default="1GiB", help="DRAM per segment (default: %(default)s)")
+    up.add_argument("--segments", type=_positive_int, default=1, help="segment servers (default: %(default)s)")
+    up.add_argument("--cluster-id", default="default")
+    up.add_argument("--log-level", default="WARNING")
+
+    status = sub.add_parser("status", help="segments, capacity, usage and object count")
+    _add_master(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    put = sub.add_parser("put", help="store a file's bytes (or stdin with '-') under KEY")
+    _add_master(put)
+    put.add_argument("--namespace", default="default")
+    put.add_argument("--replicas", type=_positive_int, default=1)
+    put.add_argument("key")
+    put.add_argument("file", help="path, or - for standard input")
+
+    get = sub.add_parser("get", help="fetch KEY's bytes to a file or standard output")
+    _add_master(get)
+    get.add_argument("--namespace", default="default")
+    get.add_argument("key")
+    get.add_argument("-o", "--output", default="-", help="path, or - for standard output (default)")
+
+    bench = sub.add_parser("bench", help="measure put/get throughput and latency")
+    from kvtier.bench.run import add_arguments
+
+    add_arguments(bench)
+    return parser
+
+
+def _status_dict(reply: Any) -> dict[str, Any]:
+    return {
+        "cluster_id": reply.cluster_id,
+        "master_epoch": reply.master_epoch,
+        "uptime_s": round(reply.uptime_s, 3),
+        "objects": reply.objects,
+        "pending_puts": reply.pending_puts,
+        "capacity": reply.capacity,
+        "used": reply.used,
+        "segments": [
+            {
+                "segment_id": s.segment_id,
+                "name": s.name,
+                "endpoints": list(s.endpoints),
+                "state": s.state,
+                "dram_capacity": s.dram_capacity,
+                "dram_used": s.dram_used,
+                "objects": s.objects,
+                "heartbeat_age_ms": s.heartbeat_age_ms,
+            }
+            for s in reply.segments
+        ],
+    }
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def cmd_status(opts: argparse.Namespace) -> int:
+    from kvtier.client import Client
+
+    with Client(opts.master, timeout=5.0) as client:
+        data = _status_dict(client.cluster_status())
+    if opts.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    used_pct = 100 * data["used"] / data["capacity"] if data["capacity"] else 0.0
+    print(
+        f"cluster {data['cluster_id']}  master {opts.master}  epoch {data['master_epoch']}  "
+        f"objects {data['objects']}  used {format_size(data['used'])} / {format_size(data['capacity'])} "
+        f"({used_pct:.1f}%)"
+    )
+    rows = [["ID", "NAME", "STATE", "CAPACITY", "USED", "OBJECTS", "HEARTBEAT", "ENDPOINTS"]]
+    for s in data["segments"]:
+        rows.append(
+            [
+                str(s["segment_id"]),
+                s["name"],
+                s["state"],
+                format_size(s["dram_capacity"]),
+                format_size(s["dram_used"]),
+                str(s["objects"]),
+                f"{s['heartbeat_age_ms']}ms",
+                ",".join(s["endpoints"]),
+            ]
+        )
+    _print_table(rows)
+    return 0
+
+
+def cmd_put(opts: argparse.Namespace) -> int:
+    from kvtier.client import Client
+
+    if opts.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            with open(opts.file, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            print(f"kvtier put: cannot read {opts.file}: {exc.strerror}", file=sys.stderr)
+            return 2
+    with Client(opts.master, namespace=opts.namespace) as client:
+        client.put(opts.key, data, replicas=opts.replicas)
+    print(f"stored {opts.key} ({len(data)} bytes)", file=sys.stderr)
+    return 0
+
+
+def cmd_get(opts: argparse.Namespace) -> int:
+    from kvtier.client import Client
+
+    with Client(opts.master, namespace=opts.namespace) as client:
+        data = client.get(opts.key)
+    if data is None:
+        print(f"kvtier get: {opts.key}: not found", file=sys.stderr)
+        return 1
+    if opts.output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        with open(opts.output, "wb") as f:
+            f.write(data)
+    return 0
+
+
+def cmd_up(opts: argparse.Namespace) -> int:
+    from kvtier.client.local_cluster import LocalCluster
+
+    cluster = LocalCluster(
+        listen=opts.listen, dram=opts.dram, segments=opts.segments, cluster_id=opts.cluster_id, log_level=opts.log_level
+    )
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        print(f"kvtier up: {exc}", file=sys.stderr)
+        cluster.stop()
+        return 1
+    try:
+        print(f"kvtier up: master {cluster.master_address} (cluster {opts.cluster_id})", flush=True)
+        for child in cluster.children[1:]:
+            print(f"kvtier up: segment {child.info['name']} {', '.join(child.info['endpoints'])} dram={opts.dram}")
+        print(f"kvtier up: try `kvtier status --master {cluster.master_address}`; Ctrl-C stops", flush=True)
+        code = cluster.wait()
+    finally:
+        cluster.stop()
+    print("kvtier up: stopped", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    commands = {"up": cmd_up, "status": cmd_status, "put": cmd_put, "get": cmd_get}
+    try:
+        if opts.command == "bench":
+            from kvtier.bench.run import run
+
+            return run(opts)
+        return commands[opts.command](opts)
+    except KvtierError as exc:
+        print(f"kvtier {opts.command}: {exc}", file=sys.stderr)
+        return 2 if exc.status.name == "INVALID_KEY" else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

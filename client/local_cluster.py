@@ -1,0 +1,126 @@
+"""Start a master and segment servers as local child processes (for `kvtier up` and `kvtier bench`).
+
+The servers run as separate processes (`python -m kvtier.master`, `python -m
+kvtier.segment_server`), never imported: the client stays thin, and the
+benchmark's client is in a different process from the segment server, as in
+production. Readiness comes from each server's `--ready-file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    info: dict = field(default_factory=dict)
+
+
+class LocalCluster:
+    """A master plus `segments` segment servers on loopback. Use as a context manager."""
+
+    def __init__(
+        self,
+        *,
+        listen: str = "127.0.0.1:0",
+        dram: str = "1GiB",
+        segments: int = 1,
+        cluster_id: str = "default",
+        log_level: str = "WARNING",
+        quiet: bool = False,
+    ) -> None:
+        self.listen = listen
+        self.dram = dram
+        self.segment_count = segments
+        self.cluster_id = cluster_id
+        self.log_level = log_level
+        self.quiet = quiet
+        self.children: list[Child] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-")
+        self.master_address = ""
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        ready = Path(self._tmp.name) / f"{name}.ready"
+        out = subprocess.DEVNULL if self.quiet else None
+        popen = subprocess.Popen(
+            [sys.executable, *args, "--ready-file", str(ready), "--log-level", self.log_level],
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+        )
+        child = Child(name, popen)
+        self.children.append(child)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if popen.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {popen.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not become ready within {READY_TIMEOUT_S:.0f}s")
+            time.sleep(0.02)
+        child.info = json.loads(ready.read_text())
+        return child
+
+    def start(self) -> LocalCluster:
+        try:
+            master = self._spawn(
+                "master", ["-m", "kvtier.master", "--listen", self.listen, "--cluster-id", self.cluster_id]
+            )
+            self.master_address = master.info["address"]
+            for i in range(self.segment_count):
+                self._spawn(
+                    f"segment{i}",
+                    [
+                        "-m", "kvtier.segment_server",
+                        "--master", self.master_address,
+                        "--listen", "127.0.0.1:0",
+                        "--dram", self.dram,
+                        "--cluster-id", self.cluster_id,
+                        "--name", f"{os.uname().nodename[:40]}-local{i}",
+                    ],
+                )  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait(self) -> int:
+        """Block until a child exits (or Ctrl-C); return a process exit code."""
+        try:
+            while all(c.popen.poll() is None for c in self.children):
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            return 0
+        dead = [c for c in self.children if c.popen.poll() is not None]
+        print(f"kvtier: {dead[0].name} exited with status {dead[0].popen.returncode}", file=sys.stderr)
+        return 1
+
+    def stop(self) -> None:
+        """SIGTERM segments first (they unmount cleanly), then the master."""
+        for child in reversed(self.children):
+            if child.popen.poll() is None:
+                child.popen.send_signal(signal.SIGTERM)
+                try:
+                    child.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    child.popen.kill()
+                    child.popen.wait()
+        self.children.clear()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
