@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -198,8 +199,17 @@ def cmd_get(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(opts: argparse.Namespace) -> int:
     from kvtier.client.local_cluster import LocalCluster
+
+    # Explicit handlers: SIGINT may be inherited as ignored (background jobs), and
+    # service managers stop us with SIGTERM; both must stop the children cleanly.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
     cluster = LocalCluster(
         listen=opts.listen, dram=opts.dram, segments=opts.segments, cluster_id=opts.cluster_id, log_level=opts.log_level
@@ -236,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if exc.status.name == "INVALID_KEY" else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `kvtier status --json | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
