@@ -29,7 +29,7 @@ from typing import Any
 import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.master import MasterClient
-from kvtier.client.transport import choose_endpoint, open_connector
+from kvtier.client.transport import connect
 from kvtier.client.transport.base import Connector
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
@@ -42,6 +42,8 @@ _OK = 0
 _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
+# Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
+LEASE_SAFETY = 0.9
 
 
 def as_bytes_view(value: Any) -> memoryview:
@@ -87,7 +89,7 @@ class Client:
         ).validate()
         self.namespace = namespace
         self._master = MasterClient(master, timeout)
-        self._connectors: dict[tuple[str, ...], Connector] = {}
+        self._connectors: dict[str, tuple[tuple[str, ...], Connector]] = {}  # by segment name
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._closed = False
@@ -106,7 +108,7 @@ class Client:
                 return
             self._closed = True
             connectors, self._connectors = list(self._connectors.values()), {}
-        for connector in connectors:
+        for _, connector in connectors:
             connector.close()
         self._master.close()
 
@@ -120,15 +122,21 @@ class Client:
             self._stats.update(deltas)
 
     def _connector(self, segment: pb.SegmentEndpoint) -> Connector:
-        key = tuple(segment.endpoints)
+        """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one."""
+        endpoints = tuple(segment.endpoints)
+        stale = None
         with self._lock:
-            connector = self._connectors.get(key)
-            if connector is None:
-                if self._closed:
-                    raise KvtierError(Status.CANCELLED, "client is closed")
-                scheme, endpoint = choose_endpoint(segment.endpoints, self.config.transport)
-                connector = self._connectors[key] = open_connector(scheme, endpoint, self.config)
-            return connector
+            known = self._connectors.get(segment.name)
+            if known is not None and known[0] == endpoints:
+                return known[1]
+            if self._closed:
+                raise KvtierError(Status.CANCELLED, "client is closed")
+            connector = connect(endpoints, self.config)
+            self._connectors[segment.name] = (endpoints, connector)
+            stale = known
+        if stale is not None:
+            stale[1].close()
+        return connector
 
     # ------------------------------------------------------------------ writes
 
@@ -254,14 +262,16 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
+        # The master starts the lease when it handles the request, which is after
+        # this moment: measuring from here can only under-estimate what is left.
+        requested_at = time.monotonic()
         try:
             reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=keys))
         except KvtierError as exc:
             logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
             self._count(gets=len(keys), misses=len(keys), master_failures=1)
             return [int(exc.status)] * len(keys)
-        started = time.monotonic()
-        lease_s = reply.lease_ms / 1000
+        lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
         out: list[bytes | int] = list(reply.statuses)
         segments = {s.segment_id: s for s in reply.segments}
         replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
@@ -284,7 +294,7 @@ class Client:
             retry: dict[int, list[int]] = {}
             for segment_id, indices in groups.items():
                 results = self._read_segment(segments.get(segment_id), reply, replicas, indices, attempt, views)
-                expired = time.monotonic() - started > lease_s
+                expired = time.monotonic() > lease_deadline
                 for i, result in zip(indices, results, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Protocol
+from urllib.parse import urlencode
 
 from kvtier.proto.units import parse_hostport
 from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
@@ -61,5 +62,25 @@ class TcpListener:
                 pass  # open client connections die with the process
 
 
-LISTENERS: dict[str, type] = {"tcp": TcpListener}
+class ShmListener:
+    """Advertises the region file for same-host clients, who map it and copy directly.
+
+    Nothing is served: the URL carries the path, this host's id and the
+    region's nonce, which a client checks against the mapped file's header
+    before trusting it (see kvtier.client.transport.shm).
+    """
+
+    scheme = "shm"
+
+    def __init__(self, region_path: str, host_id: str, nonce: bytes) -> None:
+        self._endpoint = f"shm://{region_path}?{urlencode({'host': host_id, 'nonce': nonce.hex()})}"
+
+    async def start(self) -> str:
+        return self._endpoint
+
+    async def stop(self) -> None:
+        return None
+
+
+LISTENERS: dict[str, type] = {"tcp": TcpListener, "shm": ShmListener}
 UNAVAILABLE: dict[str, str] = {"rdma": "no RDMA listener yet (pyverbs transport is not implemented)"}

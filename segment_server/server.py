@@ -10,7 +10,7 @@ import signal
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.segment_server.config import SegmentConfig
-from kvtier.segment_server.listeners import TcpListener
+from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterLink
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.region import DramRegion, host_id, region_path, remove_orphans
@@ -40,7 +40,7 @@ async def serve(config: SegmentConfig) -> int:
         region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
     ).open()
     stats = DataPlaneStats()
-    listeners = [TcpListener(config.listen, region.view, stats)]
+    listeners = [TcpListener(config.listen, region.view, stats), ShmListener(region.path, host_id(), region.nonce)]
     link = None
     try:
         endpoints = [await listener.start() for listener in listeners]

@@ -1,7 +1,8 @@
 """The client side of the transport registry: one connector class per URL scheme.
 
 A segment advertises one endpoint URL per transport it serves. The client
-picks, per segment, the first scheme in `PREFERENCE` that both sides have;
+connects, per segment, with the first scheme in `PREFERENCE` that both sides
+have and that accepts (the `shm` connector refuses a region on another host);
 `KVTIER_TRANSPORT=tcp` (or `ClientConfig.transport`) forces one scheme.
 Optional transports register only when their imports succeed; otherwise they
 are listed in `UNAVAILABLE` with the reason.
@@ -9,32 +10,39 @@ are listed in `UNAVAILABLE` with the reason.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.base import Connector
+from kvtier.client.transport.shm import ShmConnector
 from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto.errors import ConnectError
 
-CONNECTORS: dict[str, type] = {"tcp": TcpConnector}
+logger = logging.getLogger(__name__)
+
+CONNECTORS: dict[str, type] = {"shm": ShmConnector, "tcp": TcpConnector}
 UNAVAILABLE: dict[str, str] = {"rdma": "no RDMA connector yet (pyverbs transport is not implemented)"}
 PREFERENCE = ("rdma", "shm", "tcp")
 
 
-def choose_endpoint(endpoints: Sequence[str], forced: str = "") -> tuple[str, str]:
-    """(scheme, endpoint) to use for a segment; ConnectError when none is usable."""
+def connect(endpoints: Sequence[str], config: ClientConfig) -> Connector:
+    """A connector for a segment serving `endpoints`; ConnectError when none is usable."""
     by_scheme = {url.split("://", 1)[0]: url for url in endpoints}
+    forced = config.transport
     if forced:
         if forced not in CONNECTORS:
-            raise ConnectError(f"transport {forced!r} is not available: {UNAVAILABLE.get(forced, 'unknown scheme')}")
+            reason = UNAVAILABLE.get(forced, "unknown scheme")
+            raise ConnectError(f"transport {forced!r} is not available: {reason}")
         if forced not in by_scheme:
             raise ConnectError(f"segment does not serve transport {forced!r} (it serves {sorted(by_scheme)})")
-        return forced, by_scheme[forced]
+        return CONNECTORS[forced](by_scheme[forced], config)
+    reasons = []
     for scheme in PREFERENCE:
         if scheme in by_scheme and scheme in CONNECTORS:
-            return scheme, by_scheme[scheme]
-    raise ConnectError(f"no usable transport among {list(endpoints)}")
-
-
-def open_connector(scheme: str, endpoint: str, config: ClientConfig) -> Connector:
-    return CONNECTORS[scheme](endpoint, config)
+            try:
+                return CONNECTORS[scheme](by_scheme[scheme], config)
+            except ConnectError as exc:
+                logger.debug("transport %s not usable: %s", scheme, exc.message)
+                reasons.append(f"{scheme}: {exc.message}")
+    raise ConnectError(f"no usable transport among {list(endpoints)} ({'; '.join(reasons)})")

@@ -1,0 +1,111 @@
+"""The `shm` connector: same-host copies straight between caller memory and the segment's region.
+
+A segment server advertises `shm://<region path>?host=<host id>&nonce=<hex>`.
+The client uses it only when it is proven to be the same region: the host id
+(machine id + boot id, never a hostname) must equal this machine's, and the
+file it maps must carry the same random 16-byte nonce in its header, which
+the segment server wrote at creation. Anything else (another host, a stale
+or foreign file, no permission to open it) raises ConnectError and the
+client falls back to the next transport (TCP).
+
+The region is mapped once (MAP_SHARED | MAP_POPULATE: first-touch page faults
+would cost more than the copies) and kept for the connector's life. Copies
+are memoryview slice assignments, i.e. memcpy. Payload bytes never touch a
+socket; the segment server is not involved in the transfer at all, so
+visibility still comes only from the master's PutEnd after the copy returns.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from urllib.parse import parse_qs, urlsplit
+
+from kvtier.client.config import ClientConfig
+from kvtier.client.transport.base import Buffer
+from kvtier.proto.errors import ConnectError
+from kvtier.proto.status import Status
+
+# Mirrors segment_server/region.py's header (the client must not import the server).
+_HEADER = struct.Struct("<8sIQQ16s")
+_MAGIC = b"KVTREGN1"
+_OK = 0
+_BAD_RANGE = int(Status.INVALID_RANGE)
+
+
+def local_host_id() -> str:
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    return ":".join(parts)
+
+
+_HOST_ID = local_host_id()
+
+
+class ShmConnector:
+    scheme = "shm"
+
+    def __init__(self, endpoint: str, config: ClientConfig) -> None:
+        self.endpoint = endpoint
+        url = urlsplit(endpoint)
+        query = parse_qs(url.query)
+        host = query.get("host", [""])[0]
+        nonce = bytes.fromhex(query.get("nonce", [""])[0])
+        if not host or host != _HOST_ID:
+            raise ConnectError(f"segment region {url.path} is on another host")
+        try:
+            fd = os.open(url.path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConnectError(f"cannot open region {url.path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER.size:
+                raise ConnectError(f"{url.path} is not a kvtier region")
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        magic, _fmt, data_offset, capacity, file_nonce = _HEADER.unpack_from(self._map)
+        if magic != _MAGIC or file_nonce != nonce or data_offset + capacity > size:
+            self._map.close()
+            raise ConnectError(f"{url.path} is not the advertised region (nonce mismatch)")
+        self._view = memoryview(self._map)[data_offset : data_offset + capacity]
+        self._capacity = capacity
+
+    def write(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        region, capacity = self._view, self._capacity
+        out = []
+        for offset, buf in ranges:
+            end = offset + len(buf)
+            if end > capacity:
+                out.append(_BAD_RANGE)
+                continue
+            region[offset:end] = buf
+            out.append(_OK)
+        return out
+
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+        region, capacity = self._view, self._capacity
+        out = []
+        for offset, buf in ranges:
+            end = offset + len(buf)
+            if end > capacity:
+                out.append(_BAD_RANGE)
+                continue
+            buf[:] = region[offset:end]
+            out.append(_OK)
+        return out
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+        region, capacity = self._view, self._capacity
+        return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
