@@ -6,10 +6,9 @@ Loaded by the entry point from flags and `KVTIER_MASTER_*` environment variables
 
 from __future__ import annotations
 
-import argparse
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
+from kvtier.proto.config import load_config
 from kvtier.proto.units import parse_hostport
 
 
@@ -47,21 +46,11 @@ class MasterConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> MasterConfig:
-    """Build the config from defaults, `KVTIER_MASTER_<FIELD>` env vars, then flags."""
-    defaults = MasterConfig()
-    parser = argparse.ArgumentParser(prog="kvtier-master", description="kvtier metadata master (gRPC).")
-    for f in fields(MasterConfig):
-        env = os.environ.get(f"KVTIER_MASTER_{f.name.upper()}")
-        value = getattr(defaults, f.name)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(value),
-            default=type(value)(env) if env is not None else value,
-            help=f"(default: {value!r})",
-        )
-    opts = parser.parse_args(argv)
-    try:
-        return MasterConfig(**vars(opts)).validate()
-    except ValueError as exc:
-        parser.error(str(exc))  # exits with status 2 and a one-line message
-        raise  # unreachable
+    """Build the config from defaults, `KVTIER_MASTER_<FIELD>` env vars, then flags; exit 2 when invalid."""
+    return load_config(
+        MasterConfig,
+        prog="kvtier-master",
+        description="kvtier metadata master (gRPC).",
+        env_prefix="KVTIER_MASTER_",
+        argv=argv,
+    )

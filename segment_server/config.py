@@ -6,12 +6,12 @@ variables (flags win); nothing deeper reads the environment.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import uuid
 from dataclasses import dataclass, fields
 
+from kvtier.proto.config import load_config
 from kvtier.proto.units import parse_hostport, parse_size
 
 MIN_DRAM = 1 << 20
@@ -54,18 +54,11 @@ class SegmentConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> SegmentConfig:
-    """Build the config from defaults, `KVTIER_SEGMENT_<FIELD>` env vars, then flags."""
-    defaults = SegmentConfig()
-    parser = argparse.ArgumentParser(prog="kvtier-segment", description="kvtier segment server (DRAM + data plane).")
-    for f in fields(SegmentConfig):
-        value = getattr(defaults, f.name)
-        env = os.environ.get(f"KVTIER_SEGMENT_{f.name.upper()}")
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), default=env if env is not None else value, help=f"(default: {value!r})"
-        )
-    opts = parser.parse_args(argv)
-    try:
-        return SegmentConfig(**vars(opts)).validate().with_defaults()
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise
+    """Build the config from defaults, `KVTIER_SEGMENT_<FIELD>` env vars, then flags; exit 2 when invalid."""
+    return load_config(
+        SegmentConfig,
+        prog="kvtier-segment",
+        description="kvtier segment server (DRAM region + data plane).",
+        env_prefix="KVTIER_SEGMENT_",
+        argv=argv,
+    ).with_defaults()
