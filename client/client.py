@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c
@@ -78,6 +79,7 @@ class Client:
         namespace: str = "default",
         timeout: float = 5.0,
         connections_per_segment: int = 4,
+        io_threads: int = 4,
         transport: str = "",
     ) -> None:
         self.config = ClientConfig(
@@ -85,6 +87,7 @@ class Client:
             namespace=namespace,
             timeout=timeout,
             connections_per_segment=connections_per_segment,
+            io_threads=io_threads,
             transport=transport or ClientConfig.transport_override(),
         ).validate()
         self.namespace = namespace
@@ -92,6 +95,7 @@ class Client:
         self._connectors: dict[str, tuple[tuple[str, ...], Connector]] = {}  # by segment name
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
+        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -108,6 +112,9 @@ class Client:
                 return
             self._closed = True
             connectors, self._connectors = list(self._connectors.values()), {}
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for _, connector in connectors:
             connector.close()
         self._master.close()
@@ -182,8 +189,11 @@ class Client:
             for j in range(pos, pos + count):
                 per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j]))
             pos += count
-        for segment_id, items in per_segment.items():
-            results = self._write_segment(segments.get(segment_id), [(off, views[i]) for i, off in items])
+        jobs = [
+            (self._write_segment, segments.get(segment_id), [(off, views[i]) for i, off in items])
+            for segment_id, items in per_segment.items()
+        ]
+        for items, results in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
             for (i, _), result in zip(items, results, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
@@ -216,6 +226,22 @@ class Client:
         return [to_status(s) for s in statuses]
 
     batch_put_from = batch_put
+
+    def _run_parallel(self, jobs: list[tuple]) -> list:
+        """Run one transfer job per segment, concurrently when there are several.
+
+        Sockets release the GIL, so segments are served in parallel by a pool
+        of `io_threads` threads per client (a constant, whatever the batch).
+        """
+        if len(jobs) == 1:
+            fn, *args = jobs[0]
+            return [fn(*args)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-io")
+            pool = self._pool
+        futures = [pool.submit(fn, *args) for fn, *args in jobs]
+        return [f.result() for f in futures]
 
     def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> list[int]:
         if segment is None:
@@ -292,9 +318,13 @@ class Client:
             for i, positions in replicas.items():
                 groups[reply.replica_segments[positions[attempt]]].append(i)
             retry: dict[int, list[int]] = {}
-            for segment_id, indices in groups.items():
-                results = self._read_segment(segments.get(segment_id), reply, replicas, indices, attempt, views)
-                expired = time.monotonic() > lease_deadline
+            jobs = [
+                (self._read_segment, segments.get(segment_id), reply, replicas, indices, attempt, views)
+                for segment_id, indices in groups.items()
+            ]
+            all_results = self._run_parallel(jobs)
+            expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
+            for (segment_id, indices), results in zip(groups.items(), all_results, strict=True):
                 for i, result in zip(indices, results, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result
