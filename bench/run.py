@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="", help="comma list to run a subset, e.g. batch_put,batch_get_into")
     parser.add_argument("--transport", default="", help="force a transport scheme, e.g. tcp")
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
+    parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
 
 
@@ -125,6 +126,9 @@ class Bench:
         client, batch = self.client, self.batch
         source = bytearray(os.urandom(size * batch))
         values = [memoryview(source)[i * size : (i + 1) * size] for i in range(batch)]
+        if hasattr(client, "prepare"):
+            values = client.prepare(values)
+        into = getattr(client, "supports_into", True)
         get_keys = [f"{self.prefix}/get/{size}/{i}" for i in range(batch)]
         statuses = client.batch_put(get_keys, values)
         if any(statuses):
@@ -135,6 +139,8 @@ class Bench:
         results = []
 
         def want(name: str) -> bool:
+            if name.endswith("_into") and not into:
+                return False
             return not selected or name in selected
 
         def put_key(i: int) -> str:
@@ -206,7 +212,7 @@ class Bench:
                     lambda i: check(min(client.batch_get_into(get_keys, buffers)) == size, "batch_get_into"),
                 )
             )
-        if bytes(buffers[0]) != bytes(values[0]) and (want("get_into") or want("batch_get_into")):
+        if (want("get_into") or want("batch_get_into")) and bytes(buffers[0]) != bytes(values[0]):
             raise RuntimeError("benchmark read back different bytes")
         client.remove_prefix(self.prefix)
         return results
@@ -245,26 +251,60 @@ def run(opts: argparse.Namespace) -> int:
         master = local.master_address
     try:
         with Client(master, namespace="bench", timeout=30.0, transport=opts.transport) as client:
-            bench = Bench(client, opts.batch, bytes_per_run, opts.repeat)
-            results = []
-            for size in sizes:
-                results.extend(bench.run_size(size, selected))
+            results = run_driver(client, sizes, selected, opts.batch, bytes_per_run, opts.repeat)
     finally:
         if local is not None:
             local.stop()
+    peer_results: list[Result] = []
+    peer_name = ""
+    if opts.compare == "redis":
+        from kvtier.bench.redis_peer import RedisPeer
+
+        try:
+            peer = RedisPeer()
+        except RuntimeError as exc:
+            print(f"kvtier bench: cannot compare with redis: {exc}", file=sys.stderr)
+            return 1
+        peer_name = f"Redis {peer.version} (redis-py, {peer.parser} parser)"
+        try:
+            peer_results = run_driver(peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat)
+        finally:
+            peer.close()
     machine = machine_description()
+    transport = opts.transport or "auto"
     if opts.json:
-        print(
-            json.dumps(
-                {"machine": machine, "transport": opts.transport or "auto", "results": [asdict(r) for r in results]},
-                indent=2,
-            )
-        )
-    else:
-        print_table(
-            results,
-            f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, "
-            f"Python {machine['python']}, transport {opts.transport or 'auto'}, "
-            f"median of {opts.repeat}",
-        )
+        doc: dict = {"machine": machine, "transport": transport, "repeat": opts.repeat}
+        doc["results"] = [asdict(r) for r in results]
+        if peer_results:
+            doc["peer"] = {"name": peer_name, "results": [asdict(r) for r in peer_results]}
+        print(json.dumps(doc, indent=2))
+        return 0
+    header = (
+        f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, "
+        f"Python {machine['python']}, transport {transport}, median of {opts.repeat}"
+    )
+    print_table(results, header)
+    if peer_results:
+        print()
+        print_comparison(results, peer_results, peer_name)
     return 0
+
+
+def run_driver(driver, sizes: list[int], selected: set[str], batch: int, bytes_per_run: int, repeat: int) -> list:
+    bench = Bench(driver, batch, bytes_per_run, repeat)
+    results = []
+    for size in sizes:
+        results.extend(bench.run_size(size, selected))
+    return results
+
+
+def print_comparison(ours: list[Result], peer: list[Result], peer_name: str) -> None:
+    print(f"kvtier vs {peer_name}: GB/s side by side (ratio = kvtier / peer)")
+    print(f"{'workload':<16} {'size':>9} {'kvtier':>8} {'peer':>8} {'ratio':>7}")
+    theirs = {(r.workload, r.size): r for r in peer}
+    for r in ours:
+        other = theirs.get((r.workload, r.size))
+        if other is None:
+            continue
+        ratio = r.gbps / other.gbps if other.gbps else float("inf")
+        print(f"{r.workload:<16} {format_size(r.size):>9} {r.gbps:>8.2f} {other.gbps:>8.2f} {ratio:>6.2f}x")
