@@ -28,6 +28,7 @@ class OffsetAllocator:
         self._free_by_end: dict[int, int] = {}  # end -> start
         self._bins: list[dict[int, int]] = [{} for _ in range(_MAX_BINS)]  # per bin: start -> size
         self._nonempty = 0  # bit i set when bin i has an extent
+        self._allocated: dict[int, int] = {}  # start -> aligned size of every live allocation
         if self.capacity:
             self._insert(0, self.capacity)
 
@@ -67,8 +68,9 @@ class OffsetAllocator:
     def release(self, offset: int, size: int) -> None:
         """Return a range obtained from `allocate(size)`; merges with free neighbours."""
         size = self.aligned(size)
-        if offset < 0 or offset + size > self.capacity or offset in self._free_by_start:
+        if self._allocated.get(offset) != size:
             raise ValueError(f"release of a range that is not allocated: offset={offset} size={size}")
+        del self._allocated[offset]
         self.used -= size
         end = offset + size
         after = self._free_by_start.get(end)
@@ -86,6 +88,7 @@ class OffsetAllocator:
         if extent > size:
             self._insert(start + size, extent - size)
         self.used += size
+        self._allocated[start] = size
         return start
 
     def _insert(self, start: int, size: int) -> None:

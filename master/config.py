@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.proto.config import load_config
+from kvtier.proto.keys import cluster_id_problem
 from kvtier.proto.units import parse_hostport
 
 
@@ -40,8 +41,8 @@ class MasterConfig:
             raise ValueError("max_batch_keys must be at least 1")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
-        if not self.cluster_id or "/" in self.cluster_id or len(self.cluster_id) > 64:
-            raise ValueError("cluster_id must be 1-64 characters without '/'")
+        if problem := cluster_id_problem(self.cluster_id):
+            raise ValueError(problem)
         return self
 
 

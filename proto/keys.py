@@ -8,10 +8,29 @@ clearer error.
 
 from __future__ import annotations
 
+import re
+
 from kvtier.proto.errors import InvalidKeyError
 
 MAX_KEY_BYTES = 1024
 MAX_NAMESPACE_BYTES = 256
+
+# Cluster ids and segment names appear in file names (`kvtier.<cluster>.<name>.region`):
+# a cluster id has no '.', so the first '.' after the prefix always ends it.
+CLUSTER_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SEGMENT_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,120}")
+
+
+def cluster_id_problem(cluster_id: str) -> str | None:
+    if not CLUSTER_ID_RE.fullmatch(cluster_id):
+        return f"cluster_id {cluster_id!r} must be 1-64 characters of A-Z a-z 0-9 _ -"
+    return None
+
+
+def segment_name_problem(name: str) -> str | None:
+    if not SEGMENT_NAME_RE.fullmatch(name):
+        return f"segment name (--name) {name!r} must be 1-120 characters of A-Z a-z 0-9 _ . -"
+    return None
 
 
 def key_problem(key: object, *, limit: int = MAX_KEY_BYTES, what: str = "key") -> str | None:

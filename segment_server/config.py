@@ -7,11 +7,13 @@ variables (flags win); nothing deeper reads the environment.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass, fields
 
 from kvtier.proto.config import load_config
+from kvtier.proto.keys import cluster_id_problem, segment_name_problem
 from kvtier.proto.units import parse_hostport, parse_size
 
 MIN_DRAM = 1 << 20
@@ -37,10 +39,10 @@ class SegmentConfig:
         parse_hostport(self.listen)
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")
-        if not self.cluster_id or "/" in self.cluster_id or len(self.cluster_id) > 64:
-            raise ValueError("cluster_id must be 1-64 characters without '/'")
-        if "/" in self.name or len(self.name) > 120:
-            raise ValueError("name must be at most 120 characters without '/'")
+        if problem := cluster_id_problem(self.cluster_id):
+            raise ValueError(problem)
+        if self.name and (problem := segment_name_problem(self.name)):
+            raise ValueError(problem)
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"shm_dir {self.shm_dir!r} is not a directory")
         return self
@@ -49,7 +51,8 @@ class SegmentConfig:
         """Fill in values that depend on the machine (the default name)."""
         if self.name:
             return self
-        name = f"{socket.gethostname()[:64]}-{uuid.uuid4().hex[:8]}".replace("/", "_")
+        host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:100] or "segment"
+        name = f"{host}-{uuid.uuid4().hex[:8]}"
         return SegmentConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, "name": name})
 
 

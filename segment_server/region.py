@@ -32,6 +32,8 @@ FORMAT = 1
 HEADER_SIZE = 4096
 _HEADER = struct.Struct("<8sIQQ16s64s128s64s")
 SHM_DIR = "/dev/shm"
+# `kvtier.<cluster>.<segment>.region`: cluster ids contain no '.', so names never collide.
+_FILE_PREFIX = "kvtier."
 
 
 def host_id() -> str:
@@ -53,7 +55,7 @@ def boot_id() -> str:
 
 
 def region_path(directory: str, cluster_id: str, segment_name: str) -> str:
-    return os.path.join(directory, f"kvtier-{cluster_id}-{segment_name}.region")
+    return os.path.join(directory, f"{_FILE_PREFIX}{cluster_id}.{segment_name}.region")
 
 
 class DramRegion:
@@ -104,9 +106,9 @@ class DramRegion:
         """Unmap and delete the file. Safe to call twice."""
         if self._fd < 0:
             return
-        self.view.release()
         assert self._map is not None
         try:
+            self.view.release()
             self._map.close()
         except BufferError:  # a transport still holds a slice; the mapping dies with the process
             logger.warning("region still referenced at close path=%s", self.path)
@@ -165,15 +167,19 @@ def remove_if_orphaned(path: str) -> bool:
 def remove_orphans(directory: str, cluster_id: str) -> int:
     """Remove every orphaned region file of `cluster_id` in `directory`; live ones stay."""
     removed = 0
-    prefix = f"kvtier-{cluster_id}-"
+    prefix = f"{_FILE_PREFIX}{cluster_id}."
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
     for name in names:
         if name.startswith(prefix) and name.endswith(".region"):
+            path = os.path.join(directory, name)
+            header = read_header(path)
+            if header is None or header["cluster_id"] != cluster_id:
+                continue  # not a region, or one of a cluster whose id merely starts with ours
             try:
-                removed += remove_if_orphaned(os.path.join(directory, name))
+                removed += remove_if_orphaned(path)
             except (FileExistsError, OSError):
                 continue
     return removed

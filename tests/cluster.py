@@ -162,4 +162,4 @@ class Cluster:
                 proc.popen.wait()
 
     def leftover_region_files(self) -> list[str]:
-        return sorted(str(p) for p in Path("/dev/shm").glob(f"kvtier-{self.cluster_id}-*"))
+        return sorted(str(p) for p in Path("/dev/shm").glob(f"kvtier.{self.cluster_id}.*"))

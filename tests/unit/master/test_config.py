@@ -1,0 +1,108 @@
+"""MasterConfig validation and the master's flag/env parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kvtier.master.config import MasterConfig, parse_args
+
+
+@pytest.fixture(autouse=True)
+def _no_master_env(monkeypatch):
+    for name in [f.name for f in dataclasses.fields(MasterConfig)]:
+        monkeypatch.delenv(f"KVTIER_MASTER_{name.upper()}", raising=False)
+
+
+def test_defaults_are_valid():
+    config = MasterConfig()
+    assert config.validate() is config
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"listen": "no-port"}, "invalid address"),
+        ({"listen": "127.0.0.1:65536"}, "invalid address"),
+        ({"listen": "127.0.0.1:http"}, "invalid address"),
+        ({"segment_ttl_s": 0.0}, "segment_ttl_s must be positive"),
+        ({"heartbeat_interval_s": -1.0}, "heartbeat_interval_s must be positive"),
+        ({"lease_s": 0.0}, "lease_s must be positive"),
+        ({"put_timeout_s": -0.5}, "put_timeout_s must be positive"),
+        ({"tick_interval_s": 0.0}, "tick_interval_s must be positive"),
+        ({"segment_ttl_s": 1.9, "heartbeat_interval_s": 1.0}, "at least twice"),
+        ({"max_batch_keys": 0}, "max_batch_keys"),
+        ({"alignment": 0}, "power of two"),
+        ({"alignment": 48}, "power of two"),
+        ({"cluster_id": ""}, "cluster_id"),
+        ({"cluster_id": "a/b"}, "cluster_id"),
+        ({"cluster_id": "a.b"}, "cluster_id"),
+        ({"cluster_id": "x" * 65}, "cluster_id"),
+    ],
+)
+def test_validate_rejects_bad_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        MasterConfig(**changes).validate()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"segment_ttl_s": 2.0, "heartbeat_interval_s": 1.0},
+        {"alignment": 1},
+        {"alignment": 4096},
+        {"cluster_id": "x" * 64},
+        {"listen": "[::1]:0"},
+        {"listen": ":50051"},
+        {"max_batch_keys": 1},
+    ],
+)
+def test_validate_accepts_boundary_values(changes):
+    MasterConfig(**changes).validate()
+
+
+def test_parse_args_reads_flags():
+    config = parse_args(["--listen", "0.0.0.0:6000", "--lease-s", "2.5", "--alignment", "4096", "--cluster-id", "c"])
+    assert config.listen == "0.0.0.0:6000"
+    assert config.lease_s == 2.5
+    assert config.alignment == 4096
+    assert config.cluster_id == "c"
+    assert config.segment_ttl_s == MasterConfig().segment_ttl_s
+
+
+def test_environment_fills_values_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KVTIER_MASTER_LEASE_S", "3")
+    monkeypatch.setenv("KVTIER_MASTER_CLUSTER_ID", "from-env")
+    config = parse_args(["--cluster-id", "from-flag"])
+    assert config.lease_s == 3.0
+    assert isinstance(config.lease_s, float)
+    assert config.cluster_id == "from-flag"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lease-s", "abc"],  # not a number
+        ["--alignment", "1.5"],  # not an int
+        ["--alignment", "48"],  # fails validation
+        ["--lease-s", "0"],
+        ["--segment-ttl-s", "1", "--heartbeat-interval-s", "1"],
+        ["--listen", "localhost"],
+        ["--cluster-id", "a/b"],
+        ["--no-such-flag", "1"],
+    ],
+)
+def test_parse_args_exits_2_on_invalid_flags(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args(argv)
+    assert excinfo.value.code == 2
+    assert "kvtier-master: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "value"), [("LEASE_S", "soon"), ("ALIGNMENT", "48"), ("MAX_BATCH_KEYS", "many")])
+def test_parse_args_exits_2_on_invalid_environment(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(f"KVTIER_MASTER_{name}", value)
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args([])
+    assert excinfo.value.code == 2
+    assert "kvtier-master: error:" in capsys.readouterr().err
