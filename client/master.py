@@ -1,29 +1,50 @@
-"""The client's link to the master: a synchronous gRPC stub with retry.
+"""The client's link to the master: gRPC, plus the framed fast path for the hot calls.
 
-`call` retries UNAVAILABLE (master restarting, connection refused) with
-exponential back-off from 50 ms to 1 s until the caller's deadline, then maps
-the gRPC error to a `KvtierError`. Thread-safe: a gRPC channel may be shared.
+`call(method, request)` sends the hot per-batch calls (see
+`kvtier.proto.rpcframe.METHODS`) over the master's fast path when the master
+advertises one in `Hello`, and everything else, or everything when the fast
+path is off or unreachable, over gRPC. Both carry the same messages to the
+same handlers.
+
+Failure handling, written once here:
+- gRPC UNAVAILABLE (master restarting, connection refused) is retried with
+  exponential back-off from 50 ms to 1 s until the caller's deadline.
+- A fast-path connection that cannot be opened switches this client to gRPC
+  and asks `Hello` again a second later (a restarted master listens elsewhere).
+- A fast-path exchange that broke after the request was sent is retried over
+  gRPC only for calls that are safe to repeat; a broken PutStart raises
+  UNAVAILABLE (its allocations are reclaimed by the master's put timeout).
+- A response whose whole-request `status` is not OK raises KvtierError.
+Thread-safe: the gRPC channel and the socket pool are shared.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 from typing import Any
 
 import grpc
-from kvtier.proto import master_pb2_grpc
-from kvtier.proto.errors import ConnectError, KvtierError
+
+from kvtier.client.sockpool import SocketPool, recv_exact, send_all
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto import master_pb2_grpc, rpcframe
+from kvtier.proto.errors import ConnectError, KvtierError, ProtocolError, TransportError
 from kvtier.proto.status import Status, to_status
+from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
 GRPC_MESSAGE_LIMIT = 256 << 20
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+_NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
+_HELLO_RETRY_S = 1.0
 
 
 class MasterClient:
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, *, fast_path: bool = True, connections: int = 4) -> None:
         self.address = address
         self.timeout = timeout
         self._channel = grpc.insecure_channel(
@@ -34,13 +55,112 @@ class MasterClient:
             ],
         )
         self.stub = master_pb2_grpc.MasterStub(self._channel)
+        self._want_fast = fast_path
+        self._connections = connections
+        self._fast: SocketPool | None = None
+        self._next_hello = 0.0  # monotonic time of the next Hello when the fast path is unknown
+        self._lock = threading.Lock()
+        self._request_ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ public
 
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """Invoke `method`, retrying while the master is unavailable; raise KvtierError on failure.
-
-        A response whose whole-request `status` is not OK raises KvtierError with it.
-        """
+        """Invoke `method`; raise KvtierError on failure (see the module docstring)."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        method_id = rpcframe.METHOD_IDS.get(method)
+        pool = self._fast_pool(deadline) if method_id is not None else None
+        if pool is not None:
+            sent = [False]
+            try:
+                reply = self._call_fast(pool, method_id, request, sent)
+            except TransportError as exc:
+                self._drop_fast(pool, exc)
+                if sent[0] and method in _NOT_REPEATABLE:
+                    raise KvtierError(
+                        Status.UNAVAILABLE, f"{method}: fast path failed mid-call: {exc.message}"
+                    ) from None
+            except OSError as exc:  # timeouts (EAGAIN), resets, broken pipes
+                self._drop_fast(pool, exc)
+                if sent[0] and method in _NOT_REPEATABLE:
+                    raise KvtierError(Status.UNAVAILABLE, f"{method}: fast path failed mid-call: {exc}") from None
+            else:
+                return self._check(method, reply)
+        return self._check(method, self._call_grpc(method, request, deadline))
+
+    def hello(self, timeout: float | None = None) -> pb.HelloResponse:
+        return self._check(
+            "Hello", self._call_grpc("Hello", pb.HelloRequest(), time.monotonic() + (timeout or self.timeout))
+        )
+
+    @property
+    def fast_path_active(self) -> bool:
+        return self._fast is not None
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._fast = self._fast, None
+            self._want_fast = False
+        if pool is not None:
+            pool.close()
+        self._channel.close()
+
+    # ------------------------------------------------------------------ fast path
+
+    def _fast_pool(self, deadline: float) -> SocketPool | None:
+        pool = self._fast
+        if pool is not None or not self._want_fast or time.monotonic() < self._next_hello:
+            return pool
+        with self._lock:
+            if self._fast is not None or time.monotonic() < self._next_hello:
+                return self._fast
+            self._next_hello = time.monotonic() + _HELLO_RETRY_S
+        try:
+            hello = self._check(
+                "Hello", self._call_grpc("Hello", pb.HelloRequest(), min(deadline, time.monotonic() + 1))
+            )
+        except KvtierError as exc:
+            logger.debug("Hello failed; using gRPC for now: %s", exc)
+            return None
+        if not hello.fast_endpoint:
+            return None
+        address = parse_hostport(hello.fast_endpoint.split("://", 1)[-1])
+        new = SocketPool(address, self.timeout, self._connections, f"master fast path {hello.fast_endpoint}")
+        with self._lock:
+            if self._fast is None and self._want_fast:
+                self._fast = new
+                logger.debug("using the master fast path at %s", hello.fast_endpoint)
+                return new
+        new.close()
+        return self._fast
+
+    def _drop_fast(self, pool: SocketPool, exc: Exception) -> None:
+        logger.warning("master fast path failed (%s); using gRPC and asking Hello again later", exc)
+        with self._lock:
+            if self._fast is pool:
+                self._fast = None
+                self._next_hello = time.monotonic() + _HELLO_RETRY_S
+        pool.close()
+
+    def _call_fast(self, pool: SocketPool, method_id: int, request: Any, sent: list[bool]) -> Any:
+        name, _, response_type = rpcframe.METHODS[method_id]
+        payload = request.SerializeToString()
+        request_id = next(self._request_ids) & 0xFFFFFFFF
+        with pool.socket() as sock:
+            send_all(sock, [rpcframe.HEADER.pack(rpcframe.MAGIC, method_id, request_id, len(payload)), payload])
+            sent[0] = True
+            magic, method, reply_id, size = rpcframe.HEADER.unpack(recv_exact(sock, rpcframe.HEADER.size))
+            if magic != rpcframe.MAGIC or size > rpcframe.MAX_PAYLOAD:
+                raise ProtocolError(f"bad fast-path frame from the master: magic={magic:#x} size={size}")
+            body = recv_exact(sock, size) if size else b""
+            if method == rpcframe.ERROR_METHOD:
+                raise ProtocolError(f"master refused {name}: {body.decode(errors='replace')}")
+            if method != method_id or reply_id != request_id:
+                raise ProtocolError(f"fast-path reply {method}/{reply_id} for request {method_id}/{request_id}")
+        return response_type.FromString(body)
+
+    # ------------------------------------------------------------------ gRPC
+
+    def _call_grpc(self, method: str, request: Any, deadline: float) -> Any:
         backoff = 0.05
         rpc = getattr(self.stub, method)
         while True:
@@ -48,7 +168,7 @@ class MasterClient:
             if remaining <= 0:
                 raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} did not answer in time")
             try:
-                reply = rpc(request, timeout=remaining)
+                return rpc(request, timeout=remaining)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code in _RETRYABLE and deadline - time.monotonic() > backoff:
@@ -61,10 +181,10 @@ class MasterClient:
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise ConnectError(f"{method}: master {self.address} unavailable: {exc.details()}") from None
                 raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {exc.details()}") from None
-            status = getattr(reply, "status", 0)
-            if status:
-                raise KvtierError(to_status(status), f"{method}: {reply.error}")
-            return reply
 
-    def close(self) -> None:
-        self._channel.close()
+    @staticmethod
+    def _check(method: str, reply: Any) -> Any:
+        status = getattr(reply, "status", 0)
+        if status:
+            raise KvtierError(to_status(status), f"{method}: {reply.error}")
+        return reply

@@ -16,6 +16,8 @@ from kvtier.proto.units import parse_hostport
 @dataclass(frozen=True, slots=True)
 class MasterConfig:
     listen: str = "127.0.0.1:50051"  # gRPC address; binds exactly this address
+    # framed fast path for the hot calls: "auto" = the gRPC host on a free port, "off", or HOST:PORT
+    fast_listen: str = "auto"
     cluster_id: str = "default"  # segments of another cluster are refused
     segment_ttl_s: float = 10.0  # a segment silent this long is unmounted, its replicas dropped
     heartbeat_interval_s: float = 1.0  # told to segments at mount
@@ -29,6 +31,8 @@ class MasterConfig:
 
     def validate(self) -> MasterConfig:
         parse_hostport(self.listen)
+        if self.fast_listen not in ("auto", "off"):
+            parse_hostport(self.fast_listen)
         for name in ("segment_ttl_s", "heartbeat_interval_s", "lease_s", "put_timeout_s", "tick_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

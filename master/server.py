@@ -10,8 +10,10 @@ import signal
 import uuid
 
 import grpc
+
 from kvtier.master.config import MasterConfig
-from kvtier.master.servicer import MasterServicer
+from kvtier.master.fastpath import start_fast_path
+from kvtier.master.servicer import MasterHandlers, MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 
@@ -37,7 +39,8 @@ def write_ready_file(path: str, info: dict) -> None:
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
     state = MasterState(config)
     epoch = uuid.uuid4().hex[:16]
-    servicer = MasterServicer(state, epoch)
+    handlers = MasterHandlers(state, epoch)
+    servicer = MasterServicer(handlers)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     port = server.add_insecure_port(config.listen)
@@ -46,10 +49,22 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     host = config.listen.rpartition(":")[0]
     address = f"{host}:{port}"
     await server.start()
+    fast_server = None
+    if config.fast_listen != "off":
+        fast_listen = f"{host}:0" if config.fast_listen == "auto" else config.fast_listen
+        try:
+            fast_server = await start_fast_path(fast_listen, handlers)
+        except OSError as exc:
+            await server.stop(grace=None)
+            raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None
     logger.info("master serving address=%s cluster_id=%s epoch=%s", address, config.cluster_id, epoch)
-    print(f"kvtier-master listening on {address} (cluster {config.cluster_id})", flush=True)
+    fast = f", fast path {handlers.fast_endpoint}" if handlers.fast_endpoint else ""
+    print(f"kvtier-master listening on {address}{fast} (cluster {config.cluster_id})", flush=True)
     if config.ready_file:
-        write_ready_file(config.ready_file, {"address": address, "epoch": epoch, "pid": os.getpid()})
+        write_ready_file(
+            config.ready_file,
+            {"address": address, "fast_endpoint": handlers.fast_endpoint, "epoch": epoch, "pid": os.getpid()},
+        )
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -68,4 +83,6 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     await stop.wait()
     logger.info("master stopping")
     tick_task.cancel()
+    if fast_server is not None:
+        fast_server.close()
     await server.stop(grace=1.0)

@@ -1,9 +1,12 @@
-"""gRPC plumbing for the master: parse requests, call `MasterState`, build responses.
+"""Request plumbing for the master: parse requests, call `MasterState`, build responses.
 
+`MasterHandlers` holds one synchronous method per RPC, named as in
+`master.proto`, taking a request message and returning a response message.
+Two transports call them: the gRPC servicer (`MasterServicer`, the API) and
+the framed fast path (`kvtier.master.fastpath`) for the hot per-batch calls.
 Every handler goes through `_rpc`, which counts requests and failures, times
 the call, logs slow or failing ones and turns an unexpected exception into an
-INTERNAL response instead of a crashed stream. Handlers contain no logic of
-their own beyond request validation that needs the wire form.
+INTERNAL response. Handlers contain no logic beyond wire-form validation.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
+
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
@@ -25,7 +29,7 @@ from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Handler = Callable[[Any, Any], Any]
 
 
 def _rpc(response_type: type) -> Callable[[Handler], Handler]:
@@ -33,11 +37,11 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
         name = handler.__name__
 
         @functools.wraps(handler)
-        async def wrapper(self: MasterServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def wrapper(self: MasterHandlers, request: Any) -> Any:
             started = time.perf_counter()
             self.requests[name] += 1
             try:
-                return await handler(self, request, context)
+                return handler(self, request)
             except InvalidKeyError as exc:
                 self.failures[name] += 1
                 return response_type(status=Status.INVALID_KEY, error=exc.message)
@@ -55,10 +59,11 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
     return decorate
 
 
-class MasterServicer(master_pb2_grpc.MasterServicer):
+class MasterHandlers:
     def __init__(self, state: MasterState, epoch: str) -> None:
         self.state = state
         self.epoch = epoch
+        self.fast_endpoint = ""  # set by the server once the fast path listens
         self.requests: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
 
@@ -85,8 +90,20 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     # -------------------------------------------------------------- segments
 
+    @_rpc(pb.HelloResponse)
+    def Hello(self, request):
+        config = self.state.config
+        return pb.HelloResponse(
+            status=Status.OK,
+            cluster_id=config.cluster_id,
+            master_epoch=self.epoch,
+            fast_endpoint=self.fast_endpoint,
+            max_batch_keys=config.max_batch_keys,
+            lease_ms=int(config.lease_s * 1000),
+        )
+
     @_rpc(pb.MountSegmentResponse)
-    async def MountSegment(self, request, context):
+    def MountSegment(self, request):
         result = self.state.mount_segment(
             request.cluster_id, request.name, request.host_id, list(request.endpoints), request.dram_capacity
         )
@@ -102,17 +119,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         )
 
     @_rpc(pb.UnmountSegmentResponse)
-    async def UnmountSegment(self, request, context):
+    def UnmountSegment(self, request):
         return pb.UnmountSegmentResponse(status=self.state.unmount_segment(request.segment_id))
 
     @_rpc(pb.HeartbeatResponse)
-    async def Heartbeat(self, request, context):
+    def Heartbeat(self, request):
         return pb.HeartbeatResponse(status=self.state.heartbeat(request.segment_id), master_epoch=self.epoch)
 
     # -------------------------------------------------------------- objects
 
     @_rpc(pb.PutStartResponse)
-    async def PutStart(self, request, context):
+    def PutStart(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.PutStartResponse):
             return rejected
@@ -133,7 +150,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         )
 
     @_rpc(pb.KeyStatusResponse)
-    async def PutEnd(self, request, context):
+    def PutEnd(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
             return rejected
@@ -143,7 +160,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @_rpc(pb.KeyStatusResponse)
-    async def PutRevoke(self, request, context):
+    def PutRevoke(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
             return rejected
@@ -151,7 +168,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @_rpc(pb.GetReplicasResponse)
-    async def GetReplicas(self, request, context):
+    def GetReplicas(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
             return rejected
@@ -170,7 +187,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         )
 
     @_rpc(pb.ExistsResponse)
-    async def Exists(self, request, context):
+    def Exists(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.ExistsResponse):
             return rejected
@@ -178,7 +195,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)
 
     @_rpc(pb.RemoveResponse)
-    async def Remove(self, request, context):
+    def Remove(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
             return rejected
@@ -186,12 +203,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
 
     @_rpc(pb.RemoveResponse)
-    async def RemovePrefix(self, request, context):
+    def RemovePrefix(self, request):
         namespace = check_namespace(request.namespace)
         return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
 
     @_rpc(pb.StatusResponse)
-    async def Status(self, request, context):
+    def Status(self, request):
         snap = self.state.snapshot()
         now = self.state.clock()
         segments = [
@@ -218,3 +235,25 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             segments=segments,
             uptime_s=now - self.state.started_at,
         )
+
+
+RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
+
+
+class MasterServicer(master_pb2_grpc.MasterServicer):
+    """The gRPC face of `MasterHandlers`: every RPC delegates to the handler of the same name."""
+
+    def __init__(self, handlers: MasterHandlers) -> None:
+        self.handlers = handlers
+
+
+def _delegate(name: str):
+    async def method(self: MasterServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return getattr(self.handlers, name)(request)
+
+    method.__name__ = name
+    return method
+
+
+for _name in RPC_NAMES:
+    setattr(MasterServicer, _name, _delegate(_name))

@@ -15,6 +15,30 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DRAM: Tier
 SSD: Tier
 
+class HelloRequest(_message.Message):
+    __slots__ = ("client_version",)
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_version: str
+    def __init__(self, client_version: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("status", "error", "cluster_id", "master_epoch", "fast_endpoint", "max_batch_keys", "lease_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FAST_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    cluster_id: str
+    master_epoch: str
+    fast_endpoint: str
+    max_batch_keys: int
+    lease_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., fast_endpoint: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
 class SegmentEndpoint(_message.Message):
     __slots__ = ("segment_id", "name", "host_id", "endpoints")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -34,6 +34,11 @@ class MasterStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Hello = channel.unary_unary(
+                '/kvtier.v1.Master/Hello',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.HelloRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.HelloResponse.FromString,
+                _registered_method=True)
         self.MountSegment = channel.unary_unary(
                 '/kvtier.v1.Master/MountSegment',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.MountSegmentRequest.SerializeToString,
@@ -93,6 +98,13 @@ class MasterStub:
 
 class MasterServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Hello(self, request, context):
+        """Clients: cluster identity, limits, and where the framed fast path listens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def MountSegment(self, request, context):
         """Segment servers: register a DRAM region and data endpoints, keep alive, leave.
@@ -168,6 +180,11 @@ class MasterServicer:
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.HelloRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.HelloResponse.SerializeToString,
+            ),
             'MountSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.MountSegment,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.MountSegmentRequest.FromString,
@@ -233,6 +250,33 @@ def add_MasterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Master:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/Hello',
+            kvtier_dot_proto_dot_master__pb2.HelloRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.HelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def MountSegment(request,

@@ -5,22 +5,19 @@ buffers and come in with `recv_into` (MSG_WAITALL) straight into the caller's
 buffers, so no payload is copied in user space. Requests to one segment are
 pipelined: all frames of a batch are sent before the responses are read.
 
-Sockets are blocking with kernel send/receive timeouts (SO_SNDTIMEO,
-SO_RCVTIMEO), which keeps each transfer to a few syscalls. A socket that
-failed in any way is closed, never returned to the pool. At most
-`connections_per_segment` sockets exist per endpoint; further callers wait.
+Sockets come from a bounded `SocketPool` (blocking, kernel timeouts, at most
+`connections_per_segment` per endpoint; a socket that failed is closed).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
-import struct
-import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, send_all
 from kvtier.client.transport.base import Buffer
 from kvtier.proto import frames
 from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
@@ -30,45 +27,8 @@ from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
-_IOV_MAX = 1024
 _OK = 0
 _FAILED = int(Status.TRANSFER_FAILED)
-
-
-def send_all(sock: socket.socket, buffers: list) -> None:
-    """sendmsg every buffer, continuing after partial sends (the kernel may take part of an iovec)."""
-    index = 0
-    while index < len(buffers):
-        batch = buffers[index : index + _IOV_MAX]
-        sent = sock.sendmsg(batch)
-        for buf in batch:
-            size = len(buf)
-            if sent >= size:
-                sent -= size
-                index += 1
-            else:
-                buffers[index] = memoryview(buf)[sent:]
-                break
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if n == 0:
-            raise ReadError("segment server closed the connection mid-frame")
-        view = view[n:]
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = sock.recv(size, socket.MSG_WAITALL)  # one allocation, received in place
-    if len(data) == size:
-        return data
-    if not data:
-        raise ReadError("segment server closed the connection mid-frame")
-    buf = bytearray(size)
-    buf[: len(data)] = data
-    recv_exact_into(sock, memoryview(buf)[len(data) :])
-    return bytes(buf)
 
 
 class TcpConnector:
@@ -77,66 +37,12 @@ class TcpConnector:
     def __init__(self, endpoint: str, config: ClientConfig) -> None:
         self.endpoint = endpoint
         self._address = parse_hostport(endpoint.split("://", 1)[-1])
-        self._timeout = config.timeout
         self._frame_bytes = config.frame_bytes
-        self._limit = config.connections_per_segment
-        self._idle: list[socket.socket] = []
-        self._open = 0
-        self._cond = threading.Condition()
-        self._request_ids = iter(range(1, 1 << 62))
-        self._closed = False
-
-    # ------------------------------------------------------------- pool
-
-    def _connect(self) -> socket.socket:
-        try:
-            sock = socket.create_connection(self._address, timeout=self._timeout)
-        except OSError as exc:
-            raise ConnectError(f"cannot connect to segment {self.endpoint}: {exc}") from None
-        sock.settimeout(None)  # blocking; the kernel enforces the timeouts below
-        timeval = struct.pack("ll", int(self._timeout), int((self._timeout % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    @contextmanager
-    def _socket(self) -> Iterator[socket.socket]:
-        with self._cond:
-            while not self._idle and self._open >= self._limit:
-                if not self._cond.wait(self._timeout):
-                    raise ConnectError(f"no free connection to {self.endpoint} within {self._timeout}s")
-            sock = self._idle.pop() if self._idle else None
-            if sock is None:
-                self._open += 1
-        if sock is None:
-            try:
-                sock = self._connect()
-            except BaseException:
-                with self._cond:
-                    self._open -= 1
-                    self._cond.notify()
-                raise
-        healthy = False
-        try:
-            yield sock
-            healthy = True
-        finally:
-            with self._cond:
-                if healthy and not self._closed:
-                    self._idle.append(sock)
-                else:
-                    self._open -= 1
-                    sock.close()
-                self._cond.notify()
+        self._pool = SocketPool(self._address, config.timeout, config.connections_per_segment, f"segment {endpoint}")
+        self._request_ids = itertools.count(1)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            for sock in self._idle:
-                sock.close()
-            self._open -= len(self._idle)
-            self._idle.clear()
+        self._pool.close()
 
     # ------------------------------------------------------------- framing
 
@@ -168,7 +74,7 @@ class TcpConnector:
         sizes = [r[1] if isinstance(r[1], int) else len(r[1]) for r in ranges]
         results: list = [_FAILED] * len(ranges)
         try:
-            with self._socket() as sock:
+            with self._pool.socket() as sock:
                 sent = []
                 for start, end in self._frames(sizes):
                     request_id = next(self._request_ids)

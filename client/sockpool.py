@@ -1,0 +1,119 @@
+"""A bounded pool of blocking TCP sockets to one address, shared by threads.
+
+Sockets are blocking with kernel send/receive timeouts (SO_SNDTIMEO,
+SO_RCVTIMEO), so a transfer is a few syscalls with no poll loop, and a peer
+that stops answering costs at most the timeout. At most `limit` sockets
+exist; further callers wait up to the timeout for one. A socket whose use
+raised is closed, never returned to the pool.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvtier.proto.errors import ConnectError, ReadError
+
+_IOV_MAX = 1024  # Linux's limit of buffers per sendmsg
+
+
+class SocketPool:
+    def __init__(self, address: tuple[str, int], timeout: float, limit: int, what: str) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.limit = limit
+        self.what = what  # for error messages, e.g. "segment tcp://127.0.0.1:4000"
+        self._idle: list[socket.socket] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {self.what}: {exc}") from None
+        sock.settimeout(None)  # blocking; the kernel enforces the timeouts below
+        timeval = struct.pack("ll", int(self.timeout), int((self.timeout % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    @contextmanager
+    def socket(self) -> Iterator[socket.socket]:
+        """A socket for one exchange; returned to the pool only if the block did not raise."""
+        with self._cond:
+            while not self._idle and self._open >= self.limit:
+                if not self._cond.wait(self.timeout):
+                    raise ConnectError(f"no free connection to {self.what} within {self.timeout}s")
+            sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                self._open += 1
+        if sock is None:
+            try:
+                sock = self._connect()
+            except BaseException:
+                with self._cond:
+                    self._open -= 1
+                    self._cond.notify()
+                raise
+        healthy = False
+        try:
+            yield sock
+            healthy = True
+        finally:
+            with self._cond:
+                if healthy and not self._closed:
+                    self._idle.append(sock)
+                else:
+                    self._open -= 1
+                    sock.close()
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for sock in self._idle:
+                sock.close()
+            self._open -= len(self._idle)
+            self._idle.clear()
+
+
+def send_all(sock: socket.socket, buffers: list) -> None:
+    """sendmsg every buffer, continuing after partial sends (the kernel may take part of an iovec)."""
+    index = 0
+    while index < len(buffers):
+        batch = buffers[index : index + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        for buf in batch:
+            size = len(buf)
+            if sent >= size:
+                sent -= size
+                index += 1
+            else:
+                buffers[index] = memoryview(buf)[sent:]
+                break
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ReadError("segment server closed the connection mid-frame")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = sock.recv(size, socket.MSG_WAITALL)  # one allocation, received in place
+    if len(data) == size:
+        return data
+    if not data:
+        raise ReadError("segment server closed the connection mid-frame")
+    buf = bytearray(size)
+    buf[: len(data)] = data
+    recv_exact_into(sock, memoryview(buf)[len(data) :])
+    return bytes(buf)

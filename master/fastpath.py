@@ -1,0 +1,101 @@
+"""The master's framed fast-path listener (see kvtier.proto.rpcframe).
+
+Each connection parses frames from a receive buffer and answers each with the
+same `MasterHandlers` method gRPC would call. Handlers are synchronous and
+never block, so answering inline on the event loop keeps responses in order
+and costs no task per request. While the transport's send buffer is above
+its high-water mark the connection stops reading (backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from google.protobuf.message import DecodeError
+
+from kvtier.master.servicer import MasterHandlers
+from kvtier.proto import rpcframe
+from kvtier.proto.units import parse_hostport
+
+logger = logging.getLogger(__name__)
+_HEADER = rpcframe.HEADER
+_HEADER_SIZE = _HEADER.size
+
+
+class FastPathProtocol(asyncio.Protocol):
+    def __init__(self, handlers: MasterHandlers) -> None:
+        self._handlers = handlers
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._closing = False
+        self._dispatch = {
+            method: (getattr(handlers, name), request_type)
+            for method, (name, request_type, _) in rpcframe.METHODS.items()
+        }
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self._transport = None
+        self._buffer = bytearray()
+
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._closing:
+            self._transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        buffer = self._buffer
+        buffer += data
+        consumed = 0
+        while len(buffer) - consumed >= _HEADER_SIZE:
+            magic, method, request_id, size = _HEADER.unpack_from(buffer, consumed)
+            entry = self._dispatch.get(method)
+            if magic != rpcframe.MAGIC or entry is None or size > rpcframe.MAX_PAYLOAD:
+                return self._fatal(request_id, f"bad frame: magic={magic:#x} method={method} size={size}")
+            end = consumed + _HEADER_SIZE + size
+            if len(buffer) < end:
+                break
+            handler, request_type = entry
+            try:
+                request = request_type.FromString(memoryview(buffer)[consumed + _HEADER_SIZE : end])
+            except DecodeError:
+                return self._fatal(request_id, f"undecodable {request_type.__name__}")
+            consumed = end
+            reply = handler(request).SerializeToString()
+            self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
+        if consumed:
+            del buffer[:consumed]
+
+    def _fatal(self, request_id: int, reason: str) -> None:
+        peer = self._transport.get_extra_info("peername")
+        logger.warning("fast path protocol error peer=%s: %s; closing", peer, reason)
+        message = reason.encode()
+        self._transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, request_id, len(message)) + message)
+        self._closing = True
+        self._buffer = bytearray()
+        self._transport.close()
+
+
+async def start_fast_path(listen: str, handlers: MasterHandlers) -> asyncio.AbstractServer:
+    """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint`."""
+    host, port = parse_hostport(listen)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: FastPathProtocol(handlers), host=host, port=port, reuse_address=True, backlog=512
+    )
+    bound_host, bound_port = server.sockets[0].getsockname()[:2]
+    handlers.fast_endpoint = f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+    logger.info("fast path listening endpoint=%s", handlers.fast_endpoint)
+    return server

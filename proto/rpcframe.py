@@ -1,0 +1,40 @@
+"""The master's framed fast path: the hot per-batch calls as protobuf over plain TCP.
+
+gRPC stays the master's API (every call exists there). A gRPC round trip
+between two Python processes costs ~0.6 ms on a 2-vCPU machine, a framed one
+on uvloop ~0.02 ms, and a single-key get pays one metadata round trip, so
+the calls every get and put makes (GetReplicas, Exists, PutStart, PutEnd,
+PutRevoke, Remove) also travel over this framing, carrying the very same
+request and response messages to the very same handlers. Clients learn the
+endpoint from `Hello` and fall back to gRPC when it is off or unreachable.
+
+    request   magic:u16 method:u16 request_id:u32 payload_len:u32  + serialized request message
+    response  magic:u16 method:u16 request_id:u32 payload_len:u32  + serialized response message
+
+All integers little-endian. Responses come in request order. A frame the
+master cannot trust (bad magic, unknown method, payload over MAX_PAYLOAD, an
+undecodable message) gets a response with method 0 and a UTF-8 reason, and
+the connection is closed.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvtier.proto import master_pb2 as pb
+
+MAGIC = 0x4D4B  # b"KM" little-endian
+HEADER = struct.Struct("<HHII")
+MAX_PAYLOAD = 256 << 20  # as the gRPC message limit
+ERROR_METHOD = 0
+
+# method id -> (RPC name, request type, response type). Ids are wire contract: never reuse one.
+METHODS: dict[int, tuple[str, type, type]] = {
+    1: ("GetReplicas", pb.KeysRequest, pb.GetReplicasResponse),
+    2: ("Exists", pb.KeysRequest, pb.ExistsResponse),
+    3: ("PutStart", pb.PutStartRequest, pb.PutStartResponse),
+    4: ("PutEnd", pb.PutEndRequest, pb.KeyStatusResponse),
+    5: ("PutRevoke", pb.PutRevokeRequest, pb.KeyStatusResponse),
+    6: ("Remove", pb.KeysRequest, pb.RemoveResponse),
+}
+METHOD_IDS = {name: method for method, (name, _, _) in METHODS.items()}
