@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c
+
 from kvtier.client.config import ClientConfig
 from kvtier.client.master import MasterClient
 from kvtier.client.transport import connect

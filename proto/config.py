@@ -62,4 +62,3 @@ def load_config(cls: type[T], *, prog: str, description: str, env_prefix: str, a
         return cls(**values).validate()  # type: ignore[attr-defined]
     except ValueError as exc:
         parser.error(str(exc))
-

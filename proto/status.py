@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 import grpc
+
 from kvtier.proto import status_pb2
 
 Status = enum.IntEnum(  # type: ignore[misc]

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 import grpc
+
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.status import Status

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from kvtier.master.config import MasterConfig, parse_args
 
 

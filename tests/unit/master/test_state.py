@@ -6,6 +6,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from kvtier.master.config import MasterConfig
 from kvtier.master.state import MasterState, ObjectState
 from kvtier.proto.status import Status

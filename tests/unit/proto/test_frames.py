@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtier.proto import frames
 from kvtier.proto.frames import MAGIC, RANGE, REQUEST, RESPONSE, VERSION, Op, pack_request, pack_response, unpack_ranges
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvtier.master.state import master_key_problem
 from kvtier.proto.errors import InvalidKeyError, KvtierError
 from kvtier.proto.keys import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, check_key, check_namespace, key_problem

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from kvtier.proto import errors, status_pb2
 from kvtier.proto.status import GRPC_CODE, Status, to_status
 

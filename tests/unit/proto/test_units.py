@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvtier.proto.units import format_size, parse_hostport, parse_size
 
 

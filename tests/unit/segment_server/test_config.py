@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from kvtier.segment_server.config import MIN_DRAM, SegmentConfig, parse_args
 
 

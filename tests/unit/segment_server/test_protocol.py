@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvtier.proto import frames
 from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op, pack_request
 from kvtier.proto.status import Status

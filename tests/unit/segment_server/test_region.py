@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from kvtier.segment_server.region import (
     HEADER_SIZE,
     DramRegion,
