@@ -170,7 +170,7 @@ class Client:
             return []
         views = [as_bytes_view(v) for v in values]
         sizes = [len(v) for v in views]
-        checksums = [crc32c.crc32c(v) for v in views]
+        checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
         try:
             reply = self._master.call(
                 "PutStart",
@@ -194,11 +194,16 @@ class Client:
             (self._write_segment, segments.get(segment_id), [(off, views[i]) for i, off in items])
             for segment_id, items in per_segment.items()
         ]
-        for items, results in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
-            for (i, _), result in zip(items, results, strict=True):
+        for items, (results, crcs) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
+            for (i, _), result, crc in zip(items, results, crcs, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
+                if checksums[i] is None:
+                    checksums[i] = crc
         written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
+        for i in written:
+            if checksums[i] is None:
+                checksums[i] = crc32c.crc32c(views[i])
         failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
         if written:
             try:
@@ -244,14 +249,16 @@ class Client:
         futures = [pool.submit(fn, *args) for fn, *args in jobs]
         return [f.result() for f in futures]
 
-    def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> list[int]:
+    def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> tuple[list[int], list]:
+        """Per-range statuses, and CRCs where the connector computed them while copying."""
+        crcs: list[int | None] = [None] * len(ranges)
         if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges)
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs
         try:
-            return self._connector(segment).write(ranges)
+            return self._connector(segment).write(ranges, crcs), crcs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
-            return [int(exc.status)] * len(ranges)
+            return [int(exc.status)] * len(ranges), crcs
 
     def _revoke(self, keys: list[str], put_id: int) -> None:
         try:
@@ -325,8 +332,8 @@ class Client:
             ]
             all_results = self._run_parallel(jobs)
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
-            for (segment_id, indices), results in zip(groups.items(), all_results, strict=True):
-                for i, result in zip(indices, results, strict=True):
+            for (segment_id, indices), (results, crcs) in zip(groups.items(), all_results, strict=True):
+                for i, result, crc in zip(indices, results, crcs, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result
                     elif expired:  # the bytes may have been reused after the lease: never trust them
@@ -335,7 +342,7 @@ class Client:
                         size = reply.sizes[i]
                         data = result if views is None else views[i][:size]
                         transferred += size
-                        if crc32c.crc32c(data) == reply.checksums[i]:
+                        if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
                             out[i] = data if views is None else size
                             continue
                         status = _MISMATCH
@@ -363,20 +370,21 @@ class Client:
         indices: list[int],
         attempt: int,
         views: list[memoryview] | None,
-    ) -> list[bytes | int]:
+    ) -> tuple[list[bytes | int], list[int | None]]:
+        """Per-key data or status, and CRCs where the connector computed them while copying."""
+        crcs: list[int | None] = [None] * len(indices)
         if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices)
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs
         offsets = [reply.replica_offsets[replicas[i][attempt]] for i in indices]
         try:
             connector = self._connector(segment)
             if views is None:
-                return connector.read([(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)])
-            return connector.read_into(  # type: ignore[return-value]
-                [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
-            )
+                return connector.read([(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]), crcs
+            ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
+            return connector.read_into(ranges, crcs), crcs  # type: ignore[return-value]
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
-            return [int(exc.status)] * len(indices)
+            return [int(exc.status)] * len(indices), crcs
 
     # ------------------------------------------------------------------ presence
 

@@ -18,11 +18,18 @@ Buffer = memoryview  # a flat, byte-formatted view ("B", contiguous)
 class Connector(Protocol):
     scheme: str
 
-    def write(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
-        """Copy each buffer into the region at its offset. OK only once the bytes are in place."""
+    def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        """Copy each buffer into the region at its offset. OK only once the bytes are in place.
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
-        """Fill each (writable) buffer from the region at its offset; its length is the range length."""
+        A connector that can checksum while it copies (shm) fills `checksums[i]`
+        with the CRC32C of range i's stored bytes; others leave it None.
+        """
+
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        """Fill each (writable) buffer from the region at its offset; its length is the range length.
+
+        `checksums` as for `write`: the CRC32C of the bytes delivered, when computed on the way.
+        """
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
         """The bytes of each (offset, length) range, or a negative status."""

@@ -115,10 +115,10 @@ class TcpConnector:
 
     # ------------------------------------------------------------- Connector API
 
-    def write(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+    def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
         return self._run(Op.WRITE, ranges, into=False)
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]]) -> list[int]:
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
         return self._run(Op.READ, ranges, into=True)
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
