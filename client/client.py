@@ -93,7 +93,9 @@ class Client:
         ).validate()
         self.namespace = namespace
         self._master = MasterClient(master, timeout)
-        self._connectors: dict[str, tuple[tuple[str, ...], Connector]] = {}  # by segment name
+        # by segment name: (endpoints, connector, last used)
+        self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
+        self._next_prune = 0.0
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._pool: ThreadPoolExecutor | None = None
@@ -116,7 +118,7 @@ class Client:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        for _, connector in connectors:
+        for _, connector, _ in connectors:
             connector.close()
         self._master.close()
 
@@ -130,20 +132,34 @@ class Client:
             self._stats.update(deltas)
 
     def _connector(self, segment: pb.SegmentEndpoint) -> Connector:
-        """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one."""
+        """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one.
+
+        Connectors unused for `connector_idle_s` are closed (a dead segment's
+        mapping would otherwise pin its region's memory); a closed connector
+        finishes the copies already in flight.
+        """
         endpoints = tuple(segment.endpoints)
-        stale = None
+        now = time.monotonic()
+        stale: list[Connector] = []
         with self._lock:
+            if now >= self._next_prune:
+                self._next_prune = now + min(self.config.connector_idle_s, 10.0)
+                for name, (_, old, used) in list(self._connectors.items()):
+                    if now - used > self.config.connector_idle_s:
+                        del self._connectors[name]
+                        stale.append(old)
             known = self._connectors.get(segment.name)
             if known is not None and known[0] == endpoints:
-                return known[1]
-            if self._closed:
-                raise KvtierError(Status.CANCELLED, "client is closed")
-            connector = connect(endpoints, self.config)
-            self._connectors[segment.name] = (endpoints, connector)
-            stale = known
-        if stale is not None:
-            stale[1].close()
+                connector = known[1]
+            else:
+                if self._closed:
+                    raise KvtierError(Status.CANCELLED, "client is closed")
+                connector = connect(endpoints, self.config)
+                if known is not None:
+                    stale.append(known[1])
+            self._connectors[segment.name] = (endpoints, connector, now)
+        for old in stale:
+            old.close()
         return connector
 
     # ------------------------------------------------------------------ writes

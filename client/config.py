@@ -15,6 +15,7 @@ class ClientConfig:
     timeout: float = 5.0  # seconds for one call, master retries and transfers included
     connections_per_segment: int = 4  # pooled data-plane sockets per segment endpoint
     io_threads: int = 4  # threads serving one batch's segments in parallel (per client)
+    connector_idle_s: float = 60.0  # a segment connection (socket pool, mapping) unused this long is closed
     frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)
     transport: str = ""  # force a scheme ("tcp"); default from KVTIER_TRANSPORT, else best available
 
@@ -26,6 +27,8 @@ class ClientConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.connections_per_segment < 1:
             raise ValueError("connections_per_segment must be at least 1")
+        if self.connector_idle_s <= 0:
+            raise ValueError("connector_idle_s must be positive")
         if self.io_threads < 1:
             raise ValueError("io_threads must be at least 1")
         return self

@@ -17,13 +17,18 @@ def pytest_runtest_makereport(item, call):
 
 
 def _finish(request: pytest.FixtureRequest, cluster: Cluster) -> None:
-    failed = any(getattr(request.node, f"rep_{when}", None) and getattr(request.node, f"rep_{when}").failed
-                 for when in ("setup", "call"))
+    failed = any(
+        getattr(request.node, f"rep_{when}", None) and getattr(request.node, f"rep_{when}").failed
+        for when in ("setup", "call")
+    )
     cluster.stop()
     if failed:
         print(cluster.logs())  # shown under "Captured stdout teardown"
-    leftovers = [f for f in cluster.leftover_region_files() if not any(
-        p.info.get("region") == f and p.popen.returncode == -9 for p in cluster.segments.values())]
+    leftovers = [
+        f
+        for f in cluster.leftover_region_files()
+        if not any(p.info.get("region") == f and p.popen.returncode == -9 for p in cluster.segments.values())
+    ]
     assert not leftovers, f"region files left behind by a clean stop: {leftovers}"
 
 

@@ -23,7 +23,9 @@ import ctypes
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from urllib.parse import parse_qs, urlsplit
 
 import crc32c
@@ -118,9 +120,41 @@ class ShmConnector:
         self._view = memoryview(self._map)[data_offset : data_offset + capacity]
         self._capacity = capacity
         self._anchor = ctypes.c_char.from_buffer(self._map)
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closed = False
         self._base = ctypes.addressof(self._anchor) + data_offset
 
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Keep the mapping alive while a copy runs; the last user of a closed connector unmaps it."""
+        with self._lock:
+            if self._closed:
+                raise ConnectError(f"connector for {self.endpoint} is closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                unmap = self._closed and self._users == 0
+            if unmap:
+                self._unmap()
+
     def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        with self._in_use():
+            return self._write(ranges, checksums)
+
+    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        with self._in_use():
+            return self._read_into(ranges, checksums)
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+        with self._in_use():
+            region, capacity = self._view, self._capacity
+            return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
+
+    def _write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None) -> list[int]:
         region, capacity = self._view, self._capacity
         out = []
         for index, (offset, buf) in enumerate(ranges):
@@ -134,7 +168,7 @@ class ShmConnector:
             out.append(_OK)
         return out
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+    def _read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None) -> list[int]:
         region, capacity = self._view, self._capacity
         out = []
         for index, (offset, buf) in enumerate(ranges):
@@ -148,11 +182,17 @@ class ShmConnector:
             out.append(_OK)
         return out
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
-        region, capacity = self._view, self._capacity
-        return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
-
     def close(self) -> None:
+        """Unmap now, or when the last copy in flight finishes. Later calls raise ConnectError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            unmap = self._users == 0
+        if unmap:
+            self._unmap()
+
+    def _unmap(self) -> None:
         del self._anchor  # the ctypes view exports the mapping: drop it before closing
         self._view.release()
         self._map.close()
