@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="keys per batch call (default: %(default)s)")
     parser.add_argument("--bytes-per-run", default="256MiB", help="payload per measured run (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
+    parser.add_argument("--threads", type=int, default=1, help="client threads sharing one client (default: 1)")
     parser.add_argument("--workloads", default="", help="comma list to run a subset, e.g. batch_put,batch_get_into")
     parser.add_argument("--transport", default="", help="force a transport scheme, e.g. tcp")
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
@@ -81,11 +83,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class Bench:
-    def __init__(self, client, batch: int, bytes_per_run: int, repeat: int) -> None:
+    """Runs each workload `repeat` times from `threads` client threads sharing one client."""
+
+    def __init__(self, client, batch: int, bytes_per_run: int, repeat: int, threads: int = 1) -> None:
         self.client = client
         self.batch = batch
         self.bytes_per_run = bytes_per_run
         self.repeat = repeat
+        self.threads = threads
         self.prefix = f"bench-{uuid.uuid4().hex[:8]}"
 
     def measure(
@@ -94,22 +99,19 @@ class Bench:
         size: int,
         keys_per_op: int,
         ops: int,
-        op: Callable[[int], None],
-        cleanup: Callable[[int], None] | None = None,
+        op: Callable[[int, int], None],
+        cleanup: Callable[[int, int], None] | None = None,
     ) -> Result:
+        """Time `ops` calls of op(thread, i) per thread; cleanup(thread, i) runs untimed after each."""
         rates, op_rates, latencies = [], [], []
         for rep in range(self.repeat):
-            times = []
-            for i in range(ops):
-                started = time.perf_counter()
-                op(rep * ops + i)
-                times.append(time.perf_counter() - started)
-                if cleanup is not None:
-                    cleanup(rep * ops + i)
-            total = sum(times)
-            rates.append(ops * keys_per_op * size / total / 1e9)
-            op_rates.append(ops / total)
-            latencies.extend(times)
+            times = self._run_once(range(rep * ops, (rep + 1) * ops), op, cleanup)
+            busy = [sum(per_thread) for per_thread in times]
+            # Threads overlap, so the slowest thread's busy time bounds the run.
+            elapsed = max(busy)
+            rates.append(self.threads * ops * keys_per_op * size / elapsed / 1e9)
+            op_rates.append(self.threads * ops / elapsed)
+            latencies.extend(x for per_thread in times for x in per_thread)
         ops_per_s = statistics.median(op_rates)
         return Result(
             name,
@@ -122,8 +124,38 @@ class Bench:
             _percentile(latencies, 0.99) * 1e3,
         )
 
+    def _run_once(
+        self, indices: range, op: Callable[[int, int], None], cleanup: Callable[[int, int], None] | None
+    ) -> list[list[float]]:
+        """Per thread, the duration of each op(thread, i) for i in `indices`."""
+        times: list[list[float]] = [[] for _ in range(self.threads)]
+        errors: list[BaseException] = []
+
+        def worker(t: int) -> None:
+            try:
+                for i in indices:
+                    started = time.perf_counter()
+                    op(t, i)
+                    times[t].append(time.perf_counter() - started)
+                    if cleanup is not None:
+                        cleanup(t, i)
+            except BaseException as exc:  # surfaced below, in the calling thread
+                errors.append(exc)
+
+        if self.threads == 1:
+            worker(0)
+        else:
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(self.threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        if errors:
+            raise errors[0]
+        return times
+
     def run_size(self, size: int, selected: set[str]) -> list[Result]:
-        client, batch = self.client, self.batch
+        client, batch, threads = self.client, self.batch, self.threads
         source = bytearray(os.urandom(size * batch))
         values = [memoryview(source)[i * size : (i + 1) * size] for i in range(batch)]
         if hasattr(client, "prepare"):
@@ -133,9 +165,9 @@ class Bench:
         statuses = client.batch_put(get_keys, values)
         if any(statuses):
             raise RuntimeError(f"could not store the read set: {sorted(set(s.name for s in statuses))}")
-        buffers = [bytearray(size) for _ in range(batch)]
-        batch_ops = max(3, self.bytes_per_run // (size * batch))
-        single_ops = max(3 * batch, self.bytes_per_run // size // 4)
+        buffers = [[bytearray(size) for _ in range(batch)] for _ in range(threads)]  # per thread
+        batch_ops = max(3, self.bytes_per_run // (size * batch * threads))
+        single_ops = max(3 * batch, self.bytes_per_run // size // 4 // threads)
         results = []
 
         def want(name: str) -> bool:
@@ -143,76 +175,58 @@ class Bench:
                 return False
             return not selected or name in selected
 
-        def put_key(i: int) -> str:
-            return f"{self.prefix}/put/{size}/{i}"
-
         def check(ok: bool, what: str) -> None:
             if not ok:
                 raise RuntimeError(f"{what} failed during the benchmark")
 
-        if want("put"):
-            results.append(
-                self.measure(
-                    "put",
-                    size,
-                    1,
-                    single_ops,
-                    lambda i: client.put(put_key(i), values[i % batch]),
-                    lambda i: client.remove(put_key(i)),
-                )
-            )
-        if want("get"):
-            results.append(
-                self.measure(
-                    "get", size, 1, single_ops, lambda i: check(client.get(get_keys[i % batch]) is not None, "get")
-                )
-            )
-        if want("get_into"):
-            results.append(
-                self.measure(
-                    "get_into",
-                    size,
-                    1,
-                    single_ops,
-                    lambda i: check(client.get_into(get_keys[i % batch], buffers[i % batch]) == size, "get_into"),
-                )
-            )
+        def put_key(t: int, i: int) -> str:
+            return f"{self.prefix}/put/{size}/{t}/{i}"
 
-        def batch_keys(i: int) -> list[str]:
-            return [f"{self.prefix}/bput/{size}/{i}/{j}" for j in range(batch)]
+        def batch_keys(t: int, i: int) -> list[str]:
+            return [f"{self.prefix}/bput/{size}/{t}/{i}/{j}" for j in range(batch)]
 
-        if want("batch_put"):
-            results.append(
-                self.measure(
-                    "batch_put",
-                    size,
-                    batch,
-                    batch_ops,
-                    lambda i: check(not any(client.batch_put(batch_keys(i), values)), "batch_put"),
-                    lambda i: client.batch_remove(batch_keys(i)),
-                )
-            )
-        if want("batch_get"):
-            results.append(
-                self.measure(
-                    "batch_get",
-                    size,
-                    batch,
-                    batch_ops,
-                    lambda i: check(None not in client.batch_get(get_keys), "batch_get"),
-                )
-            )
-        if want("batch_get_into"):
-            results.append(
-                self.measure(
-                    "batch_get_into",
-                    size,
-                    batch,
-                    batch_ops,
-                    lambda i: check(min(client.batch_get_into(get_keys, buffers)) == size, "batch_get_into"),
-                )
-            )
-        if (want("get_into") or want("batch_get_into")) and bytes(buffers[0]) != bytes(values[0]):
+        workloads: list[tuple[str, int, int, Callable[[int, int], None], Callable[[int, int], None] | None]] = [
+            (
+                "put",
+                1,
+                single_ops,
+                lambda t, i: client.put(put_key(t, i), values[i % batch]),
+                lambda t, i: client.remove(put_key(t, i)),
+            ),
+            ("get", 1, single_ops, lambda t, i: check(client.get(get_keys[i % batch]) is not None, "get"), None),
+            (
+                "get_into",
+                1,
+                single_ops,
+                lambda t, i: check(client.get_into(get_keys[i % batch], buffers[t][i % batch]) == size, "get_into"),
+                None,
+            ),
+            (
+                "batch_put",
+                batch,
+                batch_ops,
+                lambda t, i: check(not any(client.batch_put(batch_keys(t, i), values)), "batch_put"),
+                lambda t, i: client.batch_remove(batch_keys(t, i)),
+            ),
+            (
+                "batch_get",
+                batch,
+                batch_ops,
+                lambda t, i: check(None not in client.batch_get(get_keys), "batch_get"),
+                None,
+            ),
+            (
+                "batch_get_into",
+                batch,
+                batch_ops,
+                lambda t, i: check(min(client.batch_get_into(get_keys, buffers[t])) == size, "batch_get_into"),
+                None,
+            ),
+        ]
+        for name, keys_per_op, ops, op, cleanup in workloads:
+            if want(name):
+                results.append(self.measure(name, size, keys_per_op, ops, op, cleanup))
+        if (want("get_into") or want("batch_get_into")) and bytes(buffers[0][0]) != bytes(values[0]):
             raise RuntimeError("benchmark read back different bytes")
         client.remove_prefix(self.prefix)
         return results
@@ -240,8 +254,8 @@ def run(opts: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2
-    if opts.batch < 1 or opts.repeat < 1 or not sizes:
-        print("kvtier bench: --batch, --repeat and --sizes must be positive", file=sys.stderr)
+    if opts.batch < 1 or opts.repeat < 1 or opts.threads < 1 or not sizes:
+        print("kvtier bench: --batch, --repeat, --threads and --sizes must be positive", file=sys.stderr)
         return 2
     selected = {w for w in opts.workloads.split(",") if w}
     local = None
@@ -251,7 +265,7 @@ def run(opts: argparse.Namespace) -> int:
         master = local.master_address
     try:
         with Client(master, namespace="bench", timeout=30.0, transport=opts.transport) as client:
-            results = run_driver(client, sizes, selected, opts.batch, bytes_per_run, opts.repeat)
+            results = run_driver(client, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads)
     finally:
         if local is not None:
             local.stop()
@@ -267,13 +281,13 @@ def run(opts: argparse.Namespace) -> int:
             return 1
         peer_name = f"Redis {peer.version} (redis-py, {peer.parser} parser)"
         try:
-            peer_results = run_driver(peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat)
+            peer_results = run_driver(peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads)
         finally:
             peer.close()
     machine = machine_description()
     transport = opts.transport or "auto"
     if opts.json:
-        doc: dict = {"machine": machine, "transport": transport, "repeat": opts.repeat}
+        doc: dict = {"machine": machine, "transport": transport, "repeat": opts.repeat, "threads": opts.threads}
         doc["results"] = [asdict(r) for r in results]
         if peer_results:
             doc["peer"] = {"name": peer_name, "results": [asdict(r) for r in peer_results]}
@@ -281,7 +295,7 @@ def run(opts: argparse.Namespace) -> int:
         return 0
     header = (
         f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, "
-        f"Python {machine['python']}, transport {transport}, median of {opts.repeat}"
+        f"Python {machine['python']}, transport {transport}, {opts.threads} client thread(s), median of {opts.repeat}"
     )
     print_table(results, header)
     if peer_results:
@@ -290,8 +304,10 @@ def run(opts: argparse.Namespace) -> int:
     return 0
 
 
-def run_driver(driver, sizes: list[int], selected: set[str], batch: int, bytes_per_run: int, repeat: int) -> list:
-    bench = Bench(driver, batch, bytes_per_run, repeat)
+def run_driver(
+    driver, sizes: list[int], selected: set[str], batch: int, bytes_per_run: int, repeat: int, threads: int = 1
+) -> list:
+    bench = Bench(driver, batch, bytes_per_run, repeat, threads)
     results = []
     for size in sizes:
         results.extend(bench.run_size(size, selected))
