@@ -108,6 +108,7 @@ def _status_dict(reply: Any) -> dict[str, Any]:
         "uptime_s": round(reply.uptime_s, 3),
         "objects": reply.objects,
         "pending_puts": reply.pending_puts,
+        "rpc_requests": dict(reply.rpc_requests),
         "capacity": reply.capacity,
         "used": reply.used,
         "segments": [

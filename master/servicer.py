@@ -234,6 +234,8 @@ class MasterHandlers:
             used=sum(s.used for s in snap.segments),
             segments=segments,
             uptime_s=now - self.state.started_at,
+            rpc_requests=dict(self.requests),
+            rpc_failures=dict(self.failures),
         )
 
 

@@ -1,0 +1,136 @@
+"""The `kvtier` command line against a real cluster, run as a separate process like an operator would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVTIER = [sys.executable, "-m", "kvtier.client.cli"]
+
+
+def kvtier(*args: str, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([*KVTIER, *args], input=stdin, capture_output=True, timeout=60)
+    if check and result.returncode != 0:
+        raise AssertionError(f"kvtier {args} exited {result.returncode}: {result.stderr.decode()}")
+    return result
+
+
+def test_put_from_stdin_and_get_to_stdout_and_file(cluster, tmp_path: Path):
+    payload = os.urandom(200_000)
+    kvtier("put", "--master", cluster.master_address, "blob", "-", stdin=payload)
+    assert kvtier("get", "--master", cluster.master_address, "blob").stdout == payload
+    out = tmp_path / "out.bin"
+    kvtier("get", "--master", cluster.master_address, "blob", "-o", str(out))
+    assert out.read_bytes() == payload
+    source = tmp_path / "in.bin"
+    source.write_bytes(b"from a file")
+    kvtier("put", "--master", cluster.master_address, "--namespace", "ns2", "small", str(source))
+    assert kvtier("get", "--master", cluster.master_address, "--namespace", "ns2", "small").stdout == b"from a file"
+    assert cluster.client(namespace="ns2").get("small") == b"from a file"
+
+
+def test_get_of_a_missing_key_exits_1_with_a_message(cluster):
+    result = kvtier("get", "--master", cluster.master_address, "nope", check=False)
+    assert result.returncode == 1
+    assert result.stdout == b""
+    assert b"not found" in result.stderr
+
+
+def test_status_json_matches_the_cluster(cluster):
+    client = cluster.client()
+    client.batch_put(["a", "b", "c"], [b"1" * 100, b"2" * 100, b"3" * 100])
+    data = json.loads(kvtier("status", "--master", cluster.master_address, "--json").stdout)
+    assert data["cluster_id"] == cluster.cluster_id
+    assert data["objects"] == 3
+    assert {s["name"] for s in data["segments"]} == {"seg0", "seg1"}
+    assert data["capacity"] == 2 * 64 * 1024 * 1024
+    assert data["used"] == sum(s["dram_used"] for s in data["segments"]) == 3 * 128  # 100 B rounded to 64 B units
+    assert all(s["state"] == "ACTIVE" for s in data["segments"])
+
+
+def test_status_table_names_every_segment(cluster):
+    text = kvtier("status", "--master", cluster.master_address).stdout.decode()
+    assert cluster.cluster_id in text
+    assert "seg0" in text and "seg1" in text and "ACTIVE" in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--master", "nonsense"],
+        ["put", "--master", "127.0.0.1:1", "--replicas", "0", "k", "-"],
+        ["up", "--dram", "lots"],
+        ["up", "--segments", "0"],
+        ["bogus-command"],
+        ["get"],
+    ],
+)
+def test_invalid_arguments_exit_2_with_one_line(args):
+    result = kvtier(*args, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0], lines
+
+
+def test_invalid_key_exits_2(cluster):
+    result = kvtier("put", "--master", cluster.master_address, "", "-", stdin=b"x", check=False)
+    assert result.returncode == 2
+    assert b"INVALID_KEY" in result.stderr
+
+
+def test_an_unreachable_master_fails_cleanly():
+    result = subprocess.run(
+        [*KVTIER, "status", "--master", "127.0.0.1:1"], capture_output=True, timeout=60, env={**os.environ}
+    )
+    assert result.returncode == 1
+    assert b"Traceback" not in result.stderr
+
+
+def test_server_binaries_reject_bad_flags_with_one_line():
+    for module, flag in (("kvtier.master", "--lease-s"), ("kvtier.segment_server", "--dram")):
+        result = subprocess.run([sys.executable, "-m", module, flag, "soon"], capture_output=True, timeout=60)
+        assert result.returncode == 2
+        assert len(result.stderr.decode().strip().splitlines()) == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
+    port = _free_port()
+    cluster_id = f"up{os.getpid()}"
+    with subprocess.Popen(
+        [*KVTIER, "up", "--listen", f"127.0.0.1:{port}", "--dram", "32MiB", "--cluster-id", cluster_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        try:
+            lines = []
+            while True:
+                line = proc.stdout.readline().decode()
+                lines.append(line)
+                if "Ctrl-C stops" in line or not line:
+                    break
+            assert any(f"master 127.0.0.1:{port}" in line for line in lines), lines
+            assert any("segment" in line and "tcp://127.0.0.1:" in line for line in lines), lines
+            kvtier("put", "--master", f"127.0.0.1:{port}", "k", "-", stdin=b"up works")
+            assert kvtier("get", "--master", f"127.0.0.1:{port}", "k").stdout == b"up works"
+            assert list(Path("/dev/shm").glob(f"kvtier.{cluster_id}.*")), "the segment's region file exists while up"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            assert b"stopped" in proc.stdout.read()
+            assert not list(Path("/dev/shm").glob(f"kvtier.{cluster_id}.*")), "Ctrl-C left a region file behind"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
