@@ -16,6 +16,8 @@ import logging
 import socket
 from collections.abc import Iterator, Sequence
 
+import crc32c
+
 from kvtier.client.config import ClientConfig
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, send_all
 from kvtier.client.transport.base import Buffer
@@ -28,6 +30,7 @@ from kvtier.proto.units import parse_hostport
 logger = logging.getLogger(__name__)
 
 _OK = 0
+_CHUNK = 512 << 10  # per socket call when checksumming on the way: fits in L2 with room to spare
 _FAILED = int(Status.TRANSFER_FAILED)
 
 
@@ -69,8 +72,16 @@ class TcpConnector:
             raise ProtocolError(f"error message of {payload_len} bytes from {self.endpoint}")
         return recv_exact(sock, payload_len).decode(errors="replace") if payload_len else ""
 
-    def _run(self, op: Op, ranges: Sequence[tuple[int, Buffer | int]], into: bool) -> list:
-        """Send every frame, then read every response; per-range results."""
+    def _run(
+        self, op: Op, ranges: Sequence[tuple[int, Buffer | int]], into: bool, checksums: list[int | None] | None = None
+    ) -> list:
+        """Send every frame, then read every response; per-range results.
+
+        With `checksums`, the CRC32C of each payload is computed chunk by chunk
+        next to the socket call that moves it (just before a chunk is sent, just
+        after it is received), while the chunk is in cache: one pass over
+        memory instead of two.
+        """
         sizes = [r[1] if isinstance(r[1], int) else len(r[1]) for r in ranges]
         results: list = [_FAILED] * len(ranges)
         try:
@@ -81,7 +92,18 @@ class TcpConnector:
                     table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
                     payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
                     buffers: list = [frames.pack_request(op, request_id, table, payload_len)]
-                    if op == Op.WRITE:
+                    if op == Op.WRITE and checksums is not None:
+                        for i in range(start, end):
+                            view = ranges[i][1]
+                            crc = 0
+                            for lo in range(0, sizes[i], _CHUNK):
+                                chunk = view[lo : lo + _CHUNK]  # type: ignore[index]
+                                crc = crc32c.crc32c(chunk, crc)
+                                buffers.append(chunk)
+                                send_all(sock, buffers)
+                                buffers = []
+                            checksums[i] = crc
+                    elif op == Op.WRITE:
                         buffers.extend(ranges[i][1] for i in range(start, end) if sizes[i])
                     send_all(sock, buffers)
                     sent.append((request_id, start, end))
@@ -100,7 +122,16 @@ class TcpConnector:
                         if payload_len != expected:
                             raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
                         for i in range(start, end):
-                            if into:
+                            if into and checksums is not None:
+                                view = ranges[i][1]
+                                crc = 0
+                                for lo in range(0, sizes[i], _CHUNK):
+                                    chunk = view[lo : lo + _CHUNK]  # type: ignore[index]
+                                    recv_exact_into(sock, chunk)
+                                    crc = crc32c.crc32c(chunk, crc)
+                                checksums[i] = crc
+                                results[i] = _OK
+                            elif into:
                                 recv_exact_into(sock, ranges[i][1])  # type: ignore[arg-type]
                                 results[i] = _OK
                             else:
@@ -116,10 +147,10 @@ class TcpConnector:
     # ------------------------------------------------------------- Connector API
 
     def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
-        return self._run(Op.WRITE, ranges, into=False)
+        return self._run(Op.WRITE, ranges, into=False, checksums=checksums)
 
     def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
-        return self._run(Op.READ, ranges, into=True)
+        return self._run(Op.READ, ranges, into=True, checksums=checksums)
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
         return self._run(Op.READ, ranges, into=False)
