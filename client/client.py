@@ -31,7 +31,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.master import MasterClient
-from kvtier.client.transport import connect
+from kvtier.client.transport import check_transport, connect
 from kvtier.client.transport.base import Connector
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
@@ -89,8 +89,9 @@ class Client:
             timeout=timeout,
             connections_per_segment=connections_per_segment,
             io_threads=io_threads,
-            transport=transport or ClientConfig.transport_override(),
+            transport=(transport or ClientConfig.transport_override()).strip().lower(),
         ).validate()
+        check_transport(self.config.transport)
         self.namespace = namespace
         self._master = MasterClient(master, timeout)
         # by segment name: (endpoints, connector, last used)

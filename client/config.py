@@ -25,6 +25,8 @@ class ClientConfig:
             raise ValueError("master address is required, e.g. 127.0.0.1:50051")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.frame_bytes < 1:
+            raise ValueError(f"frame_bytes must be positive, got {self.frame_bytes}")
         if self.connections_per_segment < 1:
             raise ValueError("connections_per_segment must be at least 1")
         if self.connector_idle_s <= 0:

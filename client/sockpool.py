@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,10 +47,17 @@ class SocketPool:
     @contextmanager
     def socket(self) -> Iterator[socket.socket]:
         """A socket for one exchange; returned to the pool only if the block did not raise."""
+        deadline = time.monotonic() + self.timeout
         with self._cond:
+            if self._closed:
+                raise ConnectError(f"connection pool to {self.what} is closed")
             while not self._idle and self._open >= self.limit:
-                if not self._cond.wait(self.timeout):
+                # A wake-up for a socket another thread took first must not restart the wait.
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._cond.wait(remaining):
                     raise ConnectError(f"no free connection to {self.what} within {self.timeout}s")
+                if self._closed:
+                    raise ConnectError(f"connection pool to {self.what} is closed")
             sock = self._idle.pop() if self._idle else None
             if sock is None:
                 self._open += 1
@@ -81,6 +89,7 @@ class SocketPool:
                 sock.close()
             self._open -= len(self._idle)
             self._idle.clear()
+            self._cond.notify_all()  # waiters give up instead of sleeping out their timeout
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:
@@ -103,7 +112,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     while view:
         n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if n == 0:
-            raise ReadError("segment server closed the connection mid-frame")
+            raise ReadError("peer closed the connection mid-frame")
         view = view[n:]
 
 
@@ -112,7 +121,7 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
     if len(data) == size:
         return data
     if not data:
-        raise ReadError("segment server closed the connection mid-frame")
+        raise ReadError("peer closed the connection mid-frame")
     buf = bytearray(size)
     buf[: len(data)] = data
     recv_exact_into(sock, memoryview(buf)[len(data) :])

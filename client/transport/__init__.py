@@ -26,6 +26,13 @@ UNAVAILABLE: dict[str, str] = {"rdma": "no RDMA connector yet (pyverbs transport
 PREFERENCE = ("rdma", "shm", "tcp")
 
 
+def check_transport(forced: str) -> None:
+    """Raise ValueError unless `forced` is empty or a transport this client has."""
+    if forced and forced not in CONNECTORS:
+        reason = UNAVAILABLE.get(forced, f"unknown transport; known: {sorted(CONNECTORS)}")
+        raise ValueError(f"transport {forced!r} cannot be used: {reason}")
+
+
 def connect(endpoints: Sequence[str], config: ClientConfig) -> Connector:
     """A connector for a segment serving `endpoints`; ConnectError when none is usable."""
     by_scheme = {url.split("://", 1)[0]: url for url in endpoints}

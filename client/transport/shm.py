@@ -99,9 +99,12 @@ class ShmConnector:
         url = urlsplit(endpoint)
         query = parse_qs(url.query)
         host = query.get("host", [""])[0]
-        nonce = bytes.fromhex(query.get("nonce", [""])[0])
         if not host or host != _HOST_ID:
             raise ConnectError(f"segment region {url.path} is on another host")
+        try:
+            nonce = bytes.fromhex(query.get("nonce", [""])[0])
+        except ValueError:
+            raise ConnectError(f"malformed nonce in the endpoint of region {url.path}") from None
         try:
             fd = os.open(url.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -142,10 +145,12 @@ class ShmConnector:
                 self._unmap()
 
     def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
             return self._write(ranges, checksums)
 
     def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+        ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
             return self._read_into(ranges, checksums)
 

@@ -1,0 +1,404 @@
+"""ShmConnector against a real DramRegion in a tmp directory: copies, checksums, refusals and close.
+
+No processes: the test maps the region file the way a same-host client maps a
+segment server's, through the URL `ShmListener` advertises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+from kvtier.client.client import as_bytes_view
+from kvtier.client.config import ClientConfig
+from kvtier.client.transport import shm
+from kvtier.client.transport.shm import ShmConnector
+from kvtier.proto.errors import ConnectError
+from kvtier.proto.status import Status
+from kvtier.segment_server.listeners import ShmListener
+from kvtier.segment_server.region import HEADER_SIZE, DramRegion, host_id, region_path
+
+KiB, MiB = 1 << 10, 1 << 20
+CAPACITY = 16 * MiB
+SIZES = [0, 1, 64 * KiB - 1, 64 * KiB, 256 * KiB + 3, 4 * MiB]
+CONFIG = ClientConfig(master="127.0.0.1:1")
+TIMEOUT_S = 10.0
+
+
+def shm_url(path: str, host: str, nonce: bytes) -> str:
+    """The endpoint URL exactly as a segment server advertises it."""
+    return asyncio.run(ShmListener(path, host, nonce).start())
+
+
+@pytest.fixture
+def region(tmp_path: Path):
+    region = DramRegion(region_path(str(tmp_path), "tunit", "seg0"), CAPACITY, "tunit", "seg0").open()
+    yield region
+    region.close()
+
+
+@pytest.fixture
+def connectors(region: DramRegion):
+    """Opens connectors to `region` (or to a given URL); closes them at teardown."""
+    opened: list[ShmConnector] = []
+
+    def open_connector(url: str | None = None) -> ShmConnector:
+        connector = ShmConnector(url or shm_url(region.path, host_id(), region.nonce), CONFIG)
+        opened.append(connector)
+        return connector
+
+    yield open_connector
+    for connector in opened:
+        connector.close()
+
+
+@pytest.fixture
+def memmoves(monkeypatch) -> list[int]:
+    """Sizes of the ctypes.memmove calls made during the test (the GIL-free copy path)."""
+    calls: list[int] = []
+    real = ctypes.memmove
+
+    def spy(dst, src, count):
+        calls.append(count)
+        return real(dst, src, count)
+
+    monkeypatch.setattr(ctypes, "memmove", spy)
+    return calls
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed + size).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def chunks(size: int) -> int:
+    """How many memmove calls the chunked path makes for `size` bytes (0 below the threshold)."""
+    return 0 if size < shm._MEMMOVE_MIN else -(-size // shm._CHUNK)
+
+
+# Sources of a write: how the caller holds its bytes. Writable ones take the ctypes path.
+SOURCES = {
+    "bytearray": lambda data: (memoryview(bytearray(data)), True),
+    "memoryview-slice": lambda data: (memoryview(bytearray(b"xyz" + data + b"!"))[3 : 3 + len(data)], True),
+    "numpy-uint8": lambda data: (memoryview(np.frombuffer(data, dtype=np.uint8).copy()), True),
+    "bytes": lambda data: (memoryview(data), False),  # read-only: copied by slices
+}
+
+
+# Destinations of read_into: always writable (the client refuses read-only buffers).
+def numpy_destination(size: int) -> tuple[memoryview, np.ndarray]:
+    array = np.zeros(size, dtype=np.uint8)
+    return memoryview(array), array
+
+
+DESTINATIONS = {
+    "bytearray": lambda size: (memoryview(bytearray(size)), None),
+    "memoryview-slice": lambda size: (memoryview(bytearray(size + 8))[4 : 4 + size], None),
+    "numpy-uint8": numpy_destination,
+}
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("size", SIZES)
+def test_write_then_read_back_every_size_and_source(region, connectors, memmoves, source, size):
+    connector = connectors()
+    data = payload(size)
+    buf, writable = SOURCES[source](data)
+    offset = 4096 + 7  # an odd offset: no alignment is assumed
+    checksums: list[int | None] = [None]
+
+    assert connector.write([(offset, buf)], checksums) == [Status.OK]
+
+    assert bytes(region.view[offset : offset + size]) == data, "the bytes are in the region"
+    assert checksums == [crc32c.crc32c(data)]
+    if writable:  # GIL-free ctypes path for large copies, in chunks
+        assert len(memmoves) == chunks(size) and sum(memmoves) == (size if chunks(size) else 0), memmoves
+    else:  # read-only source: no address to memmove from, copied by slices
+        assert memmoves == []
+    assert connector.read([(offset, size)]) == [data]
+
+
+@pytest.mark.parametrize("destination", DESTINATIONS)
+@pytest.mark.parametrize("size", SIZES)
+def test_read_into_every_size_and_destination(region, connectors, memmoves, destination, size):
+    connector = connectors()
+    data = payload(size, seed=1)
+    offset = CAPACITY - size - 3
+    region.view[offset : offset + size] = data
+    view, owner = DESTINATIONS[destination](size)
+    checksums: list[int | None] = [None]
+
+    assert connector.read_into([(offset, view)], checksums) == [Status.OK]
+
+    assert bytes(view) == data
+    if owner is not None:
+        assert owner.tobytes() == data
+    assert checksums == [crc32c.crc32c(data)]
+    assert len(memmoves) == chunks(size), "writable destinations take the ctypes path"
+    assert sum(memmoves) == (size if chunks(size) else 0)
+
+
+def test_a_float_array_round_trips_through_its_byte_view(connectors):
+    connector = connectors()
+    values = np.arange(300_000, dtype=np.float32)  # 1.2 MB: crosses several chunks
+    source = as_bytes_view(values)
+    checksums: list[int | None] = [None]
+    assert connector.write([(0, source)], checksums) == [Status.OK]
+    assert checksums == [crc32c.crc32c(values.tobytes())]
+
+    out = np.empty_like(values)
+    read_checksums: list[int | None] = [None]
+    assert connector.read_into([(0, as_bytes_view(out))], read_checksums) == [Status.OK]
+    assert np.array_equal(out, values)
+    assert read_checksums == checksums
+
+
+def test_a_batch_mixing_sizes_and_sources_fills_every_checksum(region, connectors):
+    connector = connectors()
+    datas = [payload(size, seed=2) for size in SIZES]
+    offsets, position = [], 0
+    for data in datas:
+        offsets.append(position)
+        position += len(data) + 13
+    names = [list(SOURCES)[i % len(SOURCES)] for i in range(len(datas))]
+    ranges = [(offset, SOURCES[name](data)[0]) for offset, data, name in zip(offsets, datas, names, strict=True)]
+    checksums: list[int | None] = [None] * len(ranges)
+
+    assert connector.write(ranges, checksums) == [Status.OK] * len(ranges)
+    assert checksums == [crc32c.crc32c(d) for d in datas]
+
+    buffers = [bytearray(len(d)) for d in datas]
+    read_checksums: list[int | None] = [None] * len(ranges)
+    reads = [(o, memoryview(b)) for o, b in zip(offsets, buffers, strict=True)]
+    assert connector.read_into(reads, read_checksums) == [Status.OK] * len(ranges)
+    assert [bytes(b) for b in buffers] == datas
+    assert read_checksums == checksums
+    assert connector.read(list(zip(offsets, map(len, datas), strict=True))) == datas
+    assert connector.write(ranges) == [Status.OK] * len(ranges), "checksums are optional"
+
+
+def test_two_connectors_and_the_segment_share_one_region(region, connectors):
+    writer, reader = connectors(), connectors()
+    data = payload(300 * KiB, seed=3)
+    assert writer.write([(123, memoryview(bytearray(data)))]) == [Status.OK]
+    assert reader.read([(123, len(data))]) == [data]
+    region.view[123:124] = b"\x00"
+    assert reader.read([(123, 1)]) == [b"\x00"]
+
+
+def test_threads_copy_through_one_connector_concurrently(region, connectors):
+    connector = connectors()
+    size, count = 512 * KiB, 16
+    datas = [payload(size, seed=10 + i) for i in range(count)]
+    results: dict[int, tuple] = {}
+
+    def worker(i: int) -> None:
+        checksums: list[int | None] = [None]
+        written = connector.write([(i * size, memoryview(bytearray(datas[i])))], checksums)
+        out = bytearray(size)
+        read = connector.read_into([(i * size, memoryview(out))])
+        results[i] = (written, checksums[0], read, bytes(out))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert len(results) == count
+    for i, data in enumerate(datas):
+        assert results[i] == ([Status.OK], crc32c.crc32c(data), [Status.OK], data)
+        assert bytes(region.view[i * size : (i + 1) * size]) == data
+
+
+# ------------------------------------------------------------------ out of range
+
+
+@pytest.mark.parametrize(
+    ("offset", "size"),
+    [
+        (CAPACITY - 10, 20),  # straddles the end
+        (CAPACITY - 10, 4 * MiB),  # straddles the end, large (the chunked path)
+        (CAPACITY, 1),  # starts at the end
+        (CAPACITY + 1, 0),  # an empty range past the end
+        (2**63, 8),  # far past the end
+    ],
+)
+def test_out_of_range_is_invalid_range_and_nothing_is_copied(region, connectors, offset, size):
+    connector = connectors()
+    region.view[CAPACITY - 64 * KiB :] = b"\xee" * (64 * KiB)
+    good = payload(100, seed=4)
+    checksums: list[int | None] = [None, None]
+
+    statuses = connector.write([(offset, memoryview(b"\x11" * size)), (0, memoryview(good))], checksums)
+
+    assert statuses == [Status.INVALID_RANGE, Status.OK], "a bad range fails alone"
+    assert checksums == [None, crc32c.crc32c(good)]
+    assert bytes(region.view[CAPACITY - 64 * KiB :]) == b"\xee" * (64 * KiB), "nothing written at the end"
+    with open(region.path, "rb") as f:
+        assert os.fstat(f.fileno()).st_size == HEADER_SIZE + CAPACITY, "the file did not grow"
+
+    guard = bytearray(b"\x5a" * size)
+    assert connector.read_into([(offset, memoryview(guard))], [None]) == [Status.INVALID_RANGE]
+    assert guard == b"\x5a" * size, "nothing read into the buffer"
+    assert connector.read([(offset, size), (0, 100)]) == [Status.INVALID_RANGE, good]
+
+
+def test_a_range_ending_exactly_at_the_capacity_is_fine(region, connectors):
+    connector = connectors()
+    data = payload(70 * KiB, seed=5)
+    assert connector.write([(CAPACITY - len(data), memoryview(data))]) == [Status.OK]
+    assert connector.read([(CAPACITY - len(data), len(data)), (CAPACITY, 0)]) == [data, b""]
+
+
+# ------------------------------------------------------------------ refusals: not the advertised region
+
+
+def test_a_region_on_another_host_is_refused(region):
+    for host in ("another-machine:another-boot", host_id() + "x", ""):
+        with pytest.raises(ConnectError, match="another host"):
+            ShmConnector(shm_url(region.path, host, region.nonce), CONFIG)
+    with pytest.raises(ConnectError, match="another host"):
+        ShmConnector(f"shm://{region.path}?nonce={region.nonce.hex()}", CONFIG)
+
+
+def test_a_nonce_mismatch_is_refused(region, tmp_path):
+    for nonce in (bytes(16), region.nonce[::-1], region.nonce[:8], b""):
+        with pytest.raises(ConnectError, match="nonce mismatch"):
+            ShmConnector(shm_url(region.path, host_id(), nonce), CONFIG)
+    # The right nonce on another live region is refused too: the URL names one file.
+    other = DramRegion(region_path(str(tmp_path), "tunit", "seg1"), MiB, "tunit", "seg1").open()
+    try:
+        with pytest.raises(ConnectError, match="nonce mismatch"):
+            ShmConnector(shm_url(other.path, host_id(), region.nonce), CONFIG)
+    finally:
+        other.close()
+
+
+def test_a_malformed_nonce_is_a_connect_error_not_a_crash(region):
+    for nonce in ("zz", "abc", "not hex at all"):
+        url = f"shm://{region.path}?host={host_id()}&nonce={nonce}"
+        with pytest.raises(ConnectError):
+            ShmConnector(url, CONFIG)
+
+
+def test_missing_and_foreign_files_are_refused(region, tmp_path):
+    host, nonce = host_id(), region.nonce
+    with pytest.raises(ConnectError, match="cannot open"):
+        ShmConnector(shm_url(str(tmp_path / "absent.region"), host, nonce), CONFIG)
+    with pytest.raises(ConnectError, match="cannot open"):
+        ShmConnector(shm_url(str(tmp_path), host, nonce), CONFIG)  # a directory
+
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    short = tmp_path / "short"
+    short.write_bytes(b"KVTREGN1" + bytes(20))
+    with pytest.raises(ConnectError, match="not a kvtier region"):
+        ShmConnector(shm_url(str(empty), host, nonce), CONFIG)
+    with pytest.raises(ConnectError, match="not a kvtier region"):
+        ShmConnector(shm_url(str(short), host, nonce), CONFIG)
+
+    foreign = tmp_path / "foreign"
+    foreign.write_bytes(os.urandom(2 * HEADER_SIZE))
+    with pytest.raises(ConnectError, match="not the advertised region"):
+        ShmConnector(shm_url(str(foreign), host, nonce), CONFIG)
+
+    # The real header (magic and nonce right) on a file too short for the capacity it claims.
+    truncated = tmp_path / "truncated"
+    with open(region.path, "rb") as f:
+        truncated.write_bytes(f.read(HEADER_SIZE + 100))
+    with pytest.raises(ConnectError, match="not the advertised region"):
+        ShmConnector(shm_url(str(truncated), host, nonce), CONFIG)
+
+
+# ------------------------------------------------------------------ close
+
+
+def test_close_unmaps_and_later_calls_raise_connect_error(connectors):
+    connector = connectors()
+    assert connector.write([(0, memoryview(b"abc"))]) == [Status.OK]
+    connector.close()
+    assert connector._map.closed
+    with pytest.raises(ConnectError, match="closed"):
+        connector.write([(0, memoryview(b"abc"))])
+    with pytest.raises(ConnectError, match="closed"):
+        connector.read_into([(0, memoryview(bytearray(3)))])
+    with pytest.raises(ConnectError, match="closed"):
+        connector.read([(0, 3)])
+    connector.close()  # twice is fine
+
+
+@pytest.fixture
+def paused_copy(monkeypatch):
+    """Makes the next shm copies stop inside `_copy` until released: (entered, release) events."""
+    entered, release = threading.Event(), threading.Event()
+    real = shm._copy
+
+    def copy(*args):
+        entered.set()
+        assert release.wait(TIMEOUT_S), "the test never released the copy"
+        return real(*args)
+
+    monkeypatch.setattr(shm, "_copy", copy)
+    yield entered, release
+    release.set()
+
+
+@pytest.mark.parametrize("op", ["write", "read_into"])
+def test_close_during_a_copy_defers_the_unmap_until_the_copy_finishes(region, connectors, paused_copy, op):
+    entered, release = paused_copy
+    connector = connectors()
+    size = 4 * MiB
+    data = payload(size, seed=6)
+    if op == "read_into":
+        region.view[:size] = data
+    buf = bytearray(data) if op == "write" else bytearray(size)
+    checksums: list[int | None] = [None]
+    outcome: list = []
+
+    def copy() -> None:
+        try:
+            outcome.append(getattr(connector, op)([(0, memoryview(buf))], checksums))
+        except BaseException as exc:  # reported by the assertions below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    try:
+        assert entered.wait(TIMEOUT_S), "the copy never started"
+        connector.close()  # returns at once: it does not wait for the copy
+
+        assert not connector._map.closed, "unmapped under a running copy"
+        with pytest.raises(ConnectError, match="closed"):
+            connector.read([(0, 1)])  # new calls are refused while the copy finishes
+        with pytest.raises(ConnectError, match="closed"):
+            connector.write([(0, memoryview(b"x"))])
+    finally:
+        release.set()
+        thread.join(TIMEOUT_S)
+    assert not thread.is_alive()
+    assert outcome == [[Status.OK]]
+    assert checksums == [crc32c.crc32c(data)]
+    assert bytes(region.view[:size]) == data and bytes(buf) == data
+    assert connector._map.closed, "the last copy out unmaps"
+    with pytest.raises(ConnectError, match="closed"):
+        connector.read_into([(0, memoryview(bytearray(1)))])
+
+
+def test_raw_bytearrays_work_as_sources_and_targets(connectors):
+    connector = connectors()
+    data = bytearray(os.urandom(256 << 10))
+    checksums: list[int | None] = [None]
+    assert connector.write([(4096, data)], checksums) == [0]
+    assert checksums[0] == crc32c.crc32c(data)
+    target = bytearray(len(data))
+    assert connector.read_into([(4096, target)]) == [0]
+    assert target == data
