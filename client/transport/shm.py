@@ -147,19 +147,22 @@ class ShmConnector:
     def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
-            return self._write(ranges, checksums)
+            return self._transfer(ranges, checksums, into_region=True)
 
     def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
-            return self._read_into(ranges, checksums)
+            return self._transfer(ranges, checksums, into_region=False)
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
         with self._in_use():
             region, capacity = self._view, self._capacity
             return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
 
-    def _write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None) -> list[int]:
+    def _transfer(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None, into_region: bool
+    ) -> list[int]:
+        """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes."""
         region, capacity = self._view, self._capacity
         out = []
         for index, (offset, buf) in enumerate(ranges):
@@ -167,21 +170,11 @@ class ShmConnector:
             if end > capacity:
                 out.append(_BAD_RANGE)
                 continue
-            crc = _copy(region[offset:end], self._base + offset, buf, None, region[offset:end])
-            if checksums is not None:
-                checksums[index] = crc
-            out.append(_OK)
-        return out
-
-    def _read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None) -> list[int]:
-        region, capacity = self._view, self._capacity
-        out = []
-        for index, (offset, buf) in enumerate(ranges):
-            end = offset + len(buf)
-            if end > capacity:
-                out.append(_BAD_RANGE)
-                continue
-            crc = _copy(buf, None, region[offset:end], self._base + offset, buf)
+            stored = region[offset:end]
+            if into_region:
+                crc = _copy(stored, self._base + offset, buf, None, stored)
+            else:
+                crc = _copy(buf, None, stored, self._base + offset, buf)
             if checksums is not None:
                 checksums[index] = crc
             out.append(_OK)
