@@ -2,6 +2,7 @@
 
     kvtier up [--listen ADDR] [--dram SIZE] [--segments N]   local cluster in the foreground
     kvtier status [--master ADDR] [--json]                   segments, capacity, used, objects
+    kvtier quotas [--master ADDR] [--json]                   per-rank quota, used, objects
     kvtier put KEY FILE|-                                    store a file (or stdin)
     kvtier get KEY [-o FILE]                                 fetch to a file (or stdout)
     kvtier bench [--master ADDR] ...                         throughput and latency
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_master(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
+    quotas = sub.add_parser("quotas", help="per instance and rank: quota, used, objects")
+    _add_master(quotas)
+    quotas.add_argument("--json", action="store_true", help="machine-readable output")
+
     put = sub.add_parser("put", help="store a file's bytes (or stdin with '-') under KEY")
     _add_master(put)
     put.add_argument("--namespace", default="default")
@@ -101,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quota_dict(q: Any) -> dict[str, Any]:
+    return {
+        "instance": q.instance,
+        "rank": q.rank,
+        "quota": q.quota,
+        "used": q.used,
+        "objects": q.objects,
+        "tp_size": q.tp_size,
+        "pp_size": q.pp_size,
+    }
+
+
 def _status_dict(reply: Any) -> dict[str, Any]:
     return {
         "cluster_id": reply.cluster_id,
@@ -109,6 +126,8 @@ def _status_dict(reply: Any) -> dict[str, Any]:
         "objects": reply.objects,
         "pending_puts": reply.pending_puts,
         "rpc_requests": dict(reply.rpc_requests),
+        "quotas": [_quota_dict(q) for q in reply.quotas],
+        "evictions": {e.reason: {"objects": e.objects, "bytes": e.bytes} for e in reply.evictions},
         "capacity": reply.capacity,
         "used": reply.used,
         "segments": [
@@ -161,6 +180,35 @@ def cmd_status(opts: argparse.Namespace) -> int:
                 ",".join(s["endpoints"]),
             ]
         )
+    _print_table(rows)
+    return 0
+
+
+def cmd_quotas(opts: argparse.Namespace) -> int:
+    from kvtier.client import Client
+
+    with Client(opts.master, timeout=5.0) as client:
+        quotas = client.quotas()
+    if opts.json:
+        print(json.dumps(quotas, indent=2))
+        return 0
+    rows = [["INSTANCE", "RANK", "TPxPP", "QUOTA", "USED", "USED%", "OBJECTS"]]
+    for q in quotas:
+        share = f"{100 * q['used'] / q['quota']:.1f}%" if q["quota"] else "-"
+        rows.append(
+            [
+                q["instance"],
+                str(q["rank"]),
+                f"{q['tp_size']}x{q['pp_size']}" if q["tp_size"] else "-",
+                format_size(q["quota"]) if q["quota"] else "none",
+                format_size(q["used"]),
+                share,
+                str(q["objects"]),
+            ]
+        )
+    if len(rows) == 1:
+        print("no instance has stored objects or registered")
+        return 0
     _print_table(rows)
     return 0
 
@@ -235,7 +283,7 @@ def cmd_up(opts: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
-    commands = {"up": cmd_up, "status": cmd_status, "put": cmd_put, "get": cmd_get}
+    commands = {"up": cmd_up, "status": cmd_status, "quotas": cmd_quotas, "put": cmd_put, "get": cmd_get}
     try:
         if opts.command == "bench":
             from kvtier.bench.run import run

@@ -33,6 +33,7 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.master import MasterClient
 from kvtier.client.transport import check_transport, connect
 from kvtier.client.transport.base import Connector
+from kvtier.client.transport.shm import local_host_id
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
 from kvtier.proto.keys import check_key
@@ -44,6 +45,7 @@ _OK = 0
 _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
+_PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 # Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
 LEASE_SAFETY = 0.9
 
@@ -82,6 +84,8 @@ class Client:
         connections_per_segment: int = 4,
         io_threads: int = 4,
         transport: str = "",
+        instance: str = "",
+        rank: int = 0,
     ) -> None:
         self.config = ClientConfig(
             master=master,
@@ -93,6 +97,10 @@ class Client:
         ).validate()
         check_transport(self.config.transport)
         self.namespace = namespace
+        self.instance = instance  # engine deployment whose per-rank quota this client's puts count against
+        self.rank = rank
+        if rank < 0:
+            raise ValueError(f"rank must not be negative, got {rank}")
         self._master = MasterClient(master, timeout)
         # by segment name: (endpoints, connector, last used)
         self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
@@ -165,20 +173,41 @@ class Client:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: str, value: Any, *, replicas: int = 1) -> None:
+    def put(self, key: str, value: Any, *, replicas: int = 1, **placement: Any) -> None:
         """Store `value` (any bytes-like buffer) under `key`. Raises KvtierError on failure.
 
-        Idempotent: putting a key that is already complete succeeds without rewriting it.
+        Idempotent: putting a key that is already complete succeeds without
+        rewriting it. `placement` as for `batch_put` (pin, pin_ttl, preferred_segment).
         """
-        status = self.batch_put([key], [value], replicas=replicas)[0]
+        status = self.batch_put([key], [value], replicas=replicas, **placement)[0]
         if status != Status.OK:
             raise KvtierError(status, f"put of {key!r:.80} failed")
 
     put_from = put  # zero-copy already: the value's buffer is sent as is
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[Any], *, replicas: int = 1) -> list[Status]:
-        """Store many values; one `Status` per key (OK also for keys that already existed)."""
+    def batch_put(
+        self,
+        keys: Sequence[str],
+        values: Sequence[Any],
+        *,
+        replicas: int = 1,
+        pin: str | None = None,
+        pin_ttl: float = 0.0,
+        preferred_segment: str = "",
+    ) -> list[Status]:
+        """Store many values; one `Status` per key (OK also for keys that already existed).
+
+        `replicas` copies go to distinct segments (distinct hosts when there
+        are enough). `pin="soft"` protects the objects from eviction while
+        anything unpinned can go, for `pin_ttl` seconds (0: the master's
+        default); `pin="hard"` protects them for good (they still count against
+        the rank's quota). `preferred_segment` names the segment for the first
+        replica when it has room; otherwise segments on this host come first,
+        then the emptiest.
+        """
         keys = [check_key(k) for k in keys]
+        if pin not in _PINS:
+            raise ValueError(f"pin must be one of {sorted(k for k in _PINS if k)} or None, got {pin!r}")
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if replicas < 1:
@@ -191,7 +220,18 @@ class Client:
         try:
             reply = self._master.call(
                 "PutStart",
-                pb.PutStartRequest(namespace=self.namespace, keys=keys, sizes=sizes, replicas=replicas),
+                pb.PutStartRequest(
+                    namespace=self.namespace,
+                    keys=keys,
+                    sizes=sizes,
+                    replicas=replicas,
+                    instance=self.instance,
+                    rank=self.rank,
+                    pin=_PINS[pin],
+                    pin_ttl_ms=int(pin_ttl * 1000),
+                    preferred_segment=preferred_segment,
+                    client_host=local_host_id(),
+                ),
             )
         except KvtierError as exc:
             logger.warning("batch_put failed: %s", exc)
@@ -325,6 +365,12 @@ class Client:
         lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
         out: list[bytes | int] = list(reply.statuses)
         segments = {s.segment_id: s for s in reply.segments}
+        host = local_host_id()
+        local = {s.segment_id for s in reply.segments if s.host_id == host}
+
+        def same_host(position: int) -> bool:
+            return reply.replica_segments[position] in local
+
         replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
         pos = 0
         for i, count in enumerate(reply.replica_counts):
@@ -334,7 +380,8 @@ class Client:
                 elif reply.sizes[i] == 0:
                     out[i] = 0 if views is not None else b""
                 else:
-                    replicas[i] = list(range(pos, pos + count))
+                    # Same-host replicas first (a memcpy instead of a socket), then in the master's order.
+                    replicas[i] = sorted(range(pos, pos + count), key=lambda j: not same_host(j))
             pos += count
         attempt = 0
         transferred = 0
@@ -461,6 +508,38 @@ class Client:
                 }
             )
         return out
+
+    def register_instance(self, tp_size: int, pp_size: int, budget: int) -> int:
+        """Register this client's engine deployment (`instance`); returns the quota of each of its ranks.
+
+        The budget is for the whole deployment: each of its TP x PP ranks may
+        hold budget / (TP x PP) bytes of DRAM, every replica counted. A put
+        beyond a rank's quota evicts that rank's own least recently used
+        objects first and fails with QUOTA_EXCEEDED only when none can go.
+        Idempotent; registering again with other values updates the quotas.
+        """
+        if not self.instance:
+            raise ValueError("register_instance needs a client created with instance=...")
+        request = pb.RegisterInstanceRequest(
+            instance=self.instance, tp_size=tp_size, pp_size=pp_size, budget_bytes=budget
+        )
+        return self._master.call("RegisterInstance", request).quota_per_rank
+
+    def quotas(self) -> list[dict[str, Any]]:
+        """Per instance and rank: quota (0 = none), used bytes, objects, TP and PP sizes."""
+        reply = self._master.call("Quotas", pb.QuotasRequest())
+        return [
+            {
+                "instance": q.instance,
+                "rank": q.rank,
+                "quota": q.quota,
+                "used": q.used,
+                "objects": q.objects,
+                "tp_size": q.tp_size,
+                "pp_size": q.pp_size,
+            }
+            for q in reply.quotas
+        ]
 
     def cluster_status(self) -> pb.StatusResponse:
         """The master's view of the cluster (segments, capacity, objects)."""

@@ -24,6 +24,9 @@ class MasterConfig:
     lease_s: float = 10.0  # read lease granted by GetReplicas
     put_timeout_s: float = 30.0  # a PutStart without PutEnd this long is reclaimed
     max_batch_keys: int = 100_000  # keys per request; more is BATCH_TOO_LARGE
+    high_watermark: float = 0.90  # a segment fuller than this evicts LRU objects in the background...
+    eviction_ratio: float = 0.05  # ...down to high_watermark - eviction_ratio
+    soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
@@ -41,6 +44,12 @@ class MasterConfig:
                 f"segment_ttl_s ({self.segment_ttl_s}) must be at least twice "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
+        if not 0 < self.high_watermark <= 1:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0 < self.eviction_ratio <= self.high_watermark:
+            raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
+        if self.soft_pin_ttl_s <= 0:
+            raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
         if self.max_batch_keys < 1:
             raise ValueError("max_batch_keys must be at least 1")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from kvtier.master.state import MasterState
+from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.errors import InvalidKeyError
@@ -137,7 +137,15 @@ class MasterHandlers:
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="keys and sizes differ in length")
         if request.replicas < 1:
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="replicas must be at least 1")
-        result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas)
+        options = PutOptions(
+            instance=request.instance,
+            rank=request.rank,
+            pin=request.pin,
+            pin_ttl_s=request.pin_ttl_ms / 1000,
+            preferred_segment=request.preferred_segment,
+            client_host=request.client_host,
+        )
+        result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
         return pb.PutStartResponse(
             status=Status.OK,
             error=result.first_error,
@@ -207,6 +215,34 @@ class MasterHandlers:
         namespace = check_namespace(request.namespace)
         return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
 
+    @_rpc(pb.RegisterInstanceResponse)
+    def RegisterInstance(self, request):
+        try:
+            quota = self.state.register_instance(
+                request.instance, request.tp_size, request.pp_size, request.budget_bytes
+            )
+        except ValueError as exc:
+            return pb.RegisterInstanceResponse(status=Status.INVALID_ARGUMENT, error=str(exc))
+        return pb.RegisterInstanceResponse(status=Status.OK, quota_per_rank=quota)
+
+    def _quota_infos(self) -> list[pb.QuotaInfo]:
+        return [
+            pb.QuotaInfo(
+                instance=o.instance,
+                rank=o.rank,
+                quota=o.quota,
+                used=o.used,
+                objects=o.objects,
+                tp_size=o.tp_size,
+                pp_size=o.pp_size,
+            )
+            for o in self.state.quotas.snapshot()
+        ]
+
+    @_rpc(pb.QuotasResponse)
+    def Quotas(self, request):
+        return pb.QuotasResponse(status=Status.OK, quotas=self._quota_infos())
+
     @_rpc(pb.StatusResponse)
     def Status(self, request):
         snap = self.state.snapshot()
@@ -236,6 +272,11 @@ class MasterHandlers:
             uptime_s=now - self.state.started_at,
             rpc_requests=dict(self.requests),
             rpc_failures=dict(self.failures),
+            quotas=self._quota_infos(),
+            evictions=[
+                pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
+                for reason, (objects, size) in sorted(self.state.evictions.items())
+            ],
         )
 
 

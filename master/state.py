@@ -15,6 +15,12 @@ Object lifecycle (per namespace and key):
 
 Only COMPLETE objects are visible to `get_replicas` and `exists`. Ranges of a
 removed object whose read lease is still running are freed when it ends.
+
+Space: complete objects are kept in least-recently-used order (reads refresh
+it, existence checks do not). A segment fuller than `high_watermark` evicts
+down to `high_watermark - eviction_ratio` on the next tick; an allocation that
+does not fit evicts from its segment first; a rank over its quota evicts its
+own objects first. Victim rules are in `kvtier.master.eviction`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass, field
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
+from kvtier.master.eviction import PIN_NONE, PIN_SOFT, LruIndex
+from kvtier.master.quotas import Owner, QuotaTable
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -37,6 +45,7 @@ TIER_DRAM = 0
 TIER_SSD = 1
 
 _OK = int(Status.OK)
+_EVICTION_ROUNDS = 8  # evict-then-retry rounds for one allocation (freed space may be fragmented)
 
 
 class ObjectState(enum.Enum):
@@ -46,6 +55,7 @@ class ObjectState(enum.Enum):
 
 class SegmentState(enum.Enum):
     ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
+    DRAINING = 2  # takes no new allocations; serves reads until its objects have moved away
 
 
 @dataclass(slots=True, eq=False)
@@ -57,11 +67,16 @@ class Replica:
 
 @dataclass(slots=True, eq=False)
 class ObjectRecord:
+    namespace: str
+    key: str
     size: int
     replicas: list[Replica]
     state: ObjectState
     put_id: int
     started_at: float
+    owner: Owner | None = None
+    pin: int = PIN_NONE
+    pin_until: float = 0.0
     checksum: int = 0
     lease_until: float = 0.0
     last_access: float = 0.0
@@ -86,6 +101,18 @@ class SegmentRecord:
     @property
     def used(self) -> int:
         return self.allocator.used
+
+
+@dataclass(slots=True, frozen=True)
+class PutOptions:
+    """Who puts, and how the objects are placed and protected."""
+
+    instance: str = ""  # engine deployment (quota owner); empty = no quota
+    rank: int = 0
+    pin: int = PIN_NONE
+    pin_ttl_s: float = 0.0  # PIN_SOFT lifetime; 0 = config.soft_pin_ttl_s
+    preferred_segment: str = ""
+    client_host: str = ""  # host id of the writer: same-host segments are preferred
 
 
 @dataclass(slots=True)
@@ -147,6 +174,9 @@ class MasterState:
         self._pending: dict[tuple[str, str], ObjectRecord] = {}
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
         self._deferred: list[tuple[float, int, int, int, int]] = []
+        self.quotas = QuotaTable()
+        self.lru = LruIndex()
+        self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
         self._put_ids = itertools.count(1)
         self._seq = itertools.count()
@@ -211,16 +241,18 @@ class MasterState:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         lost = 0
-        for namespace, objects in self._namespaces.items():
+        for objects in self._namespaces.values():
             doomed = []
             for key, record in objects.items():
                 if not any(r.segment_id == segment_id for r in record.replicas):
                     continue
                 record.replicas = [r for r in record.replicas if r.segment_id != segment_id]
+                if record.owner is not None:
+                    record.owner.used -= self._aligned(record.size)
                 if not record.replicas or record.state is ObjectState.PENDING:
                     doomed.append(key)
             for key in doomed:
-                self._delete(namespace, key, objects.pop(key))
+                self._delete(objects.pop(key))
                 lost += 1
         self._deferred = [d for d in self._deferred if d[2] != segment_id]
         heapq.heapify(self._deferred)
@@ -230,18 +262,35 @@ class MasterState:
 
     # ------------------------------------------------------------------ writes
 
-    def put_start(self, namespace: str, keys: Sequence[str], sizes: Sequence[int], replicas: int) -> PutStartResult:
+    def put_start(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        replicas: int,
+        options: PutOptions = PutOptions(),
+    ) -> PutStartResult:
         """Allocate `replicas` ranges on distinct segments for each key.
 
         Per key: OK with ranges to write; OK with zero ranges when the key is
         already complete (idempotent put); PUT_IN_PROGRESS when another put of
         the key is pending; INVALID_KEY; TOO_LARGE when no segment could ever
-        hold it; NO_REPLICA when fewer segments are mounted than replicas asked;
-        NO_SPACE when the segments are too full now.
+        hold it; NO_REPLICA when fewer segments take allocations than replicas
+        asked; QUOTA_EXCEEDED when the rank's quota is full of objects that
+        cannot be evicted; NO_SPACE when the segments are full of objects that
+        cannot be evicted. Evicts (LRU, see the module docstring) to make room.
         """
         now = self.clock()
         put_id = next(self._put_ids)
         result = PutStartResult(put_id, [], [], [], [])
+        if options.instance and not self.quotas.rank_allowed(options.instance, options.rank):
+            status = int(Status.INVALID_ARGUMENT)
+            result.statuses = [status] * len(keys)
+            result.replica_counts = [0] * len(keys)
+            result.first_error = f"rank {options.rank} is outside instance {options.instance!r}'s TP x PP"
+            return result
+        owner = self.quotas.owner(options.instance, options.rank)
+        pin_until = now + (options.pin_ttl_s or self.config.soft_pin_ttl_s) if options.pin == PIN_SOFT else 0.0
         objects = self._namespaces.setdefault(namespace, {})
         active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
         largest = max((s.capacity for s in active), default=0)
@@ -260,21 +309,35 @@ class MasterState:
                     if now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
-                        self._delete(namespace, key, objects.pop(key))
+                        self._delete(objects.pop(key))
             if status == _OK:
                 if replicas > len(active):
                     status = Status.NO_REPLICA
                 elif size > largest:
                     status = Status.TOO_LARGE
+            charge = self._aligned(size) * replicas
+            if status == _OK and owner is not None and owner.over_by(charge):
+                if owner.quota and charge > owner.quota:
+                    status = Status.QUOTA_EXCEEDED
+                else:
+                    self._evict(owner.over_by(charge), lambda r, o=owner: r.owner is o, self._record_bytes, "quota")
+                    if owner.over_by(charge):
+                        status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                placed = self._place(active, size, replicas)
+                # Re-ranked per key: free ratios change as the batch fills segments.
+                placed = self._place(self._placement_order(active, options), size, replicas)
                 if placed is None:
                     status = Status.NO_SPACE
                 else:
-                    record = ObjectRecord(size, placed, ObjectState.PENDING, put_id, now)
+                    record = ObjectRecord(namespace, key, size, placed, ObjectState.PENDING, put_id, now, owner)
+                    if options.pin != PIN_NONE:
+                        record.pin, record.pin_until = options.pin, pin_until
                     objects[key] = record
                     self._pending[(namespace, key)] = record
                     self.object_count += 1
+                    if owner is not None:
+                        owner.used += charge
+                        owner.objects += 1
                     for replica in placed:
                         result.replica_segments.append(replica.segment_id)
                         result.replica_offsets.append(replica.offset)
@@ -287,24 +350,64 @@ class MasterState:
                 result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
         return result
 
-    def _place(self, active: list[SegmentRecord], size: int, replicas: int) -> list[Replica] | None:
-        """Ranges on `replicas` distinct segments, the freest first; None if they do not fit."""
+    @staticmethod
+    def _placement_order(active: list[SegmentRecord], options: PutOptions) -> list[SegmentRecord]:
+        """Segments in placement preference: the preferred one, then the writer's host, then freest ratio."""
+
+        def rank(segment: SegmentRecord) -> tuple:
+            free_ratio = segment.allocator.free / segment.capacity if segment.capacity else 0.0
+            return (
+                segment.name != options.preferred_segment,
+                not options.client_host or segment.host_id != options.client_host,
+                -free_ratio,
+            )
+
+        return sorted(active, key=rank)
+
+    def _place(self, order: list[SegmentRecord], size: int, replicas: int) -> list[Replica] | None:
+        """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
+
+        Tries each segment in preference order, then evicts LRU objects from
+        segments in that order until the range fits.
+        """
         placed: list[Replica] = []
-        candidates = sorted(active, key=lambda s: s.allocator.free, reverse=True)
-        for segment in candidates:
-            if len(placed) == replicas:
-                break
-            if size == 0:  # nothing to store, but the object still lives on a segment
-                offset: int | None = 0
-            else:
-                offset = segment.allocator.allocate(size)
-            if offset is not None:
-                placed.append(Replica(segment.segment_id, offset))
-                segment.objects += 1
-        if len(placed) < replicas:
-            self._release_replicas(placed, size)
-            return None
+        used_hosts: set[str] = set()
+        used_segments: set[int] = set()
+        for _ in range(replicas):
+            fresh_host = [s for s in order if s.segment_id not in used_segments and s.host_id not in used_hosts]
+            others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
+            segment, offset = self._allocate_on(fresh_host + others, size)
+            if segment is None:
+                self._release_replicas(placed, size)
+                return None
+            placed.append(Replica(segment.segment_id, offset))
+            segment.objects += 1
+            used_segments.add(segment.segment_id)
+            used_hosts.add(segment.host_id)
         return placed
+
+    def _allocate_on(self, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
+        if size == 0:  # nothing to store, but the object still lives on a segment
+            return (candidates[0], 0) if candidates else (None, 0)
+        for segment in candidates:
+            offset = segment.allocator.allocate(size)
+            if offset is not None:
+                return segment, offset
+        need = self._aligned(size)
+        for segment in candidates:
+            if segment.capacity < need:
+                continue
+            # Evicting `need` bytes may leave them non-contiguous: evict more until it fits.
+            for _ in range(_EVICTION_ROUNDS):
+                freed = self._evict(
+                    need, self._on_segment(segment.segment_id), self._replica_bytes, "allocation", segment.segment_id
+                )
+                offset = segment.allocator.allocate(size)
+                if offset is not None:
+                    return segment, offset
+                if not freed:
+                    break
+        return None, 0
 
     def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
         """Make pending objects of put `put_id` visible with their checksums.
@@ -326,6 +429,7 @@ class MasterState:
                 record.checksum = checksum
                 record.last_access = self.clock()
                 del self._pending[(namespace, key)]
+                self.lru.add(record)
                 out.append(_OK)
         return out
 
@@ -338,7 +442,7 @@ class MasterState:
             if record is None or record.put_id != put_id or record.state is not ObjectState.PENDING:
                 out.append(int(Status.NOT_PENDING))
                 continue
-            self._delete(namespace, key, objects.pop(key))
+            self._delete(objects.pop(key))
             out.append(_OK)
         return out
 
@@ -366,6 +470,7 @@ class MasterState:
             if record.lease_until < lease_until:
                 record.lease_until = lease_until
             record.last_access = now
+            self.lru.touch(record)
             result.statuses.append(_OK)
             result.sizes.append(record.size)
             result.checksums.append(record.checksum)
@@ -400,7 +505,7 @@ class MasterState:
             elif record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
-                self._delete(namespace, key, objects.pop(key))
+                self._delete(objects.pop(key))
                 out.append(_OK)
         return out
 
@@ -409,14 +514,19 @@ class MasterState:
         objects = self._namespaces.get(namespace, {})
         doomed = [k for k, r in objects.items() if k.startswith(prefix) and r.state is ObjectState.COMPLETE]
         for key in doomed:
-            self._delete(namespace, key, objects.pop(key))
+            self._delete(objects.pop(key))
         return len(doomed)
 
-    def _delete(self, namespace: str, key: str, record: ObjectRecord) -> None:
+    def _delete(self, record: ObjectRecord) -> None:
         """Forget a record already popped from its namespace; free or defer its ranges."""
         self.object_count -= 1
         if record.state is ObjectState.PENDING:
-            self._pending.pop((namespace, key), None)
+            self._pending.pop((record.namespace, record.key), None)
+        else:
+            self.lru.discard(record)
+        if record.owner is not None:
+            record.owner.used -= self._record_bytes(record)
+            record.owner.objects -= 1
         now = self.clock()
         if record.lease_until > now:
             for replica in record.replicas:
@@ -440,10 +550,71 @@ class MasterState:
             if size:
                 segment.allocator.release(replica.offset, size)
 
+    # ------------------------------------------------------------------ eviction
+
+    def _aligned(self, size: int) -> int:
+        alignment = self.config.alignment
+        return -(-size // alignment) * alignment
+
+    def _record_bytes(self, record: ObjectRecord) -> int:
+        return self._aligned(record.size) * len(record.replicas)
+
+    def _replica_bytes(self, record: ObjectRecord) -> int:
+        return self._aligned(record.size)
+
+    @staticmethod
+    def _on_segment(segment_id: int) -> Callable[[ObjectRecord], bool]:
+        return lambda record: any(r.segment_id == segment_id for r in record.replicas)
+
+    def _evict(
+        self,
+        need: int,
+        eligible: Callable[[ObjectRecord], bool],
+        weight: Callable[[ObjectRecord], int],
+        reason: str,
+        segment_id: int = 0,
+    ) -> int:
+        """Evict LRU objects that `eligible` accepts until `weight` frees `need` bytes; bytes freed.
+
+        With `segment_id`, space is wanted on that segment only: an object with
+        other replicas loses just its copy there and stays readable; otherwise
+        (quota) the whole object goes.
+        """
+        victims = self.lru.victims(self.clock(), need, weight, eligible)
+        freed = 0
+        for record in victims:
+            freed += weight(record)
+            if segment_id and len(record.replicas) > 1:
+                self._drop_replica(record, segment_id)
+            else:
+                del self._namespaces[record.namespace][record.key]
+                self._delete(record)
+        if victims:
+            counts = self.evictions.setdefault(reason, [0, 0])
+            counts[0] += len(victims)
+            counts[1] += freed
+            logger.debug("evicted reason=%s objects=%d bytes=%d", reason, len(victims), freed)
+        return freed
+
+    def _drop_replica(self, record: ObjectRecord, segment_id: int) -> None:
+        """Remove one unleased replica of a complete object that keeps at least one other."""
+        kept = [r for r in record.replicas if r.segment_id != segment_id]
+        dropped = [r for r in record.replicas if r.segment_id == segment_id]
+        record.replicas = kept
+        if record.owner is not None:
+            record.owner.used -= self._aligned(record.size) * len(dropped)
+        self._release_replicas(dropped, record.size)
+
+    def register_instance(self, instance: str, tp_size: int, pp_size: int, budget: int) -> int:
+        """Register an engine deployment; the per-rank quota. Raises ValueError when invalid."""
+        quota = self.quotas.register(instance, tp_size, pp_size, budget)
+        logger.info("instance registered instance=%s tp=%d pp=%d quota_per_rank=%d", instance, tp_size, pp_size, quota)
+        return quota
+
     # ------------------------------------------------------------------ time
 
     def tick(self) -> None:
-        """Expire silent segments, reclaim abandoned puts, free ranges whose lease ended."""
+        """Expire silent segments, reclaim abandoned puts, free ranges whose lease ended, evict to the watermark."""
         now = self.clock()
         ttl = self.config.segment_ttl_s
         for segment_id in [s.segment_id for s in self.segments.values() if now - s.last_heartbeat > ttl]:
@@ -455,12 +626,19 @@ class MasterState:
                 break  # insertion order is start order: the rest are younger
             logger.info("reclaiming abandoned put namespace=%s key=%.80s put_id=%d", namespace, key, record.put_id)
             del self._namespaces[namespace][key]
-            self._delete(namespace, key, record)
+            self._delete(record)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
             segment = self.segments.get(segment_id)
             if segment is not None:
                 segment.allocator.release(offset, size)
+        high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
+        for segment in list(self.segments.values()):
+            if segment.capacity and segment.used > high * segment.capacity:
+                need = segment.used - int(target * segment.capacity)
+                self._evict(
+                    need, self._on_segment(segment.segment_id), self._replica_bytes, "watermark", segment.segment_id
+                )
 
     # ------------------------------------------------------------------ views
 

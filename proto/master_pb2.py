@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvtier.proto import status_pb2 as kvtier_dot_proto_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/proto/master.proto\x12\tkvtier.v1\x1a\x19kvtier/proto/status.proto\"&\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\"\xac\x01\n\rHelloResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x14\n\x0cmaster_epoch\x18\x04 \x01(\t\x12\x15\n\rfast_endpoint\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"W\n\x0fSegmentEndpoint\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\"r\n\x13MountSegmentRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\x12\x15\n\rdram_capacity\x18\x05 \x01(\x04\"\xa1\x01\n\x14MountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nsegment_id\x18\x03 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x14\n\x0cmaster_epoch\x18\x06 \x01(\t\"+\n\x15UnmountSegmentRequest\x12\x12\n\nsegment_id\x18\x01 \x01(\r\"J\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsegment_id\x18\x01 \x01(\r\"[\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\x14\n\x0cmaster_epoch\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"S\n\x0fPutStartRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x10\n\x08replicas\x18\x04 \x01(\r\"\xf2\x01\n\x10PutStartResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\x16\n\x0ereplica_counts\x18\x04 \x03(\r\x12\x18\n\x10replica_segments\x18\x05 \x03(\r\x12\x17\n\x0freplica_offsets\x18\x06 \x03(\x04\x12,\n\x08segments\x18\x07 \x03(\x0b\x32\x1a.kvtier.v1.SegmentEndpoint\x12\x0e\n\x06put_id\x18\x08 \x01(\x04\"S\n\rPutEndRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x11\n\tchecksums\x18\x03 \x03(\x07\x12\x0e\n\x06put_id\x18\x04 \x01(\x04\"C\n\x10PutRevokeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0e\n\x06put_id\x18\x03 \x01(\x04\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"j\n\x11KeyStatusResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\"\xc1\x02\n\x13GetReplicasResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x07\x12\x16\n\x0ereplica_counts\x18\x06 \x03(\r\x12\x18\n\x10replica_segments\x18\x07 \x03(\r\x12\x17\n\x0freplica_offsets\x18\x08 \x03(\x04\x12&\n\rreplica_tiers\x18\t \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12,\n\x08segments\x18\n \x03(\x0b\x32\x1a.kvtier.v1.SegmentEndpoint\x12\x10\n\x08lease_ms\x18\x0b \x01(\r\"h\n\x0e\x45xistsResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x65xists\x18\x03 \x03(\x08\x12\x14\n\x0cprefix_count\x18\x04 \x01(\r\"8\n\x13RemovePrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"x\n\x0eRemoveResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\x0f\n\x07removed\x18\x04 \x01(\x04\"\x0f\n\rStatusRequest\"\xb7\x01\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\x12\x15\n\rdram_capacity\x18\x05 \x01(\x04\x12\x11\n\tdram_used\x18\x06 \x01(\x04\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x18\n\x10heartbeat_age_ms\x18\x08 \x01(\r\x12\r\n\x05state\x18\t \x01(\t\"\xdb\x03\n\x0eStatusResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x14\n\x0cmaster_epoch\x18\x02 \x01(\t\x12\x0f\n\x07objects\x18\x03 \x01(\x04\x12\x14\n\x0cpending_puts\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x0c\n\x04used\x18\x06 \x01(\x04\x12(\n\x08segments\x18\x07 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12!\n\x06status\x18\t \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\n \x01(\t\x12@\n\x0crpc_requests\x18\x0b \x03(\x0b\x32*.kvtier.v1.StatusResponse.RpcRequestsEntry\x12@\n\x0crpc_failures\x18\x0c \x03(\x0b\x32*.kvtier.v1.StatusResponse.RpcFailuresEntry\x1a\x32\n\x10RpcRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10RpcFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x19\n\x04Tier\x12\x08\n\x04\x44RAM\x10\x00\x12\x07\n\x03SSD\x10\x01\x32\xce\x06\n\x06Master\x12:\n\x05Hello\x12\x17.kvtier.v1.HelloRequest\x1a\x18.kvtier.v1.HelloResponse\x12O\n\x0cMountSegment\x12\x1e.kvtier.v1.MountSegmentRequest\x1a\x1f.kvtier.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvtier.v1.UnmountSegmentRequest\x1a!.kvtier.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvtier.v1.HeartbeatRequest\x1a\x1c.kvtier.v1.HeartbeatResponse\x12\x43\n\x08PutStart\x12\x1a.kvtier.v1.PutStartRequest\x1a\x1b.kvtier.v1.PutStartResponse\x12@\n\x06PutEnd\x12\x18.kvtier.v1.PutEndRequest\x1a\x1c.kvtier.v1.KeyStatusResponse\x12\x46\n\tPutRevoke\x12\x1b.kvtier.v1.PutRevokeRequest\x1a\x1c.kvtier.v1.KeyStatusResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvtier.v1.KeysRequest\x1a\x1e.kvtier.v1.GetReplicasResponse\x12;\n\x06\x45xists\x12\x16.kvtier.v1.KeysRequest\x1a\x19.kvtier.v1.ExistsResponse\x12;\n\x06Remove\x12\x16.kvtier.v1.KeysRequest\x1a\x19.kvtier.v1.RemoveResponse\x12I\n\x0cRemovePrefix\x12\x1e.kvtier.v1.RemovePrefixRequest\x1a\x19.kvtier.v1.RemoveResponse\x12=\n\x06Status\x12\x18.kvtier.v1.StatusRequest\x1a\x19.kvtier.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/proto/master.proto\x12\tkvtier.v1\x1a\x19kvtier/proto/status.proto\"&\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\"\xac\x01\n\rHelloResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x14\n\x0cmaster_epoch\x18\x04 \x01(\t\x12\x15\n\rfast_endpoint\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x06 \x01(\r\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\"W\n\x0fSegmentEndpoint\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\"r\n\x13MountSegmentRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\x12\x15\n\rdram_capacity\x18\x05 \x01(\x04\"\xa1\x01\n\x14MountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nsegment_id\x18\x03 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x14\n\x0cmaster_epoch\x18\x06 \x01(\t\"+\n\x15UnmountSegmentRequest\x12\x12\n\nsegment_id\x18\x01 \x01(\r\"J\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsegment_id\x18\x01 \x01(\r\"[\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\x14\n\x0cmaster_epoch\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xd4\x01\n\x0fPutStartRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x10\n\x08instance\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x1b\n\x03pin\x18\x07 \x01(\x0e\x32\x0e.kvtier.v1.Pin\x12\x12\n\npin_ttl_ms\x18\x08 \x01(\r\x12\x19\n\x11preferred_segment\x18\t \x01(\t\x12\x13\n\x0b\x63lient_host\x18\n \x01(\t\"\xf2\x01\n\x10PutStartResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\x16\n\x0ereplica_counts\x18\x04 \x03(\r\x12\x18\n\x10replica_segments\x18\x05 \x03(\r\x12\x17\n\x0freplica_offsets\x18\x06 \x03(\x04\x12,\n\x08segments\x18\x07 \x03(\x0b\x32\x1a.kvtier.v1.SegmentEndpoint\x12\x0e\n\x06put_id\x18\x08 \x01(\x04\"S\n\rPutEndRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x11\n\tchecksums\x18\x03 \x03(\x07\x12\x0e\n\x06put_id\x18\x04 \x01(\x04\"C\n\x10PutRevokeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x0e\n\x06put_id\x18\x03 \x01(\x04\".\n\x0bKeysRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"j\n\x11KeyStatusResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\"\xc1\x02\n\x13GetReplicasResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x07\x12\x16\n\x0ereplica_counts\x18\x06 \x03(\r\x12\x18\n\x10replica_segments\x18\x07 \x03(\r\x12\x17\n\x0freplica_offsets\x18\x08 \x03(\x04\x12&\n\rreplica_tiers\x18\t \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12,\n\x08segments\x18\n \x03(\x0b\x32\x1a.kvtier.v1.SegmentEndpoint\x12\x10\n\x08lease_ms\x18\x0b \x01(\r\"h\n\x0e\x45xistsResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0e\n\x06\x65xists\x18\x03 \x03(\x08\x12\x14\n\x0cprefix_count\x18\x04 \x01(\r\"8\n\x13RemovePrefixRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"x\n\x0eRemoveResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvtier.v1.Status\x12\x0f\n\x07removed\x18\x04 \x01(\x04\"c\n\x17RegisterInstanceRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x0f\n\x07pp_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\"d\n\x18RegisterInstanceResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0equota_per_rank\x18\x03 \x01(\x04\"\x0f\n\rQuotasRequest\"{\n\tQuotaInfo\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05quota\x18\x03 \x01(\x04\x12\x0c\n\x04used\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\x12\x0f\n\x07pp_size\x18\x07 \x01(\r\"h\n\x0eQuotasResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12$\n\x06quotas\x18\x03 \x03(\x0b\x32\x14.kvtier.v1.QuotaInfo\">\n\x0c\x45victionInfo\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"\x0f\n\rStatusRequest\"\xb7\x01\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x11\n\tendpoints\x18\x04 \x03(\t\x12\x15\n\rdram_capacity\x18\x05 \x01(\x04\x12\x11\n\tdram_used\x18\x06 \x01(\x04\x12\x0f\n\x07objects\x18\x07 \x01(\x04\x12\x18\n\x10heartbeat_age_ms\x18\x08 \x01(\r\x12\r\n\x05state\x18\t \x01(\t\"\xad\x04\n\x0eStatusResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x14\n\x0cmaster_epoch\x18\x02 \x01(\t\x12\x0f\n\x07objects\x18\x03 \x01(\x04\x12\x14\n\x0cpending_puts\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\x12\x0c\n\x04used\x18\x06 \x01(\x04\x12(\n\x08segments\x18\x07 \x03(\x0b\x32\x16.kvtier.v1.SegmentInfo\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12!\n\x06status\x18\t \x01(\x0e\x32\x11.kvtier.v1.Status\x12\r\n\x05\x65rror\x18\n \x01(\t\x12@\n\x0crpc_requests\x18\x0b \x03(\x0b\x32*.kvtier.v1.StatusResponse.RpcRequestsEntry\x12@\n\x0crpc_failures\x18\x0c \x03(\x0b\x32*.kvtier.v1.StatusResponse.RpcFailuresEntry\x12$\n\x06quotas\x18\r \x03(\x0b\x32\x14.kvtier.v1.QuotaInfo\x12*\n\tevictions\x18\x0e \x03(\x0b\x32\x17.kvtier.v1.EvictionInfo\x1a\x32\n\x10RpcRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10RpcFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x19\n\x04Tier\x12\x08\n\x04\x44RAM\x10\x00\x12\x07\n\x03SSD\x10\x01*/\n\x03Pin\x12\x0c\n\x08PIN_NONE\x10\x00\x12\x0c\n\x08PIN_SOFT\x10\x01\x12\x0c\n\x08PIN_HARD\x10\x02\x32\xea\x07\n\x06Master\x12:\n\x05Hello\x12\x17.kvtier.v1.HelloRequest\x1a\x18.kvtier.v1.HelloResponse\x12O\n\x0cMountSegment\x12\x1e.kvtier.v1.MountSegmentRequest\x1a\x1f.kvtier.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvtier.v1.UnmountSegmentRequest\x1a!.kvtier.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvtier.v1.HeartbeatRequest\x1a\x1c.kvtier.v1.HeartbeatResponse\x12\x43\n\x08PutStart\x12\x1a.kvtier.v1.PutStartRequest\x1a\x1b.kvtier.v1.PutStartResponse\x12@\n\x06PutEnd\x12\x18.kvtier.v1.PutEndRequest\x1a\x1c.kvtier.v1.KeyStatusResponse\x12\x46\n\tPutRevoke\x12\x1b.kvtier.v1.PutRevokeRequest\x1a\x1c.kvtier.v1.KeyStatusResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvtier.v1.KeysRequest\x1a\x1e.kvtier.v1.GetReplicasResponse\x12;\n\x06\x45xists\x12\x16.kvtier.v1.KeysRequest\x1a\x19.kvtier.v1.ExistsResponse\x12;\n\x06Remove\x12\x16.kvtier.v1.KeysRequest\x1a\x19.kvtier.v1.RemoveResponse\x12I\n\x0cRemovePrefix\x12\x1e.kvtier.v1.RemovePrefixRequest\x1a\x19.kvtier.v1.RemoveResponse\x12[\n\x10RegisterInstance\x12\".kvtier.v1.RegisterInstanceRequest\x1a#.kvtier.v1.RegisterInstanceResponse\x12=\n\x06Quotas\x12\x18.kvtier.v1.QuotasRequest\x1a\x19.kvtier.v1.QuotasResponse\x12=\n\x06Status\x12\x18.kvtier.v1.StatusRequest\x1a\x19.kvtier.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSRESPONSE_RPCREQUESTSENTRY']._serialized_options = b'8\001'
   _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2836
-  _globals['_TIER']._serialized_end=2861
+  _globals['_TIER']._serialized_start=3563
+  _globals['_TIER']._serialized_end=3588
+  _globals['_PIN']._serialized_start=3590
+  _globals['_PIN']._serialized_end=3637
   _globals['_HELLOREQUEST']._serialized_start=67
   _globals['_HELLOREQUEST']._serialized_end=105
   _globals['_HELLORESPONSE']._serialized_start=108
@@ -56,36 +58,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_end=810
   _globals['_HEARTBEATRESPONSE']._serialized_start=812
   _globals['_HEARTBEATRESPONSE']._serialized_end=903
-  _globals['_PUTSTARTREQUEST']._serialized_start=905
-  _globals['_PUTSTARTREQUEST']._serialized_end=988
-  _globals['_PUTSTARTRESPONSE']._serialized_start=991
-  _globals['_PUTSTARTRESPONSE']._serialized_end=1233
-  _globals['_PUTENDREQUEST']._serialized_start=1235
-  _globals['_PUTENDREQUEST']._serialized_end=1318
-  _globals['_PUTREVOKEREQUEST']._serialized_start=1320
-  _globals['_PUTREVOKEREQUEST']._serialized_end=1387
-  _globals['_KEYSREQUEST']._serialized_start=1389
-  _globals['_KEYSREQUEST']._serialized_end=1435
-  _globals['_KEYSTATUSRESPONSE']._serialized_start=1437
-  _globals['_KEYSTATUSRESPONSE']._serialized_end=1543
-  _globals['_GETREPLICASRESPONSE']._serialized_start=1546
-  _globals['_GETREPLICASRESPONSE']._serialized_end=1867
-  _globals['_EXISTSRESPONSE']._serialized_start=1869
-  _globals['_EXISTSRESPONSE']._serialized_end=1973
-  _globals['_REMOVEPREFIXREQUEST']._serialized_start=1975
-  _globals['_REMOVEPREFIXREQUEST']._serialized_end=2031
-  _globals['_REMOVERESPONSE']._serialized_start=2033
-  _globals['_REMOVERESPONSE']._serialized_end=2153
-  _globals['_STATUSREQUEST']._serialized_start=2155
-  _globals['_STATUSREQUEST']._serialized_end=2170
-  _globals['_SEGMENTINFO']._serialized_start=2173
-  _globals['_SEGMENTINFO']._serialized_end=2356
-  _globals['_STATUSRESPONSE']._serialized_start=2359
-  _globals['_STATUSRESPONSE']._serialized_end=2834
-  _globals['_STATUSRESPONSE_RPCREQUESTSENTRY']._serialized_start=2732
-  _globals['_STATUSRESPONSE_RPCREQUESTSENTRY']._serialized_end=2782
-  _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._serialized_start=2784
-  _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._serialized_end=2834
-  _globals['_MASTER']._serialized_start=2864
-  _globals['_MASTER']._serialized_end=3710
+  _globals['_PUTSTARTREQUEST']._serialized_start=906
+  _globals['_PUTSTARTREQUEST']._serialized_end=1118
+  _globals['_PUTSTARTRESPONSE']._serialized_start=1121
+  _globals['_PUTSTARTRESPONSE']._serialized_end=1363
+  _globals['_PUTENDREQUEST']._serialized_start=1365
+  _globals['_PUTENDREQUEST']._serialized_end=1448
+  _globals['_PUTREVOKEREQUEST']._serialized_start=1450
+  _globals['_PUTREVOKEREQUEST']._serialized_end=1517
+  _globals['_KEYSREQUEST']._serialized_start=1519
+  _globals['_KEYSREQUEST']._serialized_end=1565
+  _globals['_KEYSTATUSRESPONSE']._serialized_start=1567
+  _globals['_KEYSTATUSRESPONSE']._serialized_end=1673
+  _globals['_GETREPLICASRESPONSE']._serialized_start=1676
+  _globals['_GETREPLICASRESPONSE']._serialized_end=1997
+  _globals['_EXISTSRESPONSE']._serialized_start=1999
+  _globals['_EXISTSRESPONSE']._serialized_end=2103
+  _globals['_REMOVEPREFIXREQUEST']._serialized_start=2105
+  _globals['_REMOVEPREFIXREQUEST']._serialized_end=2161
+  _globals['_REMOVERESPONSE']._serialized_start=2163
+  _globals['_REMOVERESPONSE']._serialized_end=2283
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=2285
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=2384
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=2386
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=2486
+  _globals['_QUOTASREQUEST']._serialized_start=2488
+  _globals['_QUOTASREQUEST']._serialized_end=2503
+  _globals['_QUOTAINFO']._serialized_start=2505
+  _globals['_QUOTAINFO']._serialized_end=2628
+  _globals['_QUOTASRESPONSE']._serialized_start=2630
+  _globals['_QUOTASRESPONSE']._serialized_end=2734
+  _globals['_EVICTIONINFO']._serialized_start=2736
+  _globals['_EVICTIONINFO']._serialized_end=2798
+  _globals['_STATUSREQUEST']._serialized_start=2800
+  _globals['_STATUSREQUEST']._serialized_end=2815
+  _globals['_SEGMENTINFO']._serialized_start=2818
+  _globals['_SEGMENTINFO']._serialized_end=3001
+  _globals['_STATUSRESPONSE']._serialized_start=3004
+  _globals['_STATUSRESPONSE']._serialized_end=3561
+  _globals['_STATUSRESPONSE_RPCREQUESTSENTRY']._serialized_start=3459
+  _globals['_STATUSRESPONSE_RPCREQUESTSENTRY']._serialized_end=3509
+  _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._serialized_start=3511
+  _globals['_STATUSRESPONSE_RPCFAILURESENTRY']._serialized_end=3561
+  _globals['_MASTER']._serialized_start=3640
+  _globals['_MASTER']._serialized_end=4642
 # @@protoc_insertion_point(module_scope)

@@ -12,8 +12,17 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DRAM: _ClassVar[Tier]
     SSD: _ClassVar[Tier]
+
+class Pin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PIN_NONE: _ClassVar[Pin]
+    PIN_SOFT: _ClassVar[Pin]
+    PIN_HARD: _ClassVar[Pin]
 DRAM: Tier
 SSD: Tier
+PIN_NONE: Pin
+PIN_SOFT: Pin
+PIN_HARD: Pin
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_version",)
@@ -112,16 +121,28 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "replicas")
+    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     replicas: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ...) -> None: ...
+    instance: str
+    rank: int
+    pin: Pin
+    pin_ttl_ms: int
+    preferred_segment: str
+    client_host: str
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id")
@@ -241,6 +262,70 @@ class RemoveResponse(_message.Message):
     removed: int
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., removed: _Optional[int] = ...) -> None: ...
 
+class RegisterInstanceRequest(_message.Message):
+    __slots__ = ("instance", "tp_size", "pp_size", "budget_bytes")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    tp_size: int
+    pp_size: int
+    budget_bytes: int
+    def __init__(self, instance: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterInstanceResponse(_message.Message):
+    __slots__ = ("status", "error", "quota_per_rank")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    quota_per_rank: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., quota_per_rank: _Optional[int] = ...) -> None: ...
+
+class QuotasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QuotaInfo(_message.Message):
+    __slots__ = ("instance", "rank", "quota", "used", "objects", "tp_size", "pp_size")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    rank: int
+    quota: int
+    used: int
+    objects: int
+    tp_size: int
+    pp_size: int
+    def __init__(self, instance: _Optional[str] = ..., rank: _Optional[int] = ..., quota: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+
+class QuotasResponse(_message.Message):
+    __slots__ = ("status", "error", "quotas")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    quotas: _containers.RepeatedCompositeFieldContainer[QuotaInfo]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ...) -> None: ...
+
+class EvictionInfo(_message.Message):
+    __slots__ = ("reason", "objects", "bytes")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    objects: int
+    bytes: int
+    def __init__(self, reason: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -268,7 +353,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures")
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions")
     class RpcRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +380,8 @@ class StatusResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RPC_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RPC_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     master_epoch: str
     objects: int
@@ -307,4 +394,6 @@ class StatusResponse(_message.Message):
     error: str
     rpc_requests: _containers.ScalarMap[str, int]
     rpc_failures: _containers.ScalarMap[str, int]
-    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    quotas: _containers.RepeatedCompositeFieldContainer[QuotaInfo]
+    evictions: _containers.RepeatedCompositeFieldContainer[EvictionInfo]
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ...) -> None: ...

@@ -89,6 +89,16 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.RegisterInstance = channel.unary_unary(
+                '/kvtier.v1.Master/RegisterInstance',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.RegisterInstanceRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.RegisterInstanceResponse.FromString,
+                _registered_method=True)
+        self.Quotas = channel.unary_unary(
+                '/kvtier.v1.Master/Quotas',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.QuotasRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.QuotasResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvtier.v1.Master/Status',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
@@ -170,6 +180,19 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterInstance(self, request, context):
+        """Engine deployments: a byte budget split into per-rank quotas (budget / (TP x PP)).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Quotas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Cluster view for ops tooling.
         """
@@ -234,6 +257,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.RemovePrefix,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.SerializeToString,
+            ),
+            'RegisterInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterInstance,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.RegisterInstanceRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.RegisterInstanceResponse.SerializeToString,
+            ),
+            'Quotas': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quotas,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.QuotasRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.QuotasResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -538,6 +571,60 @@ class Master:
             '/kvtier.v1.Master/RemovePrefix',
             kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/RegisterInstance',
+            kvtier_dot_proto_dot_master__pb2.RegisterInstanceRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.RegisterInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quotas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/Quotas',
+            kvtier_dot_proto_dot_master__pb2.QuotasRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.QuotasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,7 @@ visibility still comes only from the master's PutEnd after the copy returns.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import struct
@@ -77,7 +78,9 @@ def _copy(dst: memoryview, dst_addr: int | None, src: memoryview, src_addr: int 
     return crc
 
 
+@functools.cache
 def local_host_id() -> str:
+    """This machine's identity for this boot (machine id + boot id); read once per process."""
     parts = []
     for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
         try:
@@ -88,9 +91,6 @@ def local_host_id() -> str:
     return ":".join(parts)
 
 
-_HOST_ID = local_host_id()
-
-
 class ShmConnector:
     scheme = "shm"
 
@@ -99,7 +99,7 @@ class ShmConnector:
         url = urlsplit(endpoint)
         query = parse_qs(url.query)
         host = query.get("host", [""])[0]
-        if not host or host != _HOST_ID:
+        if not host or host != local_host_id():
             raise ConnectError(f"segment region {url.path} is on another host")
         try:
             nonce = bytes.fromhex(query.get("nonce", [""])[0])

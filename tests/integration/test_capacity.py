@@ -48,7 +48,8 @@ def test_more_replicas_than_segments_is_no_replica(cluster):
     assert client.cluster_status().used == 0
 
 
-def test_full_cluster_is_no_space_until_objects_are_removed(cluster):
+def test_a_cluster_full_of_unevictable_objects_is_no_space_until_objects_are_removed(cluster):
+    """Hard-pinned objects are never evicted, so a cluster full of them refuses new puts."""
     client = cluster.client()
     base = os.urandom(CHUNK)
     values = {f"fill/{i:02d}": i.to_bytes(8, "little") + base[8:] for i in range(FITS + 4)}
@@ -57,7 +58,7 @@ def test_full_cluster_is_no_space_until_objects_are_removed(cluster):
     refused = None
     for key, value in values.items():
         try:
-            client.put(key, value)
+            client.put(key, value, pin="hard")
         except KvtierError as exc:
             refused = exc.status
             break
@@ -78,8 +79,8 @@ def test_full_cluster_is_no_space_until_objects_are_removed(cluster):
 
     # Objects never read are freed at once by remove: their space takes new puts again.
     assert client.batch_remove(stored[:2]) == [Status.OK, Status.OK]
-    client.put("refill/0", values[stored[0]])
-    client.put("refill/1", values[stored[1]])
+    client.put("refill/0", values[stored[0]], pin="hard")
+    client.put("refill/1", values[stored[1]], pin="hard")
     with pytest.raises(KvtierError) as info:
         client.put("refill/2", base)
     assert info.value.status == Status.NO_SPACE

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.state import MasterState, ObjectState
+from kvtier.master.eviction import PIN_HARD, PIN_NONE
+from kvtier.master.state import MasterState, ObjectState, PutOptions
 from kvtier.proto.status import Status
 
 OK = Status.OK
@@ -50,9 +51,17 @@ def mount(state: MasterState, name: str, capacity: int = MiB) -> int:
     return result.segment.segment_id
 
 
-def put(state: MasterState, key: str, size: int = 1000, replicas: int = 1, namespace: str = NS, checksum: int = 7):
+def put(
+    state: MasterState,
+    key: str,
+    size: int = 1000,
+    replicas: int = 1,
+    namespace: str = NS,
+    checksum: int = 7,
+    pin: int = PIN_NONE,
+):
     """A complete put of one key; returns the PutStartResult."""
-    started = state.put_start(namespace, [key], [size], replicas)
+    started = state.put_start(namespace, [key], [size], replicas, PutOptions(pin=pin))
     assert started.statuses == [OK], started.first_error
     assert state.put_end(namespace, [key], [checksum], started.put_id) == [OK]
     return started
@@ -247,9 +256,9 @@ def test_too_large_vs_no_space_vs_no_replica(state):
     assert "TOO_LARGE" in result.first_error
     # more replicas than segments
     assert state.put_start(NS, ["r3"], [10], 3).statuses == [Status.NO_REPLICA]
-    # both segments full right now
-    put(state, "fill-a", MiB)
-    put(state, "fill-b", MiB)
+    # both segments full of objects that cannot be evicted
+    put(state, "fill-a", MiB, pin=PIN_HARD)
+    put(state, "fill-b", MiB, pin=PIN_HARD)
     assert state.put_start(NS, ["later"], [1], 1).statuses == [Status.NO_SPACE]
     # failures do not leave records behind
     assert state.object_count == 2
@@ -259,8 +268,8 @@ def test_too_large_vs_no_space_vs_no_replica(state):
 def test_no_space_for_the_second_replica_releases_the_first(state):
     mount(state, "a", MiB)
     mount(state, "b", MiB)
-    put(state, "fill-b", MiB // 2 + 64)
-    put(state, "fill-a", MiB // 2 + 64)
+    put(state, "fill-b", MiB // 2 + 64, pin=PIN_HARD)
+    put(state, "fill-a", MiB // 2 + 64, pin=PIN_HARD)
     before = {s.segment_id: s.used for s in state.segments.values()}
     assert state.put_start(NS, ["k"], [MiB // 2], 2).statuses == [Status.NO_SPACE]
     assert {s.segment_id: s.used for s in state.segments.values()} == before
@@ -308,7 +317,7 @@ def test_segment_ttl_expiry_drops_its_replicas(state, clock):
     a = mount(state, "a")
     b = mount(state, "b")
     put(state, "both", replicas=2)
-    put(state, "big-on-a", size=MiB - 4096)  # "a" is freest at first; afterwards "b" is
+    put(state, "big-on-a", size=MiB // 2)  # "a" is freest at first; afterwards "b" is
     put(state, "only-b", size=100)
     assert state.get_replicas(NS, ["big-on-a"]).replica_segments == [a]
     assert state.get_replicas(NS, ["only-b"]).replica_segments == [b]

@@ -1,0 +1,83 @@
+"""Per-rank quotas of engine deployments.
+
+An engine deployment (instance) registers its tensor- and pipeline-parallel
+sizes and one byte budget; each of its TP x PP ranks may hold budget / (TP x
+PP) bytes of DRAM (every replica counted), because a store budget quoted per
+deployment is shared by all of its ranks: 256 GiB at 32 ranks is 8 GiB per
+rank, not 256 GiB per node. Ranks of instances that never registered are
+tracked (for `kvtier quotas`) but have no limit. Plain Python, owned by
+`MasterState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class Owner:
+    """One engine rank's account."""
+
+    instance: str
+    rank: int
+    quota: int = 0  # bytes; 0 = unlimited (instance not registered)
+    used: int = 0  # DRAM bytes held by this rank's objects, pending and complete, every replica
+    objects: int = 0
+    tp_size: int = 0
+    pp_size: int = 0
+
+    def over_by(self, extra: int) -> int:
+        """Bytes that must be freed before `extra` more fit in the quota (0 = it fits)."""
+        if not self.quota:
+            return 0
+        return max(0, self.used + extra - self.quota)
+
+
+class QuotaTable:
+    def __init__(self) -> None:
+        self._owners: dict[tuple[str, int], Owner] = {}
+        self._instances: dict[str, tuple[int, int, int]] = {}  # instance -> (tp, pp, budget)
+
+    def register(self, instance: str, tp_size: int, pp_size: int, budget: int) -> int:
+        """(Re-)register a deployment; returns the per-rank quota. Raises ValueError when invalid.
+
+        Re-registering with other sizes or budget updates every rank's quota;
+        objects already stored stay (a rank over its new quota evicts on its
+        next put).
+        """
+        if not instance:
+            raise ValueError("instance must not be empty")
+        if tp_size < 1 or pp_size < 1:
+            raise ValueError(f"tp_size and pp_size must be at least 1, got {tp_size} x {pp_size}")
+        ranks = tp_size * pp_size
+        if budget < ranks:
+            raise ValueError(f"budget of {budget} bytes is less than one byte per rank ({ranks} ranks)")
+        quota = budget // ranks
+        self._instances[instance] = (tp_size, pp_size, budget)
+        for (name, rank), owner in self._owners.items():
+            if name == instance and rank >= ranks:
+                owner.quota, owner.tp_size, owner.pp_size = 0, tp_size, pp_size  # rank gone: no new puts
+        for rank in range(ranks):
+            owner = self._owners.setdefault((instance, rank), Owner(instance, rank))
+            owner.quota, owner.tp_size, owner.pp_size = quota, tp_size, pp_size
+        return quota
+
+    def owner(self, instance: str, rank: int) -> Owner | None:
+        """The account for (instance, rank), created on first use; None when no instance is named."""
+        if not instance:
+            return None
+        owner = self._owners.get((instance, rank))
+        if owner is None:
+            owner = self._owners[(instance, rank)] = Owner(instance, rank)
+            registered = self._instances.get(instance)
+            if registered:
+                owner.tp_size, owner.pp_size = registered[0], registered[1]
+        return owner
+
+    def rank_allowed(self, instance: str, rank: int) -> bool:
+        """False for a rank beyond a registered instance's TP x PP."""
+        registered = self._instances.get(instance)
+        return registered is None or rank < registered[0] * registered[1]
+
+    def snapshot(self) -> list[Owner]:
+        return sorted(self._owners.values(), key=lambda o: (o.instance, o.rank))
