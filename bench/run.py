@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.proto.units import format_size, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
     parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    add_master_arguments(parser)
 
 
 def machine_description() -> dict[str, str | int]:
@@ -257,6 +259,15 @@ def run(opts: argparse.Namespace) -> int:
     if opts.batch < 1 or opts.repeat < 1 or opts.threads < 1 or not sizes:
         print("kvtier bench: --batch, --repeat, --threads and --sizes must be positive", file=sys.stderr)
         return 2
+    if opts.master_only:
+        from kvtier.bench.master_bench import print_master_result, run_master_bench
+
+        if opts.objects < 1 or opts.master_batch < 1 or opts.cycles < 0:
+            print("kvtier bench: --objects and --master-batch must be positive", file=sys.stderr)
+            return 2
+        result = run_master_bench(opts.objects, opts.master_batch, opts.cycles)
+        print_master_result(result, opts.json, machine_description())
+        return 0
     selected = {w for w in opts.workloads.split(",") if w}
     local = None
     master = opts.master

@@ -47,8 +47,9 @@ class OffsetAllocator:
         """Offset of a new range of `size` bytes (> 0), or None when no extent fits."""
         if size <= 0:
             raise ValueError("allocation size must be positive")
-        size = self.aligned(size)
-        if size > self.free:
+        alignment = self.alignment
+        size = -(-size // alignment) * alignment
+        if size > self.capacity - self.used:
             return None
         own = size.bit_length() - 1
         bucket = self._bins[own]

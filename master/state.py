@@ -294,6 +294,7 @@ class MasterState:
         objects = self._namespaces.setdefault(namespace, {})
         active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
         largest = max((s.capacity for s in active), default=0)
+        static = self._static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
@@ -324,8 +325,7 @@ class MasterState:
                     if owner.over_by(charge):
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                # Re-ranked per key: free ratios change as the batch fills segments.
-                placed = self._place(self._placement_order(active, options), size, replicas)
+                placed = self._place(active, static, size, replicas)
                 if placed is None:
                     status = Status.NO_SPACE
                 else:
@@ -351,25 +351,38 @@ class MasterState:
         return result
 
     @staticmethod
-    def _placement_order(active: list[SegmentRecord], options: PutOptions) -> list[SegmentRecord]:
-        """Segments in placement preference: the preferred one, then the writer's host, then freest ratio."""
-
-        def rank(segment: SegmentRecord) -> tuple:
-            free_ratio = segment.allocator.free / segment.capacity if segment.capacity else 0.0
-            return (
-                segment.name != options.preferred_segment,
-                not options.client_host or segment.host_id != options.client_host,
-                -free_ratio,
+    def _static_rank(active: list[SegmentRecord], options: PutOptions) -> dict[int, tuple[bool, bool]]:
+        """The batch-constant part of placement preference: preferred segment, then the writer's host."""
+        return {
+            s.segment_id: (
+                s.name != options.preferred_segment,
+                not options.client_host or s.host_id != options.client_host,
             )
+            for s in active
+        }
 
-        return sorted(active, key=rank)
-
-    def _place(self, order: list[SegmentRecord], size: int, replicas: int) -> list[Replica] | None:
+    def _place(
+        self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
+    ) -> list[Replica] | None:
         """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
 
-        Tries each segment in preference order, then evicts LRU objects from
+        Preference: `static` (preferred segment, writer's host), then the
+        highest free ratio, re-evaluated per key as the batch fills segments.
+        Tries each segment in that order, then evicts LRU objects from
         segments in that order until the range fits.
         """
+
+        def rank(segment: SegmentRecord) -> tuple:
+            allocator = segment.allocator
+            return static[segment.segment_id], allocator.used / allocator.capacity if allocator.capacity else 1.0
+
+        if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
+            best = min(active, key=rank)
+            offset = best.allocator.allocate(size)
+            if offset is not None:
+                best.objects += 1
+                return [Replica(best.segment_id, offset)]
+        order = sorted(active, key=rank)
         placed: list[Replica] = []
         used_hosts: set[str] = set()
         used_segments: set[int] = set()

@@ -1,0 +1,135 @@
+"""`kvtier bench --master-only`: metadata throughput and memory of a real master process.
+
+Against a local cluster (a master and one segment server, started here), in
+batches of `--master-batch` keys (default 10,000) through the client's master
+link (the framed fast path, as engines use it):
+- fill `--objects` objects (64-byte values; the bytes are not written, only
+  metadata is measured) with PutStart + PutEnd -> keys/s;
+- batched Exists and GetReplicas over random stored keys -> keys/s;
+- the master's RSS (from /proc) per stored object at the end of the fill,
+  and after `--cycles` fill/remove cycles, the RSS growth over the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from kvtier.proto import master_pb2 as pb
+
+VALUE_SIZE = 64
+
+
+@dataclass
+class MasterResult:
+    objects: int
+    batch: int
+    put_keys_per_s: float  # PutStart + PutEnd
+    exists_keys_per_s: float
+    get_replicas_keys_per_s: float
+    rss_bytes_per_object: float
+    rss_growth_after_cycles_bytes: int
+    cycles: int
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _fill(master, namespace: str, keys: list[str], batch: int) -> float:
+    started = time.perf_counter()
+    for lo in range(0, len(keys), batch):
+        chunk = keys[lo : lo + batch]
+        reply = master.call(
+            "PutStart", pb.PutStartRequest(namespace=namespace, keys=chunk, sizes=[VALUE_SIZE] * len(chunk), replicas=1)
+        )
+        if any(reply.statuses):
+            raise RuntimeError(f"PutStart failed: {reply.error}")
+        ended = master.call(
+            "PutEnd", pb.PutEndRequest(namespace=namespace, keys=chunk, checksums=[0] * len(chunk), put_id=reply.put_id)
+        )
+        if any(ended.statuses):
+            raise RuntimeError("PutEnd failed")
+    return len(keys) / (time.perf_counter() - started)
+
+
+def _remove(master, namespace: str, keys: list[str], batch: int) -> None:
+    for lo in range(0, len(keys), batch):
+        master.call("Remove", pb.KeysRequest(namespace=namespace, keys=keys[lo : lo + batch]))
+
+
+def _read_rate(master, method: str, namespace: str, keys: list[str], batch: int, rounds: int) -> float:
+    rng = random.Random(7)
+    samples = [rng.sample(keys, min(batch, len(keys))) for _ in range(rounds)]
+    started = time.perf_counter()
+    for sample in samples:
+        master.call(method, pb.KeysRequest(namespace=namespace, keys=sample))
+    return rounds * len(samples[0]) / (time.perf_counter() - started)
+
+
+def run_master_bench(objects: int, batch: int, cycles: int) -> MasterResult:
+    from kvtier.client import Client
+    from kvtier.client.local_cluster import LocalCluster
+
+    # Values are 64 B but allocations are aligned: leave the segment room for all of them.
+    dram = max(256 << 20, objects * 128)
+    with LocalCluster(dram=str(dram), quiet=True, cluster_id=f"mbench{uuid.uuid4().hex[:6]}") as cluster:
+        master_pid = cluster.children[0].popen.pid
+        with Client(cluster.master_address, timeout=120.0) as client:
+            client.exists("warm-up")  # discovers the fast path
+            master = client._master
+            namespace = "master-bench"
+            keys = [f"{i:016x}{'-block-hash-suffix'}" for i in range(objects)]
+            rss_before = _rss(master_pid)
+            put_rate = _fill(master, namespace, keys, batch)
+            rss_full = _rss(master_pid)
+            rounds = max(5, 200_000 // batch)
+            exists_rate = _read_rate(master, "Exists", namespace, keys, batch, rounds)
+            get_rate = _read_rate(master, "GetReplicas", namespace, keys, batch, rounds)
+            # GetReplicas leased the sampled keys; removal frees them once the lease ends, which
+            # does not matter for RSS (records are dropped at once).
+            _remove(master, namespace, keys, batch)
+            rss_first_cycle = _rss(master_pid)
+            for _ in range(cycles):
+                _fill(master, namespace, keys, batch)
+                _remove(master, namespace, keys, batch)
+            rss_last = _rss(master_pid)
+    return MasterResult(
+        objects=objects,
+        batch=batch,
+        put_keys_per_s=put_rate,
+        exists_keys_per_s=exists_rate,
+        get_replicas_keys_per_s=get_rate,
+        rss_bytes_per_object=(rss_full - rss_before) / objects,
+        rss_growth_after_cycles_bytes=rss_last - rss_first_cycle,
+        cycles=cycles,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--master-only", action="store_true", help="measure the master's metadata path only")
+    parser.add_argument("--objects", type=int, default=1_000_000, help="objects for --master-only (default 1M)")
+    parser.add_argument("--master-batch", type=int, default=10_000, help="keys per RPC for --master-only")
+    parser.add_argument("--cycles", type=int, default=3, help="fill/remove cycles for the RSS growth check")
+
+
+def print_master_result(result: MasterResult, as_json: bool, machine: dict) -> None:
+    import json
+
+    if as_json:
+        print(json.dumps({"machine": machine, "master": asdict(result)}, indent=2))
+        return
+    print(f"kvtier bench --master-only: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}")
+    print(f"{result.objects:,} objects, {result.batch:,} keys per RPC, fast path")
+    print(f"  PutStart+PutEnd   {result.put_keys_per_s:>12,.0f} keys/s")
+    print(f"  Exists            {result.exists_keys_per_s:>12,.0f} keys/s")
+    print(f"  GetReplicas       {result.get_replicas_keys_per_s:>12,.0f} keys/s")
+    print(f"  master RSS        {result.rss_bytes_per_object:>12,.0f} bytes/object")
+    print(f"  RSS growth after {result.cycles} fill/remove cycles: {result.rss_growth_after_cycles_bytes:,} bytes")
