@@ -3,6 +3,7 @@
     kvtier up [--listen ADDR] [--dram SIZE] [--segments N]   local cluster in the foreground
     kvtier status [--master ADDR] [--json]                   segments, capacity, used, objects
     kvtier quotas [--master ADDR] [--json]                   per-rank quota, used, objects
+    kvtier drain SEGMENT [--master ADDR] [--json]            move a segment's objects away, unmount it
     kvtier put KEY FILE|-                                    store a file (or stdin)
     kvtier get KEY [-o FILE]                                 fetch to a file (or stdout)
     kvtier bench [--master ADDR] ...                         throughput and latency
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     quotas = sub.add_parser("quotas", help="per instance and rank: quota, used, objects")
     _add_master(quotas)
     quotas.add_argument("--json", action="store_true", help="machine-readable output")
+
+    drain = sub.add_parser("drain", help="move a segment's objects elsewhere, then unmount it")
+    _add_master(drain)
+    drain.add_argument("segment", help="segment name (see kvtier status)")
+    drain.add_argument("--batch", type=_positive_int, default=256, help="objects per migration batch")
+    drain.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up on the rest")
+    drain.add_argument("--json", action="store_true", help="machine-readable summary")
 
     put = sub.add_parser("put", help="store a file's bytes (or stdin with '-') under KEY")
     _add_master(put)
@@ -213,6 +221,33 @@ def cmd_quotas(opts: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(opts: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from kvtier.client import Client
+    from kvtier.client.drain import drain_segment
+
+    def progress(report, left: int) -> None:
+        if not opts.json:
+            print(
+                f"drain {opts.segment}: moved {report.moved} ({format_size(report.moved_bytes)}), "
+                f"{left} left, {report.failed} failed, {report.no_space} without room",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    with Client(opts.master, timeout=30.0) as client:
+        report = drain_segment(client, opts.segment, batch=opts.batch, timeout=opts.timeout, progress=progress)
+    if opts.json:
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        print(
+            f"segment {opts.segment} {report.state.lower()}: moved {report.moved} objects "
+            f"({format_size(report.moved_bytes)}), dropped {report.dropped}"
+        )
+    return 0
+
+
 def cmd_put(opts: argparse.Namespace) -> int:
     from kvtier.client import Client
 
@@ -283,7 +318,14 @@ def cmd_up(opts: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
-    commands = {"up": cmd_up, "status": cmd_status, "quotas": cmd_quotas, "put": cmd_put, "get": cmd_get}
+    commands = {
+        "up": cmd_up,
+        "status": cmd_status,
+        "quotas": cmd_quotas,
+        "drain": cmd_drain,
+        "put": cmd_put,
+        "get": cmd_get,
+    }
     try:
         if opts.command == "bench":
             from kvtier.bench.run import run

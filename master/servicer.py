@@ -105,7 +105,12 @@ class MasterHandlers:
     @_rpc(pb.MountSegmentResponse)
     def MountSegment(self, request):
         result = self.state.mount_segment(
-            request.cluster_id, request.name, request.host_id, list(request.endpoints), request.dram_capacity
+            request.cluster_id,
+            request.name,
+            request.host_id,
+            list(request.endpoints),
+            request.dram_capacity,
+            request.incarnation,
         )
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
@@ -214,6 +219,48 @@ class MasterHandlers:
     def RemovePrefix(self, request):
         namespace = check_namespace(request.namespace)
         return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
+
+    @_rpc(pb.DrainSegmentResponse)
+    def DrainSegment(self, request):
+        status, objects_left, bytes_left, state = self.state.drainer.drain(request.segment, request.finish)
+        error = "" if status == Status.OK else f"no segment named {request.segment!r}"
+        return pb.DrainSegmentResponse(
+            status=status, error=error, objects_left=objects_left, bytes_left=bytes_left, state=state
+        )
+
+    @_rpc(pb.MigrateStartResponse)
+    def MigrateStart(self, request):
+        status, batch = self.state.drainer.migrate_start(request.segment, request.max_objects or 256)
+        if batch is None:
+            reason = "is not draining" if status == Status.INVALID_ARGUMENT else "does not exist"
+            return pb.MigrateStartResponse(status=status, error=f"segment {request.segment!r} {reason}")
+        reply = pb.MigrateStartResponse(
+            status=Status.OK, migration_id=batch.migration_id, source_segment=batch.source_segment
+        )
+        no_space = int(Status.NO_SPACE)
+        for item in batch.items:
+            record = item.record
+            reply.namespaces.append(record.namespace)
+            reply.keys.append(record.key)
+            reply.sizes.append(record.size)
+            reply.checksums.append(record.checksum)
+            reply.source_offsets.append(item.source.offset)
+            reply.statuses.append(0 if item.target else no_space)
+            reply.target_segments.append(item.target.segment_id if item.target else 0)
+            reply.target_offsets.append(item.target.offset if item.target else 0)
+        segment_ids = [batch.source_segment] + [i.target.segment_id for i in batch.items if i.target]
+        reply.segments.extend(self._endpoints(segment_ids))
+        return reply
+
+    @_rpc(pb.KeyStatusResponse)
+    def MigrateEnd(self, request):
+        if len(request.keys) != len(request.namespaces) or len(request.moved) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="namespaces, keys and moved differ")
+        moved = {(ns, key): ok for ns, key, ok in zip(request.namespaces, request.keys, request.moved, strict=True)}
+        status, statuses = self.state.drainer.migrate_end(request.migration_id, moved)
+        if status != Status.OK:
+            return pb.KeyStatusResponse(status=status, error=f"no migration {request.migration_id} in flight")
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @_rpc(pb.RegisterInstanceResponse)
     def RegisterInstance(self, request):

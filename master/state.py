@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
+from kvtier.master.drain import Drainer
 from kvtier.master.eviction import PIN_NONE, PIN_SOFT, LruIndex
 from kvtier.master.quotas import Owner, QuotaTable
 from kvtier.proto.status import Status
@@ -93,6 +94,7 @@ class SegmentRecord:
     mounted_at: float
     state: SegmentState = SegmentState.ACTIVE
     objects: int = 0  # replicas (pending or complete) held by this segment
+    incarnation: str = ""  # the segment process's region nonce: tells a restart from a re-mount
 
     @property
     def capacity(self) -> int:
@@ -175,6 +177,7 @@ class MasterState:
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
         self._deferred: list[tuple[float, int, int, int, int]] = []
         self.quotas = QuotaTable()
+        self.drainer = Drainer(self)
         self.lru = LruIndex()
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
@@ -185,9 +188,15 @@ class MasterState:
     # ------------------------------------------------------------------ segments
 
     def mount_segment(
-        self, cluster_id: str, name: str, host_id: str, endpoints: Sequence[str], capacity: int
+        self,
+        cluster_id: str,
+        name: str,
+        host_id: str,
+        endpoints: Sequence[str],
+        capacity: int,
+        incarnation: str = "",
     ) -> MountResult:
-        """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT or OK.
+        """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
 
         A name that is already mounted is replaced: its old replicas are dropped
         (the previous process under that name is gone; the region file lock on
@@ -198,6 +207,8 @@ class MasterState:
                 Status.CLUSTER_MISMATCH,
                 error=f"segment is in cluster {cluster_id!r}, master in {self.config.cluster_id!r}",
             )
+        if self.drainer.is_drained(name, incarnation):
+            return MountResult(Status.SEGMENT_DRAINED, error=f"segment {name!r} was drained; restart it to rejoin")
         if not name or not endpoints or capacity < self.config.alignment:
             return MountResult(Status.INVALID_ARGUMENT, error="a segment needs a name, an endpoint and capacity")
         old = self._segments_by_name.get(name)
@@ -213,6 +224,7 @@ class MasterState:
             allocator=OffsetAllocator(capacity, self.config.alignment),
             last_heartbeat=now,
             mounted_at=now,
+            incarnation=incarnation,
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
@@ -645,6 +657,7 @@ class MasterState:
             segment = self.segments.get(segment_id)
             if segment is not None:
                 segment.allocator.release(offset, size)
+        self.drainer.tick(now)
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:

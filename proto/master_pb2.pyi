@@ -61,18 +61,20 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     dram_capacity: int
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch")
@@ -261,6 +263,78 @@ class RemoveResponse(_message.Message):
     statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
     removed: int
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., removed: _Optional[int] = ...) -> None: ...
+
+class DrainSegmentRequest(_message.Message):
+    __slots__ = ("segment", "finish")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    finish: bool
+    def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ...) -> None: ...
+
+class DrainSegmentResponse(_message.Message):
+    __slots__ = ("status", "error", "objects_left", "bytes_left", "state")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LEFT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    objects_left: int
+    bytes_left: int
+    state: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class MigrateStartRequest(_message.Message):
+    __slots__ = ("segment", "max_objects")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    max_objects: int
+    def __init__(self, segment: _Optional[str] = ..., max_objects: _Optional[int] = ...) -> None: ...
+
+class MigrateStartResponse(_message.Message):
+    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    migration_id: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    source_offsets: _containers.RepeatedScalarFieldContainer[int]
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    target_segments: _containers.RepeatedScalarFieldContainer[int]
+    target_offsets: _containers.RepeatedScalarFieldContainer[int]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
+    source_segment: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ...) -> None: ...
+
+class MigrateEndRequest(_message.Message):
+    __slots__ = ("migration_id", "namespaces", "keys", "moved")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    migration_id: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    moved: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., moved: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
     __slots__ = ("instance", "tp_size", "pp_size", "budget_bytes")

@@ -89,6 +89,21 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.DrainSegment = channel.unary_unary(
+                '/kvtier.v1.Master/DrainSegment',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.DrainSegmentRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.DrainSegmentResponse.FromString,
+                _registered_method=True)
+        self.MigrateStart = channel.unary_unary(
+                '/kvtier.v1.Master/MigrateStart',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.MigrateStartRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.MigrateStartResponse.FromString,
+                _registered_method=True)
+        self.MigrateEnd = channel.unary_unary(
+                '/kvtier.v1.Master/MigrateEnd',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.MigrateEndRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
         self.RegisterInstance = channel.unary_unary(
                 '/kvtier.v1.Master/RegisterInstance',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.RegisterInstanceRequest.SerializeToString,
@@ -180,6 +195,26 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainSegment(self, request, context):
+        """Drain: stop allocations on a segment, move its objects elsewhere, unmount it.
+        The bytes are moved by the caller (kvtier drain) over the data plane.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateStart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateEnd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterInstance(self, request, context):
         """Engine deployments: a byte budget split into per-rank quotas (budget / (TP x PP)).
         """
@@ -257,6 +292,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.RemovePrefix,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.SerializeToString,
+            ),
+            'DrainSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainSegment,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.DrainSegmentRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.DrainSegmentResponse.SerializeToString,
+            ),
+            'MigrateStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateStart,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.MigrateStartRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.MigrateStartResponse.SerializeToString,
+            ),
+            'MigrateEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateEnd,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.MigrateEndRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
             ),
             'RegisterInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterInstance,
@@ -571,6 +621,87 @@ class Master:
             '/kvtier.v1.Master/RemovePrefix',
             kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/DrainSegment',
+            kvtier_dot_proto_dot_master__pb2.DrainSegmentRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.DrainSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/MigrateStart',
+            kvtier_dot_proto_dot_master__pb2.MigrateStartRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.MigrateStartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/MigrateEnd',
+            kvtier_dot_proto_dot_master__pb2.MigrateEndRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,7 @@ _GRPC_BY_NAME = {
     "PROTOCOL_ERROR": grpc.StatusCode.INVALID_ARGUMENT,
     "TRANSFER_FAILED": grpc.StatusCode.UNAVAILABLE,
     "NO_REPLICA": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "SEGMENT_DRAINED": grpc.StatusCode.FAILED_PRECONDITION,
     "LEASE_EXPIRED": grpc.StatusCode.ABORTED,
 }
 

@@ -28,6 +28,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_ERROR: _ClassVar[Status]
     TRANSFER_FAILED: _ClassVar[Status]
     NO_REPLICA: _ClassVar[Status]
+    SEGMENT_DRAINED: _ClassVar[Status]
     LEASE_EXPIRED: _ClassVar[Status]
 OK: Status
 INTERNAL: Status
@@ -51,4 +52,5 @@ CLUSTER_MISMATCH: Status
 PROTOCOL_ERROR: Status
 TRANSFER_FAILED: Status
 NO_REPLICA: Status
+SEGMENT_DRAINED: Status
 LEASE_EXPIRED: Status

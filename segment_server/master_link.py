@@ -32,7 +32,7 @@ class MasterLink:
         master: str,
         mount_request: pb.MountSegmentRequest,
         on_mounted: Callable[[int], None],
-        on_fatal: Callable[[str], None],
+        on_fatal: Callable[[str, int], None],
     ) -> None:
         self._channel = grpc.insecure_channel(master)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
@@ -80,11 +80,13 @@ class MasterLink:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
             except _Fatal as exc:
-                self._on_fatal(str(exc))
+                self._on_fatal(str(exc), exc.exit_code)
                 return
 
     def _mount(self) -> None:
         reply = self._stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
+        if reply.status == Status.SEGMENT_DRAINED:
+            raise _Fatal(f"segment was drained by an operator ({reply.error}); exiting", exit_code=0)
         if reply.status != Status.OK:
             raise _Fatal(f"master refused mount: {Status(reply.status).name}: {reply.error}")
         self.segment_id = reply.segment_id
@@ -101,4 +103,8 @@ class MasterLink:
 
 
 class _Fatal(Exception):
-    """The master will never accept this segment (e.g. another cluster id)."""
+    """The master will never accept this segment (another cluster id, or it was drained)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

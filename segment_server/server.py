@@ -29,7 +29,7 @@ async def serve(config: SegmentConfig) -> int:
     """Serve until SIGINT/SIGTERM; return the process exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    fatal: list[str] = []
+    fatal: list[tuple[str, int]] = []  # (why, exit code) when the master will not have us
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
@@ -46,8 +46,8 @@ async def serve(config: SegmentConfig) -> int:
         endpoints = [await listener.start() for listener in listeners]
         mounted = asyncio.Event()
 
-        def on_fatal(message: str) -> None:
-            fatal.append(message)
+        def on_fatal(message: str, exit_code: int) -> None:
+            fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
         link = MasterLink(
@@ -58,6 +58,7 @@ async def serve(config: SegmentConfig) -> int:
                 host_id=host_id(),
                 endpoints=endpoints,
                 dram_capacity=region.capacity,
+                incarnation=region.nonce.hex(),
             ),
             on_mounted=lambda _id: loop.call_soon_threadsafe(mounted.set),
             on_fatal=on_fatal,
@@ -82,6 +83,7 @@ async def serve(config: SegmentConfig) -> int:
             await listener.stop()
         region.close()
     if fatal:
-        logger.error("segment server exiting: %s", fatal[0])
-        return 1
+        message, exit_code = fatal[0]
+        (logger.info if exit_code == 0 else logger.error)("segment server exiting: %s", message)
+        return exit_code
     return 0

@@ -1,0 +1,162 @@
+"""Draining a segment: no new allocations, its objects moved elsewhere, then unmounted.
+
+The master never moves bytes. The drainer (`kvtier drain`, a client) asks
+`migrate_start` for a batch of objects on the draining segment; each comes
+with a read lease on its source range (so the bytes stay put while they are
+copied) and a target range allocated on another ACTIVE segment that holds no
+replica of it. The drainer copies and verifies the bytes and reports back in
+`migrate_end`: a moved object's source replica is replaced by the target
+(the source range is freed when the lease ends); anything else releases the
+target. `drain(finish=True)` unmounts the segment; objects that could not be
+moved are dropped (a cache can always recompute them). The drained
+incarnation (name + region nonce) is refused if its process mounts again, so
+it exits instead of coming back; a restarted process has a new nonce.
+
+Owned by `MasterState`'s thread like everything else; it reaches into the
+state's tables, which live in the same package.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.proto.status import Status
+
+if TYPE_CHECKING:
+    from kvtier.master.state import MasterState, ObjectRecord, Replica, SegmentRecord
+
+_OK = int(Status.OK)
+
+
+@dataclass(slots=True)
+class Migration:
+    record: ObjectRecord
+    source: Replica
+    target: Replica | None  # None: no room anywhere right now
+
+
+@dataclass(slots=True)
+class MigrationBatch:
+    migration_id: int
+    source_segment: int
+    started_at: float
+    items: list[Migration] = field(default_factory=list)
+
+
+class Drainer:
+    def __init__(self, state: MasterState) -> None:
+        self.state = state
+        self._batches: dict[int, MigrationBatch] = {}
+        self._moving: set[int] = set()  # id() of records with a migration in flight
+        self._ids = itertools.count(1)
+        self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
+
+    def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str]:
+        """Mark `name` DRAINING, or with `finish` unmount it. (status, objects left, bytes left, state)."""
+        from kvtier.master.state import SegmentState
+
+        segment = self._by_name(name)
+        if segment is None:
+            if any(drained_name == name for drained_name, _ in self.drained):
+                return Status.OK, 0, 0, "DRAINED"
+            return Status.SEGMENT_NOT_FOUND, 0, 0, ""
+        if not finish:
+            segment.state = SegmentState.DRAINING
+            return Status.OK, segment.objects, segment.used, segment.state.name
+        self.drained.add((name, segment.incarnation))
+        left, used = segment.objects, segment.used
+        self.state._drop_segment(segment.segment_id, reason="drained")
+        return Status.OK, left, used, "DRAINED"
+
+    def is_drained(self, name: str, incarnation: str) -> bool:
+        return bool(incarnation) and (name, incarnation) in self.drained
+
+    def migrate_start(self, name: str, max_objects: int) -> tuple[Status, MigrationBatch | None]:
+        """Up to `max_objects` complete objects on draining segment `name`, with targets and source leases."""
+        from kvtier.master.state import ObjectState, Replica, SegmentState
+
+        segment = self._by_name(name)
+        if segment is None:
+            return Status.SEGMENT_NOT_FOUND, None
+        if segment.state is not SegmentState.DRAINING:
+            return Status.INVALID_ARGUMENT, None
+        state = self.state
+        now = state.clock()
+        lease_until = now + state.config.lease_s
+        batch = MigrationBatch(next(self._ids), segment.segment_id, now)
+        targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE]
+        for objects in state._namespaces.values():
+            for record in objects.values():
+                if len(batch.items) >= max_objects:
+                    break
+                if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
+                    continue
+                source = next((r for r in record.replicas if r.segment_id == segment.segment_id), None)
+                if source is None:
+                    continue
+                holders = {r.segment_id for r in record.replicas}
+                candidates = sorted(
+                    (s for s in targets if s.segment_id not in holders),
+                    key=lambda s: s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
+                )
+                target = None
+                for candidate in candidates:
+                    offset = candidate.allocator.allocate(record.size) if record.size else 0
+                    if offset is not None:
+                        candidate.objects += 1
+                        target = Replica(candidate.segment_id, offset)
+                        break
+                if target is not None:
+                    record.lease_until = max(record.lease_until, lease_until)
+                    self._moving.add(id(record))
+                batch.items.append(Migration(record, source, target))
+        self._batches[batch.migration_id] = batch
+        return Status.OK, batch
+
+    def migrate_end(self, migration_id: int, moved: dict[tuple[str, str], bool]) -> tuple[Status, list[int]]:
+        """Swap in the targets of moved objects; release every other target. Per reported key: OK/NOT_PENDING."""
+        batch = self._batches.pop(migration_id, None)
+        if batch is None:
+            return Status.NOT_PENDING, []
+        out = {}
+        for item in batch.items:
+            key = (item.record.namespace, item.record.key)
+            ok = self._finish(item, moved.get(key, False))
+            out[key] = _OK if ok else int(Status.NOT_PENDING)
+        return Status.OK, [out.get(key, int(Status.NOT_PENDING)) for key in moved]
+
+    def _finish(self, item: Migration, moved: bool) -> bool:
+        state = self.state
+        record, source, target = item.record, item.source, item.target
+        self._moving.discard(id(record))
+        if target is None:
+            return False
+        alive = state._namespaces.get(record.namespace, {}).get(record.key) is record
+        target_segment = state.segments.get(target.segment_id)
+        if moved and alive and target_segment is not None and source in record.replicas:
+            record.replicas[record.replicas.index(source)] = target
+            source_segment = state.segments.get(source.segment_id)
+            if source_segment is not None:
+                source_segment.objects -= 1
+                if record.size:  # readers may hold the source range: free it when their lease ends
+                    heapq.heappush(
+                        state._deferred,
+                        (record.lease_until, next(state._seq), source.segment_id, source.offset, record.size),
+                    )
+            return True
+        state._release_replicas([target], record.size)
+        return False
+
+    def tick(self, now: float) -> None:
+        """Release the targets of migration batches nobody finished (the drainer died)."""
+        timeout = self.state.config.put_timeout_s
+        for migration_id in [m for m, b in self._batches.items() if now - b.started_at > timeout]:
+            for item in self._batches.pop(migration_id).items:
+                self._finish(item, moved=False)
+
+    def _by_name(self, name: str) -> SegmentRecord | None:
+        segment_id = self.state._segments_by_name.get(name)
+        return self.state.segments.get(segment_id) if segment_id else None

@@ -1,0 +1,87 @@
+"""`kvtier drain`: objects move to other segments, the segment leaves, no byte changes on the way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from kvtier.proto import master_pb2 as pb
+
+MiB = 1 << 20
+
+
+def drain(cluster, segment: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.client.cli", "drain", segment, "--master", cluster.master_address, "--json"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    return json.loads(result.stdout)
+
+
+def value_of(key: str, size: int) -> bytes:
+    seed = key.encode().ljust(32, b".")
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def test_drain_moves_every_object_then_the_segment_exits(cluster):
+    client = cluster.client(transport="tcp")
+    keys = [f"d/{i}" for i in range(20)]
+    values = [value_of(k, MiB + i) for i, k in enumerate(keys)]
+    assert not any(client.batch_put(keys, values, preferred_segment="seg0"))
+    assert all(client.locate(k)[0]["segment"] == "seg0" for k in keys)
+    assert client.get(keys[0]) == values[0]  # a leased object moves too
+
+    report = drain(cluster, "seg0")
+
+    assert report["state"] == "DRAINED"
+    assert report["moved"] == 20 and report["dropped"] == 0 and report["failed"] == 0
+    assert client.batch_get(keys) == values
+    assert all([r["segment"] for r in client.locate(k)] == ["seg1"] for k in keys)
+    status = client.cluster_status()
+    assert [s.name for s in status.segments] == ["seg1"]
+    assert status.objects == 20
+    # The drained process is refused when it mounts again, and exits cleanly.
+    assert cluster.segments["seg0"].popen.wait(timeout=30) == 0
+
+
+def test_a_draining_segment_takes_no_new_objects(cluster):
+    client = cluster.client()
+    reply = client._master.call("DrainSegment", pb.DrainSegmentRequest(segment="seg0"))
+    assert reply.state == "DRAINING"
+    for i in range(10):
+        client.put(f"new/{i}", os.urandom(1000), preferred_segment="seg0")
+        assert client.locate(f"new/{i}")[0]["segment"] == "seg1"
+
+
+def test_objects_without_room_elsewhere_are_dropped_never_corrupted(cluster):
+    client = cluster.client()
+    # seg1 is filled with hard-pinned objects: nothing on seg0 can move there.
+    filler = [f"pinned/{i}" for i in range(16)]
+    assert not any(
+        client.batch_put(filler, [value_of(k, 4 * MiB) for k in filler], pin="hard", preferred_segment="seg1")
+    )
+    keys = [f"stuck/{i}" for i in range(5)]
+    values = [value_of(k, 2 * MiB) for k in keys]
+    assert not any(client.batch_put(keys, values, preferred_segment="seg0"))
+    assert all(client.locate(k)[0]["segment"] == "seg0" for k in keys)
+
+    report = drain(cluster, "seg0")
+
+    assert report["state"] == "DRAINED"
+    assert report["moved"] == 0 and report["no_space"] >= 5 and report["dropped"] == 5
+    assert client.batch_get(keys) == [None] * 5
+    assert client.batch_get(filler) == [value_of(k, 4 * MiB) for k in filler]
+
+
+def test_draining_an_unknown_segment_fails_cleanly(cluster):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.client.cli", "drain", "nope", "--master", cluster.master_address],
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert b"SEGMENT_NOT_FOUND" in result.stderr and b"Traceback" not in result.stderr
