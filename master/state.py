@@ -79,8 +79,7 @@ class ObjectRecord:
     pin: int = PIN_NONE
     pin_until: float = 0.0
     checksum: int = 0
-    lease_until: float = 0.0
-    last_access: float = 0.0
+    lease_until: float = 0.0  # recency lives in the LRU order (master/eviction.py), not in a field
 
 
 @dataclass(slots=True, eq=False)
@@ -452,7 +451,6 @@ class MasterState:
             else:
                 record.state = ObjectState.COMPLETE
                 record.checksum = checksum
-                record.last_access = self.clock()
                 del self._pending[(namespace, key)]
                 self.lru.add(record)
                 out.append(_OK)
@@ -494,7 +492,6 @@ class MasterState:
                 continue
             if record.lease_until < lease_until:
                 record.lease_until = lease_until
-            record.last_access = now
             self.lru.touch(record)
             result.statuses.append(_OK)
             result.sizes.append(record.size)
