@@ -62,6 +62,8 @@ class LruIndex:
         chosen: list[Any] = []
         soft: list[Any] = []
         freed = 0
+        if need <= 0:
+            return chosen
         for record in self._order:
             if record.lease_until > now or record.pin == PIN_HARD or not eligible(record):
                 continue

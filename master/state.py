@@ -46,7 +46,6 @@ TIER_DRAM = 0
 TIER_SSD = 1
 
 _OK = int(Status.OK)
-_EVICTION_ROUNDS = 8  # evict-then-retry rounds for one allocation (freed space may be fragmented)
 
 
 class ObjectState(enum.Enum):
@@ -421,16 +420,18 @@ class MasterState:
         for segment in candidates:
             if segment.capacity < need:
                 continue
-            # Evicting `need` bytes may leave them non-contiguous: evict more until it fits.
-            for _ in range(_EVICTION_ROUNDS):
-                freed = self._evict(
-                    need, self._on_segment(segment.segment_id), self._replica_bytes, "allocation", segment.segment_id
-                )
-                offset = segment.allocator.allocate(size)
-                if offset is not None:
-                    return segment, offset
-                if not freed:
+            # One victim at a time, least recently used first, retrying after each: freed space
+            # may join free space already there, or stay in holes too small until a neighbour goes.
+            eligible = self._on_segment(segment.segment_id)
+            while True:
+                victims = self.lru.victims(self.clock(), need, self._replica_bytes, eligible)
+                if not victims:
                     break
+                for victim in victims:
+                    self._evict_one(victim, "allocation", segment.segment_id)
+                    offset = segment.allocator.allocate(size)
+                    if offset is not None:
+                        return segment, offset
         return None, 0
 
     def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
@@ -602,20 +603,23 @@ class MasterState:
         other replicas loses just its copy there and stays readable; otherwise
         (quota) the whole object goes.
         """
-        victims = self.lru.victims(self.clock(), need, weight, eligible)
         freed = 0
-        for record in victims:
-            freed += weight(record)
-            if segment_id and len(record.replicas) > 1:
-                self._drop_replica(record, segment_id)
-            else:
-                del self._namespaces[record.namespace][record.key]
-                self._delete(record)
-        if victims:
-            counts = self.evictions.setdefault(reason, [0, 0])
-            counts[0] += len(victims)
-            counts[1] += freed
-            logger.debug("evicted reason=%s objects=%d bytes=%d", reason, len(victims), freed)
+        for record in self.lru.victims(self.clock(), need, weight, eligible):
+            freed += self._evict_one(record, reason, segment_id)
+        return freed
+
+    def _evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
+        """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
+        if segment_id and len(record.replicas) > 1:
+            freed = self._replica_bytes(record)
+            self._drop_replica(record, segment_id)
+        else:
+            freed = self._record_bytes(record)
+            del self._namespaces[record.namespace][record.key]
+            self._delete(record)
+        counts = self.evictions.setdefault(reason, [0, 0])
+        counts[0] += 1
+        counts[1] += freed
         return freed
 
     def _drop_replica(self, record: ObjectRecord, segment_id: int) -> None:
