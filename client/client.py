@@ -20,6 +20,7 @@ Contracts every method keeps:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, defaultdict
@@ -46,6 +47,7 @@ _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
+_MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 # Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
 LEASE_SAFETY = 0.9
 
@@ -65,6 +67,13 @@ def as_writable_view(buffer: Any) -> memoryview:
     if view.readonly:
         raise TypeError(f"buffer of type {type(buffer).__name__} is read-only; pass a bytearray, memoryview or array")
     return view
+
+
+def _pin_ttl_ms(pin_ttl: float) -> int:
+    """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
+    if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
+        raise ValueError(f"pin_ttl must be between 0 and {_MAX_PIN_TTL_MS // 1000} seconds, got {pin_ttl!r}")
+    return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
 class Client:
@@ -212,6 +221,7 @@ class Client:
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
+        pin_ttl_ms = _pin_ttl_ms(pin_ttl)
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
@@ -228,7 +238,7 @@ class Client:
                     instance=self.instance,
                     rank=self.rank,
                     pin=_PINS[pin],
-                    pin_ttl_ms=int(pin_ttl * 1000),
+                    pin_ttl_ms=pin_ttl_ms,
                     preferred_segment=preferred_segment,
                     client_host=local_host_id(),
                 ),
