@@ -13,6 +13,8 @@ owns one allocator per segment and mutates it from its event loop only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 _MAX_BINS = 64
 _SCAN_OWN_BIN = 8  # extents of the request's own bin inspected before going up a bin
 
@@ -42,6 +44,10 @@ class OffsetAllocator:
     @property
     def free_extents(self) -> int:
         return len(self._free_by_start)
+
+    def free_spans(self) -> Iterator[tuple[int, int]]:
+        """(start, size) of every free extent, in no particular order."""
+        return iter(self._free_by_start.items())
 
     def allocate(self, size: int) -> int | None:
         """Offset of a new range of `size` bytes (> 0), or None when no extent fits."""

@@ -142,6 +142,8 @@ class MasterHandlers:
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="keys and sizes differ in length")
         if request.replicas < 1:
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="replicas must be at least 1")
+        if request.pin not in (pb.PIN_NONE, pb.PIN_SOFT, pb.PIN_HARD):
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error=f"unknown pin value {request.pin}")
         options = PutOptions(
             instance=request.instance,
             rank=request.rank,

@@ -293,6 +293,11 @@ class MasterState:
         now = self.clock()
         put_id = next(self._put_ids)
         result = PutStartResult(put_id, [], [], [], [])
+
+        def objects_of(record: ObjectRecord) -> ObjectRecord | None:
+            """The live record under `record`'s key (None once it was evicted or removed)."""
+            return self._namespaces.get(record.namespace, {}).get(record.key)
+
         if options.instance and not self.quotas.rank_allowed(options.instance, options.rank):
             status = int(Status.INVALID_ARGUMENT)
             result.statuses = [status] * len(keys)
@@ -327,18 +332,25 @@ class MasterState:
                 elif size > largest:
                     status = Status.TOO_LARGE
             charge = self._aligned(size) * replicas
+            quota_victims: list[ObjectRecord] = []
             if status == _OK and owner is not None and owner.over_by(charge):
+                # Plan the rank's own victims, but evict them only once the put is sure to go
+                # through: a refused put must not have destroyed anything.
+                over = owner.over_by(charge)
                 if owner.quota and charge > owner.quota:
                     status = Status.QUOTA_EXCEEDED
                 else:
-                    self._evict(owner.over_by(charge), lambda r, o=owner: r.owner is o, self._record_bytes, "quota")
-                    if owner.over_by(charge):
+                    quota_victims = self.lru.victims(now, over, self._record_bytes, lambda r, o=owner: r.owner is o)
+                    if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
                 placed = self._place(active, static, size, replicas)
                 if placed is None:
                     status = Status.NO_SPACE
                 else:
+                    for victim in quota_victims:
+                        if owner.over_by(charge) and objects_of(victim) is victim:
+                            self._evict_one(victim, "quota")
                     record = ObjectRecord(namespace, key, size, placed, ObjectState.PENDING, put_id, now, owner)
                     if options.pin != PIN_NONE:
                         record.pin, record.pin_until = options.pin, pin_until
@@ -420,19 +432,43 @@ class MasterState:
         for segment in candidates:
             if segment.capacity < need:
                 continue
-            # One victim at a time, least recently used first, retrying after each: freed space
-            # may join free space already there, or stay in holes too small until a neighbour goes.
+            # Evict only where it will work: the victims' ranges plus the free extents must
+            # form a contiguous run of `need` bytes (a refused put must not destroy anything).
+            # The least recently used victims that add up to `need` usually do; otherwise
+            # check everything evictable here; if even that cannot make room, evict nothing.
             eligible = self._on_segment(segment.segment_id)
-            while True:
-                victims = self.lru.victims(self.clock(), need, self._replica_bytes, eligible)
-                if not victims:
-                    break
-                for victim in victims:
-                    self._evict_one(victim, "allocation", segment.segment_id)
-                    offset = segment.allocator.allocate(size)
-                    if offset is not None:
-                        return segment, offset
+            now = self.clock()
+            victims = self.lru.victims(now, need, self._replica_bytes, eligible)
+            if not self._fits_after(segment, victims, need):
+                victims = self.lru.victims(now, segment.capacity, self._replica_bytes, eligible)
+                if not self._fits_after(segment, victims, need):
+                    continue
+            # One victim at a time, least recently used first, stopping as soon as it fits.
+            for victim in victims:
+                self._evict_one(victim, "allocation", segment.segment_id)
+                offset = segment.allocator.allocate(size)
+                if offset is not None:
+                    return segment, offset
         return None, 0
+
+    def _fits_after(self, segment: SegmentRecord, victims: list[ObjectRecord], need: int) -> bool:
+        """Whether freeing the victims' ranges on `segment` leaves a contiguous free run of `need` bytes."""
+        segment_id = segment.segment_id
+        spans = list(segment.allocator.free_spans())
+        for record in victims:
+            if record.size:
+                aligned = self._aligned(record.size)
+                spans.extend((r.offset, aligned) for r in record.replicas if r.segment_id == segment_id)
+        spans.sort()
+        run_start = run_end = -1
+        for start, length in spans:
+            if start == run_end:
+                run_end += length
+            else:
+                run_start, run_end = start, start + length
+            if run_end - run_start >= need:
+                return True
+        return False
 
     def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
         """Make pending objects of put `put_id` visible with their checksums.

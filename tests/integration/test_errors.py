@@ -141,3 +141,12 @@ def test_master_revalidates_keys_and_namespaces_from_raw_requests(cluster):
     assert client.cluster_status().objects == 0 and client.cluster_status().used == 0
     with pytest.raises(KvtierError):  # and through the client the error keeps its status
         client.put("", b"v")
+
+
+def test_the_master_refuses_an_unknown_pin_value(cluster):
+    with grpc.insecure_channel(cluster.master_address) as channel:
+        reply = master_pb2_grpc.MasterStub(channel).PutStart(
+            pb.PutStartRequest(namespace="default", keys=["k"], sizes=[1], replicas=1, pin=7)
+        )
+    assert reply.status == Status.INVALID_ARGUMENT and "pin" in reply.error
+    assert cluster.client().get("k") is None

@@ -430,11 +430,6 @@ def test_allocation_eviction_counts_the_room_that_is_already_free(state):
     assert state.evictions == {"allocation": [2, 2 * KiB]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: allocation eviction empties a segment of evictable objects before finding that the "
-    "object cannot fit there (hard pins or leases split the space), then fails with NO_SPACE anyway",
-)
 def test_a_put_refused_for_space_evicts_nothing(state):
     # segment a: one evictable object beside a hard pin that leaves no room for 2 KiB; b full of pins
     mount(state, "a", 3 * KiB)
@@ -446,11 +441,6 @@ def test_a_put_refused_for_space_evicts_nothing(state):
     assert "plain" in stored(state), "the refused put destroyed 'plain' for nothing"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: allocation eviction on a segment where the object can never fit (a hard pin splits it) "
-    "evicts every evictable object there before moving on to the segment where the object does fit",
-)
 def test_a_put_evicts_nothing_on_a_segment_where_it_cannot_fit(state):
     # a: u1 | hard pin | u2 (no 2 KiB range even when empty of evictable objects); b: v1 | v2
     mount(state, "a", 3 * KiB)

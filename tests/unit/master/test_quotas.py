@@ -323,11 +323,6 @@ def test_quota_exceeded_for_an_object_larger_than_the_quota_without_evicting(sta
     assert_consistent(state)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a put refused with QUOTA_EXCEEDED still evicts the rank's evictable objects first: "
-    "put_start evicts over_by(charge) bytes without checking that enough can be freed, then fails",
-)
 def test_a_put_refused_for_quota_evicts_nothing(state):
     # 4 KiB quota: a 3 KiB hard-pinned object and a 1 KiB unpinned one; a 2 KiB put can never fit
     state.register_instance("llm", 1, 1, 4 * KiB)
@@ -337,11 +332,6 @@ def test_a_put_refused_for_quota_evicts_nothing(state):
     assert stored(state) == {"hard", "plain"}, "the refused put destroyed 'plain' for nothing"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a put refused with NO_SPACE keeps the quota eviction it did first: the rank's objects "
-    "are evicted for quota before placement is tried, and placement then fails",
-)
 def test_a_put_refused_for_space_evicts_nothing_for_quota(clock):
     state = make_state(clock)
     mount(state, "a", 4 * KiB)
