@@ -114,19 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quota_dict(q: Any) -> dict[str, Any]:
-    return {
-        "instance": q.instance,
-        "rank": q.rank,
-        "quota": q.quota,
-        "used": q.used,
-        "objects": q.objects,
-        "tp_size": q.tp_size,
-        "pp_size": q.pp_size,
-    }
-
-
 def _status_dict(reply: Any) -> dict[str, Any]:
+    from kvtier.client.client import quota_dict
+
     return {
         "cluster_id": reply.cluster_id,
         "master_epoch": reply.master_epoch,
@@ -134,7 +124,7 @@ def _status_dict(reply: Any) -> dict[str, Any]:
         "objects": reply.objects,
         "pending_puts": reply.pending_puts,
         "rpc_requests": dict(reply.rpc_requests),
-        "quotas": [_quota_dict(q) for q in reply.quotas],
+        "quotas": [quota_dict(q) for q in reply.quotas],
         "evictions": {e.reason: {"objects": e.objects, "bytes": e.bytes} for e in reply.evictions},
         "capacity": reply.capacity,
         "used": reply.used,

@@ -52,6 +52,19 @@ _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 LEASE_SAFETY = 0.9
 
 
+def quota_dict(q: pb.QuotaInfo) -> dict[str, Any]:
+    """One rank's quota as plain data (the shape of `Client.quotas()` and `kvtier quotas --json`)."""
+    return {
+        "instance": q.instance,
+        "rank": q.rank,
+        "quota": q.quota,
+        "used": q.used,
+        "objects": q.objects,
+        "tp_size": q.tp_size,
+        "pp_size": q.pp_size,
+    }
+
+
 def as_bytes_view(value: Any) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous buffer (bytes, bytearray, numpy, ...)."""
     view = value if isinstance(value, memoryview) else memoryview(value)
@@ -537,19 +550,7 @@ class Client:
 
     def quotas(self) -> list[dict[str, Any]]:
         """Per instance and rank: quota (0 = none), used bytes, objects, TP and PP sizes."""
-        reply = self._master.call("Quotas", pb.QuotasRequest())
-        return [
-            {
-                "instance": q.instance,
-                "rank": q.rank,
-                "quota": q.quota,
-                "used": q.used,
-                "objects": q.objects,
-                "tp_size": q.tp_size,
-                "pp_size": q.pp_size,
-            }
-            for q in reply.quotas
-        ]
+        return [quota_dict(q) for q in self._master.call("Quotas", pb.QuotasRequest()).quotas]
 
     def cluster_status(self) -> pb.StatusResponse:
         """The master's view of the cluster (segments, capacity, objects)."""
