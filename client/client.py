@@ -402,6 +402,8 @@ class Client:
                     out[i] = int(Status.BUFFER_TOO_SMALL)
                 elif reply.sizes[i] == 0:
                     out[i] = 0 if views is not None else b""
+                elif count == 1 or not local:
+                    replicas[i] = list(range(pos, pos + count))
                 else:
                     # Same-host replicas first (a memcpy instead of a socket), then in the master's order.
                     replicas[i] = sorted(range(pos, pos + count), key=lambda j: not same_host(j))
