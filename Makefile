@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -q
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow -q
+	$(BIN)/python -m pytest -m slow -q || [ $$? -eq 5 ]  # 5: no test is marked slow yet
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
