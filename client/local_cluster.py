@@ -96,15 +96,27 @@ class LocalCluster:
         return self
 
     def wait(self) -> int:
-        """Block until a child exits (or Ctrl-C); return a process exit code."""
+        """Block until Ctrl-C, the master exits, or a segment fails; return a process exit code.
+
+        A segment that exits with status 0 left on purpose (it was drained):
+        it is reported and the rest of the cluster keeps serving.
+        """
+        watched = list(self.children)
         try:
-            while all(c.popen.poll() is None for c in self.children):
+            while True:
+                for child in list(watched):
+                    code = child.popen.poll()
+                    if code is None:
+                        continue
+                    if code == 0 and child.name != "master":
+                        print(f"kvtier: {child.name} left the cluster (drained)", file=sys.stderr, flush=True)
+                        watched.remove(child)
+                        continue
+                    print(f"kvtier: {child.name} exited with status {code}", file=sys.stderr)
+                    return 1
                 time.sleep(0.2)
         except KeyboardInterrupt:
             return 0
-        dead = [c for c in self.children if c.popen.poll() is not None]
-        print(f"kvtier: {dead[0].name} exited with status {dead[0].popen.returncode}", file=sys.stderr)
-        return 1
 
     def stop(self) -> None:
         """SIGTERM segments first (they unmount cleanly), then the master."""

@@ -134,3 +134,29 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_up_keeps_serving_after_one_of_its_segments_is_drained():
+    port = _free_port()
+    cluster_id = f"updrain{os.getpid()}"
+    master = f"127.0.0.1:{port}"
+    with subprocess.Popen(
+        [*KVTIER, "up", "--listen", master, "--dram", "16MiB", "--segments", "2", "--cluster-id", cluster_id],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        try:
+            while "Ctrl-C stops" not in (line := proc.stdout.readline().decode()):
+                assert line, "kvtier up exited during start-up"
+            kvtier("put", "--master", master, "k", "-", stdin=b"survives the drain")
+            segments = json.loads(kvtier("status", "--master", master, "--json").stdout)["segments"]
+            assert len(segments) == 2
+            kvtier("drain", "--master", master, segments[0]["name"])
+            assert proc.poll() is None, "kvtier up stopped when a segment left on purpose"
+            assert kvtier("get", "--master", master, "k").stdout == b"survives the drain"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            assert b"left the cluster (drained)" in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
