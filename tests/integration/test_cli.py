@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,12 @@ def test_up_keeps_serving_after_one_of_its_segments_is_drained():
             segments = json.loads(kvtier("status", "--master", master, "--json").stdout)["segments"]
             assert len(segments) == 2
             kvtier("drain", "--master", master, segments[0]["name"])
+            # The drained process exits at its next heartbeat; its clean exit removes its region file.
+            region = Path("/dev/shm") / f"kvtier.{cluster_id}.{segments[0]['name']}.region"
+            deadline = time.monotonic() + 30
+            while region.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not region.exists(), "the drained segment did not exit"
             assert proc.poll() is None, "kvtier up stopped when a segment left on purpose"
             assert kvtier("get", "--master", master, "k").stdout == b"survives the drain"
             proc.send_signal(signal.SIGINT)
