@@ -69,8 +69,15 @@ class OffsetAllocator:
         if not larger:
             return None
         index = own + 1 + ((larger & -larger).bit_length() - 1)
-        start, extent = next(iter(self._bins[index].items()))
-        return self._take(start, extent, size)
+        # popitem is O(1); iterating a dict from the front skips every entry ever deleted
+        # there, which grows without bound in a bin that once held many extents.
+        bucket = self._bins[index]
+        start, extent = bucket.popitem()
+        if not bucket:
+            self._nonempty &= ~(1 << index)
+        del self._free_by_start[start]
+        del self._free_by_end[start + extent]
+        return self._carve(start, extent, size)
 
     def release(self, offset: int, size: int) -> None:
         """Return a range obtained from `allocate(size)`; merges with free neighbours."""
@@ -92,6 +99,10 @@ class OffsetAllocator:
 
     def _take(self, start: int, extent: int, size: int) -> int:
         self._remove(start, extent)
+        return self._carve(start, extent, size)
+
+    def _carve(self, start: int, extent: int, size: int) -> int:
+        """Allocate `size` bytes at the start of a free extent already unlinked from the free maps."""
         if extent > size:
             self._insert(start + size, extent - size)
         self.used += size
