@@ -37,7 +37,6 @@ from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
-GRPC_MESSAGE_LIMIT = 256 << 20
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
@@ -50,8 +49,8 @@ class MasterClient:
         self._channel = grpc.insecure_channel(
             address,
             options=[
-                ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
-                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+                ("grpc.max_receive_message_length", rpcframe.MESSAGE_LIMIT),
+                ("grpc.max_send_message_length", rpcframe.MESSAGE_LIMIT),
             ],
         )
         self.stub = master_pb2_grpc.MasterStub(self._channel)

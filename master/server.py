@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -16,24 +15,16 @@ from kvtier.master.fastpath import start_fast_path
 from kvtier.master.servicer import MasterHandlers, MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
+from kvtier.proto.config import write_ready_file
+from kvtier.proto.rpcframe import MESSAGE_LIMIT
 
 logger = logging.getLogger(__name__)
 
-# Batches of 10,000+ keys of up to 1 KiB exceed gRPC's 4 MiB default.
-GRPC_MESSAGE_LIMIT = 256 << 20
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
-    ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.so_reuseport", 0),  # a second master on the same port must fail, not share it
 ]
-
-
-def write_ready_file(path: str, info: dict) -> None:
-    """Atomically publish readiness (tests and `kvtier up` poll for this file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
 
 
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:

@@ -11,10 +11,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+
+
+def write_ready_file(path: str, info: dict) -> None:
+    """Atomically publish that a service is serving, with its addresses (`kvtier up` and tests poll this)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

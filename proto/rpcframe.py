@@ -25,7 +25,10 @@ from kvtier.proto import master_pb2 as pb
 
 MAGIC = 0x4D4B  # b"KM" little-endian
 HEADER = struct.Struct("<HHII")
-MAX_PAYLOAD = 256 << 20  # as the gRPC message limit
+# Largest request or response message on either door to the master (gRPC or this framing):
+# batches of 10,000+ keys of up to 1 KiB exceed gRPC's 4 MiB default.
+MESSAGE_LIMIT = 256 << 20
+MAX_PAYLOAD = MESSAGE_LIMIT
 ERROR_METHOD = 0
 
 # method id -> (RPC name, request type, response type). Ids are wire contract: never reuse one.

@@ -1,10 +1,8 @@
 """A segment's DRAM region: one shared-memory file, mapped for the process's life.
 
-File layout: a 4 KiB header, then the data area the master allocates from
+File layout: a 4 KiB header (format in `kvtier.proto.region`, shared with the
+shm connector that reads it), then the data area the master allocates from
 (offsets on the wire are relative to the data area).
-
-    header  magic "KVTREGN1" | format:u32 | data_offset:u64 | capacity:u64 |
-            nonce:16 bytes | cluster id, segment name, boot id (NUL-padded)
 
 Ownership: the live owner holds an exclusive `flock` on the file. A file of
 our cluster whose lock can be taken has no live owner (the process died
@@ -22,36 +20,14 @@ import logging
 import mmap
 import os
 import secrets
-import struct
-from pathlib import Path
+
+from kvtier.proto.region import FORMAT, HEADER, HEADER_SIZE, MAGIC, boot_id
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTREGN1"
-FORMAT = 1
-HEADER_SIZE = 4096
-_HEADER = struct.Struct("<8sIQQ16s64s128s64s")
 SHM_DIR = "/dev/shm"
 # `kvtier.<cluster>.<segment>.region`: cluster ids contain no '.', so names never collide.
 _FILE_PREFIX = "kvtier."
-
-
-def host_id() -> str:
-    """This machine's identity for this boot: machine id + boot id, never a hostname."""
-    parts = []
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            parts.append(Path(path).read_text().strip())
-        except OSError:
-            parts.append("")
-    return ":".join(parts)
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def region_path(directory: str, cluster_id: str, segment_name: str) -> str:
@@ -88,7 +64,7 @@ class DramRegion:
             os.unlink(self.path)
             raise
         self._fd = fd
-        self._map[: _HEADER.size] = _HEADER.pack(
+        self._map[: HEADER.size] = HEADER.pack(
             MAGIC,
             FORMAT,
             HEADER_SIZE,
@@ -125,12 +101,12 @@ def read_header(path: str) -> dict | None:
     """Parsed header of a region file, or None if it is not one of ours."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
+            raw = f.read(HEADER.size)
     except OSError:
         return None
-    if len(raw) < _HEADER.size or not raw.startswith(MAGIC):
+    if len(raw) < HEADER.size or not raw.startswith(MAGIC):
         return None
-    magic, fmt, data_offset, capacity, nonce, cluster, name, boot = _HEADER.unpack(raw)
+    magic, fmt, data_offset, capacity, nonce, cluster, name, boot = HEADER.unpack(raw)
     return {
         "format": fmt,
         "data_offset": data_offset,

@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.config import write_ready_file
+from kvtier.proto.region import host_id
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterLink
 from kvtier.segment_server.protocol import DataPlaneStats
-from kvtier.segment_server.region import DramRegion, host_id, region_path, remove_orphans
+from kvtier.segment_server.region import DramRegion, region_path, remove_orphans
 
 logger = logging.getLogger(__name__)
-
-
-def _write_ready_file(path: str, info: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
 
 
 async def serve(config: SegmentConfig) -> int:
@@ -69,7 +63,7 @@ async def serve(config: SegmentConfig) -> int:
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if mounted.is_set() and config.ready_file:
-            _write_ready_file(
+            write_ready_file(
                 config.ready_file,
                 {"name": config.name, "endpoints": endpoints, "region": region.path, "pid": os.getpid()},
             )

@@ -20,10 +20,8 @@ visibility still comes only from the master's PutEnd after the copy returns.
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,11 +32,10 @@ import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.base import Buffer
 from kvtier.proto.errors import ConnectError
+from kvtier.proto.region import HEADER, MAGIC
+from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
-# Mirrors segment_server/region.py's header (the client must not import the server).
-_HEADER = struct.Struct("<8sIQQ16s")
-_MAGIC = b"KVTREGN1"
 _OK = 0
 _BAD_RANGE = int(Status.INVALID_RANGE)
 
@@ -78,19 +75,6 @@ def _copy(dst: memoryview, dst_addr: int | None, src: memoryview, src_addr: int 
     return crc
 
 
-@functools.cache
-def local_host_id() -> str:
-    """This machine's identity for this boot (machine id + boot id); read once per process."""
-    parts = []
-    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
-        try:
-            with open(path) as f:
-                parts.append(f.read().strip())
-        except OSError:
-            parts.append("")
-    return ":".join(parts)
-
-
 class ShmConnector:
     scheme = "shm"
 
@@ -111,13 +95,13 @@ class ShmConnector:
             raise ConnectError(f"cannot open region {url.path}: {exc.strerror}") from None
         try:
             size = os.fstat(fd).st_size
-            if size < _HEADER.size:
+            if size < HEADER.size:
                 raise ConnectError(f"{url.path} is not a kvtier region")
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        magic, _fmt, data_offset, capacity, file_nonce = _HEADER.unpack_from(self._map)
-        if magic != _MAGIC or file_nonce != nonce or data_offset + capacity > size:
+        magic, _fmt, data_offset, capacity, file_nonce, *_ = HEADER.unpack_from(self._map)
+        if magic != MAGIC or file_nonce != nonce or data_offset + capacity > size:
             self._map.close()
             raise ConnectError(f"{url.path} is not the advertised region (nonce mismatch)")
         self._view = memoryview(self._map)[data_offset : data_offset + capacity]

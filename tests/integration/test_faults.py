@@ -15,7 +15,8 @@ from kvtier.client import Status
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.frames import Op
-from kvtier.segment_server.region import HEADER_SIZE, read_header
+from kvtier.proto.region import HEADER_SIZE
+from kvtier.segment_server.region import read_header
 from tests.integration import rawframes
 
 KiB = 1 << 10

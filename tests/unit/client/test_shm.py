@@ -21,9 +21,10 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.transport import shm
 from kvtier.client.transport.shm import ShmConnector
 from kvtier.proto.errors import ConnectError
+from kvtier.proto.region import HEADER_SIZE, host_id
 from kvtier.proto.status import Status
 from kvtier.segment_server.listeners import ShmListener
-from kvtier.segment_server.region import HEADER_SIZE, DramRegion, host_id, region_path
+from kvtier.segment_server.region import DramRegion, region_path
 
 KiB, MiB = 1 << 10, 1 << 20
 CAPACITY = 16 * MiB

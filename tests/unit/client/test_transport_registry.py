@@ -18,8 +18,9 @@ from kvtier.client.transport import CONNECTORS, PREFERENCE, UNAVAILABLE, connect
 from kvtier.client.transport.shm import ShmConnector
 from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto.errors import ConnectError
+from kvtier.proto.region import host_id
 from kvtier.segment_server.listeners import ShmListener
-from kvtier.segment_server.region import DramRegion, host_id, region_path
+from kvtier.segment_server.region import DramRegion, region_path
 
 
 def closed_port() -> int:

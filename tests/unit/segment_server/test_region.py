@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.proto.region import HEADER_SIZE
 from kvtier.segment_server.region import (
-    HEADER_SIZE,
     DramRegion,
     read_header,
     region_path,

@@ -1,0 +1,44 @@
+"""The shared-memory region file format and host identity: the contract of the `shm` transport.
+
+The segment server writes this header when it creates a region; a same-host
+client reads it to prove that the file it mapped is the region the segment
+advertised (same nonce) on the same machine and boot (same host id). Both
+sides import it from here so they cannot drift apart.
+
+    header  magic "KVTREGN1" | format:u32 | data_offset:u64 | capacity:u64 |
+            nonce:16 bytes | cluster id:64, segment name:128, boot id:64 (NUL-padded)
+
+The data area the master allocates from starts at `data_offset` (HEADER_SIZE).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+MAGIC = b"KVTREGN1"
+FORMAT = 1
+HEADER_SIZE = 4096  # the data area starts here: page-aligned
+HEADER = struct.Struct("<8sIQQ16s64s128s64s")
+
+_MACHINE_ID = "/etc/machine-id"
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def boot_id() -> str:
+    return _read(_BOOT_ID)
+
+
+@functools.cache
+def host_id() -> str:
+    """This machine's identity for this boot: machine id + boot id, never a hostname. Read once."""
+    return f"{_read(_MACHINE_ID)}:{boot_id()}"
