@@ -64,7 +64,6 @@ def drain_segment(
                 ),
             )
             if not any(moved):  # nothing could move (no room, or copies failing): stop trying
-                left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
                 break
         left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
         if progress is not None:
