@@ -23,10 +23,18 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.master.records import (
+    ObjectRecord,
+    ObjectState,
+    on_segment,
+    replica,
+    replica_offset,
+    replica_segment,
+)
 from kvtier.proto.status import Status
 
 if TYPE_CHECKING:
-    from kvtier.master.state import MasterState, ObjectRecord, Replica, SegmentRecord
+    from kvtier.master.state import MasterState, SegmentRecord
 
 _OK = int(Status.OK)
 
@@ -34,8 +42,8 @@ _OK = int(Status.OK)
 @dataclass(slots=True)
 class Migration:
     record: ObjectRecord
-    source: Replica
-    target: Replica | None  # None: no room anywhere right now
+    source: int  # packed replicas (kvtier.master.records)
+    target: int | None  # None: no room anywhere right now
 
 
 @dataclass(slots=True)
@@ -76,7 +84,7 @@ class Drainer:
 
     def migrate_start(self, name: str, max_objects: int) -> tuple[Status, MigrationBatch | None]:
         """Up to `max_objects` complete objects on draining segment `name`, with targets and source leases."""
-        from kvtier.master.state import ObjectState, Replica, SegmentState
+        from kvtier.master.state import SegmentState
 
         segment = self._by_name(name)
         if segment is None:
@@ -88,31 +96,30 @@ class Drainer:
         lease_until = now + state.config.lease_s
         batch = MigrationBatch(next(self._ids), segment.segment_id, now)
         targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE]
-        for objects in state._namespaces.values():
-            for record in objects.values():
-                if len(batch.items) >= max_objects:
+        for record in state.records():
+            if len(batch.items) >= max_objects:
+                break
+            if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
+                continue
+            if not on_segment(record.replicas, segment.segment_id):
+                continue
+            source = next(r for r in record.replicas if replica_segment(r) == segment.segment_id)
+            holders = {replica_segment(r) for r in record.replicas}
+            candidates = sorted(
+                (s for s in targets if s.segment_id not in holders),
+                key=lambda s: s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
+            )
+            target = None
+            for candidate in candidates:
+                offset = candidate.allocator.allocate(record.size) if record.size else 0
+                if offset is not None:
+                    candidate.objects += 1
+                    target = replica(candidate.segment_id, offset)
                     break
-                if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
-                    continue
-                source = next((r for r in record.replicas if r.segment_id == segment.segment_id), None)
-                if source is None:
-                    continue
-                holders = {r.segment_id for r in record.replicas}
-                candidates = sorted(
-                    (s for s in targets if s.segment_id not in holders),
-                    key=lambda s: s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
-                )
-                target = None
-                for candidate in candidates:
-                    offset = candidate.allocator.allocate(record.size) if record.size else 0
-                    if offset is not None:
-                        candidate.objects += 1
-                        target = Replica(candidate.segment_id, offset)
-                        break
-                if target is not None:
-                    record.lease_until = max(record.lease_until, lease_until)
-                    self._moving.add(id(record))
-                batch.items.append(Migration(record, source, target))
+            if target is not None:
+                record.lease_until = max(record.lease_until, lease_until)
+                self._moving.add(id(record))
+            batch.items.append(Migration(record, source, target))
         self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
@@ -134,17 +141,18 @@ class Drainer:
         self._moving.discard(id(record))
         if target is None:
             return False
-        alive = state._namespaces.get(record.namespace, {}).get(record.key) is record
-        target_segment = state.segments.get(target.segment_id)
+        alive = state._objects.get(record.name) is record
+        target_segment = state.segments.get(replica_segment(target))
         if moved and alive and target_segment is not None and source in record.replicas:
-            record.replicas[record.replicas.index(source)] = target
-            source_segment = state.segments.get(source.segment_id)
+            record.replicas = tuple(target if r == source else r for r in record.replicas)
+            source_id = replica_segment(source)
+            source_segment = state.segments.get(source_id)
             if source_segment is not None:
                 source_segment.objects -= 1
                 if record.size:  # readers may hold the source range: free it when their lease ends
                     heapq.heappush(
                         state._deferred,
-                        (record.lease_until, next(state._seq), source.segment_id, source.offset, record.size),
+                        (record.lease_until, next(state._seq), source_id, replica_offset(source), record.size),
                     )
             return True
         state._release_replicas([target], record.size)

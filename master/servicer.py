@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
@@ -246,11 +247,11 @@ class MasterHandlers:
             reply.keys.append(record.key)
             reply.sizes.append(record.size)
             reply.checksums.append(record.checksum)
-            reply.source_offsets.append(item.source.offset)
-            reply.statuses.append(0 if item.target else no_space)
-            reply.target_segments.append(item.target.segment_id if item.target else 0)
-            reply.target_offsets.append(item.target.offset if item.target else 0)
-        segment_ids = [batch.source_segment] + [i.target.segment_id for i in batch.items if i.target]
+            reply.source_offsets.append(replica_offset(item.source))
+            reply.statuses.append(0 if item.target is not None else no_space)
+            reply.target_segments.append(replica_segment(item.target) if item.target is not None else 0)
+            reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
+        segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
         reply.segments.extend(self._endpoints(segment_ids))
         return reply
 

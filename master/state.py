@@ -29,6 +29,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,49 +37,38 @@ from dataclasses import dataclass, field
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
 from kvtier.master.drain import Drainer
-from kvtier.master.eviction import PIN_NONE, PIN_SOFT, LruIndex
-from kvtier.master.quotas import Owner, QuotaTable
+from kvtier.master.eviction import pick_victims
+from kvtier.master.quotas import QuotaTable
+from kvtier.master.records import (
+    MAX_SEGMENT_CAPACITY,
+    OFFSET_MASK,
+    PIN_HARD,
+    PIN_NONE,
+    PIN_SOFT,
+    SEGMENT_SHIFT,
+    TIER_MASK,
+    TIER_SHIFT,
+    ObjectRecord,
+    ObjectState,
+    name_prefix,
+    object_name,
+    on_segment,
+    replica,
+    replica_offset,
+    replica_segment,
+)
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
 
-TIER_DRAM = 0
-TIER_SSD = 1
-
 _OK = int(Status.OK)
-
-
-class ObjectState(enum.Enum):
-    PENDING = 1  # ranges allocated by PutStart, bytes in flight: invisible to readers
-    COMPLETE = 2  # PutEnd received: all bytes are in place, readable
+_COMPLETE = ObjectState.COMPLETE
+_PENDING = ObjectState.PENDING
 
 
 class SegmentState(enum.Enum):
     ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
     DRAINING = 2  # takes no new allocations; serves reads until its objects have moved away
-
-
-@dataclass(slots=True, eq=False)
-class Replica:
-    segment_id: int
-    offset: int
-    tier: int = TIER_DRAM
-
-
-@dataclass(slots=True, eq=False)
-class ObjectRecord:
-    namespace: str
-    key: str
-    size: int
-    replicas: list[Replica]
-    state: ObjectState
-    put_id: int
-    started_at: float
-    owner: Owner | None = None
-    pin: int = PIN_NONE
-    pin_until: float = 0.0
-    checksum: int = 0
-    lease_until: float = 0.0  # recency lives in the LRU order (master/eviction.py), not in a field
 
 
 @dataclass(slots=True, eq=False)
@@ -169,14 +159,15 @@ class MasterState:
         self.started_at = clock()
         self.segments: dict[int, SegmentRecord] = {}
         self._segments_by_name: dict[str, int] = {}
-        self._namespaces: dict[str, dict[str, ObjectRecord]] = {}
-        # Pending puts in start order, for reclaim: (namespace, key) -> record.
-        self._pending: dict[tuple[str, str], ObjectRecord] = {}
+        # Every object, pending or complete, by object_name(namespace, key). The dict's order
+        # is recency: records move to the end on PutEnd and on reads (see master/eviction.py).
+        self._objects: dict[str, ObjectRecord] = {}
+        # Pending puts in start order, for reclaim: name -> record.
+        self._pending: dict[str, ObjectRecord] = {}
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
         self._deferred: list[tuple[float, int, int, int, int]] = []
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
-        self.lru = LruIndex()
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
         self._put_ids = itertools.count(1)
@@ -209,6 +200,8 @@ class MasterState:
             return MountResult(Status.SEGMENT_DRAINED, error=f"segment {name!r} was drained; restart it to rejoin")
         if not name or not endpoints or capacity < self.config.alignment:
             return MountResult(Status.INVALID_ARGUMENT, error="a segment needs a name, an endpoint and capacity")
+        if capacity > MAX_SEGMENT_CAPACITY:
+            return MountResult(Status.INVALID_ARGUMENT, error=f"a segment holds at most {MAX_SEGMENT_CAPACITY} bytes")
         old = self._segments_by_name.get(name)
         if old is not None:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
@@ -219,7 +212,7 @@ class MasterState:
             name=name,
             host_id=host_id,
             endpoints=tuple(endpoints),
-            allocator=OffsetAllocator(capacity, self.config.alignment),
+            allocator=OffsetAllocator(capacity, self.config.alignment, track=False),
             last_heartbeat=now,
             mounted_at=now,
             incarnation=incarnation,
@@ -250,20 +243,18 @@ class MasterState:
         segment = self.segments.pop(segment_id)
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
-        lost = 0
-        for objects in self._namespaces.values():
-            doomed = []
-            for key, record in objects.items():
-                if not any(r.segment_id == segment_id for r in record.replicas):
-                    continue
-                record.replicas = [r for r in record.replicas if r.segment_id != segment_id]
-                if record.owner is not None:
-                    record.owner.used -= self._aligned(record.size)
-                if not record.replicas or record.state is ObjectState.PENDING:
-                    doomed.append(key)
-            for key in doomed:
-                self._delete(objects.pop(key))
-                lost += 1
+        doomed = []
+        for name, record in self._objects.items():
+            if not on_segment(record.replicas, segment_id):
+                continue
+            record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
+            if record.owner is not None:
+                record.owner.used -= self._aligned(record.size)
+            if not record.replicas or record.state is _PENDING:
+                doomed.append(name)
+        for name in doomed:
+            self._delete(self._objects.pop(name))
+        lost = len(doomed)
         self._deferred = [d for d in self._deferred if d[2] != segment_id]
         heapq.heapify(self._deferred)
         logger.warning(
@@ -294,10 +285,6 @@ class MasterState:
         put_id = next(self._put_ids)
         result = PutStartResult(put_id, [], [], [], [])
 
-        def objects_of(record: ObjectRecord) -> ObjectRecord | None:
-            """The live record under `record`'s key (None once it was evicted or removed)."""
-            return self._namespaces.get(record.namespace, {}).get(record.key)
-
         if options.instance and not self.quotas.rank_allowed(options.instance, options.rank):
             status = int(Status.INVALID_ARGUMENT)
             result.statuses = [status] * len(keys)
@@ -305,27 +292,34 @@ class MasterState:
             result.first_error = f"rank {options.rank} is outside instance {options.instance!r}'s TP x PP"
             return result
         owner = self.quotas.owner(options.instance, options.rank)
-        pin_until = now + (options.pin_ttl_s or self.config.soft_pin_ttl_s) if options.pin == PIN_SOFT else 0.0
-        objects = self._namespaces.setdefault(namespace, {})
+        if options.pin == PIN_HARD:
+            pin_until = math.inf
+        elif options.pin == PIN_SOFT:
+            pin_until = now + (options.pin_ttl_s or self.config.soft_pin_ttl_s)
+        else:
+            pin_until = 0.0
+        objects = self._objects
+        prefix = name_prefix(namespace)
         active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
         largest = max((s.capacity for s in active), default=0)
         static = self._static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
+            name = prefix + key
             if master_key_problem(key):
                 status = Status.INVALID_KEY
             else:
-                existing = objects.get(key)
+                existing = objects.get(name)
                 if existing is not None:
-                    if existing.state is ObjectState.COMPLETE:
+                    if existing.state is _COMPLETE:
                         statuses.append(_OK)
                         counts.append(0)
                         continue
                     if now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
-                        self._delete(objects.pop(key))
+                        self._delete(objects.pop(name))
             if status == _OK:
                 if replicas > len(active):
                     status = Status.NO_REPLICA
@@ -340,7 +334,9 @@ class MasterState:
                 if owner.quota and charge > owner.quota:
                     status = Status.QUOTA_EXCEEDED
                 else:
-                    quota_victims = self.lru.victims(now, over, self._record_bytes, lambda r, o=owner: r.owner is o)
+                    quota_victims = pick_victims(
+                        objects.values(), now, over, self._record_bytes, lambda r, o=owner: r.owner is o
+                    )
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
@@ -349,20 +345,18 @@ class MasterState:
                     status = Status.NO_SPACE
                 else:
                     for victim in quota_victims:
-                        if owner.over_by(charge) and objects_of(victim) is victim:
+                        if owner.over_by(charge) and objects.get(victim.name) is victim:
                             self._evict_one(victim, "quota")
-                    record = ObjectRecord(namespace, key, size, placed, ObjectState.PENDING, put_id, now, owner)
-                    if options.pin != PIN_NONE:
-                        record.pin, record.pin_until = options.pin, pin_until
-                    objects[key] = record
-                    self._pending[(namespace, key)] = record
+                    record = ObjectRecord(name, size, placed, put_id, now, owner, pin_until)
+                    objects[name] = record
+                    self._pending[name] = record
                     self.object_count += 1
                     if owner is not None:
                         owner.used += charge
                         owner.objects += 1
-                    for replica in placed:
-                        result.replica_segments.append(replica.segment_id)
-                        result.replica_offsets.append(replica.offset)
+                    for packed in placed:
+                        result.replica_segments.append(packed >> SEGMENT_SHIFT)
+                        result.replica_offsets.append(packed & OFFSET_MASK)
                     statuses.append(_OK)
                     counts.append(len(placed))
                     continue
@@ -385,7 +379,7 @@ class MasterState:
 
     def _place(
         self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
-    ) -> list[Replica] | None:
+    ) -> tuple[int, ...] | None:
         """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
 
         Preference: `static` (preferred segment, writer's host), then the
@@ -403,9 +397,9 @@ class MasterState:
             offset = best.allocator.allocate(size)
             if offset is not None:
                 best.objects += 1
-                return [Replica(best.segment_id, offset)]
+                return (replica(best.segment_id, offset),)
         order = sorted(active, key=rank)
-        placed: list[Replica] = []
+        placed: list[int] = []
         used_hosts: set[str] = set()
         used_segments: set[int] = set()
         for _ in range(replicas):
@@ -415,11 +409,11 @@ class MasterState:
             if segment is None:
                 self._release_replicas(placed, size)
                 return None
-            placed.append(Replica(segment.segment_id, offset))
+            placed.append(replica(segment.segment_id, offset))
             segment.objects += 1
             used_segments.add(segment.segment_id)
             used_hosts.add(segment.host_id)
-        return placed
+        return tuple(placed)
 
     def _allocate_on(self, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
         if size == 0:  # nothing to store, but the object still lives on a segment
@@ -438,9 +432,9 @@ class MasterState:
             # check everything evictable here; if even that cannot make room, evict nothing.
             eligible = self._on_segment(segment.segment_id)
             now = self.clock()
-            victims = self.lru.victims(now, need, self._replica_bytes, eligible)
+            victims = pick_victims(self._objects.values(), now, need, self._replica_bytes, eligible)
             if not self._fits_after(segment, victims, need):
-                victims = self.lru.victims(now, segment.capacity, self._replica_bytes, eligible)
+                victims = pick_victims(self._objects.values(), now, segment.capacity, self._replica_bytes, eligible)
                 if not self._fits_after(segment, victims, need):
                     continue
             # One victim at a time, least recently used first, stopping as soon as it fits.
@@ -458,7 +452,7 @@ class MasterState:
         for record in victims:
             if record.size:
                 aligned = self._aligned(record.size)
-                spans.extend((r.offset, aligned) for r in record.replicas if r.segment_id == segment_id)
+                spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> SEGMENT_SHIFT == segment_id)
         spans.sort()
         run_start = run_end = -1
         for start, length in spans:
@@ -477,32 +471,37 @@ class MasterState:
         PutEnd is harmless); NOT_PENDING when there is no pending put of this
         key under `put_id` (reclaimed, revoked, or another writer's).
         """
-        objects = self._namespaces.get(namespace, {})
+        objects = self._objects
+        pending = self._pending
+        prefix = name_prefix(namespace)
+        not_pending = int(Status.NOT_PENDING)
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
-            record = objects.get(key)
+            name = prefix + key
+            record = objects.get(name)
             if record is None or record.put_id != put_id:
-                out.append(int(Status.NOT_PENDING))
-            elif record.state is ObjectState.COMPLETE:
-                out.append(_OK if record.checksum == checksum else int(Status.NOT_PENDING))
+                out.append(not_pending)
+            elif record.state is _COMPLETE:
+                out.append(_OK if record.checksum == checksum else not_pending)
             else:
-                record.state = ObjectState.COMPLETE
-                record.checksum = checksum
-                del self._pending[(namespace, key)]
-                self.lru.add(record)
+                record.complete(checksum)
+                del pending[name]
+                del objects[name]  # re-insert at the most recently used end, keyed by the record's
+                objects[record.name] = record  # own name string: `name` is a copy, 90 bytes more per object
                 out.append(_OK)
         return out
 
     def put_revoke(self, namespace: str, keys: Sequence[str], put_id: int) -> list[int]:
         """Undo pending puts of `put_id`, freeing their ranges. OK or NOT_PENDING per key."""
-        objects = self._namespaces.get(namespace, {})
+        objects = self._objects
+        prefix = name_prefix(namespace)
         out = []
         for key in keys:
-            record = objects.get(key)
-            if record is None or record.put_id != put_id or record.state is not ObjectState.PENDING:
+            record = objects.get(prefix + key)
+            if record is None or record.put_id != put_id or record.state is not _PENDING:
                 out.append(int(Status.NOT_PENDING))
                 continue
-            self._delete(objects.pop(key))
+            self._delete(objects.pop(record.name))
             out.append(_OK)
         return out
 
@@ -516,38 +515,44 @@ class MasterState:
         """
         now = self.clock()
         lease_until = now + self.config.lease_s
-        objects = self._namespaces.get(namespace, {})
+        objects = self._objects
+        prefix = name_prefix(namespace)
         result = GetResult([], [], [], [], [], [], [], int(self.config.lease_s * 1000))
+        statuses, sizes, checksums, counts = result.statuses, result.sizes, result.checksums, result.replica_counts
+        segments, offsets, tiers = result.replica_segments, result.replica_offsets, result.replica_tiers
         not_found = int(Status.NOT_FOUND)
         for key in keys:
-            record = objects.get(key)
-            if record is None or record.state is not ObjectState.COMPLETE:
-                result.statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
-                result.sizes.append(0)
-                result.checksums.append(0)
-                result.replica_counts.append(0)
+            name = prefix + key
+            record = objects.get(name)
+            if record is None or record.state is not _COMPLETE:
+                statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
+                sizes.append(0)
+                checksums.append(0)
+                counts.append(0)
                 continue
             if record.lease_until < lease_until:
                 record.lease_until = lease_until
-            self.lru.touch(record)
-            result.statuses.append(_OK)
-            result.sizes.append(record.size)
-            result.checksums.append(record.checksum)
-            result.replica_counts.append(len(record.replicas))
-            for replica in record.replicas:
-                result.replica_segments.append(replica.segment_id)
-                result.replica_offsets.append(replica.offset)
-                result.replica_tiers.append(replica.tier)
+            del objects[name]  # a read refreshes recency: move to the most recently used end
+            objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
+            meta = record.meta
+            statuses.append(_OK)
+            sizes.append(meta >> 32)
+            checksums.append(meta & 0xFFFF_FFFF)
+            counts.append(len(record.replicas))
+            for packed in record.replicas:
+                segments.append(packed >> SEGMENT_SHIFT)
+                offsets.append(packed & OFFSET_MASK)
+                tiers.append(packed >> TIER_SHIFT & TIER_MASK)
         return result
 
     def exists(self, namespace: str, keys: Sequence[str]) -> tuple[list[bool], int]:
         """Whether each key is complete, and how many leading keys are. Grants no lease."""
-        objects = self._namespaces.get(namespace, {})
-        complete = ObjectState.COMPLETE
+        objects = self._objects
+        prefix = name_prefix(namespace)
         found = []
         for key in keys:
-            record = objects.get(key)
-            found.append(record is not None and record.state is complete)
+            record = objects.get(prefix + key)
+            found.append(record is not None and record.state is _COMPLETE)
         prefix = found.index(False) if False in found else len(found)
         return found, prefix
 
@@ -555,59 +560,60 @@ class MasterState:
 
     def remove(self, namespace: str, keys: Sequence[str]) -> list[int]:
         """Remove complete objects. OK, NOT_FOUND, or PUT_IN_PROGRESS per key."""
-        objects = self._namespaces.get(namespace, {})
+        objects = self._objects
+        prefix = name_prefix(namespace)
         out = []
         for key in keys:
-            record = objects.get(key)
+            record = objects.get(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
-            elif record.state is ObjectState.PENDING:
+            elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
-                self._delete(objects.pop(key))
+                self._delete(objects.pop(record.name))
                 out.append(_OK)
         return out
 
     def remove_prefix(self, namespace: str, prefix: str) -> int:
         """Remove every complete object of `namespace` whose key starts with `prefix`."""
-        objects = self._namespaces.get(namespace, {})
-        doomed = [k for k, r in objects.items() if k.startswith(prefix) and r.state is ObjectState.COMPLETE]
-        for key in doomed:
-            self._delete(objects.pop(key))
+        objects = self._objects
+        start = object_name(namespace, prefix)
+        doomed = [name for name, r in objects.items() if name.startswith(start) and r.state is _COMPLETE]
+        for name in doomed:
+            self._delete(objects.pop(name))
         return len(doomed)
 
     def _delete(self, record: ObjectRecord) -> None:
         """Forget a record already popped from its namespace; free or defer its ranges."""
         self.object_count -= 1
-        if record.state is ObjectState.PENDING:
-            self._pending.pop((record.namespace, record.key), None)
-        else:
-            self.lru.discard(record)
+        if record.state is _PENDING:
+            self._pending.pop(record.name, None)
         if record.owner is not None:
             record.owner.used -= self._record_bytes(record)
             record.owner.objects -= 1
         now = self.clock()
         if record.lease_until > now:
-            for replica in record.replicas:
-                segment = self.segments.get(replica.segment_id)
+            for packed in record.replicas:
+                segment_id = packed >> SEGMENT_SHIFT
+                segment = self.segments.get(segment_id)
                 if segment is not None:
                     segment.objects -= 1
                     if record.size:
                         heapq.heappush(
                             self._deferred,
-                            (record.lease_until, next(self._seq), replica.segment_id, replica.offset, record.size),
+                            (record.lease_until, next(self._seq), segment_id, packed & OFFSET_MASK, record.size),
                         )
         else:
             self._release_replicas(record.replicas, record.size)
 
-    def _release_replicas(self, replicas: Iterable[Replica], size: int) -> None:
-        for replica in replicas:
-            segment = self.segments.get(replica.segment_id)
+    def _release_replicas(self, replicas: Iterable[int], size: int) -> None:
+        for packed in replicas:
+            segment = self.segments.get(replica_segment(packed))
             if segment is None:
                 continue
             segment.objects -= 1
             if size:
-                segment.allocator.release(replica.offset, size)
+                segment.allocator.release(replica_offset(packed), size)
 
     # ------------------------------------------------------------------ eviction
 
@@ -623,7 +629,7 @@ class MasterState:
 
     @staticmethod
     def _on_segment(segment_id: int) -> Callable[[ObjectRecord], bool]:
-        return lambda record: any(r.segment_id == segment_id for r in record.replicas)
+        return lambda record: on_segment(record.replicas, segment_id)
 
     def _evict(
         self,
@@ -640,7 +646,7 @@ class MasterState:
         (quota) the whole object goes.
         """
         freed = 0
-        for record in self.lru.victims(self.clock(), need, weight, eligible):
+        for record in pick_victims(self._objects.values(), self.clock(), need, weight, eligible):
             freed += self._evict_one(record, reason, segment_id)
         return freed
 
@@ -651,7 +657,7 @@ class MasterState:
             self._drop_replica(record, segment_id)
         else:
             freed = self._record_bytes(record)
-            del self._namespaces[record.namespace][record.key]
+            del self._objects[record.name]
             self._delete(record)
         counts = self.evictions.setdefault(reason, [0, 0])
         counts[0] += 1
@@ -660,8 +666,8 @@ class MasterState:
 
     def _drop_replica(self, record: ObjectRecord, segment_id: int) -> None:
         """Remove one unleased replica of a complete object that keeps at least one other."""
-        kept = [r for r in record.replicas if r.segment_id != segment_id]
-        dropped = [r for r in record.replicas if r.segment_id == segment_id]
+        kept = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
+        dropped = [r for r in record.replicas if r >> SEGMENT_SHIFT == segment_id]
         record.replicas = kept
         if record.owner is not None:
             record.owner.used -= self._aligned(record.size) * len(dropped)
@@ -683,11 +689,13 @@ class MasterState:
             self._drop_segment(segment_id, reason="heartbeat ttl expired")
         timeout = self.config.put_timeout_s
         while self._pending:
-            (namespace, key), record = next(iter(self._pending.items()))
+            name, record = next(iter(self._pending.items()))
             if now - record.started_at < timeout:
                 break  # insertion order is start order: the rest are younger
-            logger.info("reclaiming abandoned put namespace=%s key=%.80s put_id=%d", namespace, key, record.put_id)
-            del self._namespaces[namespace][key]
+            logger.info(
+                "reclaiming abandoned put namespace=%s key=%.80s put_id=%d", record.namespace, record.key, record.put_id
+            )
+            del self._objects[name]
             self._delete(record)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
@@ -704,6 +712,13 @@ class MasterState:
                 )
 
     # ------------------------------------------------------------------ views
+
+    def record(self, namespace: str, key: str) -> ObjectRecord | None:
+        return self._objects.get(object_name(namespace, key))
+
+    def records(self) -> Iterable[ObjectRecord]:
+        """Every record, pending or complete, least recently used first. Do not mutate while iterating."""
+        return self._objects.values()
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))

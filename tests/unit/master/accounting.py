@@ -1,8 +1,12 @@
 """The books of a `MasterState`, checked from scratch: shared by the eviction and quota scenarios.
 
 `assert_consistent(state)` recomputes, from the object records alone, what
-every segment's allocator, every segment's replica count, the LRU index and
-every quota owner must say, and compares. It extends the invariant of the
+every segment's allocator, every segment's replica count, the pending table
+and every quota owner must say, and compares. It also proves that each
+region is tiled exactly by the records' ranges, the ranges waiting for a
+lease to end, and the allocator's free extents: no overlap, no gap. The
+master's allocators keep no per-allocation table (see master/allocator.py),
+so this is where a double free or a leaked range would show. It extends the invariant of the
 `MasterStateMachine` in test_state.py with what eviction and quotas added.
 """
 
@@ -10,11 +14,17 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvtier.master.records import object_name, replica_offset, replica_segment
 from kvtier.master.state import MasterState, ObjectState
 
 
 def records(state: MasterState) -> list:
-    return [record for objects in state._namespaces.values() for record in objects.values()]
+    return list(state.records())
+
+
+def namespace_records(state: MasterState, namespace: str) -> dict:
+    """key -> record of every object (pending or complete) of `namespace`."""
+    return {record.key: record for record in state.records() if record.namespace == namespace}
 
 
 def assert_consistent(state: MasterState) -> None:
@@ -30,44 +40,54 @@ def assert_consistent(state: MasterState) -> None:
     complete = set()
     pending = 0
     all_records = records(state)
-    for objects_ns, objects in state._namespaces.items():
-        for key, record in objects.items():
-            assert (record.namespace, record.key) == (objects_ns, key), "record filed under another name"
+    ranges: dict[int, list[tuple[int, int, str]]] = {segment_id: [] for segment_id in state.segments}
+    for name, record in state._objects.items():
+        assert name == record.name == object_name(record.namespace, record.key), "record filed under another name"
     for record in all_records:
         assert record.replicas, f"{record.key!r} has no replicas"
-        segment_ids = [r.segment_id for r in record.replicas]
+        segment_ids = [replica_segment(r) for r in record.replicas]
         assert len(set(segment_ids)) == len(segment_ids), f"{record.key!r} has two replicas on one segment"
         for replica in record.replicas:
-            assert replica.segment_id in state.segments, f"{record.key!r} has a replica on a dropped segment"
-            replicas[replica.segment_id] += 1
+            segment_id = replica_segment(replica)
+            assert segment_id in state.segments, f"{record.key!r} has a replica on a dropped segment"
+            replicas[segment_id] += 1
             if record.size:
-                used[replica.segment_id] += aligned(record.size)
+                used[segment_id] += aligned(record.size)
+                ranges[segment_id].append((replica_offset(replica), aligned(record.size), record.key))
         if record.state is ObjectState.PENDING:
             pending += 1
-            assert state._pending.get((record.namespace, record.key)) is record
+            assert state._pending.get(record.name) is record
         else:
             complete.add(id(record))
         if record.owner is not None:
             owner_used[id(record.owner)] += aligned(record.size) * len(record.replicas)
             owner_objects[id(record.owner)] += 1
-    for _, _, segment_id, _, size in state._deferred:
+    for _, _, segment_id, offset, size in state._deferred:
         used[segment_id] += aligned(size)
+        ranges[segment_id].append((offset, aligned(size), "<deferred>"))
     for segment_id, segment in state.segments.items():
         allocator = segment.allocator
         assert segment.used == used[segment_id], (
             f"segment {segment.name}: allocator says {segment.used} used, its replicas and deferred ranges "
             f"add up to {used[segment_id]}"
         )
-        assert sum(allocator._allocated.values()) == allocator.used, f"segment {segment.name}: allocator drifted"
         assert sum(allocator._free_by_start.values()) == allocator.capacity - allocator.used
+        tiles = ranges[segment_id] + [(start, size, "<free>") for start, size in allocator.free_spans()]
+        cursor, previous = 0, "<start>"
+        for start, size, what in sorted(tiles):
+            assert start == cursor, (
+                f"segment {segment.name}: {what} at {start} "
+                + ("overlaps" if start < cursor else "leaves a gap after")
+                + f" {previous} ending at {cursor}"
+            )
+            cursor, previous = start + size, what
+        assert cursor == allocator.capacity, f"segment {segment.name}: tiles end at {cursor}"
         assert segment.objects == replicas[segment_id], (
             f"segment {segment.name}: objects={segment.objects}, replicas on it={replicas[segment_id]}"
         )
     assert state.object_count == len(all_records)
     assert len(state._pending) == pending == state.snapshot().pending_puts
-    lru = [id(record) for record in state.lru]
-    assert len(lru) == len(set(lru)) == len(state.lru)
-    assert set(lru) == complete, "the LRU index must hold exactly the complete objects"
+    assert len(complete) + pending == len(state._objects)
     for owner in state.quotas.snapshot():
         assert owner.used == owner_used[id(owner)], (
             f"{owner.instance}/{owner.rank}: used={owner.used}, its objects hold {owner_used[id(owner)]}"

@@ -1,4 +1,4 @@
-"""LRU eviction in MasterState and the victim rules of LruIndex: scenarios on a fake clock.
+"""LRU eviction in MasterState and the victim rules of pick_victims: scenarios on a fake clock.
 
 Segments here are a few KiB and objects 1 KiB, so "full" is a handful of
 puts. A read (`get_replicas`) refreshes recency and grants a lease of
@@ -8,6 +8,7 @@ heartbeating. Every scenario ends by checking the books (`assert_consistent`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -16,10 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.eviction import PIN_HARD, PIN_NONE, PIN_SOFT, LruIndex
+from kvtier.master.eviction import pick_victims
+from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, replica_segment
 from kvtier.master.state import MasterState, ObjectState, PutOptions
 from kvtier.proto.status import Status
-from tests.unit.master.accounting import assert_consistent
+from tests.unit.master.accounting import assert_consistent, namespace_records
 from tests.unit.master.test_state import FakeClock, advance_alive, mount, visible
 
 OK = Status.OK
@@ -70,7 +72,7 @@ def stored(state: MasterState) -> set[str]:
 
     `exists` takes no lease and does not refresh recency, so asking it changes nothing.
     """
-    records = state._namespaces.get(NS, {})
+    records = namespace_records(state, NS)
     complete = {key for key, record in records.items() if record.state is ObjectState.COMPLETE}
     keys = sorted(records)
     found, _ = state.exists(NS, keys)
@@ -87,7 +89,7 @@ def segment(state: MasterState, segment_id: int):
 
 
 def replica_segments(state: MasterState, key: str) -> list[int]:
-    return [r.segment_id for r in state._namespaces[NS][key].replicas]
+    return [replica_segment(r) for r in state.record(NS, key).replicas]
 
 
 # ---------------------------------------------------------------- LRU order
@@ -571,7 +573,7 @@ def test_eviction_with_one_replica_per_segment_counts_replica_bytes(state):
     assert_consistent(state)
 
 
-# ---------------------------------------------------------------- LruIndex
+# ---------------------------------------------------------------- pick_victims
 
 
 @dataclass(eq=False)
@@ -579,19 +581,16 @@ class Rec:
     name: str
     size: int = 1
     lease_until: float = 0.0
-    pin: int = PIN_NONE
-    pin_until: float = 0.0
+    pin_until: float = 0.0  # 0 unpinned, a time for a soft pin, inf for a hard pin
+    state: ObjectState = ObjectState.COMPLETE
 
 
 def names(records) -> list[str]:
     return [r.name for r in records]
 
 
-def index(*records: Rec) -> LruIndex:
-    lru = LruIndex()
-    for record in records:
-        lru.add(record)
-    return lru
+def victims(records: list[Rec], now: float, need: int, weight=None, eligible=None) -> list[str]:
+    return names(pick_victims(records, now, need, weight or size, eligible or anything))
 
 
 def size(record: Rec) -> int:
@@ -602,88 +601,75 @@ def anything(record: Rec) -> bool:
     return True
 
 
-def test_lru_index_add_touch_discard_and_iteration_order():
-    a, b, c = Rec("a"), Rec("b"), Rec("c")
-    lru = index(a, b, c)
-    assert len(lru) == 3
-    assert names(lru) == ["a", "b", "c"]
-    lru.touch(a)
-    assert names(lru) == ["b", "c", "a"]
-    lru.touch(a)  # already the most recent
-    assert names(lru) == ["b", "c", "a"]
-    lru.discard(c)
-    assert names(lru) == ["b", "a"] and len(lru) == 2
-    lru.discard(c)  # absent: no error
-    lru.touch(c)  # absent: not added
-    assert names(lru) == ["b", "a"]
-    lru.add(c)
-    assert names(lru) == ["b", "a", "c"]
-
-
-def test_lru_index_compares_records_by_identity():
-    twin1, twin2 = Rec("same"), Rec("same")
-    lru = index(twin1, twin2)
-    assert len(lru) == 2
-    lru.discard(twin1)
-    assert list(lru) == [twin2]
+def test_recency_order_follows_put_end_and_reads_but_not_exists(state):
+    # given three objects completed in the order b, a, c
+    mount(state, "a", 16 * KiB)
+    started = state.put_start(NS, ["a", "b", "c"], [KiB] * 3, 1)
+    assert state.put_end(NS, ["b"], [1], started.put_id) == [OK]
+    assert state.put_end(NS, ["a", "c"], [1, 1], started.put_id) == [OK, OK]
+    assert [r.key for r in state.records()] == ["b", "a", "c"]
+    # when b is only checked for existence, then a is read
+    state.exists(NS, ["b"])
+    read(state, "a")
+    # then exists moved nothing and the read moved a to the most recent end
+    assert [r.key for r in state.records()] == ["b", "c", "a"]
 
 
 def test_victims_are_lru_first_until_the_need_is_met():
-    lru = index(Rec("a", 3), Rec("b", 2), Rec("c", 5), Rec("d", 1))
-    assert names(lru.victims(0.0, 1, size, anything)) == ["a"]
-    assert names(lru.victims(0.0, 3, size, anything)) == ["a"]
-    assert names(lru.victims(0.0, 4, size, anything)) == ["a", "b"]
-    assert names(lru.victims(0.0, 6, size, anything)) == ["a", "b", "c"]
-    assert names(lru.victims(0.0, 11, size, anything)) == ["a", "b", "c", "d"]
+    lru = [Rec("a", 3), Rec("b", 2), Rec("c", 5), Rec("d", 1)]
+    assert victims(lru, 0.0, 1) == ["a"]
+    assert victims(lru, 0.0, 3) == ["a"]
+    assert victims(lru, 0.0, 4) == ["a", "b"]
+    assert victims(lru, 0.0, 6) == ["a", "b", "c"]
+    assert victims(lru, 0.0, 11) == ["a", "b", "c", "d"]
     # not enough: every candidate, and the caller decides
-    assert names(lru.victims(0.0, 100, size, anything)) == ["a", "b", "c", "d"]
-    # victims() only chooses: the index is unchanged
-    assert names(lru) == ["a", "b", "c", "d"]
+    assert victims(lru, 0.0, 100) == ["a", "b", "c", "d"]
 
 
 def test_victims_use_the_callers_weight_and_predicate():
-    lru = index(Rec("a", 3), Rec("b", 2), Rec("c", 5), Rec("d", 1))
+    lru = [Rec("a", 3), Rec("b", 2), Rec("c", 5), Rec("d", 1)]
     odd = lambda r: r.size % 2 == 1  # noqa: E731
-    assert names(lru.victims(0.0, 4, size, odd)) == ["a", "c"]
-    assert names(lru.victims(0.0, 2, lambda r: 1, anything)) == ["a", "b"]
-    assert names(lru.victims(0.0, 1, size, lambda r: False)) == []
-    assert names(LruIndex().victims(0.0, 1, size, anything)) == []
+    assert victims(lru, 0.0, 4, eligible=odd) == ["a", "c"]
+    assert victims(lru, 0.0, 2, weight=lambda r: 1) == ["a", "b"]
+    assert victims(lru, 0.0, 1, eligible=lambda r: False) == []
+    assert victims([], 0.0, 1) == []
 
 
-def test_victims_skip_leased_and_hard_pinned_records():
+def test_victims_skip_pending_leased_and_hard_pinned_records():
     now = 100.0
-    lru = index(
+    lru = [
+        Rec("pending", state=ObjectState.PENDING),
         Rec("leased", lease_until=now + 1),
-        Rec("hard", pin=PIN_HARD),
+        Rec("hard", pin_until=math.inf),
         Rec("lease-ended", lease_until=now),  # lease_until == now: ended
         Rec("free"),
-    )
-    assert names(lru.victims(now, 10, size, anything)) == ["lease-ended", "free"]
-    assert names(lru.victims(now + 1, 10, size, anything)) == ["leased", "lease-ended", "free"]
-    assert "hard" not in names(lru.victims(1e12, 10, size, anything))
+    ]
+    assert victims(lru, now, 10) == ["lease-ended", "free"]
+    assert victims(lru, now + 1, 10) == ["leased", "lease-ended", "free"]
+    assert "hard" not in victims(lru, 1e12, 10)
+    assert "pending" not in victims(lru, 1e12, 10)
 
 
 def test_victims_take_live_soft_pins_last_and_expired_ones_in_lru_order():
     now = 100.0
-    s1 = Rec("soft1", pin=PIN_SOFT, pin_until=now + 10)
-    expired = Rec("expired", pin=PIN_SOFT, pin_until=now)
+    s1 = Rec("soft1", pin_until=now + 10)
+    expired = Rec("expired", pin_until=now)
     u = Rec("u")
-    s2 = Rec("soft2", pin=PIN_SOFT, pin_until=now + 1)
-    lru = index(s1, expired, u, s2)
-    assert names(lru.victims(now, 1, size, anything)) == ["expired"]
-    assert names(lru.victims(now, 2, size, anything)) == ["expired", "u"]
-    assert names(lru.victims(now, 3, size, anything)) == ["expired", "u", "soft1"]
-    assert names(lru.victims(now, 9, size, anything)) == ["expired", "u", "soft1", "soft2"]
+    s2 = Rec("soft2", pin_until=now + 1)
+    lru = [s1, expired, u, s2]
+    assert victims(lru, now, 1) == ["expired"]
+    assert victims(lru, now, 2) == ["expired", "u"]
+    assert victims(lru, now, 3) == ["expired", "u", "soft1"]
+    assert victims(lru, now, 9) == ["expired", "u", "soft1", "soft2"]
     # a leased soft pin is not a victim at all
     s1.lease_until = now + 5
-    assert names(lru.victims(now, 9, size, anything)) == ["expired", "u", "soft2"]
+    assert victims(lru, now, 9) == ["expired", "u", "soft2"]
     # the predicate applies to soft pins too
-    assert names(lru.victims(now, 9, size, lambda r: r.name != "soft2")) == ["expired", "u"]
+    assert victims(lru, now, 9, eligible=lambda r: r.name != "soft2") == ["expired", "u"]
 
 
 def test_victims_of_nothing_needed_is_empty():
-    lru = index(Rec("a"), Rec("b"))
-    assert lru.victims(0.0, 0, size, anything) == []
+    assert victims([Rec("a"), Rec("b")], 0.0, 0) == []
 
 
 # ---------------------------------------------------------------- property: eviction never breaks the books
@@ -732,7 +718,7 @@ class EvictionMachine(RuleBasedStateMachine):
         if status != OK or not started.replica_counts[0]:
             return
         self.pending.pop(key, None)  # an abandoned put of the key was reclaimed by this one
-        record = self.state._namespaces[NS][key]
+        record = self.state.record(NS, key)
         if record.owner is not None and record.owner.quota:
             assert record.owner.used <= record.owner.quota, "a put was admitted beyond its rank's quota"
         if finish:
@@ -764,7 +750,7 @@ class EvictionMachine(RuleBasedStateMachine):
     def finish_pending(self, data, revoke):
         key = data.draw(st.sampled_from(sorted(self.pending)))
         put_id = self.pending.pop(key)
-        record = self.state._namespaces[NS][key]
+        record = self.state.record(NS, key)
         if revoke:
             assert self.state.put_revoke(NS, [key], put_id) == [OK]
         else:
@@ -798,7 +784,7 @@ class EvictionMachine(RuleBasedStateMachine):
         self.state.tick()
         now = self.clock()
         self.leased = {k: until for k, until in self.leased.items() if until > now}
-        objects = self.state._namespaces.get(NS, {})
+        objects = namespace_records(self.state, NS)
         self.pending = {k: p for k, p in self.pending.items() if k in objects and objects[k].put_id == p}
 
     @precondition(lambda self: len(self.state.segments) > 1)
@@ -807,7 +793,7 @@ class EvictionMachine(RuleBasedStateMachine):
         seg = sorted(self.state.segments)[pick % len(self.state.segments)]
         name = self.state.segments[seg].name
         assert self.state.unmount_segment(seg) == OK
-        objects = self.state._namespaces.get(NS, {})
+        objects = namespace_records(self.state, NS)
         for key in list(self.hard) + list(self.leased):
             if key not in objects:
                 self._forget(key)
@@ -820,7 +806,7 @@ class EvictionMachine(RuleBasedStateMachine):
 
     @invariant()
     def protected_objects_stay(self):
-        objects = self.state._namespaces.get(NS, {})
+        objects = namespace_records(self.state, NS)
         for key in self.hard:
             assert key in objects, f"hard-pinned {key!r} was evicted"
         now = self.clock()

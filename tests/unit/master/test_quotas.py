@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.master.eviction import PIN_HARD, PIN_SOFT
 from kvtier.master.quotas import Owner, QuotaTable
+from kvtier.master.records import PIN_HARD, PIN_SOFT
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.eviction import PIN_HARD, PIN_NONE
+from kvtier.master.records import PIN_HARD, PIN_NONE, replica_segment
 from kvtier.master.state import MasterState, ObjectState, PutOptions
 from kvtier.proto.status import Status
 
@@ -652,17 +652,17 @@ class MasterStateMachine(RuleBasedStateMachine):
         used = {segment_id: 0 for segment_id in state.segments}
         replicas = dict.fromkeys(state.segments, 0)
         records = pending = 0
-        for objects in state._namespaces.values():
-            for record in objects.values():
-                records += 1
-                pending += record.state is ObjectState.PENDING
-                assert record.replicas, "an object without replicas"
-                assert len({r.segment_id for r in record.replicas}) == len(record.replicas)
-                for replica in record.replicas:
-                    segment = state.segments[replica.segment_id]
-                    replicas[replica.segment_id] += 1
-                    if record.size:
-                        used[replica.segment_id] += segment.allocator.aligned(record.size)
+        for record in state.records():
+            records += 1
+            pending += record.state is ObjectState.PENDING
+            assert record.replicas, "an object without replicas"
+            assert len({replica_segment(r) for r in record.replicas}) == len(record.replicas)
+            for replica in record.replicas:
+                segment_id = replica_segment(replica)
+                segment = state.segments[segment_id]
+                replicas[segment_id] += 1
+                if record.size:
+                    used[segment_id] += segment.allocator.aligned(record.size)
         for _, _, segment_id, _, size in state._deferred:
             used[segment_id] += state.segments[segment_id].allocator.aligned(size)
         assert {s: seg.used for s, seg in state.segments.items()} == used
