@@ -27,6 +27,7 @@ class MasterConfig:
     high_watermark: float = 0.90  # a segment fuller than this evicts LRU objects in the background...
     eviction_ratio: float = 0.05  # ...down to high_watermark - eviction_ratio
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
+    promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
@@ -50,6 +51,8 @@ class MasterConfig:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
+        if self.promote_after_reads < 0:
+            raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
         if self.max_batch_keys < 1:
             raise ValueError("max_batch_keys must be at least 1")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):

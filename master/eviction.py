@@ -32,18 +32,23 @@ def pick_victims(
     need: int,
     weight: Callable[[ObjectRecord], int],
     eligible: Callable[[ObjectRecord], bool],
+    scan_limit: int = 0,
 ) -> list[ObjectRecord]:
     """LRU-first records that `eligible` accepts, until their `weight` adds up to `need`.
 
     `records` is in least-recently-used-first order. Returns fewer when not
     enough can be evicted; the caller decides whether that is a failure.
+    `scan_limit` > 0 bounds how many records are looked at (for optional,
+    opportunistic passes that must not cost O(objects)).
     """
     chosen: list[ObjectRecord] = []
     soft: list[ObjectRecord] = []
     freed = 0
     if need <= 0:
         return chosen
-    for record in records:
+    for scanned, record in enumerate(records, 1):
+        if scan_limit and scanned > scan_limit:
+            break
         if record.state is not _COMPLETE or record.lease_until > now or record.pin_until == math.inf:
             continue
         if not eligible(record):

@@ -11,6 +11,7 @@ INTERNAL response. Handlers contain no logic beyond wire-form validation.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -31,6 +32,8 @@ from kvtier.proto.status import Status
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any, Any], Any]
+# Per-segment byte counters a heartbeat carries and Status repeats (see HeartbeatRequest).
+_IO_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
 
 
 def _rpc(response_type: type) -> Callable[[Handler], Handler]:
@@ -112,6 +115,9 @@ class MasterHandlers:
             list(request.endpoints),
             request.dram_capacity,
             request.incarnation,
+            ssd_capacity=request.ssd_capacity,
+            offload=request.offload,
+            disk_engine=request.disk_engine,
         )
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
@@ -130,7 +136,9 @@ class MasterHandlers:
 
     @_rpc(pb.HeartbeatResponse)
     def Heartbeat(self, request):
-        return pb.HeartbeatResponse(status=self.state.heartbeat(request.segment_id), master_epoch=self.epoch)
+        counters = {name: getattr(request, name) for name in _IO_COUNTERS}
+        status = self.state.heartbeat(request.segment_id, request.ssd_used, counters)
+        return pb.HeartbeatResponse(status=status, master_epoch=self.epoch)
 
     # -------------------------------------------------------------- objects
 
@@ -308,6 +316,12 @@ class MasterHandlers:
                 objects=s.objects,
                 heartbeat_age_ms=int((now - s.last_heartbeat) * 1000),
                 state=s.state.name,
+                ssd_capacity=s.ssd_capacity,
+                ssd_used=s.ssd_used,
+                ssd_objects=s.ssd_objects,
+                disk_engine=s.disk_engine,
+                offload=s.offload,
+                **s.io_counters,
             )
             for s in snap.segments
         ]
@@ -327,17 +341,117 @@ class MasterHandlers:
                 pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
                 for reason, (objects, size) in sorted(self.state.evictions.items())
             ],
+            tiering=dict(self.state.tiering.counters),
         )
+
+    # -------------------------------------------------------------- tiering
+
+    @_rpc(pb.PollTierTasksResponse)
+    def PollTierTasks(self, request):
+        """Non-blocking: the tasks queued now (the gRPC servicer adds the long poll)."""
+        if request.segment_id not in self.state.segments:
+            return pb.PollTierTasksResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        reply = pb.PollTierTasksResponse(status=Status.OK)
+        for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
+            namespace, _, key = task.name.partition("\x00")
+            reply.task_ids.append(task.task_id)
+            reply.kinds.append(int(task.kind))
+            reply.namespaces.append(namespace)
+            reply.keys.append(key)
+            reply.sizes.append(task.size)
+            reply.checksums.append(task.checksum)
+            reply.dram_offsets.append(task.dram_offset)
+            reply.disk_locations.append(task.disk_location)
+        return reply
+
+    @_rpc(pb.KeyStatusResponse)
+    def TierTasksDone(self, request):
+        if request.segment_id not in self.state.segments:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        if not len(request.task_ids) == len(request.statuses) == len(request.disk_locations):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="task_ids, statuses, locations differ")
+        if request.error:
+            logger.warning("tier tasks failed segment_id=%d first_error=%s", request.segment_id, request.error)
+        statuses = self.state.tiering.done(
+            request.segment_id, list(request.task_ids), list(request.statuses), list(request.disk_locations)
+        )
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    def _disk_objects_problem(self, request) -> pb.KeyStatusResponse | None:
+        if request.segment_id not in self.state.segments:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        n = len(request.keys)
+        if (
+            not n
+            == len(request.namespaces)
+            == len(request.sizes)
+            == len(request.checksums)
+            == len(request.disk_locations)
+        ):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        return self._too_many(request.keys, pb.KeyStatusResponse)
+
+    @_rpc(pb.KeyStatusResponse)
+    def ReportDiskObjects(self, request):
+        if problem := self._disk_objects_problem(request):
+            return problem
+        statuses = self.state.tiering.report_disk_objects(
+            request.segment_id,
+            list(request.namespaces),
+            list(request.keys),
+            list(request.sizes),
+            list(request.checksums),
+            list(request.disk_locations),
+        )
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @_rpc(pb.KeyStatusResponse)
+    def DropDiskReplicas(self, request):
+        if problem := self._disk_objects_problem(request):
+            return problem
+        self.state.tiering.drop_disk_replicas(
+            request.segment_id, list(request.namespaces), list(request.keys), list(request.disk_locations)
+        )
+        return pb.KeyStatusResponse(status=Status.OK)
 
 
 RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
 
 
+LONG_POLL_MAX_S = 30.0
+
+
 class MasterServicer(master_pb2_grpc.MasterServicer):
-    """The gRPC face of `MasterHandlers`: every RPC delegates to the handler of the same name."""
+    """The gRPC face of `MasterHandlers`: every RPC delegates to the handler of the same name.
+
+    `PollTierTasks` alone waits: for a task of its segment to be queued, or `wait_ms`.
+    """
 
     def __init__(self, handlers: MasterHandlers) -> None:
         self.handlers = handlers
+        self._task_events: dict[int, asyncio.Event] = {}
+        handlers.state.tiering.notify = self._wake
+
+    def _wake(self, segment_id: int) -> None:
+        event = self._task_events.get(segment_id)
+        if event is not None:
+            event.set()
+
+    async def PollTierTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        handlers = self.handlers
+        wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
+        tiering = handlers.state.tiering
+        if wait_s > 0 and request.segment_id in handlers.state.segments and not tiering.has_tasks(request.segment_id):
+            event = self._task_events.setdefault(request.segment_id, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except TimeoutError:
+                pass
+            finally:
+                if self._task_events.get(request.segment_id) is event:
+                    del self._task_events[request.segment_id]
+        return handlers.PollTierTasks(request)
 
 
 def _delegate(name: str):
@@ -349,4 +463,5 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    setattr(MasterServicer, _name, _delegate(_name))
+    if _name != "PollTierTasks":
+        setattr(MasterServicer, _name, _delegate(_name))

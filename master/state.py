@@ -46,6 +46,7 @@ from kvtier.master.records import (
     PIN_NONE,
     PIN_SOFT,
     SEGMENT_SHIFT,
+    TIER_DRAM,
     TIER_MASK,
     TIER_SHIFT,
     ObjectRecord,
@@ -57,11 +58,13 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
+from kvtier.master.tiering import Tiering, dram_key, is_dram
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
+REDUNDANT_SCAN = 4096  # records looked at for redundant copies before plain LRU eviction
 _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
 
@@ -83,6 +86,12 @@ class SegmentRecord:
     state: SegmentState = SegmentState.ACTIVE
     objects: int = 0  # replicas (pending or complete) held by this segment
     incarnation: str = ""  # the segment process's region nonce: tells a restart from a re-mount
+    ssd_capacity: int = 0  # bytes of its SSD tier; 0 = none
+    offload: bool = False  # evicted DRAM copies go to its SSD tier instead of being dropped
+    disk_engine: str = ""
+    ssd_used: int = 0  # as last reported by its heartbeat, like the counters below
+    io_counters: dict[str, int] = field(default_factory=dict)
+    ssd_objects: int = 0  # disk replicas on it
 
     @property
     def capacity(self) -> int:
@@ -168,6 +177,7 @@ class MasterState:
         self._deferred: list[tuple[float, int, int, int, int]] = []
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
+        self.tiering = Tiering(self)
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
         self._put_ids = itertools.count(1)
@@ -184,6 +194,9 @@ class MasterState:
         endpoints: Sequence[str],
         capacity: int,
         incarnation: str = "",
+        ssd_capacity: int = 0,
+        offload: bool = False,
+        disk_engine: str = "",
     ) -> MountResult:
         """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
 
@@ -216,6 +229,9 @@ class MasterState:
             last_heartbeat=now,
             mounted_at=now,
             incarnation=incarnation,
+            ssd_capacity=ssd_capacity,
+            offload=offload and ssd_capacity > 0,
+            disk_engine=disk_engine,
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
@@ -231,25 +247,30 @@ class MasterState:
         self._drop_segment(segment_id, reason="unmounted")
         return Status.OK
 
-    def heartbeat(self, segment_id: int) -> Status:
-        """Keep a segment alive. SEGMENT_NOT_FOUND tells it to mount again."""
+    def heartbeat(self, segment_id: int, ssd_used: int = 0, io_counters: dict[str, int] | None = None) -> Status:
+        """Keep a segment alive (and note what it reports). SEGMENT_NOT_FOUND tells it to mount again."""
         segment = self.segments.get(segment_id)
         if segment is None:
             return Status.SEGMENT_NOT_FOUND
         segment.last_heartbeat = self.clock()
+        segment.ssd_used = ssd_used
+        if io_counters:
+            segment.io_counters = io_counters
         return Status.OK
 
     def _drop_segment(self, segment_id: int, reason: str) -> None:
         segment = self.segments.pop(segment_id)
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
+        self.tiering.segment_dropped(segment_id)
         doomed = []
+        dram = dram_key(segment_id)
         for name, record in self._objects.items():
             if not on_segment(record.replicas, segment_id):
                 continue
-            record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
-            if record.owner is not None:
+            if record.owner is not None and any(r >> TIER_SHIFT == dram for r in record.replicas):
                 record.owner.used -= self._aligned(record.size)
+            record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
             if not record.replicas or record.state is _PENDING:
                 doomed.append(name)
         for name in doomed:
@@ -432,7 +453,18 @@ class MasterState:
             # check everything evictable here; if even that cannot make room, evict nothing.
             eligible = self._on_segment(segment.segment_id)
             now = self.clock()
-            victims = pick_victims(self._objects.values(), now, need, self._replica_bytes, eligible)
+            # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
+            # go first: dropping them loses nothing. A bounded look only, then plain LRU.
+            victims = pick_victims(
+                self._objects.values(),
+                now,
+                need,
+                self._replica_bytes,
+                lambda r, eligible=eligible: len(r.replicas) > 1 and eligible(r),
+                scan_limit=REDUNDANT_SCAN,
+            )
+            if not self._fits_after(segment, victims, need):
+                victims = pick_victims(self._objects.values(), now, need, self._replica_bytes, eligible)
             if not self._fits_after(segment, victims, need):
                 victims = pick_victims(self._objects.values(), now, segment.capacity, self._replica_bytes, eligible)
                 if not self._fits_after(segment, victims, need):
@@ -452,7 +484,8 @@ class MasterState:
         for record in victims:
             if record.size:
                 aligned = self._aligned(record.size)
-                spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> SEGMENT_SHIFT == segment_id)
+                dram = dram_key(segment_id)
+                spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> TIER_SHIFT == dram)
         spans.sort()
         run_start = run_end = -1
         for start, length in spans:
@@ -539,10 +572,15 @@ class MasterState:
             sizes.append(meta >> 32)
             checksums.append(meta & 0xFFFF_FFFF)
             counts.append(len(record.replicas))
+            in_dram = False
             for packed in record.replicas:
                 segments.append(packed >> SEGMENT_SHIFT)
                 offsets.append(packed & OFFSET_MASK)
-                tiers.append(packed >> TIER_SHIFT & TIER_MASK)
+                tier = packed >> TIER_SHIFT & TIER_MASK
+                tiers.append(tier)
+                in_dram = in_dram or tier == TIER_DRAM
+            if not in_dram:
+                self.tiering.disk_only_read(record)
         return result
 
     def exists(self, namespace: str, keys: Sequence[str]) -> tuple[list[bool], int]:
@@ -583,11 +621,22 @@ class MasterState:
             self._delete(objects.pop(name))
         return len(doomed)
 
-    def _delete(self, record: ObjectRecord) -> None:
-        """Forget a record already popped from its namespace; free or defer its ranges."""
+    def _delete(self, record: ObjectRecord, forget_disk: bool = True) -> None:
+        """Forget a record already popped from the object dict; free or defer its DRAM ranges,
+        and (with `forget_disk`) have segments tombstone its disk copies."""
         self.object_count -= 1
         if record.state is _PENDING:
             self._pending.pop(record.name, None)
+        disk = [r for r in record.replicas if not is_dram(r)]
+        if disk:
+            record.replicas = tuple(r for r in record.replicas if is_dram(r))
+            for packed in disk:
+                segment = self.segments.get(packed >> SEGMENT_SHIFT)
+                if segment is not None:
+                    segment.ssd_objects -= 1
+                    if forget_disk:
+                        self.tiering.forget(segment.segment_id, record.name, packed & OFFSET_MASK)
+        self.tiering.forget_reads(record.name)
         if record.owner is not None:
             record.owner.used -= self._record_bytes(record)
             record.owner.objects -= 1
@@ -622,14 +671,16 @@ class MasterState:
         return -(-size // alignment) * alignment
 
     def _record_bytes(self, record: ObjectRecord) -> int:
-        return self._aligned(record.size) * len(record.replicas)
+        """DRAM bytes of all its replicas (disk copies cost no DRAM and no quota)."""
+        return self._aligned(record.size) * sum(1 for r in record.replicas if is_dram(r))
 
     def _replica_bytes(self, record: ObjectRecord) -> int:
         return self._aligned(record.size)
 
     @staticmethod
     def _on_segment(segment_id: int) -> Callable[[ObjectRecord], bool]:
-        return lambda record: on_segment(record.replicas, segment_id)
+        dram = dram_key(segment_id)
+        return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
 
     def _evict(
         self,
@@ -654,7 +705,7 @@ class MasterState:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
         if segment_id and len(record.replicas) > 1:
             freed = self._replica_bytes(record)
-            self._drop_replica(record, segment_id)
+            self._drop_dram_replica(record, segment_id)
         else:
             freed = self._record_bytes(record)
             del self._objects[record.name]
@@ -664,13 +715,27 @@ class MasterState:
         counts[1] += freed
         return freed
 
-    def _drop_replica(self, record: ObjectRecord, segment_id: int) -> None:
-        """Remove one unleased replica of a complete object that keeps at least one other."""
-        kept = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
-        dropped = [r for r in record.replicas if r >> SEGMENT_SHIFT == segment_id]
-        record.replicas = kept
+    def _drop_dram_replica(self, record: ObjectRecord, segment_id: int) -> None:
+        """Remove the DRAM replica on `segment_id` of a complete object that keeps at least one other.
+
+        Its range is freed now, or when the last read lease ends (offload drops
+        a copy that readers may be reading).
+        """
+        dram = dram_key(segment_id)
+        dropped = [r for r in record.replicas if r >> TIER_SHIFT == dram]
+        record.replicas = tuple(r for r in record.replicas if r >> TIER_SHIFT != dram)
         if record.owner is not None:
             record.owner.used -= self._aligned(record.size) * len(dropped)
+        if record.lease_until > self.clock() and record.size:
+            segment = self.segments.get(segment_id)
+            if segment is not None:
+                for packed in dropped:
+                    segment.objects -= 1
+                    heapq.heappush(
+                        self._deferred,
+                        (record.lease_until, next(self._seq), segment_id, packed & OFFSET_MASK, record.size),
+                    )
+            return
         self._release_replicas(dropped, record.size)
 
     def register_instance(self, instance: str, tp_size: int, pp_size: int, budget: int) -> int:
@@ -703,13 +768,34 @@ class MasterState:
             if segment is not None:
                 segment.allocator.release(offset, size)
         self.drainer.tick(now)
+        self.tiering.tick(now)
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:
-                need = segment.used - int(target * segment.capacity)
-                self._evict(
-                    need, self._on_segment(segment.segment_id), self._replica_bytes, "watermark", segment.segment_id
-                )
+                self._evict_to_watermark(segment, segment.used - int(target * segment.capacity))
+
+    def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
+        """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
+        (their bytes are freed when the copy is durable), else drop their copies there."""
+        tiering = self.tiering
+        segment_id = segment.segment_id
+        need -= tiering.offloading_bytes(segment_id)  # already on their way out
+        if need <= 0:
+            return
+        on_segment = self._on_segment(segment_id)
+        offloading = tiering.offloading
+        victims = pick_victims(
+            self._objects.values(),
+            self.clock(),
+            need,
+            self._replica_bytes,
+            lambda r: r.name not in offloading and on_segment(r),
+        )
+        offload = tiering.can_offload(segment)
+        for victim in victims:
+            if offload and tiering.offload(victim, segment):
+                continue
+            self._evict_one(victim, "watermark", segment_id)
 
     # ------------------------------------------------------------------ views
 

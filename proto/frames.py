@@ -12,6 +12,16 @@ request's so a pipelining client can check the pairing.
     range     offset:u64 length:u64
     response  magic:u16 version:u8 op:u8 request_id:u32 status:i32 flags:u32 payload_len:u64
 
+READ_DISK reads objects from the segment's SSD tier. Its ranges are
+(disk location, size) as the master gave them, and its payload names the
+objects, so the server can check each record is the one asked for: per
+range a u16 length and the UTF-8 bytes of "namespace NUL key". Its response
+payload is, per range in order, an i32 status and then `size` bytes: the
+object's bytes when the status is OK, zeros otherwise (one bad record is one
+miss; the rest of the batch is served). Its payload_len is therefore
+4 * nranges + the sum of the sizes, known before any disk read; a request
+whose sizes add up to more than MAX_DISK_FRAME_BYTES is refused whole.
+
 A range that lies outside the region fails the whole request with
 INVALID_RANGE; the server still consumes the WRITE payload, so the connection
 stays in sync and keeps serving. A bad magic or version, or a header that
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 
 MAGIC = 0x544B  # b"KT" little-endian
 VERSION = 1
@@ -35,12 +46,16 @@ assert REQUEST.size == RESPONSE.size == 24
 # Protocol limits: a header outside them is a protocol error.
 MAX_RANGES_PER_FRAME = 1 << 16
 MAX_ERROR_MESSAGE = 4096
+MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
+MAX_DISK_NAME = 2 + 256 + 1 + 1024  # namespace (<= 256 bytes), NUL, key (<= 1024 bytes)
+DISK_STATUS = struct.Struct("<i")
 
 
 class Op(enum.IntEnum):
     WRITE = 1  # ranges + payload -> empty OK response once every byte is in the region
     READ = 2  # ranges, no payload -> the ranges' bytes
     PING = 3  # no ranges -> empty OK response (liveness, connection warm-up)
+    READ_DISK = 4  # (location, size) ranges + object names -> per range: status, size bytes
 
 
 def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0) -> bytes:
@@ -58,3 +73,30 @@ def pack_response(op: int, request_id: int, status: int, payload_len: int = 0) -
 def unpack_ranges(buf: bytes | bytearray | memoryview, nranges: int) -> tuple[int, ...]:
     """Flat (offset0, length0, offset1, length1, ...) from a range table."""
     return struct.unpack_from(f"<{2 * nranges}Q", buf)
+
+
+def pack_disk_names(names: Sequence[bytes]) -> bytes:
+    """The READ_DISK payload: each name ("namespace NUL key", UTF-8) with a u16 length."""
+    return b"".join(struct.pack("<H", len(name)) + name for name in names)
+
+
+def unpack_disk_names(buf: bytes | bytearray | memoryview, count: int) -> list[tuple[str, str]]:
+    """(namespace, key) per range; ValueError when the payload does not hold exactly `count` names."""
+    view = memoryview(buf)
+    out = []
+    pos = 0
+    for _ in range(count):
+        if pos + 2 > len(view):
+            raise ValueError("READ_DISK names end early")
+        (length,) = struct.unpack_from("<H", view, pos)
+        pos += 2
+        if pos + length > len(view):
+            raise ValueError("READ_DISK name runs past the payload")
+        namespace, sep, key = bytes(view[pos : pos + length]).decode().partition("\x00")
+        if not sep:
+            raise ValueError("READ_DISK name without a namespace separator")
+        out.append((namespace, key))
+        pos += length
+    if pos != len(view):
+        raise ValueError("READ_DISK payload longer than its names")
+    return out

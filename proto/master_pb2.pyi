@@ -18,11 +18,22 @@ class Pin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PIN_NONE: _ClassVar[Pin]
     PIN_SOFT: _ClassVar[Pin]
     PIN_HARD: _ClassVar[Pin]
+
+class TierTaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TASK_NONE: _ClassVar[TierTaskKind]
+    OFFLOAD: _ClassVar[TierTaskKind]
+    PROMOTE: _ClassVar[TierTaskKind]
+    FORGET: _ClassVar[TierTaskKind]
 DRAM: Tier
 SSD: Tier
 PIN_NONE: Pin
 PIN_SOFT: Pin
 PIN_HARD: Pin
+TASK_NONE: TierTaskKind
+OFFLOAD: TierTaskKind
+PROMOTE: TierTaskKind
+FORGET: TierTaskKind
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_version",)
@@ -61,20 +72,26 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SSD_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENGINE_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     dram_capacity: int
     incarnation: str
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    ssd_capacity: int
+    offload: bool
+    disk_engine: str
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch")
@@ -107,10 +124,20 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id",)
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SSD_USED_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
-    def __init__(self, segment_id: _Optional[int] = ...) -> None: ...
+    ssd_used: int
+    dram_bytes_served: int
+    ssd_bytes_served: int
+    disk_bytes_read: int
+    ssd_bytes_offloaded: int
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("status", "master_epoch", "error")
@@ -405,7 +432,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +442,15 @@ class SegmentInfo(_message.Message):
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SSD_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SSD_USED_FIELD_NUMBER: _ClassVar[int]
+    SSD_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     name: str
     host_id: str
@@ -424,10 +460,19 @@ class SegmentInfo(_message.Message):
     objects: int
     heartbeat_age_ms: int
     state: str
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    ssd_capacity: int
+    ssd_used: int
+    ssd_objects: int
+    disk_engine: str
+    offload: bool
+    dram_bytes_served: int
+    ssd_bytes_served: int
+    disk_bytes_read: int
+    ssd_bytes_offloaded: int
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions")
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering")
     class RpcRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +481,13 @@ class StatusResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class RpcFailuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TieringEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +508,7 @@ class StatusResponse(_message.Message):
     RPC_FAILURES_FIELD_NUMBER: _ClassVar[int]
     QUOTAS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIERING_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     master_epoch: str
     objects: int
@@ -470,4 +523,69 @@ class StatusResponse(_message.Message):
     rpc_failures: _containers.ScalarMap[str, int]
     quotas: _containers.RepeatedCompositeFieldContainer[QuotaInfo]
     evictions: _containers.RepeatedCompositeFieldContainer[EvictionInfo]
-    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ...) -> None: ...
+    tiering: _containers.ScalarMap[str, int]
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PollTierTasksRequest(_message.Message):
+    __slots__ = ("segment_id", "max_tasks", "wait_ms")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    max_tasks: int
+    wait_ms: int
+    def __init__(self, segment_id: _Optional[int] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class PollTierTasksResponse(_message.Message):
+    __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    task_ids: _containers.RepeatedScalarFieldContainer[int]
+    kinds: _containers.RepeatedScalarFieldContainer[TierTaskKind]
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    dram_offsets: _containers.RepeatedScalarFieldContainer[int]
+    disk_locations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TierTasksDoneRequest(_message.Message):
+    __slots__ = ("segment_id", "task_ids", "statuses", "disk_locations", "error")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    task_ids: _containers.RepeatedScalarFieldContainer[int]
+    statuses: _containers.RepeatedScalarFieldContainer[int]
+    disk_locations: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, segment_id: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DiskObjectsRequest(_message.Message):
+    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "disk_locations")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    disk_locations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -119,6 +119,26 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.PollTierTasks = channel.unary_unary(
+                '/kvtier.v1.Master/PollTierTasks',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.PollTierTasksRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.PollTierTasksResponse.FromString,
+                _registered_method=True)
+        self.TierTasksDone = channel.unary_unary(
+                '/kvtier.v1.Master/TierTasksDone',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.TierTasksDoneRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
+        self.ReportDiskObjects = channel.unary_unary(
+                '/kvtier.v1.Master/ReportDiskObjects',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
+        self.DropDiskReplicas = channel.unary_unary(
+                '/kvtier.v1.Master/DropDiskReplicas',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -235,6 +255,36 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PollTierTasks(self, request, context):
+        """Tiering (segment servers with an SSD tier). The master never moves bytes: it hands a
+        segment work on its own bytes (offload a DRAM range to SSD, promote a disk copy back to
+        DRAM, forget a disk copy) and records the outcome the segment reports.
+        Long poll: answers as soon as tasks are queued for the segment, or after wait_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TierTasksDone(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDiskObjects(self, request, context):
+        """After every mount: the disk copies the segment holds (its recovered inventory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropDiskReplicas(self, request, context):
+        """Before the segment deletes buckets: these disk copies are going away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +372,26 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.StatusRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.StatusResponse.SerializeToString,
+            ),
+            'PollTierTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PollTierTasks,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.PollTierTasksRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.PollTierTasksResponse.SerializeToString,
+            ),
+            'TierTasksDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierTasksDone,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.TierTasksDoneRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
+            ),
+            'ReportDiskObjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDiskObjects,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
+            ),
+            'DropDiskReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropDiskReplicas,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -783,6 +853,114 @@ class Master:
             '/kvtier.v1.Master/Status',
             kvtier_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PollTierTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/PollTierTasks',
+            kvtier_dot_proto_dot_master__pb2.PollTierTasksRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.PollTierTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierTasksDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/TierTasksDone',
+            kvtier_dot_proto_dot_master__pb2.TierTasksDoneRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDiskObjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/ReportDiskObjects',
+            kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropDiskReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/DropDiskReplicas',
+            kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

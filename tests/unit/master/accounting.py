@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvtier.master.records import object_name, replica_offset, replica_segment
+from kvtier.master.records import TIER_DRAM, object_name, replica_offset, replica_segment, replica_tier
 from kvtier.master.state import MasterState, ObjectState
 
 
@@ -34,7 +34,8 @@ def assert_consistent(state: MasterState) -> None:
         return -(-size // alignment) * alignment
 
     used = dict.fromkeys(state.segments, 0)
-    replicas = dict.fromkeys(state.segments, 0)
+    replicas = dict.fromkeys(state.segments, 0)  # DRAM replicas per segment
+    disk_copies = dict.fromkeys(state.segments, 0)
     owner_used: Counter = Counter()
     owner_objects: Counter = Counter()
     complete = set()
@@ -45,11 +46,14 @@ def assert_consistent(state: MasterState) -> None:
         assert name == record.name == object_name(record.namespace, record.key), "record filed under another name"
     for record in all_records:
         assert record.replicas, f"{record.key!r} has no replicas"
-        segment_ids = [replica_segment(r) for r in record.replicas]
-        assert len(set(segment_ids)) == len(segment_ids), f"{record.key!r} has two replicas on one segment"
+        places = [(replica_segment(r), replica_tier(r)) for r in record.replicas]
+        assert len(set(places)) == len(places), f"{record.key!r} has two replicas in one tier of one segment"
         for replica in record.replicas:
             segment_id = replica_segment(replica)
             assert segment_id in state.segments, f"{record.key!r} has a replica on a dropped segment"
+            if replica_tier(replica) != TIER_DRAM:
+                disk_copies[segment_id] += 1
+                continue
             replicas[segment_id] += 1
             if record.size:
                 used[segment_id] += aligned(record.size)
@@ -60,8 +64,13 @@ def assert_consistent(state: MasterState) -> None:
         else:
             complete.add(id(record))
         if record.owner is not None:
-            owner_used[id(record.owner)] += aligned(record.size) * len(record.replicas)
+            dram_replicas = sum(1 for r in record.replicas if replica_tier(r) == TIER_DRAM)
+            owner_used[id(record.owner)] += aligned(record.size) * dram_replicas
             owner_objects[id(record.owner)] += 1
+    for task in state.tiering._promoting.values():  # DRAM ranges allocated for a promotion in flight
+        if task.size and task.segment_id in ranges:
+            used[task.segment_id] += aligned(task.size)
+            ranges[task.segment_id].append((task.dram_offset, aligned(task.size), "<promoting>"))
     for _, _, segment_id, offset, size in state._deferred:
         used[segment_id] += aligned(size)
         ranges[segment_id].append((offset, aligned(size), "<deferred>"))
@@ -84,6 +93,9 @@ def assert_consistent(state: MasterState) -> None:
         assert cursor == allocator.capacity, f"segment {segment.name}: tiles end at {cursor}"
         assert segment.objects == replicas[segment_id], (
             f"segment {segment.name}: objects={segment.objects}, replicas on it={replicas[segment_id]}"
+        )
+        assert segment.ssd_objects == disk_copies[segment_id], (
+            f"segment {segment.name}: ssd_objects={segment.ssd_objects}, disk copies on it={disk_copies[segment_id]}"
         )
     assert state.object_count == len(all_records)
     assert len(state._pending) == pending == state.snapshot().pending_puts

@@ -1,0 +1,391 @@
+"""The SSD tier as the master sees it: disk copies, offload on eviction, promotion, forgetting.
+
+The master never moves bytes. For a segment with an SSD tier it queues tasks
+on that segment's own bytes, which the segment fetches with a long poll
+(`PollTierTasks`) and reports back (`TierTasksDone`):
+
+- OFFLOAD: when watermark eviction picks an object whose DRAM copy lives on
+  a segment with offload on, the copy is written to that segment's SSD
+  instead of being dropped. The DRAM range stays allocated (and readable)
+  until the segment reports the disk location; then the disk copy becomes a
+  replica (tier SSD) and the DRAM replica is dropped. The segment checks the
+  bytes it writes against the object's checksum, so a range reused meanwhile
+  can never become a disk copy.
+- PROMOTE: a disk-only object read `promote_after_reads` times gets a DRAM
+  range on the same segment when one is free (no eviction for it); the
+  segment copies the verified disk bytes in; the range becomes a replica.
+- FORGET: a disk copy the master dropped (object removed or replaced) is
+  tombstoned by the segment so a restart does not bring it back.
+
+A segment reports its disk copies after every mount (`ReportDiskObjects`,
+its recovered inventory) and before it deletes buckets (`DropDiskReplicas`).
+
+Disk replicas are packed like DRAM ones (kvtier.master.records) with tier
+SSD and the segment's disk location in place of the offset. They cost the
+segment's disk, not its DRAM allocator nor any rank's quota.
+
+Owned by `MasterState`'s thread like everything else.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.master.records import (
+    OFFSET_MASK,
+    TIER_DRAM,
+    TIER_SHIFT,
+    TIER_SSD,
+    ObjectRecord,
+    ObjectState,
+    object_name,
+    replica,
+)
+from kvtier.proto.status import Status
+
+if TYPE_CHECKING:
+    from kvtier.master.state import MasterState, SegmentRecord
+
+logger = logging.getLogger(__name__)
+
+_OK = int(Status.OK)
+OFFLOAD_BACKOFF_S = 5.0  # after a segment could not offload (disk full), drop instead for this long
+
+
+class TaskKind(enum.IntEnum):
+    OFFLOAD = 1
+    PROMOTE = 2
+    FORGET = 3
+
+
+@dataclass(slots=True, eq=False)
+class TierTask:
+    task_id: int
+    kind: TaskKind
+    segment_id: int
+    record: ObjectRecord | None  # None for FORGET
+    name: str
+    size: int
+    checksum: int
+    dram_offset: int = 0
+    disk_location: int = 0
+    deadline: float = 0.0  # set when handed out
+
+
+def dram_key(segment_id: int) -> int:
+    """`replica >> TIER_SHIFT` of a DRAM replica on `segment_id`."""
+    return segment_id << 2 | TIER_DRAM
+
+
+def ssd_key(segment_id: int) -> int:
+    return segment_id << 2 | TIER_SSD
+
+
+def is_dram(packed: int) -> bool:
+    return packed >> TIER_SHIFT & 0b11 == TIER_DRAM
+
+
+class Tiering:
+    def __init__(self, state: MasterState) -> None:
+        self.state = state
+        self._queues: dict[int, deque[TierTask]] = {}  # per segment, not yet handed out
+        self._in_flight: dict[int, TierTask] = {}  # task id -> handed out, waiting for TierTasksDone
+        self.offloading: dict[str, TierTask] = {}  # object name -> its OFFLOAD task (queued or in flight)
+        self._offloading_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being offloaded
+        self._promoting: dict[str, TierTask] = {}
+        self._disk_reads: dict[str, int] = {}  # reads of disk-only objects, for promotion
+        self._offload_paused_until: dict[int, float] = {}
+        self._ids = itertools.count(1)
+        self.counters: Counter[str] = Counter()
+        self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
+
+    # ------------------------------------------------------------------ queueing
+
+    def _enqueue(self, task: TierTask) -> None:
+        self._queues.setdefault(task.segment_id, deque()).append(task)
+        self.counters[f"{task.kind.name.lower()}_tasks"] += 1
+        if self.notify is not None:
+            self.notify(task.segment_id)
+
+    def has_tasks(self, segment_id: int) -> bool:
+        return bool(self._queues.get(segment_id))
+
+    def poll(self, segment_id: int, max_tasks: int) -> list[TierTask]:
+        """Hand out up to `max_tasks` queued tasks of a segment; they must be reported by their deadline."""
+        queue = self._queues.get(segment_id)
+        out: list[TierTask] = []
+        if not queue:
+            return out
+        deadline = self.state.clock() + self.state.config.put_timeout_s
+        while queue and len(out) < max_tasks:
+            task = queue.popleft()
+            if task.kind is not TaskKind.FORGET:  # a FORGET needs no answer
+                task.deadline = deadline
+                self._in_flight[task.task_id] = task
+            out.append(task)
+        return out
+
+    # ------------------------------------------------------------------ offload
+
+    def can_offload(self, segment: SegmentRecord) -> bool:
+        return (
+            segment.offload
+            and segment.ssd_capacity > 0
+            and self._offload_paused_until.get(segment.segment_id, 0.0) <= self.state.clock()
+        )
+
+    def offloading_bytes(self, segment_id: int) -> int:
+        return self._offloading_bytes[segment_id]
+
+    def offload(self, record: ObjectRecord, segment: SegmentRecord) -> bool:
+        """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there."""
+        segment_id = segment.segment_id
+        if record.name in self.offloading or not self.can_offload(segment):
+            return False
+        dram = dram_key(segment_id)
+        source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
+        if source is None or any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
+            return False
+        task = TierTask(
+            next(self._ids),
+            TaskKind.OFFLOAD,
+            segment_id,
+            record,
+            record.name,
+            record.size,
+            record.checksum,
+            dram_offset=source & OFFSET_MASK,
+        )
+        self.offloading[record.name] = task
+        self._offloading_bytes[segment_id] += self.state._aligned(record.size)
+        self._enqueue(task)
+        return True
+
+    # ------------------------------------------------------------------ promotion
+
+    def disk_only_read(self, record: ObjectRecord) -> None:
+        """A read of an object without a DRAM copy: promote it after enough of them."""
+        after = self.state.config.promote_after_reads
+        name = record.name
+        if not after or name in self._promoting:
+            return
+        reads = self._disk_reads.get(name, 0) + 1
+        if reads < after:
+            self._disk_reads[name] = reads
+            return
+        self._disk_reads.pop(name, None)
+        for packed in record.replicas:
+            segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
+            if segment is None or segment.state.name != "ACTIVE":
+                continue
+            offset = segment.allocator.allocate(record.size) if record.size else 0
+            if offset is None:
+                continue  # promotion only "when space allows": no eviction for it
+            task = TierTask(
+                next(self._ids),
+                TaskKind.PROMOTE,
+                segment.segment_id,
+                record,
+                name,
+                record.size,
+                record.checksum,
+                dram_offset=offset,
+                disk_location=packed & OFFSET_MASK,
+            )
+            self._promoting[name] = task
+            self._enqueue(task)
+            return
+
+    # ------------------------------------------------------------------ forgetting
+
+    def forget(self, segment_id: int, name: str, location: int) -> None:
+        """The master dropped the disk copy at `location`: have the segment tombstone it."""
+        if segment_id in self.state.segments:
+            self._enqueue(TierTask(next(self._ids), TaskKind.FORGET, segment_id, None, name, 0, 0, 0, location))
+
+    # ------------------------------------------------------------------ outcomes
+
+    def done(self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int]) -> list[int]:
+        """Apply a segment's reports. Per task: OK, or NOT_PENDING for a task it does not hold (expired)."""
+        out = []
+        for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
+            task = self._in_flight.get(task_id)
+            if task is None or task.segment_id != segment_id:
+                out.append(int(Status.NOT_PENDING))
+                continue
+            del self._in_flight[task_id]
+            if task.kind is TaskKind.OFFLOAD:
+                self._offload_done(task, status, location)
+            elif task.kind is TaskKind.PROMOTE:
+                self._promote_done(task, status)
+            out.append(_OK)
+        return out
+
+    def _alive(self, task: TierTask) -> bool:
+        record = task.record
+        return (
+            record is not None and self.state._objects.get(task.name) is record and record.state is ObjectState.COMPLETE
+        )
+
+    def _offload_done(self, task: TierTask, status: int, location: int) -> None:
+        self._end_offload(task)
+        state = self.state
+        if status != _OK:
+            self.counters["offload_failures"] += 1
+            if status == Status.NO_SPACE:
+                logger.warning("offload paused segment_id=%d reason=disk full", task.segment_id)
+                self._offload_paused_until[task.segment_id] = state.clock() + OFFLOAD_BACKOFF_S
+            return
+        record = task.record
+        if not self._alive(task) or task.segment_id not in state.segments:
+            self.forget(task.segment_id, task.name, location)  # removed while it was being written
+            return
+        assert record is not None
+        record.replicas = (*record.replicas, replica(task.segment_id, location, TIER_SSD))
+        state.segments[task.segment_id].ssd_objects += 1
+        self.counters["offloaded_objects"] += 1
+        self.counters["offloaded_bytes"] += task.size
+        counts = state.evictions.setdefault("offload", [0, 0])
+        counts[0] += 1
+        counts[1] += state._aligned(task.size)
+        dram = dram_key(task.segment_id)
+        if any(r >> TIER_SHIFT == dram for r in record.replicas):
+            state._drop_dram_replica(record, task.segment_id)
+
+    def _end_offload(self, task: TierTask) -> None:
+        if self.offloading.get(task.name) is task:
+            del self.offloading[task.name]
+            self._offloading_bytes[task.segment_id] -= self.state._aligned(task.size)
+
+    def _promote_done(self, task: TierTask, status: int) -> None:
+        state = self.state
+        if self._promoting.get(task.name) is task:
+            del self._promoting[task.name]
+        segment = state.segments.get(task.segment_id)
+        if segment is None:
+            return  # its allocator went with it
+        record = task.record
+        ssd = replica(task.segment_id, task.disk_location, TIER_SSD)
+        dram = dram_key(task.segment_id)
+        if (
+            status != _OK
+            or not self._alive(task)
+            or ssd not in record.replicas  # type: ignore[union-attr]
+            or any(r >> TIER_SHIFT == dram for r in record.replicas)  # type: ignore[union-attr]
+        ):
+            if status != _OK:
+                self.counters["promote_failures"] += 1
+            if task.size:
+                segment.allocator.release(task.dram_offset, task.size)
+            return
+        assert record is not None
+        record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)
+        segment.objects += 1
+        if record.owner is not None:
+            record.owner.used += state._aligned(record.size)
+        self.counters["promoted_objects"] += 1
+        self.counters["promoted_bytes"] += task.size
+
+    # ------------------------------------------------------------------ inventories
+
+    def report_disk_objects(
+        self,
+        segment_id: int,
+        namespaces: list[str],
+        keys: list[str],
+        sizes: list[int],
+        checksums: list[int],
+        locations: list[int],
+    ) -> list[int]:
+        """Register a segment's disk copies. Per copy: OK (now a replica, or already one);
+        CHECKSUM_MISMATCH (the master knows the key with other bytes: the segment must forget the
+        copy); PUT_IN_PROGRESS (a put of the key is pending: not registered); INVALID_KEY."""
+        from kvtier.master.state import master_key_problem
+
+        state = self.state
+        segment = state.segments[segment_id]
+        objects = state._objects
+        now = state.clock()
+        out = []
+        for namespace, key, size, checksum, location in zip(namespaces, keys, sizes, checksums, locations, strict=True):
+            if master_key_problem(key) or master_key_problem(namespace) or location > OFFSET_MASK:
+                out.append(int(Status.INVALID_KEY))
+                continue
+            name = object_name(namespace, key)
+            packed = replica(segment_id, location, TIER_SSD)
+            record = objects.get(name)
+            if record is None:
+                record = ObjectRecord(name, size, (packed,), 0, now)
+                record.complete(checksum)
+                objects[name] = record
+                state.object_count += 1
+            elif record.state is ObjectState.PENDING:
+                out.append(int(Status.PUT_IN_PROGRESS))
+                continue
+            elif record.size != size or record.checksum != checksum:
+                out.append(int(Status.CHECKSUM_MISMATCH))
+                continue
+            elif packed in record.replicas:
+                out.append(_OK)
+                continue
+            elif any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
+                out.append(int(Status.CHECKSUM_MISMATCH))  # a second copy on one segment: keep the first
+                continue
+            else:
+                record.replicas = (*record.replicas, packed)
+            segment.ssd_objects += 1
+            out.append(_OK)
+        return out
+
+    def drop_disk_replicas(self, segment_id: int, namespaces: list[str], keys: list[str], locations: list[int]) -> int:
+        """The segment is deleting these disk copies; objects left without replicas go. Copies dropped."""
+        state = self.state
+        dropped = 0
+        for namespace, key, location in zip(namespaces, keys, locations, strict=True):
+            name = object_name(namespace, key)
+            record = state._objects.get(name)
+            packed = replica(segment_id, location, TIER_SSD)
+            if record is None or packed not in record.replicas:
+                continue
+            dropped += 1
+            if len(record.replicas) == 1:
+                state._delete(state._objects.pop(name), forget_disk=False)
+            else:
+                record.replicas = tuple(r for r in record.replicas if r != packed)
+                state.segments[segment_id].ssd_objects -= 1
+        self.counters["disk_copies_dropped"] += dropped
+        return dropped
+
+    # ------------------------------------------------------------------ time and loss
+
+    def tick(self, now: float) -> None:
+        """Tasks not reported by their deadline failed (the segment died or hung)."""
+        expired = [t for t in self._in_flight.values() if t.deadline <= now]
+        for task in expired:
+            logger.warning(
+                "tier task expired task_id=%d kind=%s segment_id=%d", task.task_id, task.kind.name, task.segment_id
+            )
+            self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0])
+
+    def segment_dropped(self, segment_id: int) -> None:
+        """Forget every task of a segment that is gone (its ranges went with its allocator)."""
+        self._queues.pop(segment_id, None)
+        self._offload_paused_until.pop(segment_id, None)
+        for task in [t for t in self._in_flight.values() if t.segment_id == segment_id]:
+            del self._in_flight[task.task_id]
+        for name, task in list(self.offloading.items()):
+            if task.segment_id == segment_id:
+                del self.offloading[name]
+        self._offloading_bytes.pop(segment_id, None)
+        for name, task in list(self._promoting.items()):
+            if task.segment_id == segment_id:
+                del self._promoting[name]
+
+    def forget_reads(self, name: str) -> None:
+        self._disk_reads.pop(name, None)

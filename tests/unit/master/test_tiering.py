@@ -1,0 +1,306 @@
+"""The master's side of the SSD tier: offload on eviction, disk replicas, promotion, forgetting.
+
+Scenarios on a fake clock: the "segment" is played by the test, which polls
+tasks and reports outcomes the way a segment server does. Every scenario
+ends by checking the books (`assert_consistent`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_segment, replica_tier
+from kvtier.master.state import MasterState
+from kvtier.master.tiering import TaskKind
+from kvtier.proto.status import Status
+from tests.unit.master.accounting import assert_consistent
+from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, read, stored
+from tests.unit.master.test_state import FakeClock, advance_alive
+
+OK = Status.OK
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> MasterState:
+    return make_state(clock, promote_after_reads=2)
+
+
+def mount_ssd(state: MasterState, name: str, dram: int, ssd: int = 1 << 30, offload: bool = True) -> int:
+    result = state.mount_segment(
+        "unit", name, f"host-{name}", [f"tcp://127.0.0.1:9/{name}"], dram, ssd_capacity=ssd, offload=offload
+    )
+    assert result.status == OK, result.error
+    return result.segment.segment_id
+
+
+def tiers(state: MasterState, key: str) -> list[tuple[int, int]]:
+    """(segment id, tier) of each replica of a key."""
+    return sorted((replica_segment(r), replica_tier(r)) for r in state.record(NS, key).replicas)
+
+
+def fill_past_watermark(state: MasterState) -> None:
+    """Four 1 KiB objects k0..k3 on a 4 KiB segment: above the 0.90 watermark."""
+    for i in range(4):
+        put(state, f"k{i}")
+
+
+class FakeDisk:
+    """Plays a segment server's tier worker: locations are handed out in order."""
+
+    def __init__(self, state: MasterState, segment_id: int) -> None:
+        self.state = state
+        self.segment_id = segment_id
+        self.next_location = 1
+        self.forgotten: list[int] = []
+
+    def poll(self) -> list:
+        tasks = self.state.tiering.poll(self.segment_id, 100)
+        self.forgotten += [t.disk_location for t in tasks if t.kind is TaskKind.FORGET]
+        return [t for t in tasks if t.kind is not TaskKind.FORGET]
+
+    def complete(self, tasks: list, status: Status = OK) -> list[int]:
+        locations = []
+        for task in tasks:
+            if task.kind is TaskKind.OFFLOAD:
+                locations.append(self.next_location)
+                self.next_location += 1
+            else:
+                locations.append(task.disk_location)
+        return self.state.tiering.done(
+            self.segment_id, [t.task_id for t in tasks], [int(status)] * len(tasks), locations
+        )
+
+
+def test_watermark_offloads_lru_objects_instead_of_dropping_them(state):
+    # given a segment with an SSD tier, filled past its DRAM watermark
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    # when the tick runs
+    state.tick()
+    # then the least recently used object is queued for offload, and still served from DRAM meanwhile
+    tasks = disk.poll()
+    assert [(t.kind, t.name.split("\x00")[1]) for t in tasks] == [(TaskKind.OFFLOAD, "k0")]
+    assert tiers(state, "k0") == [(seg, TIER_DRAM)]
+    used_before = state.segments[seg].used
+    # and a second tick does not offload it again
+    state.tick()
+    assert disk.poll() == []
+    assert_consistent(state)
+    # when the segment reports the copy durable
+    assert disk.complete(tasks) == [OK]
+    # then k0 lives on SSD only, its DRAM range is free, and it is still visible
+    assert tiers(state, "k0") == [(seg, TIER_SSD)]
+    assert state.segments[seg].used == used_before - KiB
+    assert state.segments[seg].ssd_objects == 1
+    assert stored(state) == {"k0", "k1", "k2", "k3"}
+    assert state.evictions["offload"] == [1, KiB]
+    assert "watermark" not in state.evictions
+    assert_consistent(state)
+
+
+def test_disk_replica_is_returned_with_its_tier_and_location(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    got = state.get_replicas(NS, ["k0", "k1"])
+    assert got.statuses == [OK, OK]
+    assert got.replica_tiers == [TIER_SSD, TIER_DRAM]
+    assert got.replica_offsets[0] == 1  # the disk location the segment reported
+    assert got.replica_segments == [seg, seg]
+
+
+def test_segment_without_offload_drops_at_the_watermark(state):
+    seg = mount_ssd(state, "a", 4 * KiB, offload=False)
+    fill_past_watermark(state)
+    state.tick()
+    assert state.tiering.poll(seg, 100) == []
+    assert "k0" not in stored(state)
+    assert state.evictions["watermark"][0] == 1
+    assert_consistent(state)
+
+
+def test_failed_offload_keeps_the_dram_copy_and_disk_full_pauses_offload(state, clock):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    # when the segment's disk is full
+    assert disk.complete(disk.poll(), Status.NO_SPACE) == [OK]
+    # then the object is still in DRAM, and the next watermark pass drops instead of offloading
+    assert tiers(state, "k0") == [(seg, TIER_DRAM)]
+    assert state.tiering.counters["offload_failures"] == 1
+    state.tick()
+    assert disk.poll() == []
+    assert "k0" not in stored(state)
+    assert_consistent(state)
+
+
+def test_object_removed_while_offloading_gets_its_disk_copy_forgotten(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = disk.poll()
+    assert state.remove(NS, ["k0"]) == [OK]
+    disk.complete(tasks)
+    assert disk.poll() == []  # the FORGET is recorded by poll()
+    assert disk.forgotten == [1]
+    assert state.record(NS, "k0") is None
+    assert_consistent(state)
+
+
+def test_removing_an_offloaded_object_forgets_its_disk_copy(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    assert state.remove(NS, ["k0"]) == [OK]
+    disk.poll()
+    assert disk.forgotten == [1]
+    assert state.segments[seg].ssd_objects == 0
+    assert_consistent(state)
+
+
+def test_disk_only_object_is_promoted_after_repeated_reads(state, clock):
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(8):
+        put(state, f"k{i}")
+    state.tick()  # 8 KiB used of 8: offload down to 0.85
+    disk.complete(disk.poll())
+    assert tiers(state, "k0") == [(seg, TIER_SSD)]
+    # when the disk-only object is read once: no promotion yet
+    read(state, "k0")
+    assert disk.poll() == []
+    # when it is read a second time (promote_after_reads=2) and DRAM has room
+    read(state, "k0")
+    tasks = disk.poll()
+    assert [t.kind for t in tasks] == [TaskKind.PROMOTE]
+    assert tasks[0].disk_location == replica_offset(state.record(NS, "k0").replicas[0])
+    assert_consistent(state)  # the promotion's DRAM range is accounted while in flight
+    # then the reported copy becomes a DRAM replica next to the disk one
+    assert disk.complete(tasks) == [OK]
+    assert tiers(state, "k0") == [(seg, TIER_DRAM), (seg, TIER_SSD)]
+    assert state.tiering.counters["promoted_objects"] == 1
+    assert_consistent(state)
+
+
+def test_promotion_waits_for_space_and_never_evicts(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    put(state, "k4")  # DRAM full again: 4 KiB of 4
+    read(state, "k0")
+    read(state, "k0")
+    assert disk.poll() == []
+    assert stored(state) == {"k0", "k1", "k2", "k3", "k4"}
+    assert_consistent(state)
+
+
+def test_reported_inventory_becomes_disk_replicas_and_conflicts_are_refused(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    put(state, "same")  # checksum 7 (see put())
+    put(state, "other")
+    statuses = state.tiering.report_disk_objects(
+        seg,
+        [NS, NS, NS, NS],
+        ["fresh", "same", "other", "bad\x00key"],
+        [KiB, KiB, KiB, 1],
+        [5, 7, 99, 0],
+        [10, 11, 12, 13],
+    )
+    assert statuses == [OK, OK, Status.CHECKSUM_MISMATCH, Status.INVALID_KEY]
+    assert tiers(state, "fresh") == [(seg, TIER_SSD)]
+    assert tiers(state, "same") == [(seg, TIER_DRAM), (seg, TIER_SSD)]
+    assert tiers(state, "other") == [(seg, TIER_DRAM)]
+    got = state.get_replicas(NS, ["fresh"])
+    assert got.statuses == [OK] and got.checksums == [5] and got.sizes == [KiB]
+    # reporting the same inventory again (a re-mount) changes nothing
+    again = state.tiering.report_disk_objects(seg, [NS], ["fresh"], [KiB], [5], [10])
+    assert again == [OK]
+    assert state.segments[seg].ssd_objects == 2
+    assert_consistent(state)
+
+
+def test_dropped_disk_copies_remove_objects_left_without_replicas(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    put(state, "both")
+    state.tiering.report_disk_objects(seg, [NS, NS], ["both", "disk"], [KiB, KiB], [7, 3], [1, 2])
+    assert state.tiering.drop_disk_replicas(seg, [NS, NS, NS], ["both", "disk", "nope"], [1, 2, 3]) == 2
+    assert tiers(state, "both") == [(seg, TIER_DRAM)]
+    assert state.record(NS, "disk") is None
+    assert state.tiering.poll(seg, 10) == []  # the segment deletes them itself: nothing to forget
+    assert_consistent(state)
+
+
+def test_segment_loss_drops_its_disk_replicas_and_tasks(state):
+    a = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, a)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    state.tick()
+    pending = disk.poll()  # maybe more offloads; now the segment dies
+    assert state.unmount_segment(a) == OK
+    assert stored(state) == set()
+    if pending:
+        assert state.tiering.done(a, [t.task_id for t in pending], [OK] * len(pending), [9] * len(pending)) == [
+            Status.NOT_PENDING
+        ] * len(pending)
+    assert_consistent(state)
+
+
+def test_unreported_tasks_expire_and_leave_the_object_in_dram(state, clock):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = disk.poll()
+    advance_alive(state, clock, state.config.put_timeout_s + 1)
+    state.tick()  # expires the task, then (offload not paused by a timeout) offloads again
+    assert state.tiering.done(seg, [tasks[0].task_id], [OK], [1]) == [Status.NOT_PENDING]
+    assert tiers(state, "k0") == [(seg, TIER_DRAM)]
+    assert_consistent(state)
+
+
+def test_offloaded_copy_of_a_leased_object_is_freed_when_the_lease_ends(state, clock):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = disk.poll()
+    read(state, "k0")  # a reader holds k0's DRAM range now
+    used_before = state.segments[seg].used
+    disk.complete(tasks)
+    assert tiers(state, "k0") == [(seg, TIER_SSD)]
+    assert state.segments[seg].used == used_before  # not reusable while the reader may copy it
+    assert_consistent(state)
+    advance_alive(state, clock, LEASE_S)
+    state.tick()
+    assert state.segments[seg].used < used_before
+    assert_consistent(state)
+
+
+def test_allocation_eviction_drops_redundant_copies_before_lru_order(state):
+    # given a full segment where k2 (not the LRU object) also has a disk copy
+    seg = mount_ssd(state, "a", 4 * KiB)
+    fill_past_watermark(state)  # k0..k3, 4 KiB of 4
+    assert state.tiering.report_disk_objects(seg, [NS], ["k2"], [KiB], [7], [5]) == [OK]
+    # when a put needs room before any tick ran
+    put(state, "k4")
+    # then k2 lost its DRAM copy (it stays readable from SSD) and k0, the LRU object, kept its own
+    assert tiers(state, "k2") == [(seg, TIER_SSD)]
+    assert tiers(state, "k0") == [(seg, TIER_DRAM)]
+    assert stored(state) == {"k0", "k1", "k2", "k3", "k4"}
+    assert_consistent(state)
