@@ -18,7 +18,7 @@ def test_layout():
     assert RANGE.size == 16
     assert MAGIC.to_bytes(2, "little") == b"KT"
     assert VERSION == 1
-    assert [int(op) for op in Op] == [1, 2, 3]
+    assert [int(op) for op in Op] == [1, 2, 3, 4]
 
 
 def test_request_bytes_are_little_endian():
@@ -100,3 +100,20 @@ def test_out_of_range_values_cannot_be_packed():
 def test_limits():
     assert frames.MAX_RANGES_PER_FRAME == 1 << 16
     assert frames.MAX_ERROR_MESSAGE == 4096
+
+
+def test_disk_names_round_trip_and_refuse_malformed_payloads():
+    from kvtier.proto.frames import pack_disk_names, unpack_disk_names
+
+    names = [b"ns\x00k1", "n\u00e9\x00cl\u00e9".encode(), b"\x00empty-namespace-is-kept"]
+    payload = pack_disk_names(names)
+    assert unpack_disk_names(payload, 3) == [("ns", "k1"), ("n\u00e9", "cl\u00e9"), ("", "empty-namespace-is-kept")]
+    assert unpack_disk_names(b"", 0) == []
+    with pytest.raises(ValueError, match="end early"):
+        unpack_disk_names(payload, 4)
+    with pytest.raises(ValueError, match="longer"):
+        unpack_disk_names(payload, 2)
+    with pytest.raises(ValueError, match="past the payload"):
+        unpack_disk_names(payload[:-1], 3)
+    with pytest.raises(ValueError, match="separator"):
+        unpack_disk_names(pack_disk_names([b"no-separator"]), 1)
