@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
     parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--tier", choices=["dram", "ssd"], default="dram", help="ssd: reads from the SSD tier vs dd")
+    parser.add_argument("--ssd-bytes", default="1GiB", help="--tier ssd: bytes put on the SSD tier")
+    parser.add_argument("--ssd-dir", default="", help="--tier ssd: a directory on the disk to measure (.kvtier)")
     add_master_arguments(parser)
 
 
@@ -267,6 +270,13 @@ def run(opts: argparse.Namespace) -> int:
             return 2
         result = run_master_bench(opts.objects, opts.master_batch, opts.cycles)
         print_master_result(result, opts.json, machine_description())
+        return 0
+    if opts.tier == "ssd":
+        from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
+
+        size = sizes[0] if opts.sizes != DEFAULT_SIZES else 1 << 20  # 1 MiB objects by default
+        result = run_ssd_bench(parse_size(opts.ssd_bytes), size, opts.batch, opts.repeat, opts.ssd_dir)
+        print_ssd_result(result, opts.json, machine_description())
         return 0
     selected = {w for w in opts.workloads.split(",") if w}
     local = None

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--segments", type=_positive_int, default=1, help="segment servers (default: %(default)s)")
     up.add_argument("--cluster-id", default="default")
     up.add_argument("--log-level", default="WARNING")
+    up.add_argument("--ssd", type=_size, default="1GiB", help="SSD tier per segment, 0 = none (default: %(default)s)")
+    up.add_argument(
+        "--ssd-dir", default=".kvtier/ssd", help="where SSD tiers keep their bucket files (default: %(default)s)"
+    )
 
     status = sub.add_parser("status", help="segments, capacity, usage and object count")
     _add_master(status)
@@ -128,6 +132,7 @@ def _status_dict(reply: Any) -> dict[str, Any]:
         "evictions": {e.reason: {"objects": e.objects, "bytes": e.bytes} for e in reply.evictions},
         "capacity": reply.capacity,
         "used": reply.used,
+        "tiering": dict(reply.tiering),
         "segments": [
             {
                 "segment_id": s.segment_id,
@@ -138,6 +143,15 @@ def _status_dict(reply: Any) -> dict[str, Any]:
                 "dram_used": s.dram_used,
                 "objects": s.objects,
                 "heartbeat_age_ms": s.heartbeat_age_ms,
+                "ssd_capacity": s.ssd_capacity,
+                "ssd_used": s.ssd_used,
+                "ssd_objects": s.ssd_objects,
+                "disk_engine": s.disk_engine,
+                "offload": s.offload,
+                "dram_bytes_served": s.dram_bytes_served,
+                "ssd_bytes_served": s.ssd_bytes_served,
+                "disk_bytes_read": s.disk_bytes_read,
+                "ssd_bytes_offloaded": s.ssd_bytes_offloaded,
             }
             for s in reply.segments
         ],
@@ -164,8 +178,11 @@ def cmd_status(opts: argparse.Namespace) -> int:
         f"objects {data['objects']}  used {format_size(data['used'])} / {format_size(data['capacity'])} "
         f"({used_pct:.1f}%)"
     )
-    rows = [["ID", "NAME", "STATE", "CAPACITY", "USED", "OBJECTS", "HEARTBEAT", "ENDPOINTS"]]
+    rows = [
+        ["ID", "NAME", "STATE", "CAPACITY", "USED", "OBJECTS", "SSD", "SSD USED", "SSD OBJ", "HEARTBEAT", "ENDPOINTS"]
+    ]
     for s in data["segments"]:
+        ssd = s.get("ssd_capacity", 0)
         rows.append(
             [
                 str(s["segment_id"]),
@@ -174,6 +191,9 @@ def cmd_status(opts: argparse.Namespace) -> int:
                 format_size(s["dram_capacity"]),
                 format_size(s["dram_used"]),
                 str(s["objects"]),
+                f"{format_size(ssd)} ({s.get('disk_engine', '')})" if ssd else "-",
+                format_size(s.get("ssd_used", 0)) if ssd else "-",
+                str(s.get("ssd_objects", 0)) if ssd else "-",
                 f"{s['heartbeat_age_ms']}ms",
                 ",".join(s["endpoints"]),
             ]
@@ -286,7 +306,13 @@ def cmd_up(opts: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
 
     cluster = LocalCluster(
-        listen=opts.listen, dram=opts.dram, segments=opts.segments, cluster_id=opts.cluster_id, log_level=opts.log_level
+        listen=opts.listen,
+        dram=opts.dram,
+        segments=opts.segments,
+        cluster_id=opts.cluster_id,
+        log_level=opts.log_level,
+        ssd=opts.ssd,
+        ssd_dir=os.path.abspath(opts.ssd_dir),
     )
     try:
         cluster.start()
@@ -297,7 +323,8 @@ def cmd_up(opts: argparse.Namespace) -> int:
     try:
         print(f"kvtier up: master {cluster.master_address} (cluster {opts.cluster_id})", flush=True)
         for child in cluster.children[1:]:
-            print(f"kvtier up: segment {child.info['name']} {', '.join(child.info['endpoints'])} dram={opts.dram}")
+            ssd = f" ssd={opts.ssd} in {opts.ssd_dir}" if opts.ssd not in ("0", "") else ""
+            print(f"kvtier up: segment {child.info['name']} {', '.join(child.info['endpoints'])} dram={opts.dram}{ssd}")
         print(f"kvtier up: try `kvtier status --master {cluster.master_address}`; Ctrl-C stops", flush=True)
         code = cluster.wait()
     finally:

@@ -35,8 +35,9 @@ from kvtier.client.master import MasterClient
 from kvtier.client.transport import check_transport, connect
 from kvtier.client.transport.base import Connector
 from kvtier.client.transport.shm import local_host_id
+from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.errors import KvtierError, TransportError
+from kvtier.proto.errors import ConnectError, KvtierError, TransportError
 from kvtier.proto.keys import check_key
 from kvtier.proto.status import Status, to_status
 
@@ -162,14 +163,18 @@ class Client:
         with self._lock:
             self._stats.update(deltas)
 
-    def _connector(self, segment: pb.SegmentEndpoint) -> Connector:
+    def _connector(self, segment: pb.SegmentEndpoint, disk: bool = False) -> Connector:
         """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one.
+
+        `disk`: the one for reads of its SSD tier, always over TCP (the segment
+        server reads its own files; a client never maps or opens them).
 
         Connectors unused for `connector_idle_s` are closed (a dead segment's
         mapping would otherwise pin its region's memory); a closed connector
         finishes the copies already in flight.
         """
-        endpoints = tuple(segment.endpoints)
+        endpoints = tuple(e for e in segment.endpoints if not disk or e.startswith("tcp://"))
+        name = segment.name + "\x00ssd" if disk else segment.name
         now = time.monotonic()
         stale: list[Connector] = []
         with self._lock:
@@ -179,16 +184,21 @@ class Client:
                     if now - used > self.config.connector_idle_s:
                         del self._connectors[name]
                         stale.append(old)
-            known = self._connectors.get(segment.name)
+            known = self._connectors.get(name)
             if known is not None and known[0] == endpoints:
                 connector = known[1]
             else:
                 if self._closed:
                     raise KvtierError(Status.CANCELLED, "client is closed")
-                connector = connect(endpoints, self.config)
+                if disk:
+                    if not endpoints:
+                        raise ConnectError(f"segment {segment.name} serves no TCP endpoint for its SSD tier")
+                    connector = TcpConnector(endpoints[0], self.config)
+                else:
+                    connector = connect(endpoints, self.config)
                 if known is not None:
                     stale.append(known[1])
-            self._connectors[segment.name] = (endpoints, connector, now)
+            self._connectors[name] = (endpoints, connector, now)
         for old in stale:
             old.close()
         return connector
@@ -348,31 +358,49 @@ class Client:
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, key: str) -> bytes | None:
-        """The value of `key`, or None on a miss (absent, unreachable or failing verification)."""
-        return self.batch_get([key])[0]
+    def get(self, key: str, *, with_source: bool = False) -> Any:
+        """The value of `key`, or None on a miss (absent, unreachable or failing verification).
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of many keys (None per miss), with one GetReplicas round trip."""
-        results = self._fetch(keys, None)
-        return [r if isinstance(r, bytes) else None for r in results]
+        With `with_source`, a (value, source) pair: see `batch_get`.
+        """
+        return self.batch_get([key], with_source=with_source)[0]
 
-    def get_into(self, key: str, buffer: Any) -> int:
-        """Read `key` into `buffer`: bytes written, or a negative Status (NOT_FOUND, BUFFER_TOO_SMALL, ...)."""
-        return self.batch_get_into([key], [buffer])[0]
+    def batch_get(self, keys: Sequence[str], *, with_source: bool = False) -> list[Any]:
+        """Values of many keys (None per miss), with one GetReplicas round trip.
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
+        With `with_source`, one (value, source) pair per key instead, where
+        source says which tier and path served the bytes: "dram/shm",
+        "dram/tcp", "ssd/tcp" (None on a miss).
+        """
+        sources: list[str | None] | None = [None] * len(keys) if with_source else None
+        results = self._fetch(keys, None, sources)
+        values = [r if isinstance(r, bytes) else None for r in results]
+        return list(zip(values, sources, strict=True)) if sources is not None else values
+
+    def get_into(self, key: str, buffer: Any, *, with_source: bool = False) -> Any:
+        """Read `key` into `buffer`: bytes written, or a negative Status (NOT_FOUND, BUFFER_TOO_SMALL, ...).
+
+        With `with_source`, a (result, source) pair: see `batch_get`.
+        """
+        return self.batch_get_into([key], [buffer], with_source=with_source)[0]
+
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, with_source: bool = False) -> list[Any]:
         """Read many keys into caller-owned writable buffers; per key bytes written or a negative Status.
 
         Nothing is written past the object's size; on a negative result the
-        buffer's first `size` bytes are unspecified.
+        buffer's first `size` bytes are unspecified. With `with_source`,
+        (result, source) pairs as in `batch_get`.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [as_writable_view(b) for b in buffers]
-        return self._fetch(keys, views)  # type: ignore[return-value]
+        sources: list[str | None] | None = [None] * len(keys) if with_source else None
+        results = self._fetch(keys, views, sources)
+        return list(zip(results, sources, strict=True)) if sources is not None else results
 
-    def _fetch(self, keys: Sequence[str], views: list[memoryview] | None) -> list[bytes | int]:
+    def _fetch(
+        self, keys: Sequence[str], views: list[memoryview] | None, sources: list[str | None] | None = None
+    ) -> list[bytes | int]:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
@@ -402,26 +430,30 @@ class Client:
                     out[i] = int(Status.BUFFER_TOO_SMALL)
                 elif reply.sizes[i] == 0:
                     out[i] = 0 if views is not None else b""
-                elif count == 1 or not local:
-                    replicas[i] = list(range(pos, pos + count))
+                elif count == 1:
+                    replicas[i] = [pos]
                 else:
-                    # Same-host replicas first (a memcpy instead of a socket), then in the master's order.
-                    replicas[i] = sorted(range(pos, pos + count), key=lambda j: not same_host(j))
+                    # DRAM before SSD, same-host replicas first (a memcpy instead of a socket), then in
+                    # the master's order.
+                    replicas[i] = sorted(
+                        range(pos, pos + count), key=lambda j: (reply.replica_tiers[j] != pb.DRAM, not same_host(j))
+                    )
             pos += count
         attempt = 0
-        transferred = 0
+        transferred: Counter[str] = Counter()  # bytes per tier
         while replicas:
-            groups: dict[int, list[int]] = defaultdict(list)
+            groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
             for i, positions in replicas.items():
-                groups[reply.replica_segments[positions[attempt]]].append(i)
+                position = positions[attempt]
+                groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
             retry: dict[int, list[int]] = {}
             jobs = [
-                (self._read_segment, segments.get(segment_id), reply, replicas, indices, attempt, views)
-                for segment_id, indices in groups.items()
+                (self._read_segment, segments.get(segment_id), reply, replicas, indices, attempt, views, tier, keys)
+                for (segment_id, tier), indices in groups.items()
             ]
             all_results = self._run_parallel(jobs)
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
-            for (segment_id, indices), (results, crcs) in zip(groups.items(), all_results, strict=True):
+            for ((segment_id, tier), indices), (results, crcs, path) in zip(groups.items(), all_results, strict=True):
                 for i, result, crc in zip(indices, results, crcs, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result
@@ -430,9 +462,12 @@ class Client:
                     else:
                         size = reply.sizes[i]
                         data = result if views is None else views[i][:size]
-                        transferred += size
+                        tier_name = _TIERS.get(tier, "unknown")
+                        transferred[tier_name] += size
                         if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
                             out[i] = data if views is None else size
+                            if sources is not None:
+                                sources[i] = f"{tier_name}/{path}"
                             continue
                         status = _MISMATCH
                         self._count(checksum_mismatches=1)
@@ -448,7 +483,13 @@ class Client:
             replicas = retry
             attempt += 1
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
-        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits, bytes_read=transferred)
+        self._count(
+            gets=len(keys),
+            hits=hits,
+            misses=len(keys) - hits,
+            bytes_read=sum(transferred.values()),
+            **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
+        )
         return out
 
     def _read_segment(
@@ -459,21 +500,33 @@ class Client:
         indices: list[int],
         attempt: int,
         views: list[memoryview] | None,
-    ) -> tuple[list[bytes | int], list[int | None]]:
-        """Per-key data or status, and CRCs where the connector computed them while copying."""
+        tier: int,
+        keys: Sequence[str],
+    ) -> tuple[list[bytes | int], list[int | None], str]:
+        """Per-key data or status, CRCs where the connector computed them while copying, and the
+        transport scheme that carried them."""
         crcs: list[int | None] = [None] * len(indices)
         if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs, ""
         offsets = [reply.replica_offsets[replicas[i][attempt]] for i in indices]
         try:
+            if tier == pb.SSD:  # the segment reads its own files; only its TCP endpoint serves them
+                connector = self._connector(segment, disk=True)
+                prefix = self.namespace.encode() + b"\x00"
+                items = [
+                    (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
+                ]
+                into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
+                return connector.read_disk(items, into, crcs), crcs, connector.scheme  # type: ignore[attr-defined]
             connector = self._connector(segment)
             if views is None:
-                return connector.read([(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]), crcs
+                ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
+                return connector.read(ranges), crcs, connector.scheme
             ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
-            return connector.read_into(ranges, crcs), crcs  # type: ignore[return-value]
+            return connector.read_into(ranges, crcs), crcs, connector.scheme  # type: ignore[return-value]
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
-            return [int(exc.status)] * len(indices), crcs
+            return [int(exc.status)] * len(indices), crcs, ""
 
     # ------------------------------------------------------------------ presence
 

@@ -40,13 +40,23 @@ class LocalCluster:
         cluster_id: str = "default",
         log_level: str = "WARNING",
         quiet: bool = False,
+        ssd: str = "0",
+        ssd_dir: str = "",
+        segment_args: tuple[str, ...] = (),
+        master_args: tuple[str, ...] = (),
     ) -> None:
+        """`ssd` > 0 gives each segment an SSD tier of that size in `ssd_dir`/local<i> (default: a
+        temporary directory, removed at stop); `segment_args` go to every segment server."""
         self.listen = listen
         self.dram = dram
         self.segment_count = segments
         self.cluster_id = cluster_id
         self.log_level = log_level
         self.quiet = quiet
+        self.ssd = ssd
+        self.ssd_dir = ssd_dir
+        self.segment_args = segment_args
+        self.master_args = master_args
         self.children: list[Child] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-")
         self.master_address = ""
@@ -75,7 +85,8 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         try:
             master = self._spawn(
-                "master", ["-m", "kvtier.master", "--listen", self.listen, "--cluster-id", self.cluster_id]
+                "master",
+                ["-m", "kvtier.master", "--listen", self.listen, "--cluster-id", self.cluster_id, *self.master_args],
             )
             self.master_address = master.info["address"]
             for i in range(self.segment_count):
@@ -88,12 +99,21 @@ class LocalCluster:
                         "--dram", self.dram,
                         "--cluster-id", self.cluster_id,
                         "--name", f"{os.uname().nodename[:40]}-local{i}",
+                        *self._ssd_args(i),
+                        *self.segment_args,
                     ],
                 )  # fmt: skip
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _ssd_args(self, index: int) -> list[str]:
+        if self.ssd in ("", "0"):
+            return []
+        directory = Path(self.ssd_dir or Path(self._tmp.name) / "ssd") / f"local{index}"
+        directory.mkdir(parents=True, exist_ok=True)
+        return ["--ssd-dir", str(directory), "--ssd-size", self.ssd]
 
     def wait(self) -> int:
         """Block until Ctrl-C, the master exits, or a segment fails; return a process exit code.

@@ -17,6 +17,7 @@ from kvtier.proto.keys import cluster_id_problem, segment_name_problem
 from kvtier.proto.units import parse_hostport, parse_size
 
 MIN_DRAM = 1 << 20
+MIN_SSD = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +29,28 @@ class SegmentConfig:
     cluster_id: str = "default"
     shm_dir: str = "/dev/shm"  # where region files live
     ready_file: str = ""  # if set, JSON with endpoints is written here once mounted
+    # SSD tier (off unless ssd_dir and ssd_size are set): bucket files in ssd_dir, at most ssd_size bytes.
+    ssd_dir: str = ""
+    ssd_size: str = "0"
+    ssd_bucket_size: str = "256MiB"  # a bucket is sealed at this size (max 4GiB)...
+    ssd_bucket_keys: int = 65536  # ...or at this many records, whichever first
+    ssd_high_watermark: float = 0.95  # above this, the oldest sealed buckets are deleted...
+    ssd_low_watermark: float = 0.85  # ...down to this
+    offload: bool = True  # objects evicted from DRAM are written to the SSD tier instead of dropped
+    ssd_io: str = "auto"  # disk read engine: auto (io_uring if it works here, else threads), io_uring, threads
+    ssd_queue_depth: int = 32  # disk reads in flight, whatever the number of requests
+    ssd_threads: int = 4  # threads of the `threads` engine (io_uring needs none)
+    ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
+    ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
     log_level: str = "INFO"
 
     @property
     def dram_bytes(self) -> int:
         return parse_size(self.dram)
+
+    @property
+    def ssd_bytes(self) -> int:
+        return parse_size(self.ssd_size) if self.ssd_dir else 0
 
     def validate(self) -> SegmentConfig:
         parse_hostport(self.master)
@@ -45,6 +63,23 @@ class SegmentConfig:
             raise ValueError(problem)
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"shm_dir {self.shm_dir!r} is not a directory")
+        if self.ssd_dir and self.ssd_bytes < MIN_SSD:
+            raise ValueError(f"--ssd-size must be at least 16MiB with --ssd-dir, got {self.ssd_size!r}")
+        if not self.ssd_dir and parse_size(self.ssd_size):
+            raise ValueError("--ssd-size needs --ssd-dir")
+        bucket = parse_size(self.ssd_bucket_size)
+        if not MIN_SSD // 4 <= bucket <= 4 << 30:
+            raise ValueError(f"--ssd-bucket-size must be between 4MiB and 4GiB, got {self.ssd_bucket_size!r}")
+        if self.ssd_bucket_keys < 1:
+            raise ValueError("--ssd-bucket-keys must be at least 1")
+        if not 0 < self.ssd_low_watermark < self.ssd_high_watermark <= 1:
+            raise ValueError("SSD watermarks must satisfy 0 < ssd_low_watermark < ssd_high_watermark <= 1")
+        if self.ssd_io not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"--ssd-io must be auto, io_uring or threads, got {self.ssd_io!r}")
+        if self.ssd_queue_depth < 1 or self.ssd_threads < 1:
+            raise ValueError("--ssd-queue-depth and --ssd-threads must be at least 1")
+        if parse_size(self.ssd_read_buffers) < 1 << 20:
+            raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
         return self
 
     def with_defaults(self) -> SegmentConfig:

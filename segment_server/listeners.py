@@ -14,6 +14,7 @@ from typing import Protocol
 from urllib.parse import urlencode
 
 from kvtier.proto.units import parse_hostport
+from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
 
 logger = logging.getLogger(__name__)
@@ -33,16 +34,17 @@ class TcpListener:
 
     scheme = "tcp"
 
-    def __init__(self, listen: str, region: memoryview, stats: DataPlaneStats) -> None:
+    def __init__(self, listen: str, region: memoryview, stats: DataPlaneStats, disk: DiskReader | None = None) -> None:
         self._host, self._port = parse_hostport(listen)
         self._region = region
         self._stats = stats
+        self._disk = disk  # serves READ_DISK when the segment has an SSD tier
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataProtocol(self._region, self._stats),
+            lambda: DataProtocol(self._region, self._stats, self._disk),
             host=self._host,
             port=self._port,
             reuse_address=True,

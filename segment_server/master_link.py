@@ -33,12 +33,15 @@ class MasterLink:
         mount_request: pb.MountSegmentRequest,
         on_mounted: Callable[[int], None],
         on_fatal: Callable[[str, int], None],
+        report: Callable[[], dict[str, int]] | None = None,
     ) -> None:
+        """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each heartbeat."""
         self._channel = grpc.insecure_channel(master)
         self._stub = master_pb2_grpc.MasterStub(self._channel)
         self._request = mount_request
         self._on_mounted = on_mounted
         self._on_fatal = on_fatal
+        self._report = report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
         self.segment_id = 0
@@ -66,8 +69,9 @@ class MasterLink:
                 if not self.segment_id:
                     self._mount()
                 else:
+                    extra = self._report() if self._report is not None else {}
                     reply = self._stub.Heartbeat(
-                        pb.HeartbeatRequest(segment_id=self.segment_id), timeout=_RPC_TIMEOUT_S
+                        pb.HeartbeatRequest(segment_id=self.segment_id, **extra), timeout=_RPC_TIMEOUT_S
                     )
                     if reply.status == Status.SEGMENT_NOT_FOUND:
                         logger.warning("master forgot segment_id=%d; mounting again", self.segment_id)

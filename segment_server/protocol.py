@@ -18,6 +18,11 @@ Invariants that keep the stream in sync:
   PROTOCOL_ERROR response and the connection is closed.
 Backpressure: while the transport's write buffer is above its high-water mark
 no new request is read (`pause_reading` until `resume_writing`).
+
+READ_DISK (objects on the SSD tier) is the one request served asynchronously:
+its names land in a small buffer, then reading stops while `DiskReader`
+reads, verifies and streams the records, so responses stay in request order
+and one connection has at most one disk request in flight.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from dataclasses import dataclass
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
+from kvtier.segment_server.disk_reads import DiskReader
 
 logger = logging.getLogger(__name__)
 
-_HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED = range(5)
+_HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED, _NAMES, _BUSY = range(7)
 _SCRATCH_SIZE = 256 << 10
 _OPS = {int(op) for op in Op}
 
@@ -45,7 +51,10 @@ class DataPlaneStats:
     connections: int = 0
     requests: int = 0
     bytes_written: int = 0  # payload bytes received into the region
-    bytes_read: int = 0  # payload bytes queued to clients from the region
+    bytes_read: int = 0  # payload bytes queued to clients from the region (the DRAM tier)
+    ssd_bytes_served: int = 0  # verified object bytes queued to clients from the SSD tier
+    ssd_bytes_read: int = 0  # bytes this server's disk reads returned (records, headers, padding)
+    ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
     range_errors: int = 0
     protocol_errors: int = 0
 
@@ -53,14 +62,18 @@ class DataPlaneStats:
 class DataProtocol(asyncio.BufferedProtocol):
     """One client connection. Created per connection by the TCP listener."""
 
-    def __init__(self, region: memoryview, stats: DataPlaneStats) -> None:
+    def __init__(self, region: memoryview, stats: DataPlaneStats, disk: DiskReader | None = None) -> None:
         self._region = region
+        self._disk = disk
+        self._write_paused = False
+        self._drained: asyncio.Event | None = None  # set while the transport accepts writes (READ_DISK waits on it)
         self._capacity = len(region)
         self._stats = stats
         self._transport = None
         self._header = bytearray(frames.REQUEST.size)
         self._header_view = memoryview(self._header)
         self._table = bytearray(0)
+        self._names = bytearray(0)  # READ_DISK object names
         self._scratch = memoryview(bytearray(_SCRATCH_SIZE))
         self._state = _HEADER
         self._filled = 0  # bytes received into the current buffer
@@ -89,13 +102,21 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._state = _CLOSED
         self._stats.connections -= 1
         self._transport = None
+        if self._drained is not None:
+            self._drained.set()  # wake a disk request so it notices the connection is gone
 
     def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._drained is not None:
+            self._drained.clear()
         if self._transport is not None:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self._transport is not None and self._state != _CLOSED:
+        self._write_paused = False
+        if self._drained is not None:
+            self._drained.set()
+        if self._transport is not None and self._state not in (_CLOSED, _BUSY):
             self._transport.resume_reading()
 
     def eof_received(self) -> bool:
@@ -112,6 +133,8 @@ class DataProtocol(asyncio.BufferedProtocol):
             return memoryview(self._table)[self._filled : self._need]
         if state == _DRAIN:
             return self._scratch[: min(self._drain_left, _SCRATCH_SIZE)]
+        if state == _NAMES:
+            return memoryview(self._names)[self._filled : self._need]
         return self._scratch  # closed: swallow whatever is still in flight
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -133,6 +156,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         elif state == _RANGES:
             self._ranges = frames.unpack_ranges(self._table, self._nranges)
             self._on_request()
+        elif state == _NAMES:
+            self._on_disk_request()
 
     # ----------------------------------------------------------- state machine
 
@@ -152,7 +177,10 @@ class DataProtocol(asyncio.BufferedProtocol):
             return self._fatal(f"{nranges} ranges in one frame; the limit is {frames.MAX_RANGES_PER_FRAME}")
         if op == Op.WRITE and payload_len > self._capacity:
             return self._fatal(f"write payload of {payload_len} bytes exceeds the region ({self._capacity})")
-        if op != Op.WRITE and payload_len:
+        if op == Op.READ_DISK:
+            if payload_len > nranges * frames.MAX_DISK_NAME:
+                return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
+        elif op != Op.WRITE and payload_len:
             return self._fatal(f"op {op} must not carry a payload")
         self._stats.requests += 1
         self._nranges = nranges
@@ -169,6 +197,14 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def _on_request(self) -> None:
         op, ranges, capacity = self._op, self._ranges, self._capacity
+        if op == Op.READ_DISK:
+            if self._payload_len == 0:
+                return self._on_disk_request()
+            self._names = bytearray(self._payload_len)
+            self._state = _NAMES
+            self._filled = 0
+            self._need = self._payload_len
+            return
         total = 0
         bad = None
         for i in range(0, len(ranges), 2):
@@ -240,3 +276,43 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._send_error(Status.PROTOCOL_ERROR, message)
         self._state = _CLOSED
         self._transport.close()
+
+    # ----------------------------------------------------------- the SSD tier
+
+    def _on_disk_request(self) -> None:
+        ranges = self._ranges
+        try:
+            names = frames.unpack_disk_names(self._names if self._payload_len else b"", self._nranges)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._fatal(f"malformed READ_DISK names: {exc}")
+        total = sum(ranges[1::2])
+        if self._disk is None:
+            self._send_error(Status.NOT_FOUND, "this segment has no SSD tier")
+            return self._start_header()
+        if total > frames.MAX_DISK_FRAME_BYTES:
+            self._send_error(
+                Status.INVALID_RANGE, f"{total} bytes in one READ_DISK; the limit is {frames.MAX_DISK_FRAME_BYTES}"
+            )
+            return self._start_header()
+        self._state = _BUSY
+        self._transport.pause_reading()
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        if not self._write_paused:
+            self._drained.set()
+        task = asyncio.get_running_loop().create_task(
+            self._disk.serve(self._transport, self._drained, self._request_id, ranges, names, self._stats)
+        )
+        task.add_done_callback(self._disk_done)
+
+    def _disk_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("READ_DISK failed", exc_info=task.exception())
+            if self._transport is not None:
+                self._transport.close()  # the response may be half written: the stream cannot continue
+            return
+        if self._state == _CLOSED or self._transport is None:
+            return
+        self._start_header()
+        if not self._write_paused:
+            self._transport.resume_reading()

@@ -1,4 +1,4 @@
-"""Runs a segment server: region, listeners, master link, clean shutdown."""
+"""Runs a segment server: region, SSD tier, listeners, master link, tier worker, clean shutdown."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import signal
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.region import host_id
+from kvtier.proto.units import parse_size
+from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.config import SegmentConfig
+from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.diskio import BufferPool, open_engine
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterLink
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.region import DramRegion, region_path, remove_orphans
+from kvtier.segment_server.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +39,23 @@ async def serve(config: SegmentConfig) -> int:
         region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
     ).open()
     stats = DataPlaneStats()
-    listeners = [TcpListener(config.listen, region.view, stats), ShmListener(region.path, host_id(), region.nonce)]
+    store = engine = disk = worker = None
     link = None
+    listeners: list = []
     try:
+        if config.ssd_dir:
+            store, engine, disk = _open_ssd_tier(config)
+        listeners = [
+            TcpListener(config.listen, region.view, stats, disk),
+            ShmListener(region.path, host_id(), region.nonce),
+        ]
         endpoints = [await listener.start() for listener in listeners]
         mounted = asyncio.Event()
+
+        def on_mounted(_segment_id: int) -> None:
+            if worker is not None:
+                worker.mounted()  # report the SSD inventory to this master
+            loop.call_soon_threadsafe(mounted.set)
 
         def on_fatal(message: str, exit_code: int) -> None:
             fatal.append((message, exit_code))
@@ -53,10 +70,17 @@ async def serve(config: SegmentConfig) -> int:
                 endpoints=endpoints,
                 dram_capacity=region.capacity,
                 incarnation=region.nonce.hex(),
+                ssd_capacity=store.capacity if store is not None else 0,
+                offload=config.offload,
+                disk_engine=engine.name if engine is not None else "",
             ),
-            on_mounted=lambda _id: loop.call_soon_threadsafe(mounted.set),
+            on_mounted=on_mounted,
             on_fatal=on_fatal,
+            report=lambda: _report(stats, store, worker),
         )
+        if store is not None:
+            worker = TierWorker(config.master, store, region.view, lambda: link.segment_id if link else 0)
+            worker.start()
         link.start()
         print(f"kvtier-segment {config.name} serving {', '.join(endpoints)} dram={region.capacity}", flush=True)
         waiter = asyncio.create_task(mounted.wait())
@@ -71,13 +95,67 @@ async def serve(config: SegmentConfig) -> int:
         waiter.cancel()
     finally:
         logger.info("segment server stopping name=%s", config.name)
+        if worker is not None:
+            worker.stop()
         if link is not None:
             link.stop(unmount=not fatal)
         for listener in listeners:
             await listener.stop()
+        if engine is not None:
+            engine.close()
+        if store is not None:
+            store.close()
         region.close()
     if fatal:
         message, exit_code = fatal[0]
         (logger.info if exit_code == 0 else logger.error)("segment server exiting: %s", message)
         return exit_code
     return 0
+
+
+def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskReader]:
+    """Recover the bucket files, choose the disk engine, and build the READ_DISK server."""
+    store = BucketStore(
+        config.ssd_dir,
+        config.ssd_bytes,
+        config.cluster_id,
+        bucket_size=parse_size(config.ssd_bucket_size),
+        bucket_keys=config.ssd_bucket_keys,
+        high_watermark=config.ssd_high_watermark,
+        low_watermark=config.ssd_low_watermark,
+        direct_io=config.ssd_direct_io,
+    )
+    records = store.recover()
+    engine, reason = open_engine(config.ssd_io, queue_depth=config.ssd_queue_depth, threads=config.ssd_threads)
+    logger.info(
+        "ssd tier dir=%s capacity=%d used=%d objects=%d engine=%s",
+        config.ssd_dir,
+        store.capacity,
+        store.used,
+        len(records),
+        reason,
+    )
+    return store, engine, DiskReader(store, engine, BufferPool(parse_size(config.ssd_read_buffers)))
+
+
+def _disk_bytes_read() -> int:
+    """Physical bytes this process read from storage: the kernel's own count (/proc/self/io)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _report(stats: DataPlaneStats, store: BucketStore | None, worker: TierWorker | None) -> dict[str, int]:
+    """Heartbeat fields: SSD usage and the per-tier byte counters, kept apart."""
+    return {
+        "ssd_used": store.used if store is not None else 0,
+        "dram_bytes_served": stats.bytes_read,
+        "ssd_bytes_served": stats.ssd_bytes_served,
+        "disk_bytes_read": _disk_bytes_read(),
+        "ssd_bytes_offloaded": worker.offloaded_bytes if worker is not None else 0,
+    }

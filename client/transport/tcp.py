@@ -49,11 +49,12 @@ class TcpConnector:
 
     # ------------------------------------------------------------- framing
 
-    def _frames(self, sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
+    def _frames(self, sizes: Sequence[int], frame_bytes: int = 0) -> Iterator[tuple[int, int]]:
         """Split ranges into frames: [start, end) index pairs within the payload and range limits."""
+        frame_bytes = frame_bytes or self._frame_bytes
         start, payload = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (payload + size > self._frame_bytes or i - start >= frames.MAX_RANGES_PER_FRAME):
+            if i > start and (payload + size > frame_bytes or i - start >= frames.MAX_RANGES_PER_FRAME):
                 yield start, i
                 start, payload = i, 0
             payload += size
@@ -154,3 +155,66 @@ class TcpConnector:
 
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
         return self._run(Op.READ, ranges, into=False)
+
+    # ------------------------------------------------------------- the SSD tier
+
+    def read_disk(
+        self,
+        items: Sequence[tuple[int, int, bytes]],
+        views: Sequence[Buffer] | None = None,
+        checksums: list[int | None] | None = None,
+    ) -> list:
+        """Objects on the segment's SSD tier: items are (disk location, size, b"namespace\\0key").
+
+        Per item the bytes (or, with `views`, OK after filling views[i]) or a
+        negative status; one bad record fails only its item. `checksums` as
+        for `read_into`. The segment reads, checks and streams the records
+        (see READ_DISK in kvtier.proto.frames); this side never opens a file.
+        """
+        sizes = [item[1] for item in items]
+        results: list = [_FAILED] * len(items)
+        status_buf = bytearray(frames.DISK_STATUS.size)
+        try:
+            with self._pool.socket() as sock:
+                sent = []
+                for start, end in self._frames(sizes, min(self._frame_bytes, frames.MAX_DISK_FRAME_BYTES)):
+                    request_id = next(self._request_ids)
+                    names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
+                    table = [(items[i][0], sizes[i]) for i in range(start, end)]
+                    send_all(sock, [frames.pack_request(Op.READ_DISK, request_id, table, len(names)), names])
+                    sent.append((request_id, start, end))
+                header = bytearray(frames.RESPONSE.size)
+                for request_id, start, end in sent:
+                    status, payload_len = self._read_response(sock, request_id, header)
+                    if status != _OK:
+                        message = self._error_message(sock, payload_len)
+                        logger.warning(
+                            "segment %s refused READ_DISK: %s: %s", self.endpoint, to_status(status).name, message
+                        )
+                        results[start:end] = [status] * (end - start)
+                        continue
+                    expected = 4 * (end - start) + sum(sizes[start:end])
+                    if payload_len != expected:
+                        raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
+                    for i in range(start, end):
+                        recv_exact_into(sock, memoryview(status_buf))
+                        (item_status,) = frames.DISK_STATUS.unpack(status_buf)
+                        if views is None:
+                            data = recv_exact(sock, sizes[i]) if sizes[i] else b""
+                            results[i] = data if item_status == _OK else item_status
+                            continue
+                        view = views[i]
+                        crc = 0
+                        for lo in range(0, sizes[i], _CHUNK):
+                            chunk = view[lo : lo + _CHUNK]
+                            recv_exact_into(sock, chunk)
+                            if checksums is not None:
+                                crc = crc32c.crc32c(chunk, crc)
+                        if checksums is not None:
+                            checksums[i] = crc
+                        results[i] = item_status
+        except (ConnectError, ReadError, ProtocolError) as exc:
+            logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc.message)
+        except OSError as exc:
+            logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc)
+        return results

@@ -1,0 +1,855 @@
+"""The SSD tier's bucket store: append-only bucket files of checksummed records.
+
+On-disk format (all integers little-endian, ALIGN = 4096):
+
+- A bucket is a file ``bucket-<id as 16 hex digits>.kvb`` in the store's directory. Bucket ids are
+  assigned increasing (max existing id + 1 on start), never reused.
+- File header, the first 4096 bytes: magic ``b"KVTB"``, format version u16 (=1), reserved u16,
+  bucket id u64, created unix time f64, cluster id length u16 + cluster id bytes (UTF-8, <= 64 bytes),
+  then CRC32C u32 of all preceding header bytes; zero padding to 4096.
+- Records start at 4096-aligned offsets. Record header: magic ``b"KVTR"``, version u16 (=1),
+  flags u16 (0 = object, 1 = tombstone), header_len u32 (bytes of the header including the names
+  below, excluding padding), namespace_len u16, key_len u16, size u64 (payload bytes), payload_crc u32
+  (CRC32C of the payload), header_crc u32 (CRC32C of the header bytes with this field set to zero),
+  then namespace bytes and key bytes (UTF-8). The payload follows the header immediately (at record
+  offset + header_len). The next record starts at the next 4096-aligned offset after the payload.
+  The cluster id is in the bucket header, not per record.
+- A tombstone record's payload is 8 bytes: the u64 location of a record it declares dead (written
+  when the master removes an object that had a disk copy, so a restart does not resurrect it).
+- Sealing: when a bucket reaches ``bucket_size`` bytes or ``bucket_keys`` records (whichever first),
+  it is sealed: an index footer is appended at a 4096-aligned offset: magic ``b"KVTI"``, count u32,
+  then per record (offset u64, header_len u32, size u64, flags u16), then CRC32C u32 over the footer;
+  then the last 16 bytes of the file are a locator: footer offset u64 + magic ``b"KVTE"`` + CRC32C u32
+  of those 12 bytes. The file is fdatasync'ed after sealing and a new bucket is opened for appends.
+- Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
+  bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
+
+Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
+another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts
+and `used`; the writer mutates them only under it and reads them without it (it is the only mutator).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import crc32c
+
+from kvtier.proto.keys import cluster_id_problem
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+FORMAT_VERSION = 1
+FLAG_OBJECT = 0
+FLAG_TOMBSTONE = 1
+BUCKET_MAGIC = b"KVTB"
+RECORD_MAGIC = b"KVTR"
+INDEX_MAGIC = b"KVTI"
+LOCATOR_MAGIC = b"KVTE"
+MAX_BUCKET_SIZE = (1 << 20) * ALIGN  # the location keeps 20 bits of aligned offset
+MAX_BUCKET_ID = 1 << 28  # bucket_id << 20 stays below 2**48
+MAX_CLUSTER_ID_BYTES = 64
+MAX_NAME_BYTES = 0xFFFF
+
+_BUCKET_HEAD = struct.Struct("<4sHHQdH")  # magic, version, reserved, bucket id, created, cluster id length
+_RECORD_HEAD = struct.Struct("<4sHHIHHQII")  # magic, version, flags, header_len, ns_len, key_len, size, crcs
+_HEADER_CRC_AT = 28  # offset of header_crc inside the record header
+_INDEX_HEAD = struct.Struct("<4sI")
+_INDEX_ENTRY = struct.Struct("<QIQH")
+_LOCATOR_BODY = struct.Struct("<Q4s")
+_LOCATOR_SIZE = _LOCATOR_BODY.size + 4
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_TOMBSTONE_SIZE = _U64.size
+_MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
+_CRC_CHUNK = 8 << 20  # recovery verifies payloads in chunks so a huge record does not need huge memory
+_NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
+
+_Entry = tuple[int, int, int, int]  # footer entry: offset, header_len, size, flags
+
+
+@dataclass(slots=True, frozen=True)
+class DiskRecord:
+    """One live object on disk."""
+
+    location: int
+    namespace: str
+    key: str
+    size: int  # payload bytes
+    checksum: int  # CRC32C of the payload (== the object's checksum in the master)
+
+
+@dataclass(slots=True, frozen=True)
+class ReadPlan:
+    """How a caller reads one record with one aligned read (offset and length are 4096-aligned)."""
+
+    fd: int  # open fd of the bucket file (valid while the caller holds a pin, see BucketStore.pin)
+    file_offset: int  # 4096-aligned record start
+    read_length: int  # header_len + size rounded up to 4096; may extend past EOF (reads may return short)
+    header_len: int
+    size: int
+
+
+class RecordError(Exception):
+    """A record that cannot be verified; the message says why."""
+
+
+class DiskFull(OSError):
+    """The store has no room for a record: its capacity is used up or the file system said ENOSPC."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+@dataclass(slots=True, frozen=True)
+class _Head:
+    """A parsed and CRC-verified record header."""
+
+    flags: int
+    header_len: int
+    size: int
+    payload_crc: int
+    namespace: str
+    key: str
+
+
+@dataclass(slots=True, eq=False)
+class _Bucket:
+    bucket_id: int
+    path: str
+    read_fd: int  # handed out in ReadPlans; O_DIRECT when enabled and supported
+    write_fd: int = -1  # -1 once sealed: a sealed bucket is never written again
+    end: int = ALIGN  # next record offset (sealed: the footer offset)
+    length: int = ALIGN  # file length, to cut a failed write back off
+    allocated: int = ALIGN  # bytes counted in `used`
+    count: int = 0  # records (objects and tombstones) in the file
+    sealed: bool = False
+    entries: list[_Entry] = field(default_factory=list)  # the future footer; emptied once sealed
+    live: dict[int, DiskRecord] = field(default_factory=dict)  # location -> live object record
+    tombstones: list[int] = field(default_factory=list)  # tombstoned locations in *other* buckets
+    pins: int = 0
+    doomed: bool = False  # deleted while pinned: unlinked at the last unpin
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _location(bucket_id: int, offset: int) -> int:
+    return bucket_id << 20 | offset // ALIGN
+
+
+def _header_crc(header: bytes | memoryview) -> int:
+    """CRC32C of a record header with its header_crc field read as zero."""
+    value = crc32c.crc32c(header[:_HEADER_CRC_AT])
+    value = crc32c.crc32c(bytes(4), value=value)
+    return crc32c.crc32c(header[_HEADER_CRC_AT + 4 :], value=value)
+
+
+def _record_header(flags: int, namespace: bytes, key: bytes, size: int, payload_crc: int) -> bytes:
+    n, k = len(namespace), len(key)
+    header = bytearray(_RECORD_HEAD.pack(RECORD_MAGIC, FORMAT_VERSION, flags, 32 + n + k, n, k, size, payload_crc, 0))
+    header += namespace + key
+    _U32.pack_into(header, _HEADER_CRC_AT, crc32c.crc32c(header))
+    return bytes(header)
+
+
+def _parse_header(buf: bytes | memoryview) -> _Head:
+    """Parse and verify the record header at the start of `buf`; RecordError says what is wrong."""
+    if len(buf) < _RECORD_HEAD.size:
+        raise RecordError(f"record header truncated: {len(buf)} bytes")
+    magic, version, flags, header_len, ns_len, key_len, size, payload_crc, header_crc = _RECORD_HEAD.unpack_from(buf)
+    if magic != RECORD_MAGIC:
+        raise RecordError(f"bad record magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise RecordError(f"unknown record version {version}")
+    if flags not in (FLAG_OBJECT, FLAG_TOMBSTONE):
+        raise RecordError(f"unknown record flags {flags}")
+    if header_len != _RECORD_HEAD.size + ns_len + key_len:
+        raise RecordError(f"header_len {header_len} does not match name lengths {ns_len}+{key_len}")
+    if len(buf) < header_len:
+        raise RecordError(f"record header truncated: {len(buf)} of {header_len} bytes")
+    if _header_crc(buf[:header_len]) != header_crc:
+        raise RecordError("record header CRC mismatch")
+    if flags == FLAG_TOMBSTONE and size != _TOMBSTONE_SIZE:
+        raise RecordError(f"tombstone payload of {size} bytes")
+    names = _RECORD_HEAD.size
+    try:
+        namespace = bytes(buf[names : names + ns_len]).decode()
+        key = bytes(buf[names + ns_len : header_len]).decode()
+    except UnicodeDecodeError as exc:
+        raise RecordError(f"record name is not UTF-8: {exc}") from None
+    return _Head(flags, header_len, size, payload_crc, namespace, key)
+
+
+def _read_head(fd: int, offset: int, limit: int) -> _Head:
+    """The verified header of the record at `offset`; RecordError if torn, invalid or ending past `limit`."""
+    buf = os.pread(fd, _RECORD_HEAD.size, offset)
+    if len(buf) >= _RECORD_HEAD.size and buf[:4] == RECORD_MAGIC:
+        header_len = _U32.unpack_from(buf, 8)[0]
+        if _RECORD_HEAD.size < header_len <= _MAX_HEADER_LEN:
+            buf += os.pread(fd, header_len - _RECORD_HEAD.size, offset + _RECORD_HEAD.size)
+    head = _parse_header(buf)
+    if offset + head.header_len + head.size > limit:
+        raise RecordError(f"payload of {head.size} bytes runs past the end of the file")
+    return head
+
+
+def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None]:
+    """(footer offset, entries) of a sealed bucket; (None, None) without a valid locator, and entries
+    None when the footer is invalid or does not tile the file exactly (so it can never point into the
+    middle of a payload)."""
+    if file_len < ALIGN + _INDEX_HEAD.size + 4 + _LOCATOR_SIZE:
+        return None, None
+    raw = os.pread(fd, _LOCATOR_SIZE, file_len - _LOCATOR_SIZE)
+    footer_off, magic = _LOCATOR_BODY.unpack_from(raw)
+    if magic != LOCATOR_MAGIC or crc32c.crc32c(raw[:12]) != _U32.unpack_from(raw, 12)[0]:
+        return None, None
+    if footer_off % ALIGN or not ALIGN <= footer_off <= file_len - _LOCATOR_SIZE - _INDEX_HEAD.size - 4:
+        return None, None
+    raw = os.pread(fd, file_len - _LOCATOR_SIZE - footer_off, footer_off)
+    magic, count = _INDEX_HEAD.unpack_from(raw)
+    if magic != INDEX_MAGIC or len(raw) != _INDEX_HEAD.size + count * _INDEX_ENTRY.size + 4:
+        return footer_off, None
+    if crc32c.crc32c(raw[:-4]) != _U32.unpack_from(raw, len(raw) - 4)[0]:
+        return footer_off, None
+    entries = [_INDEX_ENTRY.unpack_from(raw, _INDEX_HEAD.size + i * _INDEX_ENTRY.size) for i in range(count)]
+    expected = ALIGN
+    for offset, header_len, size, _ in entries:
+        if offset != expected:
+            return footer_off, None
+        expected = _align(offset + header_len + size)
+    return footer_off, entries if expected == footer_off else None
+
+
+def _crc_range(fd: int, offset: int, size: int) -> int | None:
+    """CRC32C of `size` file bytes from `offset`, or None if the file is shorter."""
+    value = done = 0
+    while done < size:
+        chunk = os.pread(fd, min(_CRC_CHUNK, size - done), offset + done)
+        if not chunk:
+            return None
+        value = crc32c.crc32c(chunk, value=value)
+        done += len(chunk)
+    return value
+
+
+def _pwrite_all(fd: int, buffers: Sequence[bytes], offset: int) -> None:
+    views = [memoryview(b) for b in buffers if b]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written <= 0:  # a regular file only writes nothing when the device is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views:
+            views[0] = views[0][written:]
+
+
+def _close_fds(bucket: _Bucket) -> None:
+    for fd in (bucket.read_fd, bucket.write_fd):
+        if fd >= 0:
+            os.close(fd)
+
+
+def _disk_error(exc: OSError, what: str) -> OSError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"{what}: {exc.strerror}")
+    return exc
+
+
+class BucketStore:
+    """Bucket files in one directory: appends, group-committed syncs, recovery, reads and eviction.
+
+    Lifecycle: construct (touches no file), `recover()` once, then use, then `close()`. The open
+    bucket is never an eviction candidate: with capacity < 2 * bucket_size it can fill the store
+    with nothing to evict (appends then raise DiskFull until something is deleted).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        cluster_id: str,
+        *,
+        bucket_size: int = 256 << 20,
+        bucket_keys: int = 65536,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        direct_io: bool = False,
+    ) -> None:
+        if not 2 * ALIGN <= bucket_size <= MAX_BUCKET_SIZE:
+            raise ValueError(
+                f"bucket_size must be between {2 * ALIGN} bytes and 4 GiB ({MAX_BUCKET_SIZE}): "
+                f"a location keeps only 20 bits of 4096-byte record offset, got {bucket_size}"
+            )
+        if not 1 <= bucket_keys <= 1 << 20:
+            raise ValueError(f"bucket_keys must be between 1 and {1 << 20}, got {bucket_keys}")
+        if capacity < 2 * ALIGN:
+            raise ValueError(f"capacity must be at least {2 * ALIGN} bytes, got {capacity}")
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1, got {low_watermark}, {high_watermark}")
+        if problem := cluster_id_problem(cluster_id):
+            raise ValueError(problem)
+        self._dir = os.fspath(directory)
+        self._capacity = capacity
+        self._cluster = cluster_id.encode()
+        self._bucket_size = bucket_size
+        self._bucket_keys = bucket_keys
+        self._high = high_watermark
+        self._low = low_watermark
+        self._direct_io = direct_io and hasattr(os, "O_DIRECT")
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._buckets: dict[int, _Bucket] = {}  # by id, in id (= age) order: recover sorts, new ids increase
+        self._by_fd: dict[int, _Bucket] = {}  # read fd -> bucket, including doomed ones, for unpin
+        self._open: _Bucket | None = None
+        self._dirty: set[_Bucket] = set()
+        self._dir_dirty = False  # a bucket file was created since the last sync
+        self._next_id = 0
+        self._used = 0
+        self._state = "new"  # new -> recovered -> closed
+
+    # --- recovery ---------------------------------------------------------------------------
+
+    def recover(self) -> list[DiskRecord]:
+        """Load every bucket of ours, repair the open one's torn tail, and return the live objects.
+
+        Files of another cluster or format, or with a bad header, are logged and left untouched (not
+        counted in `used`). Records whose payload CRC fails are dropped; tombstoned records are dead.
+        Ends with an open bucket for appends (creating one if needed). Call once, before anything else.
+        """
+        if self._state != "new":
+            raise RuntimeError("recover() must be called once, on a new store")
+        found = sorted(
+            (int(m.group(1), 16), entry.name)
+            for entry in os.scandir(self._dir)
+            if (m := _NAME_RE.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False)
+        )
+        # Ignored files keep their ids taken too: creating a bucket must never collide with one.
+        self._next_id = max((i + 1 for i, _ in found if i < MAX_BUCKET_ID), default=0)
+        loaded = [b for bucket_id, name in found if (b := self._load(bucket_id, os.path.join(self._dir, name)))]
+        for bucket in loaded:
+            self._buckets[bucket.bucket_id] = bucket
+            self._by_fd[bucket.read_fd] = bucket
+            self._used += bucket.allocated
+        for bucket in loaded:
+            for target in bucket.tombstones:
+                holder = self._buckets.get(target >> 20)
+                if holder is not None:
+                    holder.live.pop(target, None)
+            # Keep only what a later delete of this bucket must carry forward (see delete_buckets).
+            bucket.tombstones = [
+                t for t in bucket.tombstones if (t >> 20) != bucket.bucket_id and (t >> 20) in self._buckets
+            ]
+        self._state = "recovered"
+        for bucket in loaded[:-1]:
+            if not bucket.sealed:  # only the newest bucket may stay open
+                self._seal(bucket)
+        last = loaded[-1] if loaded else None
+        if last is not None and not last.sealed and not self._full(last):
+            self._open = last
+        else:
+            if last is not None and not last.sealed:
+                self._seal(last)
+            self._open = self._create_bucket()
+            self._register(self._open)
+        records = self.records()
+        logger.info(
+            "buckets recovered dir=%s buckets=%d records=%d used=%d", self._dir, len(loaded), len(records), self._used
+        )
+        return records
+
+    def _load(self, bucket_id: int, path: str) -> _Bucket | None:
+        """Scan one bucket file; None (logged) when it is not ours to serve."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            file_len = os.fstat(fd).st_size
+            problem = self._header_problem(os.pread(fd, ALIGN, 0), bucket_id)
+            if problem:
+                logger.warning("bucket file ignored path=%s reason=%s", path, problem)
+                return None
+            bucket = _Bucket(bucket_id, path, read_fd=-1)
+            records, stop, torn = self._scan(bucket, fd, file_len)
+            for offset, head in records:
+                self._verify_payload(bucket, fd, offset, head)
+            bucket.count = len(records)
+            bucket.end = stop
+            if bucket.sealed:
+                bucket.length = file_len
+            else:
+                bucket.entries = [(off, h.header_len, h.size, h.flags) for off, h in records]
+                bucket.write_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                if torn is not None:
+                    # The torn tail never reached a completed sync (or is garbage): cut it off.
+                    logger.warning("torn bucket tail truncated path=%s offset=%d reason=%s", path, stop, torn)
+                    os.ftruncate(bucket.write_fd, stop)
+                    os.fdatasync(bucket.write_fd)
+                    file_len = stop
+                bucket.length = file_len
+            bucket.allocated = _align(bucket.length)
+            bucket.read_fd = self._open_read_fd(path)
+            return bucket
+        finally:
+            os.close(fd)
+
+    def _header_problem(self, raw: bytes, bucket_id: int) -> str | None:
+        if len(raw) < ALIGN:
+            return f"file shorter than its {ALIGN}-byte header"
+        magic, version, _, header_id, _, cluster_len = _BUCKET_HEAD.unpack_from(raw)
+        if magic != BUCKET_MAGIC:
+            return f"bad magic {magic!r}"
+        if bucket_id >= MAX_BUCKET_ID:
+            return "bucket id not below 2**28"
+        if version != FORMAT_VERSION:
+            return f"format version {version}, expected {FORMAT_VERSION}"
+        end = _BUCKET_HEAD.size + cluster_len
+        if cluster_len > MAX_CLUSTER_ID_BYTES or crc32c.crc32c(raw[:end]) != _U32.unpack_from(raw, end)[0]:
+            return "bad header CRC"
+        if raw[_BUCKET_HEAD.size : end] != self._cluster:
+            return f"cluster id {raw[_BUCKET_HEAD.size : end].decode(errors='replace')!r}"
+        if header_id != bucket_id:
+            return f"header names bucket {header_id}"
+        return None
+
+    def _scan(self, bucket: _Bucket, fd: int, file_len: int) -> tuple[list[tuple[int, _Head]], int, str | None]:
+        """The bucket's records with valid headers, where they stop, and why the scan stopped early.
+
+        A valid locator marks the bucket sealed. Its footer is trusted only when it agrees with the
+        file exactly (records back to back from 4096, every header matching its entry); otherwise,
+        and for unsealed buckets, records are read linearly up to the first invalid header.
+        """
+        footer_off, entries = _read_index(fd, file_len)
+        limit = file_len
+        if footer_off is not None:
+            bucket.sealed = True
+            limit = footer_off
+            if entries is not None:
+                try:
+                    records = [(off, _read_head(fd, off, footer_off)) for off, *_ in entries]
+                except RecordError:
+                    records = None
+                if records is not None and all(
+                    (h.header_len, h.size, h.flags) == tuple(e[1:]) for (_, h), e in zip(records, entries, strict=True)
+                ):
+                    return records, footer_off, None
+            logger.warning("bucket footer invalid, scanning records path=%s", bucket.path)
+        records = []
+        offset = ALIGN
+        while offset < limit:
+            try:
+                head = _read_head(fd, offset, limit)
+            except RecordError as exc:
+                if bucket.sealed:
+                    logger.warning("sealed bucket scan stopped path=%s offset=%d reason=%s", bucket.path, offset, exc)
+                    return records, limit, None
+                return records, offset, str(exc)
+            records.append((offset, head))
+            offset = _align(offset + head.header_len + head.size)
+        return records, offset, None
+
+    def _verify_payload(self, bucket: _Bucket, fd: int, offset: int, head: _Head) -> None:
+        location = _location(bucket.bucket_id, offset)
+        if head.flags == FLAG_TOMBSTONE:
+            payload = os.pread(fd, _TOMBSTONE_SIZE, offset + head.header_len)
+            if len(payload) == _TOMBSTONE_SIZE and crc32c.crc32c(payload) == head.payload_crc:
+                bucket.tombstones.append(_U64.unpack(payload)[0])
+                return
+        elif _crc_range(fd, offset + head.header_len, head.size) == head.payload_crc:
+            bucket.live[location] = DiskRecord(location, head.namespace, head.key, head.size, head.payload_crc)
+            return
+        logger.warning(
+            "record dropped: payload CRC mismatch path=%s offset=%d key=%.80s", bucket.path, offset, head.key
+        )
+
+    # --- appends ----------------------------------------------------------------------------
+
+    def append(self, namespace: str, key: str, payload: memoryview | bytes, checksum: int) -> int:
+        """Append one object record and return its location; durable only after the next `sync()`.
+
+        Raises RecordError (nothing written) if the payload's CRC32C is not `checksum`, DiskFull when
+        used + the record's size would exceed capacity or the file system is full, ValueError for a
+        name longer than 65535 bytes. After any failure the store is consistent and usable.
+        """
+        ns, kb = namespace.encode(), key.encode()
+        if len(ns) > MAX_NAME_BYTES or len(kb) > MAX_NAME_BYTES:
+            raise ValueError(f"namespace and key must be at most {MAX_NAME_BYTES} UTF-8 bytes")
+        # Copy before checksumming: the source may be shared memory a client can still modify, and the
+        # bytes written must be exactly the bytes whose CRC matched the master's checksum.
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        crc = crc32c.crc32c(data)
+        if crc != checksum:
+            raise RecordError(f"payload CRC32C {crc:#010x} != expected {checksum:#010x} key={key:.80}")
+        bucket, location = self._write_record(FLAG_OBJECT, ns, kb, data, crc, check_capacity=True)
+        with self._lock:
+            bucket.live[location] = DiskRecord(location, namespace, key, len(data), crc)
+        self._seal_if_full()
+        return location
+
+    def tombstone(self, location: int) -> None:
+        """Declare a live record dead (unknown locations are ignored); durable only after `sync()`.
+
+        Tombstones are not held to `capacity` (they free space later and must not fail for lack of it);
+        a file system ENOSPC raises DiskFull and leaves the record live.
+        """
+        bucket = self._buckets.get(location >> 20)
+        if bucket is None or location not in bucket.live:
+            return
+        self._append_tombstone(location)
+        with self._lock:
+            bucket.live.pop(location, None)
+
+    def _append_tombstone(self, target: int) -> None:
+        payload = _U64.pack(target)
+        holder, _ = self._write_record(FLAG_TOMBSTONE, b"", b"", payload, crc32c.crc32c(payload), check_capacity=False)
+        if target >> 20 != holder.bucket_id:
+            holder.tombstones.append(target)
+        self._seal_if_full()
+
+    def _write_record(
+        self, flags: int, ns: bytes, kb: bytes, data: bytes, crc: int, *, check_capacity: bool
+    ) -> tuple[_Bucket, int]:
+        self._check_state()
+        assert self._open is not None
+        header = _record_header(flags, ns, kb, len(data), crc)
+        span = _align(len(header) + len(data))
+        bucket = self._open
+        roll = bucket.count > 0 and (bucket.end + span > self._bucket_size or self._full(bucket))
+        if check_capacity:
+            footer = _INDEX_HEAD.size + bucket.count * _INDEX_ENTRY.size + 4 + _LOCATOR_SIZE
+            needed = span + (_align(footer) + ALIGN if roll else 0)
+            if self._used + needed > self._capacity:
+                raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
+        if roll:
+            bucket = self._roll()
+        offset = bucket.end
+        try:
+            _pwrite_all(bucket.write_fd, [header, data], offset)
+        except OSError as exc:
+            self._cut_back(bucket)
+            raise _disk_error(exc, f"writing bucket {bucket.path}") from exc
+        bucket.length = offset + len(header) + len(data)
+        bucket.end = _align(bucket.length)
+        bucket.count += 1
+        bucket.entries.append((offset, len(header), len(data), flags))
+        self._dirty.add(bucket)
+        with self._lock:
+            self._used += bucket.end - bucket.allocated
+            bucket.allocated = bucket.end
+        return bucket, _location(bucket.bucket_id, offset)
+
+    def _cut_back(self, bucket: _Bucket) -> None:
+        """Remove whatever a failed write left past the last complete record."""
+        try:
+            os.ftruncate(bucket.write_fd, bucket.length)
+        except OSError as exc:  # the next write at the same offset overwrites it anyway
+            logger.warning("cannot truncate failed write path=%s error=%s", bucket.path, exc)
+
+    def _full(self, bucket: _Bucket) -> bool:
+        return bucket.end >= self._bucket_size or bucket.count >= self._bucket_keys
+
+    def _seal_if_full(self) -> None:
+        assert self._open is not None
+        if self._full(self._open):
+            try:
+                self._roll()
+            except OSError as exc:  # the next append retries before it writes
+                logger.warning("bucket seal deferred bucket=%d error=%s", self._open.bucket_id, exc)
+
+    def _roll(self) -> _Bucket:
+        """Seal the open bucket and open a new one, all or nothing; the new bucket is returned."""
+        old = self._open
+        assert old is not None
+        try:
+            new = self._create_bucket()
+        except OSError as exc:
+            raise _disk_error(exc, "creating a bucket") from exc
+        try:
+            self._seal(old)
+        except OSError as exc:
+            _close_fds(new)
+            os.unlink(new.path)  # empty and never registered; its id stays consumed
+            raise _disk_error(exc, f"sealing bucket {old.path}") from exc
+        self._register(new)
+        self._open = new
+        return new
+
+    def _register(self, bucket: _Bucket) -> None:
+        """Make a new bucket current; its header and directory entry become durable at the next sync."""
+        self._dirty.add(bucket)
+        self._dir_dirty = True
+        with self._lock:
+            self._buckets[bucket.bucket_id] = bucket
+            self._by_fd[bucket.read_fd] = bucket
+            self._used += bucket.allocated
+
+    def _create_bucket(self) -> _Bucket:
+        bucket_id = self._next_id
+        while True:
+            if bucket_id >= MAX_BUCKET_ID:
+                raise RuntimeError(f"bucket ids exhausted in {self._dir} (ids must stay below 2**28)")
+            path = os.path.join(self._dir, f"bucket-{bucket_id:016x}.kvb")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                bucket_id += 1
+        self._next_id = bucket_id + 1
+        try:
+            cluster = self._cluster
+            header = bytearray(_BUCKET_HEAD.pack(BUCKET_MAGIC, FORMAT_VERSION, 0, bucket_id, time.time(), len(cluster)))
+            header += cluster
+            header += _U32.pack(crc32c.crc32c(header))
+            _pwrite_all(fd, [bytes(header).ljust(ALIGN, b"\0")], 0)
+            read_fd = self._open_read_fd(path)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        logger.info("bucket created path=%s", path)
+        return _Bucket(bucket_id, path, read_fd=read_fd, write_fd=fd)
+
+    def _seal(self, bucket: _Bucket) -> None:
+        """Append the footer and locator, fdatasync, and stop writing the bucket."""
+        footer = bytearray(_INDEX_HEAD.pack(INDEX_MAGIC, len(bucket.entries)))
+        for entry in bucket.entries:
+            footer += _INDEX_ENTRY.pack(*entry)
+        footer += _U32.pack(crc32c.crc32c(footer))
+        locator = _LOCATOR_BODY.pack(bucket.end, LOCATOR_MAGIC)
+        footer += locator + _U32.pack(crc32c.crc32c(locator))
+        try:
+            _pwrite_all(bucket.write_fd, [bytes(footer)], bucket.end)
+            # Also makes every record of the bucket durable: sealing never leaves one behind a sync.
+            os.fdatasync(bucket.write_fd)
+        except OSError:
+            self._cut_back(bucket)
+            raise
+        os.close(bucket.write_fd)
+        bucket.write_fd = -1
+        bucket.sealed = True
+        bucket.entries = []
+        bucket.length = bucket.end + len(footer)
+        self._dirty.discard(bucket)
+        with self._lock:
+            self._used += _align(bucket.length) - bucket.allocated
+            bucket.allocated = _align(bucket.length)
+        logger.info("bucket sealed path=%s records=%d bytes=%d", bucket.path, bucket.count, bucket.length)
+
+    def sync(self) -> None:
+        """fdatasync every bucket with unsynced appends (and the directory after a new bucket).
+
+        After it returns, every record appended before the call survives a crash. An OSError means the
+        appends since the last successful sync may be lost: treat them as not durable (a retry that
+        succeeds does not prove otherwise, the kernel may have dropped the failed pages).
+        """
+        for bucket in list(self._dirty):
+            os.fdatasync(bucket.write_fd)
+            self._dirty.discard(bucket)
+        if self._dir_dirty:
+            self._fsync_dir()
+            self._dir_dirty = False
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def _open_read_fd(self, path: str) -> int:
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self._direct_io:
+            try:
+                return os.open(path, flags | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_io = False  # once: the file system (e.g. tmpfs) will not change its mind
+                logger.warning("O_DIRECT not supported, reads stay buffered directory=%s", self._dir)
+        return os.open(path, flags)
+
+    def _plan(self, location: int) -> tuple[_Bucket, ReadPlan]:
+        bucket = self._buckets.get(location >> 20)
+        record = bucket.live.get(location) if bucket is not None else None
+        if bucket is None or record is None:
+            raise KeyError(location)
+        header_len = _RECORD_HEAD.size + len(record.namespace.encode()) + len(record.key.encode())
+        plan = ReadPlan(
+            bucket.read_fd, (location & 0xFFFFF) * ALIGN, _align(header_len + record.size), header_len, record.size
+        )
+        return bucket, plan
+
+    def plan_read(self, location: int) -> ReadPlan:
+        """How to read a live record; KeyError if it is unknown, tombstoned or its bucket was deleted.
+
+        The fd may be closed by a later `delete_buckets`: readers on another thread must use `pin`.
+        """
+        with self._lock:
+            return self._plan(location)[1]
+
+    def pin(self, location: int) -> ReadPlan:
+        """Like `plan_read`, and the bucket's file and fd stay alive until `unpin(plan)`. Thread-safe."""
+        with self._lock:
+            bucket, plan = self._plan(location)
+            bucket.pins += 1
+            return plan
+
+    def unpin(self, plan: ReadPlan) -> None:
+        """Release a `pin`; the last unpin of a deleted bucket unlinks it. Thread-safe; a no-op after close."""
+        with self._lock:
+            if self._state == "closed":
+                return
+            bucket = self._by_fd.get(plan.fd)
+            if bucket is None or bucket.pins == 0:
+                raise ValueError(f"unpin of a plan that is not pinned: {plan}")
+            bucket.pins -= 1
+            if bucket.pins == 0 and bucket.doomed:
+                self._destroy(bucket)
+
+    @staticmethod
+    def payload_of(
+        buf: memoryview, plan: ReadPlan, namespace: str, key: str, cluster_id: str | None = None
+    ) -> memoryview:
+        """Verify a record read with `plan` and return its payload (a slice of `buf`, no copy).
+
+        Checks magic, version, object flags, header CRC, names and size; RecordError otherwise. The
+        payload CRC is for the reader to check against the master's checksum. `cluster_id` is accepted
+        for symmetry but not checked: records carry none, and `recover` serves only our cluster's buckets.
+        """
+        buf = memoryview(buf).cast("B")
+        head = _parse_header(buf)
+        if head.flags != FLAG_OBJECT:
+            raise RecordError("record is a tombstone")
+        if head.header_len != plan.header_len or head.size != plan.size:
+            raise RecordError(f"record has header_len={head.header_len} size={head.size}, plan says {plan}")
+        if head.namespace != namespace or head.key != key:
+            raise RecordError(f"record is {head.namespace}/{head.key}, expected {namespace}/{key}")
+        end = head.header_len + head.size
+        if len(buf) < end:
+            raise RecordError(f"short read: {len(buf)} of {end} bytes")
+        return buf[head.header_len : end]
+
+    # --- capacity ---------------------------------------------------------------------------
+
+    def eviction_candidates(self) -> list[tuple[int, list[int]]]:
+        """Above the high watermark: the oldest sealed buckets whose deletion gets `used` down to the low
+        watermark (or all sealed ones if that is not enough), as (bucket_id, live object locations).
+        [] otherwise. Deletes nothing: the caller tells the master first, then calls `delete_buckets`.
+        """
+        if self._used <= self._high * self._capacity:
+            return []
+        used = self._used
+        candidates = []
+        for bucket in self._buckets.values():  # oldest first
+            if used <= self._low * self._capacity:
+                break
+            if bucket.sealed:
+                candidates.append((bucket.bucket_id, list(bucket.live)))
+                used -= bucket.allocated
+        return candidates
+
+    def delete_buckets(self, bucket_ids: list[int]) -> None:
+        """Forget the buckets (plan_read/pin raise KeyError from now on) and unlink their files, at the
+        last unpin for pinned ones. Unknown ids are ignored; the open bucket raises ValueError.
+
+        Tombstones a deleted bucket holds for records in surviving buckets are appended again (and
+        synced) first, so deleting out of age order never resurrects a record. Eviction deletes oldest
+        first, where there is nothing to carry.
+        """
+        doomed = {i for i in bucket_ids if i in self._buckets}
+        if self._open is not None and self._open.bucket_id in doomed:
+            raise ValueError(f"bucket {self._open.bucket_id} is the open bucket and cannot be deleted")
+        carry = [
+            target
+            for i in sorted(doomed)
+            for target in self._buckets[i].tombstones
+            if (target >> 20) in self._buckets and (target >> 20) not in doomed
+        ]
+        if carry:
+            try:
+                for target in carry:
+                    self._append_tombstone(target)
+                self.sync()
+            except OSError as exc:  # freeing space matters more; the master still knows the truth
+                logger.error("tombstones not carried forward count=%d error=%s", len(carry), exc)
+        unlinked = 0
+        with self._lock:
+            for bucket_id in sorted(doomed):
+                bucket = self._buckets.pop(bucket_id)
+                self._dirty.discard(bucket)
+                if bucket.pins:
+                    bucket.doomed = True
+                else:
+                    self._destroy(bucket)
+                    unlinked += 1
+        if unlinked:
+            self._fsync_dir()  # deleted buckets stay deleted after a crash
+        logger.info("buckets deleted ids=%s deferred=%d used=%d", sorted(doomed), len(doomed) - unlinked, self._used)
+
+    def _destroy(self, bucket: _Bucket) -> None:
+        """Close and unlink a bucket no longer in the table. Caller holds the lock."""
+        _close_fds(bucket)
+        self._by_fd.pop(bucket.read_fd, None)
+        try:
+            os.unlink(bucket.path)
+        except FileNotFoundError:
+            pass
+        self._used -= bucket.allocated
+        bucket.live.clear()
+
+    # --- inventory and lifecycle ------------------------------------------------------------
+
+    def records(self) -> list[DiskRecord]:
+        """Live object records, oldest first (the inventory reported to the master)."""
+        with self._lock:
+            return [record for bucket in self._buckets.values() for record in bucket.live.values()]
+
+    @property
+    def used(self) -> int:
+        """Bytes our bucket files occupy (files have no holes: length rounded up to 4096), including
+        deleted buckets still pinned by readers."""
+        return self._used
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def open_bucket_id(self) -> int:
+        """The bucket appends go to; -1 before `recover` and after `close`."""
+        return self._open.bucket_id if self._open is not None else -1
+
+    def _check_state(self) -> None:
+        if self._state != "recovered":
+            raise RuntimeError(f"bucket store is {self._state}: call recover() first, and not after close()")
+
+    def close(self) -> None:
+        """Close every fd; seals nothing (a restart continues the open bucket). Unsynced appends are
+        left to the page cache. Deleted buckets still pinned are unlinked now. Safe to call twice."""
+        with self._lock:
+            for bucket in set(self._buckets.values()) | set(self._by_fd.values()):
+                if bucket.doomed:
+                    self._destroy(bucket)
+                else:
+                    _close_fds(bucket)
+            self._buckets.clear()
+            self._by_fd.clear()
+            self._dirty.clear()
+            self._open = None
+            self._state = "closed"

@@ -1,0 +1,255 @@
+"""The segment server's SSD-tier worker: one thread that runs the master's tier tasks.
+
+It long-polls the master for tasks on this segment's bytes (see
+kvtier.master.tiering) and runs them against the DRAM region and the
+`BucketStore`:
+
+- OFFLOAD: append the DRAM range as a record (the store checks the bytes
+  against the object's checksum while writing, so a range reused meanwhile
+  is refused, never stored), then, for the whole batch, one `sync`
+  (fdatasync) before any location is reported: a disk replica is reported
+  only once its bytes are durable, and durability never waits for a bucket
+  to fill.
+- PROMOTE: read the record, check its header and payload CRC against the
+  object's checksum, copy it into the DRAM range the master allocated.
+- FORGET: append a tombstone, so a restart does not bring the copy back.
+
+After every mount it reports the store's inventory (`ReportDiskObjects`) and
+tombstones copies the master refuses as stale. When the store passes its
+high watermark it tells the master which copies go (`DropDiskReplicas`)
+before unlinking their buckets.
+
+Its own thread and its own gRPC channel: the heartbeat thread and the data
+plane never wait behind disk I/O. Writes here are synchronous pwritev +
+fdatasync on this one thread; the data plane's disk reads go through the
+bounded engine of kvtier.segment_server.diskio instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+
+import crc32c
+import grpc
+
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto import master_pb2_grpc
+from kvtier.proto.status import Status
+from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
+
+logger = logging.getLogger(__name__)
+
+_POLL_WAIT_MS = 1000
+_MAX_TASKS = 256
+_REPORT_BATCH = 10_000
+_RPC_TIMEOUT_S = 10.0
+_BACKOFF_MAX_S = 3.0
+_OK = int(Status.OK)
+
+
+class TierWorker:
+    def __init__(
+        self,
+        master: str,
+        store: BucketStore,
+        region: memoryview,
+        segment_id: Callable[[], int],
+    ) -> None:
+        self._channel = grpc.insecure_channel(master)
+        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        self.store = store
+        self._region = region
+        self._segment_id = segment_id
+        self._stop = threading.Event()
+        self._mounted = threading.Event()  # set by every (re)mount: report the inventory
+        self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
+        self.offloaded = 0
+        self.offloaded_bytes = 0
+        self.promoted = 0
+        self.forgotten = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=_RPC_TIMEOUT_S + 2)
+        self._channel.close()
+
+    def mounted(self) -> None:
+        """Called by the master link after each successful mount (any thread)."""
+        self._mounted.set()
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            segment_id = self._segment_id()
+            if not segment_id:
+                self._stop.wait(0.05)
+                continue
+            try:
+                if self._mounted.is_set():
+                    self._mounted.clear()
+                    self._report_inventory(segment_id)
+                self._evict_buckets(segment_id)
+                reply = self._stub.PollTierTasks(
+                    pb.PollTierTasksRequest(segment_id=segment_id, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS),
+                    timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+                )
+                if reply.status != _OK:  # SEGMENT_NOT_FOUND: the master link re-mounts us
+                    self._stop.wait(0.1)
+                    continue
+                if reply.task_ids:
+                    self._run_tasks(segment_id, reply)
+                backoff = 0.05
+            except grpc.RpcError as exc:
+                if not self._stop.is_set():
+                    logger.warning("tier worker: master unreachable code=%s; retrying in %.2fs", exc.code(), backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            except Exception:  # never let the worker die silently: log, back off, go on
+                logger.exception("tier worker failed; retrying")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _run_tasks(self, segment_id: int, reply: pb.PollTierTasksResponse) -> None:
+        statuses: list[int] = []
+        locations: list[int] = []
+        first_error = ""
+        appended = False
+        offloaded = offloaded_bytes = 0
+        for i in range(len(reply.task_ids)):
+            kind = reply.kinds[i]
+            namespace, key, size, checksum = reply.namespaces[i], reply.keys[i], reply.sizes[i], reply.checksums[i]
+            status, location, error = _OK, 0, ""
+            try:
+                if kind == pb.OFFLOAD:
+                    offset = reply.dram_offsets[i]
+                    if offset + size > len(self._region):
+                        status, error = int(Status.INVALID_RANGE), f"offload range {offset}+{size} outside the region"
+                    else:
+                        location = self.store.append(namespace, key, self._region[offset : offset + size], checksum)
+                        appended = True
+                        offloaded += 1
+                        offloaded_bytes += size
+                elif kind == pb.PROMOTE:
+                    status, error = self._promote(
+                        reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum
+                    )
+                elif kind == pb.FORGET:
+                    self.store.tombstone(reply.disk_locations[i])
+                    appended = True
+                    self.forgotten += 1
+                    continue  # FORGET needs no report
+            except RecordError as exc:  # the DRAM bytes no longer match the object: never store them
+                status, error = int(Status.CHECKSUM_MISMATCH), str(exc)
+            except DiskFull as exc:
+                status, error = int(Status.NO_SPACE), f"SSD tier full: {exc}"
+            except OSError as exc:
+                status, error = int(Status.INTERNAL), f"disk error: {exc}"
+            if status != _OK and not first_error:
+                first_error = f"{Status(status).name} {key!r:.80}: {error}"
+            statuses.append(status)
+            locations.append(location)
+        if appended:
+            try:
+                self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
+                self.offloaded += offloaded
+                self.offloaded_bytes += offloaded_bytes
+            except OSError as exc:
+                statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
+                first_error = first_error or f"fdatasync failed: {exc}"
+        reported = [t for t, k in zip(reply.task_ids, reply.kinds, strict=True) if k != pb.FORGET]
+        if first_error:
+            logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
+        if reported:
+            self._stub.TierTasksDone(
+                pb.TierTasksDoneRequest(
+                    segment_id=segment_id,
+                    task_ids=reported,
+                    statuses=statuses,
+                    disk_locations=locations,
+                    error=first_error,
+                ),
+                timeout=_RPC_TIMEOUT_S,
+            )
+
+    def _promote(
+        self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int
+    ) -> tuple[int, str]:
+        if dram_offset + size > len(self._region):
+            return int(Status.INVALID_RANGE), f"promote range {dram_offset}+{size} outside the region"
+        try:
+            plan = self.store.pin(location)
+        except KeyError:
+            return int(Status.NOT_FOUND), f"no disk record at {location:#x}"
+        # Page-aligned (an anonymous mapping): the bucket's read fd may be O_DIRECT.
+        buf = mmap.mmap(-1, plan.read_length)
+        view = memoryview(buf)
+        try:
+            got = os.preadv(plan.fd, [view], plan.file_offset)
+            if got < plan.header_len + plan.size:
+                return int(Status.NOT_FOUND), "disk record is torn"
+            payload = BucketStore.payload_of(view, plan, namespace, key)
+            if plan.size != size or crc32c.crc32c(payload) != checksum:
+                return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
+            self._region[dram_offset : dram_offset + size] = payload
+            self.promoted += 1
+            return _OK, ""
+        except RecordError as exc:
+            return int(Status.CHECKSUM_MISMATCH), str(exc)
+        finally:
+            payload = None
+            view.release()
+            buf.close()
+            self.store.unpin(plan)
+
+    # ------------------------------------------------------------------ inventory and capacity
+
+    def _report_inventory(self, segment_id: int) -> None:
+        records = self.store.records()
+        stale = []
+        for lo in range(0, len(records), _REPORT_BATCH):
+            chunk = records[lo : lo + _REPORT_BATCH]
+            reply = self._stub.ReportDiskObjects(_disk_objects(segment_id, chunk), timeout=_RPC_TIMEOUT_S)
+            if reply.status != _OK:
+                raise grpc.RpcError(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
+            stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
+        for record in stale:  # the master holds these keys with other bytes: they must never come back
+            self.store.tombstone(record.location)
+        if stale:
+            self.store.sync()
+        logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
+
+    def _evict_buckets(self, segment_id: int) -> None:
+        candidates = self.store.eviction_candidates()
+        if not candidates:
+            return
+        doomed = {location for _, locations in candidates for location in locations}
+        records = [r for r in self.store.records() if r.location in doomed]
+        for lo in range(0, max(len(records), 1), _REPORT_BATCH):
+            reply = self._stub.DropDiskReplicas(
+                _disk_objects(segment_id, records[lo : lo + _REPORT_BATCH]), timeout=_RPC_TIMEOUT_S
+            )
+            if reply.status != _OK:
+                return  # the master did not take it: keep the buckets, try again later
+        bucket_ids = [bucket_id for bucket_id, _ in candidates]
+        self.store.delete_buckets(bucket_ids)
+        logger.info("deleted SSD buckets count=%d objects=%d (disk watermark)", len(bucket_ids), len(records))
+
+
+def _disk_objects(segment_id: int, records: list[DiskRecord]) -> pb.DiskObjectsRequest:
+    return pb.DiskObjectsRequest(
+        segment_id=segment_id,
+        namespaces=[r.namespace for r in records],
+        keys=[r.key for r in records],
+        sizes=[r.size for r in records],
+        checksums=[r.checksum for r in records],
+        disk_locations=[r.location for r in records],
+    )

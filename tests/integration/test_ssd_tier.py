@@ -1,0 +1,263 @@
+"""The SSD tier against real processes: offload, serving from SSD, restart, corruption, limits.
+
+A segment with a small DRAM region (16 MiB) and an SSD tier in the test's
+directory. Values are derived from their keys (`value_for`), so every read is
+checked to be either a miss or exactly the bytes that were put.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from kvtier.client import Client
+from tests.cluster import Cluster
+
+MiB = 1 << 20
+KiB = 1 << 10
+ALIGN = 4096
+
+
+def value_for(key: str, size: int = MiB) -> bytes:
+    return random.Random(zlib.crc32(key.encode())).randbytes(size)
+
+
+def start_ssd_segment(cluster: Cluster, ssd_dir: Path, *extra: str, dram: str = "16MiB", name: str = "ssd0"):
+    return cluster.start_segment(
+        name,
+        dram,
+        "--ssd-dir", str(ssd_dir),
+        "--ssd-size", "256MiB",
+        "--ssd-bucket-size", "4MiB",
+        *extra,
+    )  # fmt: skip
+
+
+def segment_info(client: Client, name: str = "ssd0"):
+    return next(s for s in client.cluster_status().segments if s.name == name)
+
+
+def put_and_offload(cluster: Cluster, client: Client, keys: list[str], size: int = MiB) -> None:
+    """Put `keys` at a pace the offload keeps up with: 1 MiB batches (6% of the region), and after
+    each one, wait until the watermark pass brought DRAM back under its high watermark (0.90).
+    Faster writers would make puts evict by allocation, which drops copies not yet on SSD."""
+    per_batch = max(1, MiB // size)
+    for lo in range(0, len(keys), per_batch):
+        batch = keys[lo : lo + per_batch]
+        assert client.batch_put(batch, [value_for(k, size) for k in batch]) == [0] * len(batch)
+        assert cluster.wait_for(lambda: (s := segment_info(client)).dram_used <= 0.9 * s.dram_capacity, timeout=20), (
+            f"offload did not bring DRAM under the watermark: {segment_info(client)}"
+        )
+
+
+def sources(client: Client, keys: list[str], size: int = MiB) -> dict[str, str | None]:
+    """Source per key, asserting every hit has exactly the bytes that were put."""
+    out = {}
+    for key, (value, source) in zip(keys, client.batch_get(keys, with_source=True), strict=True):
+        if value is not None:
+            assert value == value_for(key, size), f"wrong bytes for {key}"
+        out[key] = source
+    return out
+
+
+def disk_location(client: Client, key: str) -> int:
+    where = [r for r in client.locate(key) if r["tier"] == "ssd"]
+    assert where, f"{key} has no disk copy: {client.locate(key)}"
+    return where[0]["offset"]
+
+
+def bucket_file(ssd_dir: Path, location: int) -> tuple[Path, int]:
+    """The bucket file and byte offset of the record at a disk location (see segment_server/buckets.py)."""
+    return ssd_dir / f"bucket-{location >> 20:016x}.kvb", (location & 0xFFFFF) * ALIGN
+
+
+@pytest.fixture
+def ssd_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "ssd"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def ssd_cluster(bare_cluster: Cluster, ssd_dir: Path) -> Cluster:
+    bare_cluster.start_master("--promote-after-reads", "2")
+    start_ssd_segment(bare_cluster, ssd_dir)
+    return bare_cluster
+
+
+def test_dram_pressure_offloads_to_ssd_and_reads_come_back_verified_from_ssd(ssd_cluster, ssd_dir):
+    keys = [f"obj/{i:03d}" for i in range(40)]  # 40 MiB through a 16 MiB region
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        info = segment_info(client)
+        assert info.ssd_objects > 0 and info.offload and info.disk_engine in ("io_uring", "threads")
+        got = sources(client, keys)
+        # nothing was lost: what does not fit in DRAM is on SSD, and the oldest went first
+        assert all(got.values()), [k for k, s in got.items() if s is None]
+        assert got[keys[0]] == "ssd/tcp"
+        assert {s.split("/")[0] for s in got.values()} == {"dram", "ssd"}
+        stats = client.stats()
+        assert stats["bytes_read_ssd"] >= MiB and stats["bytes_read_dram"] >= MiB
+        status = client.cluster_status()
+        assert status.tiering["offloaded_objects"] >= info.ssd_objects
+        assert any(e.reason == "offload" for e in status.evictions)
+        # the segment's own counters keep the tiers and the physical disk apart
+        assert ssd_cluster.wait_for(lambda: segment_info(client).ssd_bytes_served >= MiB)
+        info = segment_info(client)
+        assert info.ssd_bytes_offloaded >= info.ssd_objects * MiB
+        assert info.disk_bytes_read > 0  # O_DIRECT reads: the process's own I/O counter saw them
+        # DRAM bytes copied by a same-host client through shm never pass the segment: only the
+        # client's own counter (bytes_read_dram above) can see them
+        assert info.dram_bytes_served <= stats["bytes_read_dram"]
+    assert list(ssd_dir.glob("bucket-*.kvb"))
+
+
+def test_batch_get_into_from_ssd_and_dram_in_one_batch(ssd_cluster):
+    keys = [f"into/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        buffers = [bytearray(MiB + 17) for _ in keys]
+        results = client.batch_get_into(keys, buffers, with_source=True)
+        assert [r for r, _ in results] == [MiB] * len(keys)
+        assert {s.split("/")[0] for _, s in results} == {"dram", "ssd"}
+        for key, buf in zip(keys, buffers, strict=True):
+            assert bytes(buf[:MiB]) == value_for(key)
+
+
+def test_disk_only_object_is_promoted_back_to_dram_after_repeated_reads(ssd_cluster):
+    keys = [f"hot/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        cold = next(k for k, s in sources(client, keys).items() if s == "ssd/tcp")
+        client.remove(keys[-1])  # leave DRAM room for the promotion (it never evicts)
+        client.remove(keys[-2])
+        assert client.get(cold, with_source=True)[1] == "ssd/tcp"  # second read (sources() was the first)
+        assert ssd_cluster.wait_for(lambda: {r["tier"] for r in client.locate(cold)} == {"dram", "ssd"}, timeout=10)
+        value, source = client.get(cold, with_source=True)
+        assert value == value_for(cold) and source.startswith("dram/")
+        assert client.cluster_status().tiering["promoted_objects"] >= 1
+
+
+def test_restarted_segment_serves_its_offloaded_objects_again(ssd_cluster, ssd_dir):
+    keys = [f"keep/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        on_disk = [k for k, s in sources(client, keys).items() if s == "ssd/tcp"]
+        assert on_disk
+    # when the segment dies without warning and starts again on the same directory
+    ssd_cluster.kill(ssd_cluster.segments["ssd0"])
+    start_ssd_segment(ssd_cluster, ssd_dir)
+    with ssd_cluster.client() as client:
+        assert ssd_cluster.wait_for(lambda: segment_info(client).ssd_objects >= len(on_disk), timeout=15)
+        got = sources(client, on_disk)
+        assert all(s == "ssd/tcp" for s in got.values()), got
+        # DRAM copies died with the process: those objects are misses, never wrong bytes
+        in_dram_only = [k for k in keys if k not in on_disk]
+        assert client.batch_get(in_dram_only) == [None] * len(in_dram_only)
+
+
+def test_corrupt_byte_in_a_bucket_is_a_miss_and_the_rest_still_hit(ssd_cluster, ssd_dir):
+    keys = [f"rot/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        on_disk = [k for k, s in sources(client, keys).items() if s == "ssd/tcp"]
+        victim = on_disk[0]
+        path, offset = bucket_file(ssd_dir, disk_location(client, victim))
+        with open(path, "r+b") as f:  # flip one byte in the middle of the payload
+            f.seek(offset + ALIGN + MiB // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        got = client.batch_get(on_disk)
+        assert got[0] is None
+        assert got[1:] == [value_for(k) for k in on_disk[1:]]
+        assert client.stats()["checksum_mismatches"] >= 1
+
+
+def test_bucket_truncated_mid_record_drops_the_torn_record_only(ssd_cluster, ssd_dir):
+    keys = [f"torn/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        on_disk = [k for k, s in sources(client, keys).items() if s == "ssd/tcp"]
+        locations = {k: disk_location(client, k) for k in on_disk}
+    # the newest record on disk, cut in half while the segment is down
+    newest = max(on_disk, key=lambda k: locations[k])
+    ssd_cluster.kill(ssd_cluster.segments["ssd0"])
+    path, offset = bucket_file(ssd_dir, locations[newest])
+    os.truncate(path, offset + MiB // 2)
+    start_ssd_segment(ssd_cluster, ssd_dir)
+    survivors = [k for k in on_disk if k != newest and bucket_file(ssd_dir, locations[k])[0] == path]
+    with ssd_cluster.client() as client:
+        assert ssd_cluster.wait_for(lambda: segment_info(client).ssd_objects >= len(on_disk) - 1, timeout=15)
+        assert client.get(newest) is None
+        assert client.batch_get(survivors) == [value_for(k) for k in survivors]
+
+
+def test_full_ssd_tier_is_reported_and_dram_keeps_serving(bare_cluster, ssd_dir):
+    # one 16 MiB bucket that never seals: the tier fills and nothing can be deleted to make room
+    bare_cluster.start_master()
+    bare_cluster.start_segment(
+        "ssd0",
+        "16MiB",
+        "--ssd-dir", str(ssd_dir),
+        "--ssd-size", "16MiB",
+        "--ssd-bucket-size", "16MiB",
+    )  # fmt: skip
+    keys = [f"full/{i:03d}" for i in range(60)]
+    with bare_cluster.client() as client:
+        for lo in range(0, len(keys), 4):
+            batch = keys[lo : lo + 4]
+            assert client.batch_put(batch, [value_for(k) for k in batch]) == [0] * 4
+            time.sleep(0.1)
+        assert bare_cluster.wait_for(lambda: client.cluster_status().tiering["offload_failures"] >= 1, timeout=15)
+        assert "SSD tier full" in bare_cluster.segments["ssd0"].tail(400)
+        # DRAM keeps taking and serving objects; every read is a verified hit or a miss
+        assert client.batch_put(["after"], [value_for("after")]) == [0]
+        assert client.get("after") == value_for("after")
+        sources(client, keys)
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+@pytest.mark.parametrize("engine", ["threads", "io_uring"])
+def test_segment_thread_count_is_constant_under_a_large_disk_batch_get(bare_cluster, ssd_dir, engine):
+    bare_cluster.start_master()
+    proc = start_ssd_segment(bare_cluster, ssd_dir, "--ssd-io", engine, "--ssd-threads", "4")
+    if engine == "io_uring" and "io_uring" not in proc.tail(200):
+        pytest.skip(f"io_uring unavailable here: {proc.tail(5)}")
+    keys = [f"many/{i:05d}" for i in range(10_000)]
+    size = 4 * KiB
+    with bare_cluster.client(timeout=60.0) as client:
+        put_and_offload(bare_cluster, client, keys, size)
+        disk_keys = [k for k, s in sources(client, keys[:2000], size).items() if s == "ssd/tcp"]
+        assert len(disk_keys) > 1000
+        baseline = _threads(proc.popen.pid)
+        seen = [baseline]
+        failures: list[str] = []
+
+        def reader() -> None:
+            with bare_cluster.client(timeout=60.0) as own:
+                got = own.batch_get(keys)
+                if any(v is not None and v != value_for(k, size) for k, v in zip(keys, got, strict=True)):
+                    failures.append("wrong bytes")
+
+        readers = [threading.Thread(target=reader) for _ in range(4)]
+        for t in readers:
+            t.start()
+        while any(t.is_alive() for t in readers):
+            seen.append(_threads(proc.popen.pid))
+            time.sleep(0.01)
+        for t in readers:
+            t.join()
+        assert not failures
+        assert max(seen) == baseline, f"segment threads went from {baseline} to {max(seen)} under load"
+        assert segment_info(client).ssd_bytes_served >= 4 * len(disk_keys) * size // 2

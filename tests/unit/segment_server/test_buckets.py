@@ -1,0 +1,750 @@
+"""BucketStore on real files in a tmp directory: format, appends, recovery after damage, tombstones, eviction."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import random
+import struct
+import tempfile
+from pathlib import Path
+
+import crc32c
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.segment_server.buckets import (
+    ALIGN,
+    BucketStore,
+    DiskFull,
+    DiskRecord,
+    ReadPlan,
+    RecordError,
+)
+
+CLUSTER = "test-cluster"
+SMALL = {"bucket_size": 16 * ALIGN, "bucket_keys": 3}  # seals every 3 records or 64 KiB
+LOCATOR = struct.Struct("<Q4sI")
+RECORD = struct.Struct("<4sHHIHHQII")
+
+
+@pytest.fixture
+def stores():
+    """Open BucketStores on demand; all closed at teardown whatever the test did."""
+    opened: list[BucketStore] = []
+
+    def open_store(directory: Path, capacity: int = 1 << 30, cluster: str = CLUSTER, **kwargs) -> BucketStore:
+        store = BucketStore(directory, capacity, cluster, **kwargs)
+        opened.append(store)
+        return store
+
+    yield open_store
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def ssd(tmp_path: Path) -> Path:
+    return tmp_path / "ssd"
+
+
+def blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def put(store: BucketStore, key: str, data: bytes, namespace: str = "ns") -> int:
+    return store.append(namespace, key, data, crc32c.crc32c(data))
+
+
+def read(store: BucketStore, location: int, key: str, namespace: str = "ns") -> bytes:
+    """Read a record the way the data plane does: one aligned pread with the plan, then payload_of."""
+    plan = store.plan_read(location)
+    buf = os.pread(plan.fd, plan.read_length, plan.file_offset)
+    return bytes(BucketStore.payload_of(memoryview(buf), plan, namespace, key))
+
+
+def bucket_file(directory: Path, bucket_id: int) -> Path:
+    return directory / f"bucket-{bucket_id:016x}.kvb"
+
+
+def bucket_ids(directory: Path) -> list[int]:
+    return sorted(int(p.stem.split("-")[1], 16) for p in directory.glob("bucket-*.kvb"))
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def reopen(stores, store: BucketStore, directory: Path, **kwargs) -> tuple[BucketStore, list[DiskRecord]]:
+    store.close()
+    again = stores(directory, **kwargs)
+    return again, again.recover()
+
+
+def fill(store: BucketStore, count: int, size: int = 3000) -> dict[int, tuple[str, bytes]]:
+    written = {}
+    for i in range(count):
+        data = blob(i, size)
+        written[put(store, f"k{i}", data)] = (f"k{i}", data)
+    return written
+
+
+def bucket_header(bucket_id: int, cluster: bytes, version: int = 1) -> bytes:
+    """A bucket header built from the documented format, independently of the module."""
+    head = struct.pack("<4sHHQdH", b"KVTB", version, 0, bucket_id, 1.0e9, len(cluster)) + cluster
+    return (head + struct.pack("<I", crc32c.crc32c(head))).ljust(ALIGN, b"\0")
+
+
+# --- appends and reads -----------------------------------------------------------------------
+
+
+def test_append_sync_read_returns_exact_bytes(stores, ssd):
+    store = stores(ssd)
+    assert not ssd.exists() or not list(ssd.iterdir())  # nothing touched before recover
+    assert store.recover() == []
+    assert (ssd.stat().st_mode & 0o777) == 0o700
+    data = blob(1, 10_000)
+    location = store.append("ns", "key-é", memoryview(data), crc32c.crc32c(data))
+    store.sync()
+    plan = store.plan_read(location)
+    assert location >> 20 == store.open_bucket_id
+    assert plan.file_offset == (location & 0xFFFFF) * ALIGN == ALIGN
+    assert plan.header_len == 32 + len(b"ns") + len("key-é".encode())
+    assert plan.size == len(data)
+    assert plan.read_length % ALIGN == 0 and plan.read_length >= plan.header_len + plan.size
+    assert read(store, location, "key-é") == data
+    assert store.records() == [DiskRecord(location, "ns", "key-é", len(data), crc32c.crc32c(data))]
+    assert store.used == os.path.getsize(bucket_file(ssd, store.open_bucket_id)) // ALIGN * ALIGN + ALIGN
+
+
+def test_empty_payload_round_trips(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "empty", b"")
+    assert read(store, location, "empty") == b""
+    store, records = reopen(stores, store, ssd)
+    assert [(r.key, r.size) for r in records] == [("empty", 0)]
+
+
+def test_append_keeps_no_reference_to_the_callers_buffer(stores, ssd):
+    """A caller that reuses its buffer after append (before sync) cannot change what is on disk."""
+    store = stores(ssd)
+    store.recover()
+    source = bytearray(blob(2, 5000))
+    original = bytes(source)
+    location = store.append("ns", "k", memoryview(source), crc32c.crc32c(original))
+    source[:100] = bytes(100)
+    store.sync()
+    assert read(store, location, "k") == original
+
+
+def test_records_across_buckets_survive_reopen(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    rng = random.Random(7)
+    written = {}
+    for i in range(40):
+        data = blob(i, rng.randrange(0, 20_000))
+        written[put(store, f"key{i}", data, namespace=f"ns{i % 3}")] = (f"ns{i % 3}", f"key{i}", data)
+    store.sync()
+    assert store.bucket_count >= 10
+    assert bucket_ids(ssd) == list(range(store.bucket_count))
+    for bucket_id in bucket_ids(ssd)[:-1]:  # every bucket but the open one is sealed
+        assert bucket_file(ssd, bucket_id).read_bytes()[-8:-4] == b"KVTE"
+    used = store.used
+
+    store, records = reopen(stores, store, ssd, **SMALL)
+    assert {r.location: (r.namespace, r.key) for r in records} == {loc: w[:2] for loc, w in written.items()}
+    for record in records:
+        namespace, key, data = written[record.location]
+        assert (record.size, record.checksum) == (len(data), crc32c.crc32c(data))
+        assert read(store, record.location, key, namespace) == data
+    assert store.records() == records
+    assert store.used == used
+
+
+def test_bucket_seals_when_next_record_would_pass_bucket_size(stores, ssd):
+    store = stores(ssd, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    first = put(store, "a", blob(1, 2 * ALIGN))  # offsets 4096..16384: the bucket is full
+    second = put(store, "b", blob(2, 100))
+    assert (first >> 20, second >> 20) == (0, 1)
+    assert bucket_file(ssd, 0).read_bytes()[-8:-4] == b"KVTE"
+
+
+def test_open_bucket_at_its_limits_is_sealed_on_recover(stores, ssd):
+    store = stores(ssd, bucket_keys=10)
+    store.recover()
+    written = fill(store, 3)
+    store, records = reopen(stores, store, ssd, bucket_keys=2)
+    assert {r.location for r in records} == set(written)
+    assert store.open_bucket_id == 1
+    assert bucket_file(ssd, 0).read_bytes()[-8:-4] == b"KVTE"
+
+
+def test_bucket_ids_increase_across_restarts_and_deletes(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    fill(store, 7)  # buckets 0, 1 sealed; 2 open
+    store.delete_buckets([0, 1])
+    store, _ = reopen(stores, store, ssd, **SMALL)
+    assert store.open_bucket_id == 2
+    fill(store, 3)
+    assert store.open_bucket_id == 3
+
+
+def test_file_format_matches_the_documentation(stores, ssd):
+    store = stores(ssd, cluster="fmt", bucket_keys=2)
+    store.recover()
+    payloads = [blob(1, 5000), blob(2, 10)]
+    locations = [store.append("space", f"key{i}", p, crc32c.crc32c(p)) for i, p in enumerate(payloads)]
+    raw = bucket_file(ssd, 0).read_bytes()
+
+    magic, version, _, bucket_id, created, cluster_len = struct.unpack_from("<4sHHQdH", raw)
+    assert (magic, version, bucket_id, raw[26 : 26 + cluster_len]) == (b"KVTB", 1, 0, b"fmt")
+    assert created > 1.6e9
+    assert struct.unpack_from("<I", raw, 26 + cluster_len)[0] == crc32c.crc32c(raw[: 26 + cluster_len])
+    assert raw[30 + cluster_len : ALIGN] == bytes(ALIGN - 30 - cluster_len)
+
+    offsets = [ALIGN, ALIGN + ((32 + 5 + 4 + 5000 + ALIGN - 1) // ALIGN) * ALIGN]
+    for offset, location, data, i in zip(offsets, locations, payloads, range(2), strict=True):
+        assert location == offset // ALIGN
+        magic, version, flags, header_len, ns_len, key_len, size, payload_crc, header_crc = RECORD.unpack_from(
+            raw, offset
+        )
+        assert (magic, version, flags, ns_len, key_len, size) == (b"KVTR", 1, 0, 5, 4, len(data))
+        assert header_len == 32 + 5 + 4
+        header = bytearray(raw[offset : offset + header_len])
+        header[28:32] = bytes(4)
+        assert header_crc == crc32c.crc32c(header)
+        assert raw[offset + 32 : offset + header_len] == f"spacekey{i}".encode()
+        assert raw[offset + header_len : offset + header_len + size] == data
+        assert payload_crc == crc32c.crc32c(data)
+
+    footer_off, magic, crc = LOCATOR.unpack_from(raw, len(raw) - 16)
+    assert magic == b"KVTE" and crc == crc32c.crc32c(raw[-16:-4])
+    assert footer_off % ALIGN == 0 and footer_off == offsets[1] + ALIGN
+    footer = raw[footer_off:-16]
+    assert struct.unpack_from("<4sI", footer) == (b"KVTI", 2)
+    entries = [struct.unpack_from("<QIQH", footer, 8 + 22 * i) for i in range(2)]
+    assert entries == [(offsets[0], 41, 5000, 0), (offsets[1], 41, 10, 0)]
+    assert len(footer) == 8 + 2 * 22 + 4
+    assert struct.unpack_from("<I", footer, len(footer) - 4)[0] == crc32c.crc32c(footer[:-4])
+
+    store.tombstone(locations[0])
+    raw = bucket_file(ssd, 1).read_bytes()
+    fields = RECORD.unpack_from(raw, ALIGN)
+    assert fields[:7] == (b"KVTR", 1, 1, 32, 0, 0, 8)
+    assert raw[ALIGN + 32 : ALIGN + 40] == struct.pack("<Q", locations[0])
+
+
+# --- verification ----------------------------------------------------------------------------
+
+
+def test_checksum_mismatch_writes_nothing(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    good = put(store, "good", b"a" * 100)
+    store.sync()
+    path = bucket_file(ssd, 0)
+    size = path.stat().st_size
+    used = store.used
+    with pytest.raises(RecordError, match="CRC32C"):
+        store.append("ns", "bad", b"b" * 100, crc32c.crc32c(b"something else"))
+    assert path.stat().st_size == size and store.used == used
+    assert [r.key for r in store.records()] == ["good"]
+    after = put(store, "after", b"c" * 100)
+    store.sync()
+    store, records = reopen(stores, store, ssd)
+    assert {r.location: r.key for r in records} == {good: "good", after: "after"}
+
+
+@pytest.mark.parametrize("which", [0, 4], ids=["sealed-bucket", "open-bucket"])
+def test_corrupt_payload_byte_drops_only_that_record(stores, ssd, which, caplog):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    victim = list(written)[which]
+    plan = store.plan_read(victim)
+    store.close()
+    flip(bucket_file(ssd, victim >> 20), plan.file_offset + plan.header_len + 1000)
+
+    store = stores(ssd, **SMALL)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "payload CRC mismatch" in caplog.text
+    assert {r.location for r in records} == set(written) - {victim}
+    with pytest.raises(KeyError):
+        store.plan_read(victim)
+    for location, (key, data) in written.items():
+        if location != victim:
+            assert read(store, location, key) == data
+
+
+def test_payload_of_accepts_a_short_read_past_eof(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "k", blob(3, 100))
+    plan = store.plan_read(location)
+    buf = os.pread(plan.fd, plan.read_length, plan.file_offset)
+    assert len(buf) < plan.read_length  # the last record: the read stops at EOF
+    assert bytes(BucketStore.payload_of(memoryview(buf), plan, "ns", "k")) == blob(3, 100)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda buf, plan: buf.__setitem__(33, buf[33] ^ 1), "header CRC"),
+        (lambda buf, plan: buf.__setitem__(0, ord("X")), "magic"),
+        (lambda buf, plan: buf.__setitem__(4, 2), "version"),
+        (lambda buf, plan: buf.__setitem__(6, 1), "flags|tombstone|CRC"),
+        (lambda buf, plan: buf.__delitem__(slice(plan.header_len + plan.size - 1, None)), "short read"),
+        (lambda buf, plan: buf.__delitem__(slice(20, None)), "truncated"),
+    ],
+    ids=["name-byte", "magic", "version", "flags", "short-payload", "short-header"],
+)
+def test_payload_of_rejects_damaged_records(stores, ssd, damage, message):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "key", blob(4, 3000))
+    put(store, "next", b"x")  # so the first record's read is not cut by EOF
+    plan = store.plan_read(location)
+    buf = bytearray(os.pread(plan.fd, plan.read_length, plan.file_offset))
+    assert bytes(BucketStore.payload_of(memoryview(buf), plan, "ns", "key")) == blob(4, 3000)
+    damage(buf, plan)
+    with pytest.raises(RecordError, match=message):
+        BucketStore.payload_of(memoryview(buf), plan, "ns", "key")
+
+
+@pytest.mark.parametrize(
+    ("namespace", "key", "change"),
+    [("other", "key", {}), ("ns", "kez", {}), ("ns", "key", {"size": 2999}), ("ns", "key", {"header_len": 40})],
+    ids=["namespace", "key", "size", "header_len"],
+)
+def test_payload_of_rejects_a_record_that_is_not_the_expected_one(stores, ssd, namespace, key, change):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "key", blob(5, 3000))
+    plan = store.plan_read(location)
+    buf = os.pread(plan.fd, plan.read_length, plan.file_offset)
+    with pytest.raises(RecordError):
+        BucketStore.payload_of(memoryview(buf), dataclasses.replace(plan, **change), namespace, key)
+
+
+def test_payload_of_rejects_a_tombstone(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "key", b"abc")
+    store.tombstone(location)
+    tomb_plan = ReadPlan(store.plan_read(put(store, "x", b"")).fd, 2 * ALIGN, ALIGN, 32, 8)
+    buf = os.pread(tomb_plan.fd, ALIGN, 2 * ALIGN)
+    with pytest.raises(RecordError, match="tombstone"):
+        BucketStore.payload_of(memoryview(buf), tomb_plan, "", "")
+
+
+# --- recovery after damage -------------------------------------------------------------------
+
+
+def _cut_mid_payload(path: Path, offset: int, plan: ReadPlan) -> None:
+    os.truncate(path, offset + plan.header_len + plan.size // 2)
+
+
+def _cut_mid_header(path: Path, offset: int, plan: ReadPlan) -> None:
+    os.truncate(path, offset + 20)
+
+
+def _bad_header_crc(path: Path, offset: int, plan: ReadPlan) -> None:
+    flip(path, offset + plan.header_len - 1)
+
+
+def _garbage_tail(path: Path, offset: int, plan: ReadPlan) -> None:
+    os.truncate(path, offset)
+    with open(path, "ab") as f:
+        f.write(b"KVTR" + os.urandom(5000))
+
+
+@pytest.mark.parametrize("tear", [_cut_mid_payload, _cut_mid_header, _bad_header_crc, _garbage_tail])
+def test_torn_tail_is_truncated_and_appends_continue(stores, ssd, tear):
+    store = stores(ssd)
+    store.recover()
+    written = fill(store, 4)
+    torn = list(written)[-1]
+    plan = store.plan_read(torn)
+    path = bucket_file(ssd, 0)
+    store.close()
+    tear(path, plan.file_offset, plan)
+
+    store = stores(ssd)
+    records = store.recover()
+    assert {r.location for r in records} == set(written) - {torn}
+    assert path.stat().st_size == plan.file_offset
+    later = put(store, "later", b"after the tear")
+    assert later == torn  # the torn record's space is reused
+    store.sync()
+
+    store, records = reopen(stores, store, ssd)
+    assert {r.location: r.key for r in records} == {**{loc: k for loc, (k, _) in written.items()}, later: "later"}
+    assert read(store, later, "later") == b"after the tear"
+
+
+def test_sealed_bucket_with_corrupt_footer_is_scanned(stores, ssd, caplog):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    store.close()
+    path = bucket_file(ssd, 0)
+    footer_off = LOCATOR.unpack_from(path.read_bytes(), path.stat().st_size - 16)[0]
+    flip(path, footer_off + 12)  # inside the first index entry
+    before = path.read_bytes()
+
+    store = stores(ssd, **SMALL)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "footer invalid" in caplog.text
+    assert {r.location for r in records} == set(written)
+    assert path.read_bytes() == before  # a sealed bucket is never rewritten
+    for location, (key, data) in written.items():
+        assert read(store, location, key) == data
+
+
+def test_sealed_bucket_with_corrupt_locator_is_scanned_and_resealed(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    store.close()
+    path = bucket_file(ssd, 0)
+    flip(path, path.stat().st_size - 10)
+
+    store = stores(ssd, **SMALL)
+    records = store.recover()
+    assert {r.location for r in records} == set(written)
+    raw = path.read_bytes()
+    footer_off, magic, crc = LOCATOR.unpack_from(raw, len(raw) - 16)
+    assert magic == b"KVTE" and crc == crc32c.crc32c(raw[-16:-4])
+    assert store.open_bucket_id == 1
+
+
+def test_buckets_of_other_clusters_and_formats_are_ignored_untouched(stores, ssd):
+    other = stores(ssd, cluster="other")
+    other.recover()
+    put(other, "theirs", b"not ours")
+    other.close()
+    bucket_file(ssd, 5).write_bytes(bucket_header(5, CLUSTER.encode(), version=2) + b"future format")
+    bad_crc = bytearray(bucket_header(6, CLUSTER.encode()))
+    bad_crc[10] ^= 1
+    bucket_file(ssd, 7).write_bytes(bytes(bad_crc))
+    bucket_file(ssd, 8).write_bytes(b"KVTB")  # shorter than a header
+    bucket_file(ssd, 9).write_bytes(bucket_header(3, CLUSTER.encode()))  # names another bucket
+    bucket_file(ssd, 1 << 28).write_bytes(bucket_header(1 << 28, CLUSTER.encode()))  # no location fits
+    before = snapshot(ssd)
+
+    store = stores(ssd)
+    assert store.recover() == []
+    assert store.records() == []
+    assert store.open_bucket_id == 10
+    assert store.used == ALIGN  # only our new bucket's header
+    after = snapshot(ssd)
+    assert {name: after[name] for name in before} == before
+    location = put(store, "ours", b"data")
+    assert read(store, location, "ours") == b"data"
+
+
+def test_a_bucket_header_built_from_the_documentation_is_accepted(stores, ssd):
+    ssd.mkdir()
+    bucket_file(ssd, 4).write_bytes(bucket_header(4, CLUSTER.encode()))
+    store = stores(ssd)
+    assert store.recover() == []
+    assert store.open_bucket_id == 4
+    assert read(store, put(store, "k", b"v"), "k") == b"v"
+
+
+# --- tombstones ------------------------------------------------------------------------------
+
+
+def test_tombstone_hides_record_now_and_after_reopen(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    dead = list(written)[1]  # in the sealed bucket 0; the tombstone lands in bucket 1
+    store.tombstone(dead)
+    with pytest.raises(KeyError):
+        store.plan_read(dead)
+    size = sum(p.stat().st_size for p in ssd.iterdir())
+    store.tombstone(dead)  # already dead: ignored
+    store.tombstone(12345 << 20)  # unknown: ignored
+    assert sum(p.stat().st_size for p in ssd.iterdir()) == size
+    store.sync()
+    store, records = reopen(stores, store, ssd, **SMALL)
+    assert {r.location for r in records} == set(written) - {dead}
+
+
+def test_deleting_a_bucket_holding_a_tombstone_keeps_its_target_dead(stores, ssd):
+    store = stores(ssd, bucket_keys=1)  # one record per bucket
+    store.recover()
+    target = put(store, "a", b"a")  # bucket 0
+    keep = put(store, "b", b"b")  # bucket 1
+    store.tombstone(target)  # bucket 2, sealed at once
+    assert store.open_bucket_id == 3
+    store.delete_buckets([2])
+    store, records = reopen(stores, store, ssd, bucket_keys=1)
+    assert [r.location for r in records] == [keep]
+
+
+# --- capacity, eviction, deletion, pins ------------------------------------------------------
+
+
+def test_eviction_candidates_are_oldest_sealed_buckets_down_to_low_watermark(stores, ssd):
+    capacity = 10 * 5 * ALIGN
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    written = {}
+    while store.used <= 0.95 * capacity:
+        assert store.eviction_candidates() == []
+        written.update(fill(store, 1, size=3000))  # keys repeat; locations do not
+    sizes = {i: -(-bucket_file(ssd, i).stat().st_size // ALIGN) * ALIGN for i in bucket_ids(ssd)}
+    assert store.used == sum(sizes.values())
+
+    expected, used = [], store.used
+    for bucket_id in sorted(sizes)[:-1]:
+        if used <= 0.85 * capacity:
+            break
+        expected.append(bucket_id)
+        used -= sizes[bucket_id]
+    candidates = store.eviction_candidates()
+    assert [bucket_id for bucket_id, _ in candidates] == expected == [0, 1]
+    for bucket_id, locations in candidates:
+        assert sorted(locations) == sorted(loc for loc in written if loc >> 20 == bucket_id)
+    assert store.open_bucket_id not in expected
+
+    store.delete_buckets(expected)
+    assert store.used == used <= 0.85 * capacity
+    assert store.eviction_candidates() == []
+    for bucket_id, locations in candidates:
+        assert not bucket_file(ssd, bucket_id).exists()
+        for location in locations:
+            with pytest.raises(KeyError):
+                store.plan_read(location)
+    survivors = {loc for loc in written if loc >> 20 not in expected}
+    assert {r.location for r in store.records()} == survivors
+    store, records = reopen(stores, store, ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    assert {r.location for r in records} == survivors
+
+
+def test_open_bucket_cannot_be_deleted(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    location = put(store, "k", b"v")
+    with pytest.raises(ValueError, match="open bucket"):
+        store.delete_buckets([store.open_bucket_id])
+    assert read(store, location, "k") == b"v"
+
+
+def test_pinned_bucket_is_unlinked_at_the_last_unpin(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 4)
+    location = list(written)[0]
+    first, second = store.pin(location), store.pin(location)
+    store.delete_buckets([0])
+    path = bucket_file(ssd, 0)
+    assert path.exists()
+    with pytest.raises(KeyError):
+        store.plan_read(location)
+    with pytest.raises(KeyError):
+        store.pin(location)
+    assert store.bucket_count == 1
+    store.unpin(first)
+    assert path.exists()
+    buf = os.pread(second.fd, second.read_length, second.file_offset)  # the fd still reads
+    assert bytes(BucketStore.payload_of(memoryview(buf), second, "ns", "k0")) == written[location][1]
+    store.unpin(second)
+    assert not path.exists()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(second.fd)
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin(second)
+
+
+def test_disk_full_leaves_the_store_usable(stores, ssd):
+    capacity = 8 * ALIGN
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    written = {}
+    with pytest.raises(DiskFull) as raised:
+        for i in range(100):
+            data = blob(i, 3000)
+            written[put(store, f"k{i}", data)] = (f"k{i}", data)
+    assert isinstance(raised.value, OSError) and raised.value.errno == errno.ENOSPC
+    assert store.used + ALIGN > capacity
+    assert {r.location for r in store.records()} == set(written)
+    for location, (key, data) in written.items():
+        assert read(store, location, key) == data
+
+    (bucket_id, locations), *_ = store.eviction_candidates()
+    store.delete_buckets([bucket_id])
+    after = put(store, "after", b"room again")
+    store.sync()
+    store, records = reopen(stores, store, ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    assert {r.location for r in records} == (set(written) - set(locations)) | {after}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bucket_size": (4 << 30) + ALIGN}, "4 GiB"),
+        ({"bucket_size": 1 << 33}, "4 GiB"),
+        ({"bucket_size": ALIGN}, "bucket_size"),
+        ({"capacity": ALIGN}, "capacity"),
+        ({"bucket_keys": 0}, "bucket_keys"),
+        ({"low_watermark": 0.96}, "watermark"),
+        ({"high_watermark": 1.5}, "watermark"),
+        ({"cluster_id": "x" * 65}, "cluster_id"),
+    ],
+)
+def test_constructor_rejects_bad_settings(ssd, kwargs, message):
+    args = {"capacity": 64 << 30, "cluster_id": CLUSTER, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        BucketStore(ssd, args.pop("capacity"), args.pop("cluster_id"), **args)
+
+
+def test_largest_bucket_size_is_accepted(stores, ssd):
+    stores(ssd, capacity=16 << 30, bucket_size=4 << 30)
+
+
+def test_open_bucket_filling_the_capacity_is_never_an_eviction_candidate(stores, ssd):
+    store = stores(ssd, capacity=8 * ALIGN)  # default bucket_size 256 MiB: the bucket never seals
+    store.recover()
+    written = {}
+    with pytest.raises(DiskFull):
+        for i in range(10):
+            written[put(store, f"k{i}", blob(i, 3000))] = i
+    assert len(written) == 7 and store.used == 8 * ALIGN
+    assert store.eviction_candidates() == []
+    assert read(store, max(written), "k6") == blob(6, 3000)
+
+
+def test_calls_before_recover_are_refused(stores, ssd):
+    store = stores(ssd)
+    with pytest.raises(RuntimeError, match="recover"):
+        put(store, "k", b"v")
+    store.recover()
+    with pytest.raises(RuntimeError, match="once"):
+        store.recover()
+
+
+# --- direct I/O ------------------------------------------------------------------------------
+
+
+def _direct_read(store: BucketStore, location: int, key: str) -> bytes:
+    """Read into page-aligned memory, as O_DIRECT requires."""
+    plan = store.plan_read(location)
+    buf = mmap.mmap(-1, plan.read_length)
+    try:
+        got = os.preadv(plan.fd, [buf], plan.file_offset)
+        with memoryview(buf) as view:
+            return bytes(BucketStore.payload_of(view[:got], plan, "ns", key))
+    finally:
+        buf.close()
+
+
+def test_direct_io_plans_read_with_aligned_buffers(stores, ssd):
+    store = stores(ssd, direct_io=True, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    for location, (key, data) in written.items():
+        assert _direct_read(store, location, key) == data
+    flags = fcntl.fcntl(store.plan_read(list(written)[0]).fd, fcntl.F_GETFL)
+    assert flags & os.O_ACCMODE == os.O_RDONLY
+    assert bool(flags & os.O_DIRECT) == accepts_o_direct(ssd)
+
+
+def accepts_o_direct(directory: Path) -> bool:
+    probe = directory / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_direct_io_falls_back_to_buffered_on_tmpfs(stores, caplog):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        if accepts_o_direct(Path(directory)):
+            pytest.skip("this kernel's tmpfs accepts O_DIRECT")
+        store = stores(Path(directory), direct_io=True)
+        with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+            store.recover()
+            store.close()
+            store = stores(Path(directory), direct_io=True)
+            store.recover()
+        assert caplog.text.count("O_DIRECT not supported") == 2  # once per store
+        location = put(store, "k", b"tmpfs")
+        assert fcntl.fcntl(store.plan_read(location).fd, fcntl.F_GETFL) & os.O_DIRECT == 0
+        assert _direct_read(store, location, "k") == b"tmpfs"
+        store.close()
+
+
+# --- property --------------------------------------------------------------------------------
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 9000)),
+        st.tuples(st.just("tombstone"), st.integers(0, 1000)),
+        st.tuples(st.just("delete"), st.integers(0, 1000)),
+        st.tuples(st.just("reopen"), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_ops)
+def test_random_histories_recover_to_the_model(ops):
+    """Appends, tombstones, out-of-order bucket deletes and restarts: recover() always equals the model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        store = BucketStore(directory, 64 << 20, CLUSTER, **SMALL)
+        try:
+            assert store.recover() == []
+            model: dict[int, tuple[str, bytes]] = {}
+            for step, (op, arg) in enumerate(ops):
+                if op == "put":
+                    data = blob(step, arg)
+                    model[put(store, f"k{step}", data)] = (f"k{step}", data)
+                elif op == "tombstone" and model:
+                    location = sorted(model)[arg % len(model)]
+                    store.tombstone(location)
+                    del model[location]
+                elif op == "delete":
+                    sealed = [i for i in bucket_ids(directory) if i != store.open_bucket_id]
+                    if sealed:
+                        victim = sealed[arg % len(sealed)]
+                        store.delete_buckets([victim])
+                        model = {loc: v for loc, v in model.items() if loc >> 20 != victim}
+                elif op == "reopen":
+                    store.sync()
+                    store.close()
+                    store = BucketStore(directory, 64 << 20, CLUSTER, **SMALL)
+                    assert {r.location: r.key for r in store.recover()} == {loc: k for loc, (k, _) in model.items()}
+                assert {r.location for r in store.records()} == set(model)
+            for location, (key, data) in model.items():
+                assert read(store, location, key) == data
+        finally:
+            store.close()
