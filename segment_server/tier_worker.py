@@ -134,7 +134,9 @@ class TierWorker:
                     if offset + size > len(self._region):
                         status, error = int(Status.INVALID_RANGE), f"offload range {offset}+{size} outside the region"
                     else:
-                        location = self.store.append(namespace, key, self._region[offset : offset + size], checksum)
+                        location = self._append(
+                            segment_id, namespace, key, self._region[offset : offset + size], checksum
+                        )
                         appended = True
                         offloaded += 1
                         offloaded_bytes += size
@@ -179,6 +181,15 @@ class TierWorker:
                 ),
                 timeout=_RPC_TIMEOUT_S,
             )
+
+    def _append(self, segment_id: int, namespace: str, key: str, payload: memoryview, checksum: int) -> int:
+        """Append a record; when the tier is full, delete the oldest buckets (master told first) and retry once."""
+        try:
+            return self.store.append(namespace, key, payload, checksum)
+        except DiskFull:
+            if not self._evict_buckets(segment_id):
+                raise
+            return self.store.append(namespace, key, payload, checksum)
 
     def _promote(
         self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int
@@ -227,10 +238,11 @@ class TierWorker:
             self.store.sync()
         logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
 
-    def _evict_buckets(self, segment_id: int) -> None:
+    def _evict_buckets(self, segment_id: int) -> bool:
+        """Past the high watermark, delete the oldest sealed buckets; whether any were deleted."""
         candidates = self.store.eviction_candidates()
         if not candidates:
-            return
+            return False
         doomed = {location for _, locations in candidates for location in locations}
         records = [r for r in self.store.records() if r.location in doomed]
         for lo in range(0, max(len(records), 1), _REPORT_BATCH):
@@ -238,10 +250,11 @@ class TierWorker:
                 _disk_objects(segment_id, records[lo : lo + _REPORT_BATCH]), timeout=_RPC_TIMEOUT_S
             )
             if reply.status != _OK:
-                return  # the master did not take it: keep the buckets, try again later
+                return False  # the master did not take it: keep the buckets, try again later
         bucket_ids = [bucket_id for bucket_id, _ in candidates]
         self.store.delete_buckets(bucket_ids)
         logger.info("deleted SSD buckets count=%d objects=%d (disk watermark)", len(bucket_ids), len(records))
+        return True
 
 
 def _disk_objects(segment_id: int, records: list[DiskRecord]) -> pb.DiskObjectsRequest:

@@ -112,10 +112,13 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
     port = _free_port()
     cluster_id = f"up{os.getpid()}"
     with subprocess.Popen(
-        [*KVTIER, "up", "--listen", f"127.0.0.1:{port}", "--dram", "32MiB", "--cluster-id", cluster_id],
+        [
+            *KVTIER, "up", "--listen", f"127.0.0.1:{port}", "--dram", "32MiB", "--cluster-id", cluster_id,
+            "--ssd", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-    ) as proc:
+    ) as proc:  # fmt: skip
         try:
             lines = []
             while True:
@@ -128,6 +131,9 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
             kvtier("put", "--master", f"127.0.0.1:{port}", "k", "-", stdin=b"up works")
             assert kvtier("get", "--master", f"127.0.0.1:{port}", "k").stdout == b"up works"
             assert list(Path("/dev/shm").glob(f"kvtier.{cluster_id}.*")), "the segment's region file exists while up"
+            segment = json.loads(kvtier("status", "--master", f"127.0.0.1:{port}", "--json").stdout)["segments"][0]
+            assert segment["ssd_capacity"] == 32 << 20 and segment["disk_engine"] in ("io_uring", "threads")
+            assert list((tmp_path / "ssd" / "local0").glob("bucket-*.kvb")), "the SSD tier lives in --ssd-dir"
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 0
             assert b"stopped" in proc.stdout.read()
@@ -148,6 +154,7 @@ def test_up_keeps_serving_after_one_of_its_segments_is_drained(tmp_path: Path):
             [*KVTIER, "up", "--listen", master, "--dram", "16MiB", "--segments", "2", "--cluster-id", cluster_id],
             stdout=subprocess.PIPE,
             stderr=err,
+            cwd=tmp_path,  # its default SSD tiers go to ./.kvtier/ssd
         ) as proc,
     ):
         try:

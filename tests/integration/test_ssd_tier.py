@@ -261,3 +261,25 @@ def test_segment_thread_count_is_constant_under_a_large_disk_batch_get(bare_clus
         assert not failures
         assert max(seen) == baseline, f"segment threads went from {baseline} to {max(seen)} under load"
         assert segment_info(client).ssd_bytes_served >= 4 * len(disk_keys) * size // 2
+
+
+def test_disk_watermark_deletes_the_oldest_buckets_after_telling_the_master(bare_cluster, ssd_dir):
+    bare_cluster.start_master()
+    bare_cluster.start_segment(
+        "ssd0",
+        "16MiB",
+        "--ssd-dir", str(ssd_dir),
+        "--ssd-size", "32MiB",
+        "--ssd-bucket-size", "4MiB",
+    )  # fmt: skip
+    keys = [f"wm/{i:03d}" for i in range(64)]  # 64 MiB through 16 MiB of DRAM and 32 MiB of SSD
+    with bare_cluster.client() as client:
+        put_and_offload(bare_cluster, client, keys)
+        assert bare_cluster.wait_for(lambda: client.cluster_status().tiering["disk_copies_dropped"] > 0, timeout=15)
+        info = segment_info(client)
+        assert info.ssd_used <= info.ssd_capacity
+        assert not (ssd_dir / f"bucket-{0:016x}.kvb").exists(), "the oldest bucket was deleted"
+        got = sources(client, keys)  # every read a verified hit or a miss
+        assert got[keys[0]] is None, "the oldest object went with its bucket"
+        assert got[keys[-1]] is not None
+        assert "ssd/tcp" in got.values(), "the newer disk copies are still served"
