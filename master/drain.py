@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.master.records import (
+    TIER_DRAM,
+    TIER_SHIFT,
     ObjectRecord,
     ObjectState,
-    on_segment,
     replica,
     replica_offset,
     replica_segment,
@@ -96,14 +97,16 @@ class Drainer:
         lease_until = now + state.config.lease_s
         batch = MigrationBatch(next(self._ids), segment.segment_id, now)
         targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE]
+        dram = segment.segment_id << 2 | TIER_DRAM
         for record in state.records():
             if len(batch.items) >= max_objects:
                 break
             if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
                 continue
-            if not on_segment(record.replicas, segment.segment_id):
+            # DRAM copies only: disk copies on a drained segment go with it (see docs/architecture.md)
+            source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
+            if source is None:
                 continue
-            source = next(r for r in record.replicas if replica_segment(r) == segment.segment_id)
             holders = {replica_segment(r) for r in record.replicas}
             candidates = sorted(
                 (s for s in targets if s.segment_id not in holders),

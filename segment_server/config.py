@@ -39,7 +39,7 @@ class SegmentConfig:
     offload: bool = True  # objects evicted from DRAM are written to the SSD tier instead of dropped
     ssd_io: str = "auto"  # disk read engine: auto (io_uring if it works here, else threads), io_uring, threads
     ssd_queue_depth: int = 32  # disk reads in flight, whatever the number of requests
-    ssd_threads: int = 4  # threads of the `threads` engine (io_uring needs none)
+    ssd_threads: int = 4  # threads of the `threads` engine; for io_uring, the cap on the kernel's io-wq workers
     ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
     log_level: str = "INFO"

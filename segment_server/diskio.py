@@ -512,7 +512,8 @@ class IoUringEngine(_Bounded):
                 entry[0].set_result(res)
 
     def close(self) -> None:
-        """Wait (up to 10 s, blocking the loop) for I/O in flight, then tear the ring down.
+        """Cancel what the kernel can cancel, wait (up to 10 s, blocking the loop) for the rest of
+        the I/O in flight, then tear the ring down. Callers of cancelled I/O get OSError(ECANCELED).
 
         I/O still running after that is abandoned: its callers get RuntimeError and its buffers
         stay referenced for the life of the process, since the kernel may still write into them.
@@ -520,6 +521,8 @@ class IoUringEngine(_Bounded):
         if not self._ring_open:
             return
         self._closed = True
+        for fut, _ in list(self._pending.values()):
+            self._on_cancel(fut)
         deadline = time.monotonic() + _CLOSE_DRAIN_SECONDS
         while self._pending and time.monotonic() < deadline:
             with contextlib.suppress(OSError):

@@ -259,7 +259,9 @@ def test_segment_thread_count_is_constant_under_a_large_disk_batch_get(bare_clus
         for t in readers:
             t.join()
         assert not failures
-        assert max(seen) == baseline, f"segment threads went from {baseline} to {max(seen)} under load"
+        # io_uring's kernel workers (iou-wrk) count as the process's threads: capped by --ssd-threads
+        bound = baseline + (4 if engine == "io_uring" else 0)
+        assert max(seen) <= bound, f"segment threads went from {baseline} to {max(seen)} under load"
         assert segment_info(client).ssd_bytes_served >= 4 * len(disk_keys) * size // 2
 
 

@@ -67,6 +67,13 @@ def assert_consistent(state: MasterState) -> None:
             dram_replicas = sum(1 for r in record.replicas if replica_tier(r) == TIER_DRAM)
             owner_used[id(record.owner)] += aligned(record.size) * dram_replicas
             owner_objects[id(record.owner)] += 1
+    for batch in state.drainer._batches.values():  # targets of migrations in flight
+        for item in batch.items:
+            if item.target is not None and item.record.size:
+                segment_id = replica_segment(item.target)
+                used[segment_id] += aligned(item.record.size)
+                replicas[segment_id] += 1
+                ranges[segment_id].append((replica_offset(item.target), aligned(item.record.size), "<migrating>"))
     for task in state.tiering._promoting.values():  # DRAM ranges allocated for a promotion in flight
         if task.size and task.segment_id in ranges:
             used[task.segment_id] += aligned(task.size)

@@ -304,3 +304,18 @@ def test_allocation_eviction_drops_redundant_copies_before_lru_order(state):
     assert tiers(state, "k0") == [(seg, TIER_DRAM)]
     assert stored(state) == {"k0", "k1", "k2", "k3", "k4"}
     assert_consistent(state)
+
+
+def test_drain_migrates_dram_copies_only(state):
+    # given a draining segment holding a DRAM+SSD object and an SSD-only object, and a target
+    a = mount_ssd(state, "a", 4 * KiB)
+    mount_ssd(state, "b", 4 * KiB, offload=False)
+    put(state, "both", preferred_segment="a")
+    assert state.tiering.report_disk_objects(a, [NS, NS], ["both", "disk"], [KiB, KiB], [7, 3], [1, 2]) == [OK, OK]
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    # when the drainer asks for work
+    status, batch = state.drainer.migrate_start("a", 10)
+    # then it gets the DRAM copy of "both", read from its DRAM offset, and nothing for "disk"
+    assert status == OK
+    assert [(item.record.key, replica_tier(item.source)) for item in batch.items] == [("both", TIER_DRAM)]
+    assert_consistent(state)

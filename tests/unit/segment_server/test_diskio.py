@@ -9,6 +9,7 @@ import errno
 import os
 import random
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -354,6 +355,27 @@ def test_io_uring_cancels_a_parked_read(uring: None) -> None:
             os.close(w)
 
     run_with_engine("io_uring", body, queue_depth=1)
+
+
+def test_io_uring_close_cancels_parked_io(uring: None) -> None:
+    async def main() -> None:
+        engine = IoUringEngine(queue_depth=4, kernel_workers=2)
+        r, w = os.pipe()
+        try:
+            task = asyncio.create_task(engine.read_at(r, 0, bytearray(16)))
+            await asyncio.sleep(0.02)
+            started = time.monotonic()
+            engine.close()  # must not sit out its 10 s drain deadline on a request the kernel can cancel
+            assert time.monotonic() - started < 2
+            with pytest.raises(OSError) as info:
+                await task
+            assert info.value.errno == errno.ECANCELED
+        finally:
+            engine.close()
+            os.close(r)
+            os.close(w)
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("inline_max", [0, 1 << 30])
