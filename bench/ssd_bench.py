@@ -7,8 +7,9 @@ on disk):
   keeps up with, so they land on SSD;
 - read the disk-only ones back with `batch_get_into` in batches of `--batch`,
   `--repeat` times (median), every object verified by its checksum;
-- read the same bucket files with `dd iflag=direct bs=1M` (the baseline: what
-  the disk gives one sequential direct reader);
+- before each pass, read the same bucket files with `dd iflag=direct bs=1M`
+  (the baseline: what the disk gives one sequential direct reader, under the
+  same conditions as the pass that follows; medians of both are compared);
 - report both, their ratio, and the segment's own counters: object bytes
   served from SSD vs physical bytes the process read (/proc/<pid>/io), so
   the figure cannot come from the page cache unnoticed.
@@ -37,7 +38,7 @@ class SsdResult:
     objects_on_disk: int
     batch: int
     get_gb_per_s: float  # median over repeats
-    baseline_gb_per_s: float  # dd iflag=direct over the same bucket files
+    baseline_gb_per_s: float  # dd iflag=direct over the same bucket files, median, next to each pass
     ratio: float
     disk_engine: str
     ssd_bytes_served: int  # segment's counter over the measured reads
@@ -107,10 +108,15 @@ def run_ssd_bench(ssd_bytes: int, size: int, batch: int, repeat: int, ssd_dir: s
                 raise RuntimeError("no object ended on the SSD tier")
             engine = client.cluster_status().segments[0].disk_engine
             buffers = [bytearray(size) for _ in range(batch)]
+            buckets = sorted(work.rglob("bucket-*.kvb"))
             served_before = client.cluster_status().segments[0].ssd_bytes_served
-            disk_before = _pid_read_bytes(pid)
-            rates = []
+            disk_read = 0
+            rates, baselines = [], []
             for _ in range(repeat):
+                # The baseline runs next to each measured pass, under the same conditions (a VM's
+                # virtual disk is faster on data it read recently: compare like with like).
+                baselines.append(_dd_direct(buckets))
+                disk_before = _pid_read_bytes(pid)
                 started = time.perf_counter()
                 moved = 0
                 for lo in range(0, len(disk_keys), batch):
@@ -120,10 +126,10 @@ def run_ssd_bench(ssd_bytes: int, size: int, batch: int, repeat: int, ssd_dir: s
                         raise RuntimeError(f"read failed: {[r for r in results if r != size][:4]}")
                     moved += size * len(chunk)
                 rates.append(moved / (time.perf_counter() - started) / 1e9)
-            disk_read = _pid_read_bytes(pid) - disk_before
+                disk_read += _pid_read_bytes(pid) - disk_before
             time.sleep(0.5)  # one heartbeat carries the segment's counters to the master
             served = client.cluster_status().segments[0].ssd_bytes_served - served_before
-        baseline = _dd_direct(sorted(work.rglob("bucket-*.kvb")))
+        baseline = statistics.median(baselines)
         get_rate = statistics.median(rates)
         return SsdResult(
             object_size=size,

@@ -83,6 +83,13 @@ def as_writable_view(buffer: Any) -> memoryview:
     return view
 
 
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """`items` in up to `parts` contiguous chunks of at least 4 (small batches stay whole)."""
+    parts = max(1, min(parts, len(items) // 4))
+    step = -(-len(items) // parts)
+    return [items[lo : lo + step] for lo in range(0, len(items), step)]
+
+
 def _pin_ttl_ms(pin_ttl: float) -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
@@ -132,6 +139,9 @@ class Client:
         self._stats: Counter[str] = Counter()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
+        # records in flight on the segment); measured in docs/benchmarks.md.
+        self._disk_streams = min(self.config.io_threads, self.config.connections_per_segment, 2)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -447,13 +457,20 @@ class Client:
                 position = positions[attempt]
                 groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
             retry: dict[int, list[int]] = {}
+            # Disk reads of one segment are split over parallel connections: the segment serves a
+            # connection's requests one at a time, and more in flight keeps its disk busy.
+            parts = [
+                ((segment_id, tier), chunk)
+                for (segment_id, tier), indices in groups.items()
+                for chunk in (_split(indices, self._disk_streams) if tier == pb.SSD else [indices])
+            ]
             jobs = [
                 (self._read_segment, segments.get(segment_id), reply, replicas, indices, attempt, views, tier, keys)
-                for (segment_id, tier), indices in groups.items()
+                for (segment_id, tier), indices in parts
             ]
             all_results = self._run_parallel(jobs)
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
-            for ((segment_id, tier), indices), (results, crcs, path) in zip(groups.items(), all_results, strict=True):
+            for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
                 for i, result, crc in zip(indices, results, crcs, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result

@@ -52,6 +52,7 @@ import bisect
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import importlib
 import importlib.util
@@ -423,7 +424,7 @@ class IoUringEngine(_Bounded):
         if not view:
             return 0
         view = view[:_MAX_IO]
-        prep, flags = self._lib.io_uring_prep_read, self._sqe_flags(len(view))
+        prep, flags = self._lib.io_uring_prep_read, self._sqe_flags(len(view), fd)
         return self._check(await self._bounded(self._start, prep, flags, view, fd, view, len(view), offset))
 
     async def write_at(self, fd: int, offset: int, data: Buffer) -> int:
@@ -432,7 +433,7 @@ class IoUringEngine(_Bounded):
         done = 0
         while done < len(view):
             chunk = view[done : done + _MAX_IO]
-            prep, flags = self._lib.io_uring_prep_write, self._sqe_flags(len(chunk))
+            prep, flags = self._lib.io_uring_prep_write, self._sqe_flags(len(chunk), fd)
             n = self._check(await self._bounded(self._start, prep, flags, chunk, fd, chunk, len(chunk), offset + done))
             if n == 0:
                 raise OSError(errno.EIO, f"write made no progress at offset {offset + done}")
@@ -442,8 +443,20 @@ class IoUringEngine(_Bounded):
     async def sync(self, fd: int) -> None:
         self._check(await self._bounded(self._start, self._lib.io_uring_prep_fsync, 0, None, fd, self._datasync))
 
-    def _sqe_flags(self, nbytes: int) -> int:
-        return self._async if nbytes > self.inline_max else 0
+    def _sqe_flags(self, nbytes: int, fd: int) -> int:
+        """IOSQE_ASYNC for large buffered I/O (a page-cache copy would run on the loop thread).
+
+        O_DIRECT I/O is submitted inline: the block layer queues it without copying or
+        blocking, and punting it to the workers would cap its queue depth at their number.
+        """
+        if nbytes <= self.inline_max:
+            return 0
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                return 0
+        except OSError:
+            pass  # a bad fd: let the kernel report it
+        return self._async
 
     @staticmethod
     def _check(res: int) -> int:

@@ -135,7 +135,8 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
         len(records),
         reason,
     )
-    return store, engine, DiskReader(store, engine, BufferPool(parse_size(config.ssd_read_buffers)))
+    pool = BufferPool(parse_size(config.ssd_read_buffers))
+    return store, engine, DiskReader(store, engine, pool, window=config.ssd_read_ahead)
 
 
 def _disk_bytes_read() -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client import Client
+from kvtier.client import Client, Status
 from tests.cluster import Cluster
 
 MiB = 1 << 20
@@ -285,3 +285,53 @@ def test_disk_watermark_deletes_the_oldest_buckets_after_telling_the_master(bare
         assert got[keys[0]] is None, "the oldest object went with its bucket"
         assert got[keys[-1]] is not None
         assert "ssd/tcp" in got.values(), "the newer disk copies are still served"
+
+
+def test_bad_and_abandoned_disk_reads_leave_the_segment_serving(ssd_cluster):
+    from kvtier.proto import frames
+    from kvtier.proto.frames import Op
+    from tests.integration import rawframes
+
+    keys = [f"raw/{i:02d}" for i in range(24)]
+    with ssd_cluster.client() as client:
+        put_and_offload(ssd_cluster, client, keys)
+        on_disk = [k for k, s in sources(client, keys).items() if s == "ssd/tcp"][:8]
+        assert len(on_disk) >= 4
+        endpoint = next(e for e in client.cluster_status().segments[0].endpoints if e.startswith("tcp://"))
+        table = [(disk_location(client, k), MiB) for k in on_disk]
+        names = frames.pack_disk_names([b"default\x00" + k.encode() for k in on_disk])
+        # 100 clients that ask for 8 MiB from disk, read 100 bytes and hang up (more than the
+        # 64 MiB read pool: a buffer kept by an abandoned request would starve the next ones)
+        for n in range(100):
+            with rawframes.connect(endpoint) as sock:
+                rawframes.send_request(sock, Op.READ_DISK, n, table, names)
+                rawframes.recv_exact(sock, 100)
+        with rawframes.connect(endpoint) as sock:
+            # wrong name, wrong size, unknown location: per-record errors, zeros, the rest served
+            bad_names = frames.pack_disk_names(
+                [
+                    b"default\x00not-" + on_disk[0].encode(),
+                    b"default\x00" + on_disk[1].encode(),
+                    b"default\x00x",
+                    b"default\x00" + on_disk[3].encode(),
+                ]
+            )
+            bad_table = [table[0], (table[1][0], MiB - 1), ((1 << 47) | 5, MiB), table[3]]
+            rawframes.send_request(sock, Op.READ_DISK, 7, bad_table, bad_names)
+            header = rawframes.recv_exact(sock, frames.RESPONSE.size)
+            *_, status, _flags, payload_len = frames.RESPONSE.unpack(header)
+            assert status == 0 and payload_len == 4 * 4 + 4 * MiB - 1
+            statuses = []
+            for _, size in bad_table:
+                (item,) = frames.DISK_STATUS.unpack(rawframes.recv_exact(sock, 4))
+                data = rawframes.recv_exact(sock, size)
+                statuses.append(item)
+                last = data
+            assert statuses[:3] == [Status.CHECKSUM_MISMATCH, Status.INVALID_RANGE, Status.NOT_FOUND]
+            assert statuses[3] == 0 and last == value_for(on_disk[3])
+            # names that do not parse: a protocol error, the connection closes
+            rawframes.send_request(sock, Op.READ_DISK, 8, table[:1], b"\x05\x00ab")
+            assert rawframes.recv_response(sock)[2] == Status.PROTOCOL_ERROR
+        # and the segment still serves everything, verified
+        assert client.batch_get(on_disk) == [value_for(k) for k in on_disk]
+    assert "READ_DISK failed" not in ssd_cluster.segments["ssd0"].tail(5000), "a disk request crashed"
