@@ -38,6 +38,7 @@ from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
+from kvtier.master.placement import place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
     MAX_SEGMENT_CAPACITY,
@@ -54,7 +55,6 @@ from kvtier.master.records import (
     name_prefix,
     object_name,
     on_segment,
-    replica,
     replica_offset,
     replica_segment,
 )
@@ -64,7 +64,6 @@ from kvtier.proto.status import Status
 logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
-REDUNDANT_SCAN = 4096  # records looked at for redundant copies before plain LRU eviction
 _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
 
@@ -323,7 +322,7 @@ class MasterState:
         prefix = name_prefix(namespace)
         active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
         largest = max((s.capacity for s in active), default=0)
-        static = self._static_rank(active, options)
+        static = static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
@@ -361,7 +360,7 @@ class MasterState:
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                placed = self._place(active, static, size, replicas)
+                placed = place(self, active, static, size, replicas)
                 if placed is None:
                     status = Status.NO_SPACE
                 else:
@@ -386,116 +385,6 @@ class MasterState:
             if not result.first_error:
                 result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
         return result
-
-    @staticmethod
-    def _static_rank(active: list[SegmentRecord], options: PutOptions) -> dict[int, tuple[bool, bool]]:
-        """The batch-constant part of placement preference: preferred segment, then the writer's host."""
-        return {
-            s.segment_id: (
-                s.name != options.preferred_segment,
-                not options.client_host or s.host_id != options.client_host,
-            )
-            for s in active
-        }
-
-    def _place(
-        self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
-    ) -> tuple[int, ...] | None:
-        """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
-
-        Preference: `static` (preferred segment, writer's host), then the
-        highest free ratio, re-evaluated per key as the batch fills segments.
-        Tries each segment in that order, then evicts LRU objects from
-        segments in that order until the range fits.
-        """
-
-        def rank(segment: SegmentRecord) -> tuple:
-            allocator = segment.allocator
-            return static[segment.segment_id], allocator.used / allocator.capacity if allocator.capacity else 1.0
-
-        if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
-            best = min(active, key=rank)
-            offset = best.allocator.allocate(size)
-            if offset is not None:
-                best.objects += 1
-                return (replica(best.segment_id, offset),)
-        order = sorted(active, key=rank)
-        placed: list[int] = []
-        used_hosts: set[str] = set()
-        used_segments: set[int] = set()
-        for _ in range(replicas):
-            fresh_host = [s for s in order if s.segment_id not in used_segments and s.host_id not in used_hosts]
-            others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
-            segment, offset = self._allocate_on(fresh_host + others, size)
-            if segment is None:
-                self._release_replicas(placed, size)
-                return None
-            placed.append(replica(segment.segment_id, offset))
-            segment.objects += 1
-            used_segments.add(segment.segment_id)
-            used_hosts.add(segment.host_id)
-        return tuple(placed)
-
-    def _allocate_on(self, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
-        if size == 0:  # nothing to store, but the object still lives on a segment
-            return (candidates[0], 0) if candidates else (None, 0)
-        for segment in candidates:
-            offset = segment.allocator.allocate(size)
-            if offset is not None:
-                return segment, offset
-        need = self._aligned(size)
-        for segment in candidates:
-            if segment.capacity < need:
-                continue
-            # Evict only where it will work: the victims' ranges plus the free extents must
-            # form a contiguous run of `need` bytes (a refused put must not destroy anything).
-            # The least recently used victims that add up to `need` usually do; otherwise
-            # check everything evictable here; if even that cannot make room, evict nothing.
-            eligible = self._on_segment(segment.segment_id)
-            now = self.clock()
-            # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
-            # go first: dropping them loses nothing. A bounded look only, then plain LRU.
-            victims = pick_victims(
-                self._objects.values(),
-                now,
-                need,
-                self._replica_bytes,
-                lambda r, eligible=eligible: len(r.replicas) > 1 and eligible(r),
-                scan_limit=REDUNDANT_SCAN,
-            )
-            if not self._fits_after(segment, victims, need):
-                victims = pick_victims(self._objects.values(), now, need, self._replica_bytes, eligible)
-            if not self._fits_after(segment, victims, need):
-                victims = pick_victims(self._objects.values(), now, segment.capacity, self._replica_bytes, eligible)
-                if not self._fits_after(segment, victims, need):
-                    continue
-            # One victim at a time, least recently used first, stopping as soon as it fits.
-            for victim in victims:
-                self._evict_one(victim, "allocation", segment.segment_id)
-                offset = segment.allocator.allocate(size)
-                if offset is not None:
-                    return segment, offset
-        return None, 0
-
-    def _fits_after(self, segment: SegmentRecord, victims: list[ObjectRecord], need: int) -> bool:
-        """Whether freeing the victims' ranges on `segment` leaves a contiguous free run of `need` bytes."""
-        segment_id = segment.segment_id
-        spans = list(segment.allocator.free_spans())
-        for record in victims:
-            if record.size:
-                aligned = self._aligned(record.size)
-                dram = dram_key(segment_id)
-                spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> TIER_SHIFT == dram)
-        spans.sort()
-        run_start = run_end = -1
-        for start, length in spans:
-            if start == run_end:
-                run_end += length
-            else:
-                run_start, run_end = start, start + length
-            if run_end - run_start >= need:
-                return True
-        return False
 
     def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
         """Make pending objects of put `put_id` visible with their checksums.

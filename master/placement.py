@@ -1,0 +1,135 @@
+"""Placement: which segments get a new object's replicas, and making room there.
+
+Functions over `MasterState`'s tables (same owner, same thread); split out of
+state.py to keep each module readable. Preference per key: the put's
+preferred segment, then segments on the writer's host, then the highest free
+ratio; replicas on distinct segments, on distinct hosts first. When nothing
+fits, LRU eviction on the most preferred segment that could hold the range,
+only where it will work (a refused put must not destroy anything).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.master.eviction import pick_victims
+from kvtier.master.records import OFFSET_MASK, TIER_SHIFT, ObjectRecord, replica
+from kvtier.master.tiering import dram_key
+
+if TYPE_CHECKING:
+    from kvtier.master.state import MasterState, PutOptions, SegmentRecord
+
+REDUNDANT_SCAN = 4096  # records looked at for redundant copies before plain LRU eviction
+
+
+def static_rank(active: list[SegmentRecord], options: PutOptions) -> dict[int, tuple[bool, bool]]:
+    """The batch-constant part of placement preference: preferred segment, then the writer's host."""
+    return {
+        s.segment_id: (
+            s.name != options.preferred_segment,
+            not options.client_host or s.host_id != options.client_host,
+        )
+        for s in active
+    }
+
+
+def place(
+    state: MasterState, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
+) -> tuple[int, ...] | None:
+    """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
+
+    Preference: `static` (preferred segment, writer's host), then the
+    highest free ratio, re-evaluated per key as the batch fills segments.
+    Tries each segment in that order, then evicts LRU objects from
+    segments in that order until the range fits.
+    """
+
+    def rank(segment: SegmentRecord) -> tuple:
+        allocator = segment.allocator
+        return static[segment.segment_id], allocator.used / allocator.capacity if allocator.capacity else 1.0
+
+    if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
+        best = min(active, key=rank)
+        offset = best.allocator.allocate(size)
+        if offset is not None:
+            best.objects += 1
+            return (replica(best.segment_id, offset),)
+    order = sorted(active, key=rank)
+    placed: list[int] = []
+    used_hosts: set[str] = set()
+    used_segments: set[int] = set()
+    for _ in range(replicas):
+        fresh_host = [s for s in order if s.segment_id not in used_segments and s.host_id not in used_hosts]
+        others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
+        segment, offset = allocate_on(state, fresh_host + others, size)
+        if segment is None:
+            state._release_replicas(placed, size)
+            return None
+        placed.append(replica(segment.segment_id, offset))
+        segment.objects += 1
+        used_segments.add(segment.segment_id)
+        used_hosts.add(segment.host_id)
+    return tuple(placed)
+
+
+def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
+    if size == 0:  # nothing to store, but the object still lives on a segment
+        return (candidates[0], 0) if candidates else (None, 0)
+    for segment in candidates:
+        offset = segment.allocator.allocate(size)
+        if offset is not None:
+            return segment, offset
+    need = state._aligned(size)
+    for segment in candidates:
+        if segment.capacity < need:
+            continue
+        # Evict only where it will work: the victims' ranges plus the free extents must
+        # form a contiguous run of `need` bytes (a refused put must not destroy anything).
+        # The least recently used victims that add up to `need` usually do; otherwise
+        # check everything evictable here; if even that cannot make room, evict nothing.
+        eligible = state._on_segment(segment.segment_id)
+        now = state.clock()
+        # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
+        # go first: dropping them loses nothing. A bounded look only, then plain LRU.
+        victims = pick_victims(
+            state._objects.values(),
+            now,
+            need,
+            state._replica_bytes,
+            lambda r, eligible=eligible: len(r.replicas) > 1 and eligible(r),
+            scan_limit=REDUNDANT_SCAN,
+        )
+        if not fits_after(state, segment, victims, need):
+            victims = pick_victims(state._objects.values(), now, need, state._replica_bytes, eligible)
+        if not fits_after(state, segment, victims, need):
+            victims = pick_victims(state._objects.values(), now, segment.capacity, state._replica_bytes, eligible)
+            if not fits_after(state, segment, victims, need):
+                continue
+        # One victim at a time, least recently used first, stopping as soon as it fits.
+        for victim in victims:
+            state._evict_one(victim, "allocation", segment.segment_id)
+            offset = segment.allocator.allocate(size)
+            if offset is not None:
+                return segment, offset
+    return None, 0
+
+
+def fits_after(state: MasterState, segment: SegmentRecord, victims: list[ObjectRecord], need: int) -> bool:
+    """Whether freeing the victims' ranges on `segment` leaves a contiguous free run of `need` bytes."""
+    segment_id = segment.segment_id
+    spans = list(segment.allocator.free_spans())
+    for record in victims:
+        if record.size:
+            aligned = state._aligned(record.size)
+            dram = dram_key(segment_id)
+            spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> TIER_SHIFT == dram)
+    spans.sort()
+    run_start = run_end = -1
+    for start, length in spans:
+        if start == run_end:
+            run_end += length
+        else:
+            run_start, run_end = start, start + length
+        if run_end - run_start >= need:
+            return True
+    return False
