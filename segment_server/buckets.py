@@ -9,11 +9,15 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   then CRC32C u32 of all preceding header bytes; zero padding to 4096.
 - Records start at 4096-aligned offsets. Record header: magic ``b"KVTR"``, version u16 (=1),
   flags u16 (0 = object, 1 = tombstone), header_len u32 (bytes of the header including the names
-  below, excluding padding), namespace_len u16, key_len u16, size u64 (payload bytes), payload_crc u32
-  (CRC32C of the payload), header_crc u32 (CRC32C of the header bytes with this field set to zero),
-  then namespace bytes and key bytes (UTF-8). The payload follows the header immediately (at record
-  offset + header_len). The next record starts at the next 4096-aligned offset after the payload.
-  The cluster id is in the bucket header, not per record.
+  below, excluding padding: 36 + namespace_len + key_len), namespace_len u16, key_len u16, size u64
+  (payload bytes), payload_crc u32 (CRC32C of the payload), cluster_crc u32 (CRC32C of the UTF-8
+  cluster id), header_crc u32 (CRC32C of the header bytes with this field set to zero), then namespace
+  bytes and key bytes (UTF-8). Field offsets: magic 0, version 4, flags 6, header_len 8, namespace_len
+  12, key_len 14, size 16, payload_crc 24, cluster_crc 28, header_crc 32, names 36. The payload
+  follows the header immediately (at record offset + header_len). The next record starts at the next
+  4096-aligned offset after the payload. The bucket header holds the full cluster id; each record
+  holds a CRC32C tag of it, so a record can be recognised as this cluster's on its own (recovery drops
+  a record whose tag is not ours, like one whose payload CRC fails).
 - A tombstone record's payload is 8 bytes: the u64 location of a record it declares dead (written
   when the master removes an object that had a disk copy, so a restart does not resurrect it).
 - Sealing: when a bucket reaches ``bucket_size`` bytes or ``bucket_keys`` records (whichever first),
@@ -61,8 +65,9 @@ MAX_CLUSTER_ID_BYTES = 64
 MAX_NAME_BYTES = 0xFFFF
 
 _BUCKET_HEAD = struct.Struct("<4sHHQdH")  # magic, version, reserved, bucket id, created, cluster id length
-_RECORD_HEAD = struct.Struct("<4sHHIHHQII")  # magic, version, flags, header_len, ns_len, key_len, size, crcs
-_HEADER_CRC_AT = 28  # offset of header_crc inside the record header
+# magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc
+_RECORD_HEAD = struct.Struct("<4sHHIHHQIII")
+_HEADER_CRC_AT = 32  # offset of header_crc inside the record header (the last fixed field)
 _INDEX_HEAD = struct.Struct("<4sI")
 _INDEX_ENTRY = struct.Struct("<QIQH")
 _LOCATOR_BODY = struct.Struct("<Q4s")
@@ -118,6 +123,7 @@ class _Head:
     header_len: int
     size: int
     payload_crc: int
+    cluster_crc: int  # CRC32C of the writer's cluster id: checked by the caller, not by _parse_header
     namespace: str
     key: str
 
@@ -155,9 +161,12 @@ def _header_crc(header: bytes | memoryview) -> int:
     return crc32c.crc32c(header[_HEADER_CRC_AT + 4 :], value=value)
 
 
-def _record_header(flags: int, namespace: bytes, key: bytes, size: int, payload_crc: int) -> bytes:
+def _record_header(flags: int, namespace: bytes, key: bytes, size: int, payload_crc: int, cluster_crc: int) -> bytes:
     n, k = len(namespace), len(key)
-    header = bytearray(_RECORD_HEAD.pack(RECORD_MAGIC, FORMAT_VERSION, flags, 32 + n + k, n, k, size, payload_crc, 0))
+    header_len = _RECORD_HEAD.size + n + k
+    header = bytearray(
+        _RECORD_HEAD.pack(RECORD_MAGIC, FORMAT_VERSION, flags, header_len, n, k, size, payload_crc, cluster_crc, 0)
+    )
     header += namespace + key
     _U32.pack_into(header, _HEADER_CRC_AT, crc32c.crc32c(header))
     return bytes(header)
@@ -167,7 +176,9 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
     """Parse and verify the record header at the start of `buf`; RecordError says what is wrong."""
     if len(buf) < _RECORD_HEAD.size:
         raise RecordError(f"record header truncated: {len(buf)} bytes")
-    magic, version, flags, header_len, ns_len, key_len, size, payload_crc, header_crc = _RECORD_HEAD.unpack_from(buf)
+    magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc = (
+        _RECORD_HEAD.unpack_from(buf)
+    )
     if magic != RECORD_MAGIC:
         raise RecordError(f"bad record magic {bytes(magic)!r}")
     if version != FORMAT_VERSION:
@@ -188,7 +199,7 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
         key = bytes(buf[names + ns_len : header_len]).decode()
     except UnicodeDecodeError as exc:
         raise RecordError(f"record name is not UTF-8: {exc}") from None
-    return _Head(flags, header_len, size, payload_crc, namespace, key)
+    return _Head(flags, header_len, size, payload_crc, cluster_crc, namespace, key)
 
 
 def _read_head(fd: int, offset: int, limit: int) -> _Head:
@@ -303,7 +314,9 @@ class BucketStore:
             raise ValueError(problem)
         self._dir = os.fspath(directory)
         self._capacity = capacity
+        self._cluster_id = cluster_id
         self._cluster = cluster_id.encode()
+        self._cluster_crc = crc32c.crc32c(self._cluster)  # the tag every record of ours carries
         self._bucket_size = bucket_size
         self._bucket_keys = bucket_keys
         self._high = high_watermark
@@ -326,7 +339,8 @@ class BucketStore:
         """Load every bucket of ours, repair the open one's torn tail, and return the live objects.
 
         Files of another cluster or format, or with a bad header, are logged and left untouched (not
-        counted in `used`). Records whose payload CRC fails are dropped; tombstoned records are dead.
+        counted in `used`). Records whose payload CRC fails or whose cluster tag is not ours are dropped
+        (the scan goes on past them); tombstoned records are dead.
         Ends with an open bucket for appends (creating one if needed). Call once, before anything else.
         """
         if self._state != "new":
@@ -459,6 +473,18 @@ class BucketStore:
         return records, offset, None
 
     def _verify_payload(self, bucket: _Bucket, fd: int, offset: int, head: _Head) -> None:
+        """Keep a record with a valid header as live (or apply its tombstone) if its cluster tag is ours
+        and its payload CRC matches; otherwise drop it (logged)."""
+        if head.cluster_crc != self._cluster_crc:
+            logger.warning(
+                "record dropped: cluster tag %#010x is not ours (%#010x) path=%s offset=%d key=%.80s",
+                head.cluster_crc,
+                self._cluster_crc,
+                bucket.path,
+                offset,
+                head.key,
+            )
+            return
         location = _location(bucket.bucket_id, offset)
         if head.flags == FLAG_TOMBSTONE:
             payload = os.pread(fd, _TOMBSTONE_SIZE, offset + head.header_len)
@@ -521,7 +547,7 @@ class BucketStore:
     ) -> tuple[_Bucket, int]:
         self._check_state()
         assert self._open is not None
-        header = _record_header(flags, ns, kb, len(data), crc)
+        header = _record_header(flags, ns, kb, len(data), crc, self._cluster_crc)
         span = _align(len(header) + len(data))
         bucket = self._open
         roll = bucket.count > 0 and (bucket.end + span > self._bucket_size or self._full(bucket))
@@ -724,12 +750,16 @@ class BucketStore:
     ) -> memoryview:
         """Verify a record read with `plan` and return its payload (a slice of `buf`, no copy).
 
-        Checks magic, version, object flags, header CRC, names and size; RecordError otherwise. The
-        payload CRC is for the reader to check against the master's checksum. `cluster_id` is accepted
-        for symmetry but not checked: records carry none, and `recover` serves only our cluster's buckets.
+        Checks magic, version, object flags, header CRC, names, size and, when `cluster_id` is given,
+        the record's cluster tag (CRC32C of `cluster_id`); RecordError otherwise. The payload CRC is for
+        the reader to check against the master's checksum.
         """
         buf = memoryview(buf).cast("B")
         head = _parse_header(buf)
+        if cluster_id is not None and head.cluster_crc != (expected := crc32c.crc32c(cluster_id.encode())):
+            raise RecordError(
+                f"record of another cluster: tag {head.cluster_crc:#010x}, expected {expected:#010x} for {cluster_id!r}"
+            )
         if head.flags != FLAG_OBJECT:
             raise RecordError("record is a tombstone")
         if head.header_len != plan.header_len or head.size != plan.size:
@@ -825,6 +855,11 @@ class BucketStore:
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def cluster_id(self) -> str:
+        """The cluster whose buckets and records this store reads and writes."""
+        return self._cluster_id
 
     @property
     def bucket_count(self) -> int:

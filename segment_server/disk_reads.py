@@ -159,7 +159,7 @@ class DiskReader:
             if got < plan.header_len + plan.size:
                 return int(Status.NOT_FOUND), None, None, got
             try:
-                payload = store.payload_of(buf, plan, namespace, key)
+                payload = store.payload_of(buf, plan, namespace, key, store.cluster_id)
             except RecordError as exc:
                 logger.warning("disk record refused location=%#x key=%.80s: %s", location, key, exc)
                 return int(Status.CHECKSUM_MISMATCH), None, None, got

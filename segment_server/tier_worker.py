@@ -207,7 +207,7 @@ class TierWorker:
             got = os.preadv(plan.fd, [view], plan.file_offset)
             if got < plan.header_len + plan.size:
                 return int(Status.NOT_FOUND), "disk record is torn"
-            payload = BucketStore.payload_of(view, plan, namespace, key)
+            payload = BucketStore.payload_of(view, plan, namespace, key, self.store.cluster_id)
             if plan.size != size or crc32c.crc32c(payload) != checksum:
                 return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
             self._region[dram_offset : dram_offset + size] = payload

@@ -30,7 +30,8 @@ from kvtier.segment_server.buckets import (
 CLUSTER = "test-cluster"
 SMALL = {"bucket_size": 16 * ALIGN, "bucket_keys": 3}  # seals every 3 records or 64 KiB
 LOCATOR = struct.Struct("<Q4sI")
-RECORD = struct.Struct("<4sHHIHHQII")
+RECORD = struct.Struct("<4sHHIHHQIII")  # ... size, payload_crc, cluster_crc, header_crc
+RECORD_FIXED = 36  # the names follow at this offset
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def read(store: BucketStore, location: int, key: str, namespace: str = "ns") -> 
     """Read a record the way the data plane does: one aligned pread with the plan, then payload_of."""
     plan = store.plan_read(location)
     buf = os.pread(plan.fd, plan.read_length, plan.file_offset)
-    return bytes(BucketStore.payload_of(memoryview(buf), plan, namespace, key))
+    return bytes(BucketStore.payload_of(memoryview(buf), plan, namespace, key, store.cluster_id))
 
 
 def bucket_file(directory: Path, bucket_id: int) -> Path:
@@ -122,7 +123,7 @@ def test_append_sync_read_returns_exact_bytes(stores, ssd):
     plan = store.plan_read(location)
     assert location >> 20 == store.open_bucket_id
     assert plan.file_offset == (location & 0xFFFFF) * ALIGN == ALIGN
-    assert plan.header_len == 32 + len(b"ns") + len("key-é".encode())
+    assert plan.header_len == RECORD_FIXED + len(b"ns") + len("key-é".encode())
     assert plan.size == len(data)
     assert plan.read_length % ALIGN == 0 and plan.read_length >= plan.header_len + plan.size
     assert read(store, location, "key-é") == data
@@ -219,18 +220,22 @@ def test_file_format_matches_the_documentation(stores, ssd):
     assert struct.unpack_from("<I", raw, 26 + cluster_len)[0] == crc32c.crc32c(raw[: 26 + cluster_len])
     assert raw[30 + cluster_len : ALIGN] == bytes(ALIGN - 30 - cluster_len)
 
-    offsets = [ALIGN, ALIGN + ((32 + 5 + 4 + 5000 + ALIGN - 1) // ALIGN) * ALIGN]
+    assert RECORD.size == RECORD_FIXED
+    offsets = [ALIGN, ALIGN + ((36 + 5 + 4 + 5000 + ALIGN - 1) // ALIGN) * ALIGN]
     for offset, location, data, i in zip(offsets, locations, payloads, range(2), strict=True):
         assert location == offset // ALIGN
-        magic, version, flags, header_len, ns_len, key_len, size, payload_crc, header_crc = RECORD.unpack_from(
-            raw, offset
+        magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc = (
+            RECORD.unpack_from(raw, offset)
         )
         assert (magic, version, flags, ns_len, key_len, size) == (b"KVTR", 1, 0, 5, 4, len(data))
-        assert header_len == 32 + 5 + 4
+        assert header_len == 36 + 5 + 4
+        assert cluster_crc == crc32c.crc32c(b"fmt")
+        assert struct.unpack_from("<I", raw, offset + 28)[0] == cluster_crc  # right before header_crc
+        assert struct.unpack_from("<I", raw, offset + 32)[0] == header_crc
         header = bytearray(raw[offset : offset + header_len])
-        header[28:32] = bytes(4)
+        header[32:36] = bytes(4)
         assert header_crc == crc32c.crc32c(header)
-        assert raw[offset + 32 : offset + header_len] == f"spacekey{i}".encode()
+        assert raw[offset + 36 : offset + header_len] == f"spacekey{i}".encode()
         assert raw[offset + header_len : offset + header_len + size] == data
         assert payload_crc == crc32c.crc32c(data)
 
@@ -240,15 +245,16 @@ def test_file_format_matches_the_documentation(stores, ssd):
     footer = raw[footer_off:-16]
     assert struct.unpack_from("<4sI", footer) == (b"KVTI", 2)
     entries = [struct.unpack_from("<QIQH", footer, 8 + 22 * i) for i in range(2)]
-    assert entries == [(offsets[0], 41, 5000, 0), (offsets[1], 41, 10, 0)]
+    assert entries == [(offsets[0], 45, 5000, 0), (offsets[1], 45, 10, 0)]
     assert len(footer) == 8 + 2 * 22 + 4
     assert struct.unpack_from("<I", footer, len(footer) - 4)[0] == crc32c.crc32c(footer[:-4])
 
     store.tombstone(locations[0])
     raw = bucket_file(ssd, 1).read_bytes()
     fields = RECORD.unpack_from(raw, ALIGN)
-    assert fields[:7] == (b"KVTR", 1, 1, 32, 0, 0, 8)
-    assert raw[ALIGN + 32 : ALIGN + 40] == struct.pack("<Q", locations[0])
+    assert fields[:7] == (b"KVTR", 1, 1, 36, 0, 0, 8)
+    assert fields[8] == crc32c.crc32c(b"fmt")  # tombstones carry the cluster tag too
+    assert raw[ALIGN + 36 : ALIGN + 44] == struct.pack("<Q", locations[0])
 
 
 # --- verification ----------------------------------------------------------------------------
@@ -307,7 +313,7 @@ def test_payload_of_accepts_a_short_read_past_eof(stores, ssd):
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda buf, plan: buf.__setitem__(33, buf[33] ^ 1), "header CRC"),
+        (lambda buf, plan: buf.__setitem__(37, buf[37] ^ 1), "header CRC"),
         (lambda buf, plan: buf.__setitem__(0, ord("X")), "magic"),
         (lambda buf, plan: buf.__setitem__(4, 2), "version"),
         (lambda buf, plan: buf.__setitem__(6, 1), "flags|tombstone|CRC"),
@@ -344,12 +350,35 @@ def test_payload_of_rejects_a_record_that_is_not_the_expected_one(stores, ssd, n
         BucketStore.payload_of(memoryview(buf), dataclasses.replace(plan, **change), namespace, key)
 
 
+def test_payload_of_checks_the_cluster_tag_when_given_a_cluster_id(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    assert store.cluster_id == CLUSTER
+    data = blob(6, 3000)
+    plan = store.plan_read(put(store, "key", data))
+    buf = memoryview(os.pread(plan.fd, plan.read_length, plan.file_offset))
+    assert bytes(BucketStore.payload_of(buf, plan, "ns", "key", CLUSTER)) == data
+    assert bytes(BucketStore.payload_of(buf, plan, "ns", "key")) == data  # no cluster id: tag not checked
+    with pytest.raises(RecordError, match="another cluster"):
+        BucketStore.payload_of(buf, plan, "ns", "key", "other-cluster")
+
+
+def test_payload_of_refuses_a_record_written_by_another_cluster(stores, ssd):
+    other = stores(ssd, cluster="other-cluster")
+    other.recover()
+    plan = other.plan_read(put(other, "key", b"theirs"))
+    buf = memoryview(os.pread(plan.fd, plan.read_length, plan.file_offset))
+    assert bytes(BucketStore.payload_of(buf, plan, "ns", "key", "other-cluster")) == b"theirs"
+    with pytest.raises(RecordError, match="another cluster"):
+        BucketStore.payload_of(buf, plan, "ns", "key", CLUSTER)
+
+
 def test_payload_of_rejects_a_tombstone(stores, ssd):
     store = stores(ssd)
     store.recover()
     location = put(store, "key", b"abc")
     store.tombstone(location)
-    tomb_plan = ReadPlan(store.plan_read(put(store, "x", b"")).fd, 2 * ALIGN, ALIGN, 32, 8)
+    tomb_plan = ReadPlan(store.plan_read(put(store, "x", b"")).fd, 2 * ALIGN, ALIGN, RECORD_FIXED, 8)
     buf = os.pread(tomb_plan.fd, ALIGN, 2 * ALIGN)
     with pytest.raises(RecordError, match="tombstone"):
         BucketStore.payload_of(memoryview(buf), tomb_plan, "", "")
@@ -398,6 +427,58 @@ def test_torn_tail_is_truncated_and_appends_continue(stores, ssd, tear):
     store, records = reopen(stores, store, ssd)
     assert {r.location: r.key for r in records} == {**{loc: k for loc, (k, _) in written.items()}, later: "later"}
     assert read(store, later, "later") == b"after the tear"
+
+
+def retag(path: Path, offset: int, cluster: bytes) -> None:
+    """Give the record at `offset` another cluster's tag, with a recomputed header CRC: only the tag is wrong."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        fixed = f.read(RECORD_FIXED)
+        header_len = struct.unpack_from("<I", fixed, 8)[0]
+        f.seek(offset)
+        header = bytearray(f.read(header_len))
+        header[28:32] = struct.pack("<I", crc32c.crc32c(cluster))
+        header[32:36] = bytes(4)
+        header[32:36] = struct.pack("<I", crc32c.crc32c(header))
+        f.seek(offset)
+        f.write(header)
+
+
+@pytest.mark.parametrize("which", [1, 5], ids=["sealed-bucket", "open-bucket"])
+def test_record_with_another_clusters_tag_is_dropped_and_its_neighbours_survive(stores, ssd, which, caplog):
+    kwargs = {"bucket_size": 16 * ALIGN, "bucket_keys": 4}  # bucket 0 sealed: k0..k3; bucket 1 open: k4..k6
+    store = stores(ssd, **kwargs)
+    store.recover()
+    written = fill(store, 7)
+    store.sync()
+    assert store.open_bucket_id == 1
+    victim = list(written)[which]
+    plan = store.plan_read(victim)
+    path = bucket_file(ssd, victim >> 20)
+    store.close()
+    retag(path, plan.file_offset, b"other-cluster")
+    size = path.stat().st_size
+
+    store = stores(ssd, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "cluster tag" in caplog.text
+    assert "footer invalid" not in caplog.text  # the sealed bucket's footer path checks the tag itself
+    assert "torn" not in caplog.text
+    assert {r.location for r in records} == set(written) - {victim}
+    assert path.stat().st_size == size  # nothing truncated: the scan went on past the record
+    with pytest.raises(KeyError):
+        store.plan_read(victim)
+    for location, (key, data) in written.items():
+        if location != victim:
+            assert read(store, location, key) == data
+
+    later = put(store, "later", b"after the foreign record")
+    assert later > max(written)  # the foreign record's space is not reused
+    store.sync()
+    store, records = reopen(stores, store, ssd, **kwargs)
+    assert {r.location for r in records} == (set(written) - {victim}) | {later}
+    assert read(store, later, "later") == b"after the foreign record"
 
 
 def test_sealed_bucket_with_corrupt_footer_is_scanned(stores, ssd, caplog):
