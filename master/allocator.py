@@ -7,6 +7,14 @@ extent of the next non-empty larger bin, which always fits. Freed extents
 coalesce with free neighbours on both sides through start- and end-indexed
 maps, so after every allocation is freed the region is one extent again.
 
+Bump extent: a fill of small ranges cuts one large extent again and again.
+After such a cut the rest of the extent is kept aside, outside the maps, and
+the next allocations that fit are taken from its front by adding to an
+offset (no map updates). It goes back into the maps (`_flush`) before any
+release, free-space query, or cut of another extent; its neighbours cannot be
+free meanwhile (maps are always coalesced and every release flushes first),
+so it goes back without merging.
+
 All sizes are rounded up to `alignment`. Not thread-safe: the master's state
 owns one allocator per segment and mutates it from its event loop only.
 
@@ -41,6 +49,7 @@ class OffsetAllocator:
         self._nonempty = 0  # bit i set when bin i has an extent
         # start -> aligned size of every live allocation; None when untracked
         self._allocated: dict[int, int] | None = {} if track else None
+        self._bump = self._bump_end = 0  # the bump extent [_bump, _bump_end); empty when equal
         if self.capacity:
             self._insert(0, self.capacity)
 
@@ -53,11 +62,19 @@ class OffsetAllocator:
 
     @property
     def free_extents(self) -> int:
+        self._flush()
         return len(self._free_by_start)
 
     def free_spans(self) -> Iterator[tuple[int, int]]:
         """(start, size) of every free extent, in no particular order."""
+        self._flush()
         return iter(self._free_by_start.items())
+
+    def _flush(self) -> None:
+        """Put the bump extent back into the maps."""
+        if self._bump_end > self._bump:
+            self._insert(self._bump, self._bump_end - self._bump)
+        self._bump = self._bump_end = 0
 
     def allocate(self, size: int) -> int | None:
         """Offset of a new range of `size` bytes (> 0), or None when no extent fits."""
@@ -67,6 +84,14 @@ class OffsetAllocator:
         size = -(-size // alignment) * alignment
         if size > self.capacity - self.used:
             return None
+        start = self._bump
+        if self._bump_end - start >= size:  # the hot path of a fill: no map is touched
+            self._bump = start + size
+            self.used += size
+            if self._allocated is not None:
+                self._allocated[start] = size
+            return start
+        self._flush()
         own = size.bit_length() - 1
         bucket = self._bins[own]
         if bucket:
@@ -87,11 +112,17 @@ class OffsetAllocator:
             self._nonempty &= ~(1 << index)
         del self._free_by_start[start]
         del self._free_by_end[start + extent]
-        return self._carve(start, extent, size)
+        # A small range cut from a larger bin's extent: keep the rest aside as the bump extent.
+        self._bump, self._bump_end = start + size, start + extent
+        self.used += size
+        if self._allocated is not None:
+            self._allocated[start] = size
+        return start
 
     def release(self, offset: int, size: int) -> None:
         """Return a range obtained from `allocate(size)`; merges with free neighbours."""
         size = self.aligned(size)
+        self._flush()
         allocated = self._allocated
         if allocated is not None:
             if allocated.get(offset) != size:

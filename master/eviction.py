@@ -1,8 +1,9 @@
 """The choice of eviction victims among objects in least-recently-used order.
 
 The master keeps its objects in one dict whose order is recency: a record
-moves to the end when it completes (PutEnd) and when it is read
-(GetReplicas); existence checks never move it. `pick_victims` walks that
+is inserted at the end by PutStart (its PutEnd follows within milliseconds)
+and moves to the end when it is read (GetReplicas); existence checks never
+move it. `pick_victims` walks that
 order from the least recently used end.
 
 Victim rules, in this order (they are what makes eviction safe):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier.master.eviction import pick_victims
-from kvtier.master.records import OFFSET_MASK, TIER_SHIFT, ObjectRecord, replica
+from kvtier.master.records import OFFSET_MASK, SEGMENT_SHIFT, TIER_SHIFT, ObjectRecord, replica
 from kvtier.master.tiering import dram_key
 
 if TYPE_CHECKING:
@@ -49,11 +49,11 @@ def place(
         return static[segment.segment_id], allocator.used / allocator.capacity if allocator.capacity else 1.0
 
     if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
-        best = min(active, key=rank)
+        best = active[0] if len(active) == 1 else min(active, key=rank)
         offset = best.allocator.allocate(size)
         if offset is not None:
             best.objects += 1
-            return (replica(best.segment_id, offset),)
+            return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
     order = sorted(active, key=rank)
     placed: list[int] = []
     used_hosts: set[str] = set()

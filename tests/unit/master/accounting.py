@@ -87,7 +87,7 @@ def assert_consistent(state: MasterState) -> None:
             f"segment {segment.name}: allocator says {segment.used} used, its replicas and deferred ranges "
             f"add up to {used[segment_id]}"
         )
-        assert sum(allocator._free_by_start.values()) == allocator.capacity - allocator.used
+        assert sum(size for _, size in allocator.free_spans()) == allocator.capacity - allocator.used
         tiles = ranges[segment_id] + [(start, size, "<free>") for start, size in allocator.free_spans()]
         cursor, previous = 0, "<start>"
         for start, size, what in sorted(tiles):

@@ -601,13 +601,13 @@ def anything(record: Rec) -> bool:
     return True
 
 
-def test_recency_order_follows_put_end_and_reads_but_not_exists(state):
-    # given three objects completed in the order b, a, c
+def test_recency_order_follows_put_start_and_reads_but_not_exists(state):
+    # given three objects started in the order a, b, c and completed in the order b, a, c
     mount(state, "a", 16 * KiB)
     started = state.put_start(NS, ["a", "b", "c"], [KiB] * 3, 1)
     assert state.put_end(NS, ["b"], [1], started.put_id) == [OK]
     assert state.put_end(NS, ["a", "c"], [1, 1], started.put_id) == [OK, OK]
-    assert [r.key for r in state.records()] == ["b", "a", "c"]
+    assert [r.key for r in state.records()] == ["a", "b", "c"]  # recency starts at PutStart
     # when b is only checked for existence, then a is read
     state.exists(NS, ["b"])
     read(state, "a")
