@@ -351,7 +351,7 @@ class MasterHandlers:
         """Non-blocking: the tasks queued now (the gRPC servicer adds the long poll)."""
         if request.segment_id not in self.state.segments:
             return pb.PollTierTasksResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
-        reply = pb.PollTierTasksResponse(status=Status.OK)
+        reply = pb.PollTierTasksResponse(status=Status.OK, task_ttl_ms=int(self.state.tiering.task_ttl_s * 1000))
         for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
             namespace, _, key = task.name.partition("\x00")
             reply.task_ids.append(task.task_id)

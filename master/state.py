@@ -234,6 +234,7 @@ class MasterState:
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
+        self.tiering.mounted(segment)
         logger.info(
             "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
         )
@@ -355,8 +356,13 @@ class MasterState:
                 if owner.quota and charge > owner.quota:
                     status = Status.QUOTA_EXCEEDED
                 else:
+                    # the rank's own objects that hold DRAM: disk-only ones free no quota
                     quota_victims = pick_victims(
-                        objects.values(), now, over, self._record_bytes, lambda r, o=owner: r.owner is o
+                        objects.values(),
+                        now,
+                        over,
+                        self._record_bytes,
+                        lambda r, o=owner: r.owner is o and any(is_dram(p) for p in r.replicas),
                     )
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED

@@ -15,7 +15,12 @@ on that segment's own bytes, which the segment fetches with a long poll
   range on the same segment when one is free (no eviction for it); the
   segment copies the verified disk bytes in; the range becomes a replica.
 - FORGET: a disk copy the master dropped (object removed or replaced) is
-  tombstoned by the segment so a restart does not bring it back.
+  tombstoned by the segment so a restart does not bring it back. Forgets are
+  acknowledged and remembered by segment name until they are: a segment that
+  was away (dropped, restarted) gets them again when it mounts, and a disk
+  copy it reports that is still to be forgotten is refused, never registered.
+  Otherwise a removed object could come back with its old bytes and a valid
+  checksum after a re-put of its key had been answered "already stored".
 
 A segment reports its disk copies after every mount (`ReportDiskObjects`,
 its recovered inventory) and before it deletes buckets (`DropDiskReplicas`).
@@ -55,7 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
-OFFLOAD_BACKOFF_S = 5.0  # after a segment could not offload (disk full), drop instead for this long
+OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
 
 
 class TaskKind(enum.IntEnum):
@@ -102,6 +107,9 @@ class Tiering:
         self._disk_reads: dict[str, int] = {}  # reads of disk-only objects, for promotion
         self._offload_paused_until: dict[int, float] = {}
         self._ids = itertools.count(1)
+        # segment name -> location -> FORGET not yet acknowledged (survives the segment's absence)
+        self._unacked_forgets: dict[str, dict[int, TierTask]] = {}
+        self._names: dict[int, str] = {}  # segment id -> name, for every segment ever mounted
         self.counters: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
 
@@ -116,18 +124,28 @@ class Tiering:
     def has_tasks(self, segment_id: int) -> bool:
         return bool(self._queues.get(segment_id))
 
+    def mounted(self, segment: SegmentRecord) -> None:
+        """A segment (re)mounted: hand it the forgets it has not acknowledged yet."""
+        self._names[segment.segment_id] = segment.name
+        for task in self._unacked_forgets.get(segment.name, {}).values():
+            task.segment_id = segment.segment_id
+            self._enqueue(task)
+
+    @property
+    def task_ttl_s(self) -> float:
+        return self.state.config.put_timeout_s
+
     def poll(self, segment_id: int, max_tasks: int) -> list[TierTask]:
         """Hand out up to `max_tasks` queued tasks of a segment; they must be reported by their deadline."""
         queue = self._queues.get(segment_id)
         out: list[TierTask] = []
         if not queue:
             return out
-        deadline = self.state.clock() + self.state.config.put_timeout_s
+        deadline = self.state.clock() + self.task_ttl_s
         while queue and len(out) < max_tasks:
             task = queue.popleft()
-            if task.kind is not TaskKind.FORGET:  # a FORGET needs no answer
-                task.deadline = deadline
-                self._in_flight[task.task_id] = task
+            task.deadline = deadline
+            self._in_flight[task.task_id] = task
             out.append(task)
         return out
 
@@ -205,9 +223,14 @@ class Tiering:
     # ------------------------------------------------------------------ forgetting
 
     def forget(self, segment_id: int, name: str, location: int) -> None:
-        """The master dropped the disk copy at `location`: have the segment tombstone it."""
+        """The master dropped the disk copy at `location`: have the segment tombstone it (see FORGET)."""
+        segment_name = self._names.get(segment_id)
+        if segment_name is None:
+            return
+        task = TierTask(next(self._ids), TaskKind.FORGET, segment_id, None, name, 0, 0, 0, location)
+        self._unacked_forgets.setdefault(segment_name, {})[location] = task
         if segment_id in self.state.segments:
-            self._enqueue(TierTask(next(self._ids), TaskKind.FORGET, segment_id, None, name, 0, 0, 0, location))
+            self._enqueue(task)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -224,8 +247,19 @@ class Tiering:
                 self._offload_done(task, status, location)
             elif task.kind is TaskKind.PROMOTE:
                 self._promote_done(task, status)
+            else:
+                self._forget_done(task, status)
             out.append(_OK)
         return out
+
+    def _forget_done(self, task: TierTask, status: int) -> None:
+        unacked = self._unacked_forgets.get(self._names.get(task.segment_id, ""), {})
+        if status == _OK:
+            if unacked.get(task.disk_location) is task:
+                del unacked[task.disk_location]
+        elif task.segment_id in self.state.segments:
+            self.counters["forget_failures"] += 1
+            self._enqueue(task)  # the tombstone must happen: try again
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
@@ -237,10 +271,18 @@ class Tiering:
         self._end_offload(task)
         state = self.state
         if status != _OK:
+            # Any failure pauses offload on that segment for a while (the watermark pass drops
+            # instead): retrying the same victim every tick would stop eviction there.
             self.counters["offload_failures"] += 1
-            if status == Status.NO_SPACE:
-                logger.warning("offload paused segment_id=%d reason=disk full", task.segment_id)
-                self._offload_paused_until[task.segment_id] = state.clock() + OFFLOAD_BACKOFF_S
+            logger.warning(
+                "offload failed segment_id=%d status=%s: offload paused %.0fs",
+                task.segment_id,
+                Status(status).name if status in Status._value2member_map_ else status,
+                OFFLOAD_BACKOFF_S,
+            )
+            self._offload_paused_until[task.segment_id] = state.clock() + OFFLOAD_BACKOFF_S
+            if status == Status.CHECKSUM_MISMATCH and self._alive(task):
+                self._drop_corrupt_dram_copy(task)
             return
         record = task.record
         if not self._alive(task) or task.segment_id not in state.segments:
@@ -257,6 +299,18 @@ class Tiering:
         dram = dram_key(task.segment_id)
         if any(r >> TIER_SHIFT == dram for r in record.replicas):
             state._drop_dram_replica(record, task.segment_id)
+
+    def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
+        """The segment found the DRAM bytes do not match the object's checksum: that copy can only
+        ever be a miss, so it goes (the object too if it has no other replica)."""
+        state = self.state
+        record = task.record
+        assert record is not None
+        source = replica(task.segment_id, task.dram_offset)
+        if source not in record.replicas:
+            return  # it moved meanwhile (drain, eviction): what failed was not this copy
+        self.counters["corrupt_dram_copies"] += 1
+        state._evict_one(record, "corrupt", task.segment_id)
 
     def _end_offload(self, task: TierTask) -> None:
         if self.offloading.get(task.name) is task:
@@ -313,9 +367,13 @@ class Tiering:
         objects = state._objects
         now = state.clock()
         out = []
+        forgotten = self._unacked_forgets.get(segment.name, {})
         for namespace, key, size, checksum, location in zip(namespaces, keys, sizes, checksums, locations, strict=True):
             if master_key_problem(key) or master_key_problem(namespace) or location > OFFSET_MASK:
                 out.append(int(Status.INVALID_KEY))
+                continue
+            if location in forgotten:  # removed while the segment was away: never registered again
+                out.append(int(Status.CHECKSUM_MISMATCH))
                 continue
             name = object_name(namespace, key)
             packed = replica(segment_id, location, TIER_SSD)
@@ -365,7 +423,9 @@ class Tiering:
     # ------------------------------------------------------------------ time and loss
 
     def tick(self, now: float) -> None:
-        """Tasks not reported by their deadline failed (the segment died or hung)."""
+        """Tasks not reported by their deadline failed (the segment died or hung). A PROMOTE's
+        segment skips the DRAM write once its share of the deadline is gone (see PollTierTasks),
+        so its range is free to go now."""
         expired = [t for t in self._in_flight.values() if t.deadline <= now]
         for task in expired:
             logger.warning(

@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import crc32c
@@ -49,6 +50,7 @@ _REPORT_BATCH = 10_000
 _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MAX_S = 3.0
 _OK = int(Status.OK)
+_PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the report and clocks
 
 
 class TierWorker:
@@ -119,6 +121,9 @@ class TierWorker:
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _run_tasks(self, segment_id: int, reply: pb.PollTierTasksResponse) -> None:
+        # A PROMOTE may write its DRAM range only well within the task's time: after that the
+        # master frees the range, and it may belong to another object by then.
+        promote_deadline = time.monotonic() + reply.task_ttl_ms / 1000 * _PROMOTE_TTL_SHARE
         statuses: list[int] = []
         locations: list[int] = []
         first_error = ""
@@ -142,13 +147,12 @@ class TierWorker:
                         offloaded_bytes += size
                 elif kind == pb.PROMOTE:
                     status, error = self._promote(
-                        reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum
+                        reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum, promote_deadline
                     )
                 elif kind == pb.FORGET:
                     self.store.tombstone(reply.disk_locations[i])
                     appended = True
                     self.forgotten += 1
-                    continue  # FORGET needs no report
             except RecordError as exc:  # the DRAM bytes no longer match the object: never store them
                 status, error = int(Status.CHECKSUM_MISMATCH), str(exc)
             except DiskFull as exc:
@@ -167,20 +171,30 @@ class TierWorker:
             except OSError as exc:
                 statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
                 first_error = first_error or f"fdatasync failed: {exc}"
-        reported = [t for t, k in zip(reply.task_ids, reply.kinds, strict=True) if k != pb.FORGET]
         if first_error:
             logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
-        if reported:
-            self._stub.TierTasksDone(
-                pb.TierTasksDoneRequest(
-                    segment_id=segment_id,
-                    task_ids=reported,
-                    statuses=statuses,
-                    disk_locations=locations,
-                    error=first_error,
-                ),
-                timeout=_RPC_TIMEOUT_S,
-            )
+        done = self._stub.TierTasksDone(
+            pb.TierTasksDoneRequest(
+                segment_id=segment_id,
+                task_ids=list(reply.task_ids),
+                statuses=statuses,
+                disk_locations=locations,
+                error=first_error,
+            ),
+            timeout=_RPC_TIMEOUT_S,
+        )
+        # A copy written for an offload the master no longer waits for (it expired) is an orphan
+        # nobody will ever read or forget: tombstone it now.
+        orphans = [
+            location
+            for kind, status, location, answer in zip(reply.kinds, statuses, locations, done.statuses, strict=False)
+            if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
+        ]
+        for location in orphans:
+            self.store.tombstone(location)
+        if orphans:
+            self.store.sync()
+            logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
 
     def _append(self, segment_id: int, namespace: str, key: str, payload: memoryview, checksum: int) -> int:
         """Append a record; when the tier is full, delete the oldest buckets (master told first) and retry once."""
@@ -192,7 +206,7 @@ class TierWorker:
             return self.store.append(namespace, key, payload, checksum)
 
     def _promote(
-        self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int
+        self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int, deadline: float
     ) -> tuple[int, str]:
         if dram_offset + size > len(self._region):
             return int(Status.INVALID_RANGE), f"promote range {dram_offset}+{size} outside the region"
@@ -210,6 +224,8 @@ class TierWorker:
             payload = BucketStore.payload_of(view, plan, namespace, key, self.store.cluster_id)
             if plan.size != size or crc32c.crc32c(payload) != checksum:
                 return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
+            if time.monotonic() > deadline:
+                return int(Status.TIMEOUT), "promotion came too late: its DRAM range may be reused"
             self._region[dram_offset : dram_offset + size] = payload
             self.promoted += 1
             return _OK, ""

@@ -58,9 +58,16 @@ class FakeDisk:
         self.next_location = 1
         self.forgotten: list[int] = []
 
-    def poll(self) -> list:
+    def poll(self, ack_forgets: bool = True) -> list:
+        """The OFFLOAD and PROMOTE tasks handed out; FORGETs are recorded (and acknowledged)."""
         tasks = self.state.tiering.poll(self.segment_id, 100)
-        self.forgotten += [t.disk_location for t in tasks if t.kind is TaskKind.FORGET]
+        forgets = [t for t in tasks if t.kind is TaskKind.FORGET]
+        self.forgotten += [t.disk_location for t in forgets]
+        if forgets and ack_forgets:
+            ids = [t.task_id for t in forgets]
+            assert self.state.tiering.done(self.segment_id, ids, [int(OK)] * len(ids), [0] * len(ids)) == [OK] * len(
+                ids
+            )
         return [t for t in tasks if t.kind is not TaskKind.FORGET]
 
     def complete(self, tasks: list, status: Status = OK) -> list[int]:
@@ -261,16 +268,59 @@ def test_segment_loss_drops_its_disk_replicas_and_tasks(state):
     assert_consistent(state)
 
 
-def test_unreported_tasks_expire_and_leave_the_object_in_dram(state, clock):
+def test_unreported_offload_expires_refuses_a_late_report_and_pauses_offload(state, clock):
     seg = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, seg)
     fill_past_watermark(state)
     state.tick()
     tasks = disk.poll()
     advance_alive(state, clock, state.config.put_timeout_s + 1)
-    state.tick()  # expires the task, then (offload not paused by a timeout) offloads again
+    # when the task expires, the next watermark pass drops instead of offloading again (paused)
+    state.tick()
+    assert state.tiering.counters["offload_failures"] == 1
+    assert disk.poll() == []
+    assert "k0" not in stored(state)
+    # and a report that comes too late is refused: the segment tombstones that copy
     assert state.tiering.done(seg, [tasks[0].task_id], [OK], [1]) == [Status.NOT_PENDING]
-    assert tiers(state, "k0") == [(seg, TIER_DRAM)]
+    assert_consistent(state)
+
+
+def test_failed_offload_of_corrupt_dram_bytes_drops_that_copy(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    # when the segment finds k0's DRAM bytes do not match its checksum
+    assert disk.complete(disk.poll(), Status.CHECKSUM_MISMATCH) == [OK]
+    # then that copy is gone (it could only ever be a miss), counted as such
+    assert state.record(NS, "k0") is None
+    assert state.evictions["corrupt"][0] == 1
+    assert_consistent(state)
+
+
+def test_forget_is_retried_until_acknowledged_and_survives_the_segments_absence(state):
+    # given an offloaded object on a segment that then goes away before it tombstoned the copy
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    location = replica_offset(state.record(NS, "k0").replicas[0])
+    assert state.remove(NS, ["k0"]) == [OK]
+    forgets = [t for t in state.tiering.poll(seg, 10) if t.kind is TaskKind.FORGET]
+    assert [t.disk_location for t in forgets] == [location]  # handed out, never acknowledged
+    assert state.unmount_segment(seg) == OK
+    # when it mounts again and reports its (recovered) inventory, the removed copy among it
+    seg = mount_ssd(state, "a", 4 * KiB)
+    statuses = state.tiering.report_disk_objects(seg, [NS, NS], ["k0", "k1"], [KiB, KiB], [7, 7], [location, 99])
+    # then the removed copy is refused (the segment tombstones it), the other one registered,
+    # and the forget is handed out again until the segment acknowledges it
+    assert statuses == [Status.CHECKSUM_MISMATCH, OK]
+    assert state.record(NS, "k0") is None
+    disk = FakeDisk(state, seg)
+    disk.poll()
+    assert disk.forgotten == [location]
+    assert state.tiering.report_disk_objects(seg, [NS], ["k0"], [KiB], [7], [location]) == [OK]  # acknowledged
     assert_consistent(state)
 
 
@@ -318,4 +368,25 @@ def test_drain_migrates_dram_copies_only(state):
     # then it gets the DRAM copy of "both", read from its DRAM offset, and nothing for "disk"
     assert status == OK
     assert [(item.record.key, replica_tier(item.source)) for item in batch.items] == [("both", TIER_DRAM)]
+    assert_consistent(state)
+
+
+def test_quota_eviction_never_takes_a_ranks_disk_only_objects(state):
+    # given a rank whose oldest objects were offloaded to SSD (they hold no DRAM, no quota)
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    assert state.register_instance("llm", 1, 1, 3 * KiB) == 3 * KiB
+    for key in ("d0", "d1"):
+        put(state, key, instance="llm")
+    for i in range(6):
+        put(state, f"x{i}")  # fill past the watermark with objects of nobody's quota
+    state.tick()
+    disk.complete(disk.poll())
+    assert tiers(state, "d0") == [(seg, TIER_SSD)] and tiers(state, "d1") == [(seg, TIER_SSD)]
+    # when the rank fills its quota and goes over it
+    for key in ("q0", "q1", "q2", "q3"):
+        put(state, key, instance="llm")
+    # then its own DRAM objects made room, and its disk-only objects are untouched
+    assert {"d0", "d1", "q3"} <= stored(state)
+    assert "q0" not in stored(state)
     assert_consistent(state)
