@@ -167,9 +167,12 @@ class MasterState:
         self.started_at = clock()
         self.segments: dict[int, SegmentRecord] = {}
         self._segments_by_name: dict[str, int] = {}
-        # Every object, pending or complete, by object_name(namespace, key). The dict's order
-        # is recency: records move to the end on PutEnd and on reads (see master/eviction.py).
+        # Every object by object_name(namespace, key), in one of two dicts. `_objects`: pending
+        # objects and those with a DRAM copy, in recency order (see master/eviction.py): the
+        # eviction scan walks it. `_disk_only`: objects whose copies are all on SSD; they free no
+        # DRAM, and millions of them must not sit in front of every eviction scan.
         self._objects: dict[str, ObjectRecord] = {}
+        self._disk_only: dict[str, ObjectRecord] = {}
         # Pending puts in start order, for reclaim: name -> record.
         self._pending: dict[str, ObjectRecord] = {}
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
@@ -264,8 +267,9 @@ class MasterState:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
         doomed = []
+        now_disk_only = []
         dram = dram_key(segment_id)
-        for name, record in self._objects.items():
+        for name, record in self.named_records():
             if not on_segment(record.replicas, segment_id):
                 continue
             if record.owner is not None and any(r >> TIER_SHIFT == dram for r in record.replicas):
@@ -273,8 +277,12 @@ class MasterState:
             record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
             if not record.replicas or record.state is _PENDING:
                 doomed.append(name)
+            elif name in self._objects and not any(is_dram(r) for r in record.replicas):
+                now_disk_only.append(name)
         for name in doomed:
-            self._delete(self._objects.pop(name))
+            self._delete(self._pop(name))
+        for name in now_disk_only:
+            self._disk_only[name] = self._objects.pop(name)
         lost = len(doomed)
         self._deferred = [d for d in self._deferred if d[2] != segment_id]
         heapq.heapify(self._deferred)
@@ -332,7 +340,7 @@ class MasterState:
             if not key or "\x00" in key or (len(key) > 256 and master_key_problem(key)):  # inlined: hot
                 status = Status.INVALID_KEY
             else:
-                existing = objects.get(name)
+                existing = objects.get(name) or self._disk_only.get(name)
                 if existing is not None:
                     if existing.state is _COMPLETE:
                         statuses.append(_OK)
@@ -341,7 +349,7 @@ class MasterState:
                     if now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
-                        self._delete(objects.pop(name))
+                        self._delete(objects.pop(name))  # pending: always in _objects
             if status == _OK:
                 if replicas > len(active):
                     status = Status.NO_REPLICA
@@ -407,7 +415,7 @@ class MasterState:
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
             name = prefix + key
-            record = objects.get(name)
+            record = objects.get(name) or self._disk_only.get(name)  # a retry may find it offloaded
             if record is None or record.put_id != put_id:
                 out.append(not_pending)
             elif record.state is _COMPLETE:
@@ -449,10 +457,16 @@ class MasterState:
         result = GetResult([], [], [], [], [], [], [], int(self.config.lease_s * 1000))
         statuses, sizes, checksums, counts = result.statuses, result.sizes, result.checksums, result.replica_counts
         segments, offsets, tiers = result.replica_segments, result.replica_offsets, result.replica_tiers
+        disk_only = self._disk_only
         not_found = int(Status.NOT_FOUND)
         for key in keys:
             name = prefix + key
             record = objects.get(name)
+            if record is None:
+                record = disk_only.get(name)  # no recency to refresh: not in the eviction order
+            elif record.state is _COMPLETE:
+                del objects[name]  # a read refreshes recency: move to the most recently used end
+                objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
             if record is None or record.state is not _COMPLETE:
                 statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
                 sizes.append(0)
@@ -461,8 +475,6 @@ class MasterState:
                 continue
             if record.lease_until < lease_until:
                 record.lease_until = lease_until
-            del objects[name]  # a read refreshes recency: move to the most recently used end
-            objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
             meta = record.meta
             statuses.append(_OK)
             sizes.append(meta >> 32)
@@ -481,11 +493,12 @@ class MasterState:
 
     def exists(self, namespace: str, keys: Sequence[str]) -> tuple[list[bool], int]:
         """Whether each key is complete, and how many leading keys are. Grants no lease."""
-        objects = self._objects
+        objects, disk_only = self._objects, self._disk_only
         prefix = name_prefix(namespace)
         found = []
         for key in keys:
-            record = objects.get(prefix + key)
+            name = prefix + key
+            record = objects.get(name) or disk_only.get(name)
             found.append(record is not None and record.state is _COMPLETE)
         prefix = found.index(False) if False in found else len(found)
         return found, prefix
@@ -494,27 +507,25 @@ class MasterState:
 
     def remove(self, namespace: str, keys: Sequence[str]) -> list[int]:
         """Remove complete objects. OK, NOT_FOUND, or PUT_IN_PROGRESS per key."""
-        objects = self._objects
         prefix = name_prefix(namespace)
         out = []
         for key in keys:
-            record = objects.get(prefix + key)
+            record = self._lookup(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
-                self._delete(objects.pop(record.name))
+                self._delete(self._pop(record.name))
                 out.append(_OK)
         return out
 
     def remove_prefix(self, namespace: str, prefix: str) -> int:
         """Remove every complete object of `namespace` whose key starts with `prefix`."""
-        objects = self._objects
         start = object_name(namespace, prefix)
-        doomed = [name for name, r in objects.items() if name.startswith(start) and r.state is _COMPLETE]
+        doomed = [name for name, r in self.named_records() if name.startswith(start) and r.state is _COMPLETE]
         for name in doomed:
-            self._delete(objects.pop(name))
+            self._delete(self._pop(name))
         return len(doomed)
 
     def _delete(self, record: ObjectRecord, forget_disk: bool = True) -> None:
@@ -604,7 +615,7 @@ class MasterState:
             self._drop_dram_replica(record, segment_id)
         else:
             freed = self._record_bytes(record)
-            del self._objects[record.name]
+            self._pop(record.name)
             self._delete(record)
         counts = self.evictions.setdefault(reason, [0, 0])
         counts[0] += 1
@@ -622,6 +633,8 @@ class MasterState:
         record.replicas = tuple(r for r in record.replicas if r >> TIER_SHIFT != dram)
         if record.owner is not None:
             record.owner.used -= self._aligned(record.size) * len(dropped)
+        if not any(is_dram(r) for r in record.replicas) and self._objects.get(record.name) is record:
+            self._disk_only[record.name] = self._objects.pop(record.name)  # out of the eviction order
         if record.lease_until > self.clock() and record.size:
             segment = self.segments.get(segment_id)
             if segment is not None:
@@ -696,11 +709,28 @@ class MasterState:
     # ------------------------------------------------------------------ views
 
     def record(self, namespace: str, key: str) -> ObjectRecord | None:
-        return self._objects.get(object_name(namespace, key))
+        return self._lookup(object_name(namespace, key))
 
     def records(self) -> Iterable[ObjectRecord]:
-        """Every record, pending or complete, least recently used first. Do not mutate while iterating."""
-        return self._objects.values()
+        """Every record, pending or complete: those holding DRAM least recently used first, then the
+        disk-only ones. Do not mutate while iterating."""
+        return itertools.chain(self._objects.values(), self._disk_only.values())
+
+    def named_records(self) -> Iterable[tuple[str, ObjectRecord]]:
+        return itertools.chain(self._objects.items(), self._disk_only.items())
+
+    def _lookup(self, name: str) -> ObjectRecord | None:
+        return self._objects.get(name) or self._disk_only.get(name)
+
+    def _pop(self, name: str) -> ObjectRecord:
+        """Take a record out of whichever dict holds it (KeyError when none does)."""
+        record = self._objects.pop(name, None)
+        return record if record is not None else self._disk_only.pop(name)
+
+    def _now_in_dram(self, record: ObjectRecord) -> None:
+        """A disk-only record got a DRAM copy: back into the eviction order, most recently used."""
+        if self._disk_only.get(record.name) is record:
+            self._objects[record.name] = self._disk_only.pop(record.name)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))

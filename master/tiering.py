@@ -264,7 +264,7 @@ class Tiering:
     def _alive(self, task: TierTask) -> bool:
         record = task.record
         return (
-            record is not None and self.state._objects.get(task.name) is record and record.state is ObjectState.COMPLETE
+            record is not None and self.state._lookup(task.name) is record and record.state is ObjectState.COMPLETE
         )
 
     def _offload_done(self, task: TierTask, status: int, location: int) -> None:
@@ -340,6 +340,7 @@ class Tiering:
             return
         assert record is not None
         record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)
+        state._now_in_dram(record)
         segment.objects += 1
         if record.owner is not None:
             record.owner.used += state._aligned(record.size)
@@ -364,7 +365,6 @@ class Tiering:
 
         state = self.state
         segment = state.segments[segment_id]
-        objects = state._objects
         now = state.clock()
         out = []
         forgotten = self._unacked_forgets.get(segment.name, {})
@@ -377,11 +377,11 @@ class Tiering:
                 continue
             name = object_name(namespace, key)
             packed = replica(segment_id, location, TIER_SSD)
-            record = objects.get(name)
+            record = state._lookup(name)
             if record is None:
                 record = ObjectRecord(name, size, (packed,), 0, now)
                 record.complete(checksum)
-                objects[name] = record
+                state._disk_only[name] = record
                 state.object_count += 1
             elif record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
@@ -407,13 +407,13 @@ class Tiering:
         dropped = 0
         for namespace, key, location in zip(namespaces, keys, locations, strict=True):
             name = object_name(namespace, key)
-            record = state._objects.get(name)
+            record = state._lookup(name)
             packed = replica(segment_id, location, TIER_SSD)
             if record is None or packed not in record.replicas:
                 continue
             dropped += 1
             if len(record.replicas) == 1:
-                state._delete(state._objects.pop(name), forget_disk=False)
+                state._delete(state._pop(name), forget_disk=False)
             else:
                 record.replicas = tuple(r for r in record.replicas if r != packed)
                 state.segments[segment_id].ssd_objects -= 1

@@ -42,8 +42,17 @@ def assert_consistent(state: MasterState) -> None:
     pending = 0
     all_records = records(state)
     ranges: dict[int, list[tuple[int, int, str]]] = {segment_id: [] for segment_id in state.segments}
-    for name, record in state._objects.items():
+    for name, record in state.named_records():
         assert name == record.name == object_name(record.namespace, record.key), "record filed under another name"
+    assert not state._objects.keys() & state._disk_only.keys(), "a record in both dicts"
+    for record in state._disk_only.values():
+        assert record.state is ObjectState.COMPLETE, f"{record.key!r}: a pending record among the disk-only ones"
+        assert all(replica_tier(r) != TIER_DRAM for r in record.replicas), f"{record.key!r} holds DRAM"
+    for record in state._objects.values():
+        if record.state is ObjectState.COMPLETE:
+            assert any(replica_tier(r) == TIER_DRAM for r in record.replicas), (
+                f"{record.key!r} holds no DRAM but sits in the eviction order"
+            )
     for record in all_records:
         assert record.replicas, f"{record.key!r} has no replicas"
         places = [(replica_segment(r), replica_tier(r)) for r in record.replicas]
@@ -106,7 +115,7 @@ def assert_consistent(state: MasterState) -> None:
         )
     assert state.object_count == len(all_records)
     assert len(state._pending) == pending == state.snapshot().pending_puts
-    assert len(complete) + pending == len(state._objects)
+    assert len(complete) + pending == len(state._objects) + len(state._disk_only)
     for owner in state.quotas.snapshot():
         assert owner.used == owner_used[id(owner)], (
             f"{owner.instance}/{owner.rank}: used={owner.used}, its objects hold {owner_used[id(owner)]}"

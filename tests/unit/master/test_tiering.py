@@ -390,3 +390,24 @@ def test_quota_eviction_never_takes_a_ranks_disk_only_objects(state):
     assert {"d0", "d1", "q3"} <= stored(state)
     assert "q0" not in stored(state)
     assert_consistent(state)
+
+
+def test_disk_only_objects_leave_the_eviction_order_and_come_back_when_promoted(state):
+    # given an object offloaded to SSD
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(8):
+        put(state, f"k{i}")
+    state.tick()
+    disk.complete(disk.poll())
+    name = state.record(NS, "k0").name
+    # then it is not in the order the eviction scan walks (millions of them must not slow it)
+    assert name in state._disk_only and name not in state._objects
+    assert all(r.name != name for r in state._objects.values())
+    # and a promotion puts it back, at the most recently used end
+    read(state, "k0")
+    read(state, "k0")
+    disk.complete(disk.poll())
+    assert name in state._objects and name not in state._disk_only
+    assert next(reversed(state._objects)) == name
+    assert_consistent(state)
