@@ -7,7 +7,7 @@ import logging
 import sys
 
 from kvtier.segment_server.config import parse_args
-from kvtier.segment_server.server import serve
+from kvtier.segment_server.server import FdLimitError, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(serve(config))
-    except (FileExistsError, OSError) as exc:
+    except (OSError, FdLimitError) as exc:  # for the user to fix (a directory, the open file limit): one line
         print(f"kvtier-segment: {exc}", file=sys.stderr)
         return 1
 

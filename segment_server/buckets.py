@@ -25,8 +25,18 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   then per record (offset u64, header_len u32, size u64, flags u16), then CRC32C u32 over the footer;
   then the last 16 bytes of the file are a locator: footer offset u64 + magic ``b"KVTE"`` + CRC32C u32
   of those 12 bytes. The file is fdatasync'ed after sealing and a new bucket is opened for appends.
+  An entry with header_len 0 marks a stretch recovery found unreadable (see Recovery); it keeps the
+  entries tiling the file and names no record.
 - Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
   bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
+
+Recovery: a sealed bucket with a valid locator and footer is read through its footer entries; a record
+whose header fails verification there is dropped alone. Otherwise (the open bucket, or a footer that is
+invalid) records are scanned linearly. At an invalid record header the scan probes the following
+4096-aligned offsets for the next valid header (magic, version, header CRC, payload within the file):
+if there is one, the stretch before it is dropped (logged) and the scan goes on from there; if not,
+the rest is a torn tail, cut off in an open bucket. A valid record is never truncated. In either path a
+record whose payload CRC or cluster tag is wrong is dropped alone.
 
 Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
 another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts
@@ -215,6 +225,20 @@ def _read_head(fd: int, offset: int, limit: int) -> _Head:
     return head
 
 
+def _next_head(fd: int, offset: int, limit: int) -> tuple[int, _Head] | None:
+    """The first valid record (offset, header) at a 4096-aligned offset after `offset` whose payload ends
+    by `limit`; None if there is none. Reads 4 bytes per page (a header only where the magic matches)."""
+    offset += ALIGN
+    while offset < limit:
+        if os.pread(fd, len(RECORD_MAGIC), offset) == RECORD_MAGIC:
+            try:
+                return offset, _read_head(fd, offset, limit)
+            except RecordError:
+                pass
+        offset += ALIGN
+    return None
+
+
 def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None]:
     """(footer offset, entries) of a sealed bucket; (None, None) without a valid locator, and entries
     None when the footer is invalid or does not tile the file exactly (so it can never point into the
@@ -339,8 +363,9 @@ class BucketStore:
         """Load every bucket of ours, repair the open one's torn tail, and return the live objects.
 
         Files of another cluster or format, or with a bad header, are logged and left untouched (not
-        counted in `used`). Records whose payload CRC fails or whose cluster tag is not ours are dropped
-        (the scan goes on past them); tombstoned records are dead.
+        counted in `used`). Records whose header or payload CRC fails or whose cluster tag is not ours
+        are dropped (the scan goes on past them, see Recovery in the module docstring); tombstoned
+        records are dead.
         Ends with an open bucket for appends (creating one if needed). Call once, before anything else.
         """
         if self._state != "new":
@@ -394,15 +419,20 @@ class BucketStore:
                 logger.warning("bucket file ignored path=%s reason=%s", path, problem)
                 return None
             bucket = _Bucket(bucket_id, path, read_fd=-1)
-            records, stop, torn = self._scan(bucket, fd, file_len)
-            for offset, head in records:
-                self._verify_payload(bucket, fd, offset, head)
-            bucket.count = len(records)
+            items, stop, torn = self._scan(bucket, fd, file_len)
+            for offset, head, _ in items:
+                if head is not None:
+                    self._verify_payload(bucket, fd, offset, head)
+            bucket.count = len(items)
             bucket.end = stop
             if bucket.sealed:
                 bucket.length = file_len
             else:
-                bucket.entries = [(off, h.header_len, h.size, h.flags) for off, h in records]
+                # A dropped stretch keeps an entry (header_len 0) so the future footer tiles the file.
+                bucket.entries = [
+                    (off, h.header_len, h.size, h.flags) if h is not None else (off, 0, end - off, FLAG_OBJECT)
+                    for off, h, end in items
+                ]
                 bucket.write_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 if torn is not None:
                     # The torn tail never reached a completed sync (or is garbage): cut it off.
@@ -436,12 +466,16 @@ class BucketStore:
             return f"header names bucket {header_id}"
         return None
 
-    def _scan(self, bucket: _Bucket, fd: int, file_len: int) -> tuple[list[tuple[int, _Head]], int, str | None]:
-        """The bucket's records with valid headers, where they stop, and why the scan stopped early.
+    def _scan(
+        self, bucket: _Bucket, fd: int, file_len: int
+    ) -> tuple[list[tuple[int, _Head | None, int]], int, str | None]:
+        """The bucket's records in file order as (offset, verified header, aligned end), where the scan
+        stopped, and why it stopped early (a torn tail, open buckets only) or None.
 
-        A valid locator marks the bucket sealed. Its footer is trusted only when it agrees with the
-        file exactly (records back to back from 4096, every header matching its entry); otherwise,
-        and for unsealed buckets, records are read linearly up to the first invalid header.
+        A header of None marks a dropped stretch from offset to end: a record whose header is invalid
+        (or, in a footer, disagrees with its entry), logged. A valid locator marks the bucket sealed;
+        its footer, when valid (it then tiles the file exactly), gives the record offsets. Otherwise
+        records are scanned linearly, probing past an invalid header for the next valid one.
         """
         footer_off, entries = _read_index(fd, file_len)
         limit = file_len
@@ -449,28 +483,65 @@ class BucketStore:
             bucket.sealed = True
             limit = footer_off
             if entries is not None:
-                try:
-                    records = [(off, _read_head(fd, off, footer_off)) for off, *_ in entries]
-                except RecordError:
-                    records = None
-                if records is not None and all(
-                    (h.header_len, h.size, h.flags) == tuple(e[1:]) for (_, h), e in zip(records, entries, strict=True)
-                ):
-                    return records, footer_off, None
+                return self._from_footer(bucket, fd, entries, footer_off), footer_off, None
             logger.warning("bucket footer invalid, scanning records path=%s", bucket.path)
-        records = []
+        items: list[tuple[int, _Head | None, int]] = []
         offset = ALIGN
         while offset < limit:
             try:
                 head = _read_head(fd, offset, limit)
             except RecordError as exc:
-                if bucket.sealed:
-                    logger.warning("sealed bucket scan stopped path=%s offset=%d reason=%s", bucket.path, offset, exc)
-                    return records, limit, None
-                return records, offset, str(exc)
-            records.append((offset, head))
-            offset = _align(offset + head.header_len + head.size)
-        return records, offset, None
+                found = _next_head(fd, offset, limit)
+                if found is None:
+                    if bucket.sealed:
+                        logger.warning(
+                            "sealed bucket scan stopped path=%s offset=%d reason=%s", bucket.path, offset, exc
+                        )
+                        return items, limit, None
+                    return items, offset, str(exc)
+                following, head = found
+                logger.warning(
+                    "bucket stretch dropped: invalid record header path=%s offset=%d end=%d reason=%s",
+                    bucket.path,
+                    offset,
+                    following,
+                    exc,
+                )
+                items.append((offset, None, following))
+                offset = following
+            end = _align(offset + head.header_len + head.size)
+            items.append((offset, head, end))
+            offset = end
+        return items, offset, None
+
+    def _from_footer(
+        self, bucket: _Bucket, fd: int, entries: list[_Entry], footer_off: int
+    ) -> list[tuple[int, _Head | None, int]]:
+        """The records a valid footer names; one whose header fails verification is dropped alone."""
+        items: list[tuple[int, _Head | None, int]] = []
+        for i, (offset, header_len, size, flags) in enumerate(entries):
+            end = entries[i + 1][0] if i + 1 < len(entries) else footer_off
+            head: _Head | None = None
+            try:
+                if header_len == 0:
+                    raise RecordError("stretch found unreadable before the bucket was sealed")
+                head = _read_head(fd, offset, end)
+                if (head.header_len, head.size, head.flags) != (header_len, size, flags):
+                    raise RecordError(
+                        f"header says header_len={head.header_len} size={head.size} flags={head.flags}, "
+                        f"footer says {header_len} {size} {flags}"
+                    )
+            except RecordError as exc:
+                head = None
+                logger.warning(
+                    "bucket stretch dropped: invalid record header path=%s offset=%d end=%d reason=%s",
+                    bucket.path,
+                    offset,
+                    end,
+                    exc,
+                )
+            items.append((offset, head, end))
+        return items
 
     def _verify_payload(self, bucket: _Bucket, fd: int, offset: int, head: _Head) -> None:
         """Keep a record with a valid header as live (or apply its tombstone) if its cluster tag is ours

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.region import host_id
-from kvtier.proto.units import parse_size
-from kvtier.segment_server.buckets import BucketStore
+from kvtier.proto.units import format_size, parse_size
+from kvtier.segment_server.buckets import ALIGN, BucketStore
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio import BufferPool, open_engine
@@ -22,6 +23,12 @@ from kvtier.segment_server.region import DramRegion, region_path, remove_orphans
 from kvtier.segment_server.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
+
+FD_RESERVE = 1024  # file descriptors kept for sockets, the disk engine, logs and the rest
+
+
+class FdLimitError(ValueError):
+    """RLIMIT_NOFILE cannot cover the SSD tier's bucket files; the message is one line for the user."""
 
 
 async def serve(config: SegmentConfig) -> int:
@@ -115,11 +122,13 @@ async def serve(config: SegmentConfig) -> int:
 
 def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskReader]:
     """Recover the bucket files, choose the disk engine, and build the READ_DISK server."""
+    bucket_size = parse_size(config.ssd_bucket_size)
+    _raise_fd_limit(config.ssd_bytes, bucket_size, config.ssd_bucket_keys)
     store = BucketStore(
         config.ssd_dir,
         config.ssd_bytes,
         config.cluster_id,
-        bucket_size=parse_size(config.ssd_bucket_size),
+        bucket_size=bucket_size,
         bucket_keys=config.ssd_bucket_keys,
         high_watermark=config.ssd_high_watermark,
         low_watermark=config.ssd_low_watermark,
@@ -137,6 +146,60 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
     )
     pool = BufferPool(parse_size(config.ssd_read_buffers))
     return store, engine, DiskReader(store, engine, pool, window=config.ssd_read_ahead)
+
+
+def max_buckets(capacity: int, bucket_size: int, bucket_keys: int | None = None) -> int:
+    """The most bucket files an SSD tier of `capacity` bytes can hold: capacity // (smallest sealed
+    bucket) + 2 (the open bucket and slack). A bucket is sealed at `bucket_size` bytes, or earlier at
+    `bucket_keys` records, which take at least 4096 bytes each after the 4096-byte bucket header."""
+    smallest = bucket_size if bucket_keys is None else min(bucket_size, (bucket_keys + 1) * ALIGN)
+    return capacity // smallest + 2
+
+
+def fd_budget(capacity: int, bucket_size: int, soft: int, hard: int, *, bucket_keys: int | None = None) -> int:
+    """The soft RLIMIT_NOFILE to run with, given the current `soft` and `hard` limits.
+
+    The bucket store keeps one read fd per bucket file, so the process needs `max_buckets` fds plus
+    FD_RESERVE. `soft` when it covers that, else the hard limit (just the need when the hard limit is
+    unlimited). FdLimitError (a ValueError) when even the hard limit is short.
+    """
+    buckets = max_buckets(capacity, bucket_size, bucket_keys)
+    needed = buckets + FD_RESERVE
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited or soft >= needed:
+        return soft
+    if hard == unlimited:
+        return needed
+    if hard >= needed:
+        return hard
+    keys = ""
+    if bucket_keys is not None and (bucket_keys + 1) * ALIGN < bucket_size:
+        keys = f" (or --ssd-bucket-keys {bucket_keys}: buckets of {format_size((bucket_keys + 1) * ALIGN)})"
+    raise FdLimitError(
+        f"--ssd-size {format_size(capacity)} with --ssd-bucket-size {format_size(bucket_size)}{keys} "
+        f"can mean {buckets} bucket files, one open file each, plus {FD_RESERVE} for sockets and the rest: "
+        f"{needed} file descriptors, but the hard RLIMIT_NOFILE (open file limit) is {hard}; raise it "
+        f"(ulimit -Hn, systemd LimitNOFILE=) or use a larger --ssd-bucket-size or a smaller --ssd-size"
+    )
+
+
+def _raise_fd_limit(capacity: int, bucket_size: int, bucket_keys: int) -> None:
+    """Raise the soft RLIMIT_NOFILE for the SSD tier's bucket files (see fd_budget); FdLimitError if it cannot."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = fd_budget(capacity, bucket_size, soft, hard, bucket_keys=bucket_keys)
+    if limit != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        except (ValueError, OSError) as exc:
+            raise FdLimitError(
+                f"cannot raise the open file limit RLIMIT_NOFILE from {soft} to {limit}: {exc}"
+            ) from None
+    logger.info(
+        "open file limit soft=%s hard=%s previous_soft=%s ssd_buckets_max=%d reserve=%d",
+        *(("unlimited" if n == resource.RLIM_INFINITY else n) for n in (limit, hard, soft)),
+        max_buckets(capacity, bucket_size, bucket_keys),
+        FD_RESERVE,
+    )
 
 
 def _disk_bytes_read() -> int:

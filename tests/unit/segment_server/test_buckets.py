@@ -518,6 +518,204 @@ def test_sealed_bucket_with_corrupt_locator_is_scanned_and_resealed(stores, ssd)
     assert store.open_bucket_id == 1
 
 
+# --- a corrupt record header in the middle ----------------------------------------------------
+
+HEADER_DAMAGE = {"bucket_size": 64 * ALIGN, "bucket_keys": 4}  # 4 records seal bucket 0
+HEADER_SIZES = [3000, 3 * ALIGN + 100, 5000, 100]  # record 1 spans 4 pages: the probe skips 3
+
+
+def fill_sizes(store: BucketStore, sizes: list[int]) -> dict[int, tuple[str, bytes]]:
+    written = {}
+    for i, size in enumerate(sizes):
+        data = blob(i, size)
+        written[put(store, f"k{i}", data)] = (f"k{i}", data)
+    return written
+
+
+def damage_key(store: BucketStore, directory: Path, location: int) -> Path:
+    """Close the store and flip one byte of the record's key (inside its header, covered by the header CRC)."""
+    plan = store.plan_read(location)
+    path = bucket_file(directory, location >> 20)
+    store.close()
+    flip(path, plan.file_offset + plan.header_len - 1)
+    return path
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed-bucket", "open-bucket"])
+def test_corrupt_header_in_the_middle_drops_only_that_record(stores, ssd, sealed, caplog):
+    kwargs = HEADER_DAMAGE if sealed else {}
+    store = stores(ssd, **kwargs)
+    store.recover()
+    written = fill_sizes(store, HEADER_SIZES)
+    store.sync()
+    assert store.open_bucket_id == (1 if sealed else 0)
+    victim = list(written)[1]
+    path = damage_key(store, ssd, victim)
+    before = path.read_bytes()
+
+    store = stores(ssd, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "stretch dropped" in caplog.text
+    assert "footer invalid" not in caplog.text  # a sealed bucket's valid footer stays trusted
+    assert "torn" not in caplog.text
+    assert {r.location for r in records} == set(written) - {victim}
+    assert path.read_bytes() == before  # nothing truncated or rewritten
+    with pytest.raises(KeyError):
+        store.plan_read(victim)
+    for location, (key, data) in written.items():
+        if location != victim:
+            assert read(store, location, key) == data
+
+
+def test_open_bucket_with_a_corrupt_header_takes_appends_that_survive_reopen_and_sealing(stores, ssd, caplog):
+    store = stores(ssd)
+    store.recover()
+    written = fill_sizes(store, HEADER_SIZES)
+    store.sync()
+    victim = list(written)[1]
+    path = damage_key(store, ssd, victim)
+
+    store = stores(ssd)
+    store.recover()
+    later = put(store, "later", b"after the damage")
+    assert later > max(written)  # appended after the last record, not over the damaged one
+    store.sync()
+    survivors = {loc: key for loc, (key, _) in written.items() if loc != victim} | {later: "later"}
+
+    store, records = reopen(stores, store, ssd)
+    assert {r.location: r.key for r in records} == survivors
+    assert read(store, later, "later") == b"after the damage"
+
+    # Sealed on recover (full at 5 records); its footer marks the dropped stretch and still tiles the file.
+    store, records = reopen(stores, store, ssd, bucket_keys=5)
+    assert store.open_bucket_id == 1
+    assert LOCATOR.unpack_from(path.read_bytes(), path.stat().st_size - 16)[1] == b"KVTE"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        store, records = reopen(stores, store, ssd, bucket_keys=5)
+    assert "footer invalid" not in caplog.text
+    assert "stretch dropped" in caplog.text
+    assert {r.location: r.key for r in records} == survivors
+    for location, (key, data) in written.items():
+        if location != victim:
+            assert read(store, location, key) == data
+
+
+def test_sealed_bucket_with_corrupt_footer_and_header_scans_past_the_header(stores, ssd, caplog):
+    store = stores(ssd, **HEADER_DAMAGE)
+    store.recover()
+    written = fill_sizes(store, HEADER_SIZES)
+    victim = list(written)[1]
+    path = damage_key(store, ssd, victim)
+    footer_off = LOCATOR.unpack_from(path.read_bytes(), path.stat().st_size - 16)[0]
+    flip(path, footer_off + 12)
+    before = path.read_bytes()
+
+    store = stores(ssd, **HEADER_DAMAGE)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "footer invalid" in caplog.text
+    assert "stretch dropped" in caplog.text
+    assert {r.location for r in records} == set(written) - {victim}
+    assert path.read_bytes() == before
+
+
+def test_header_probe_reads_headers_not_the_damaged_stretch(stores, ssd, monkeypatch):
+    store = stores(ssd)
+    store.recover()
+    written = fill_sizes(store, [100, 256 * ALIGN, 100])  # a 1 MiB record whose header is damaged
+    store.sync()
+    victim = list(written)[1]
+    damage_key(store, ssd, victim)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, length: int, offset: int) -> bytes:
+        reads.append(length)
+        return real_pread(fd, length, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    store = stores(ssd)
+    records = store.recover()
+    monkeypatch.undo()
+    assert {r.location for r in records} == set(written) - {victim}
+    assert max(reads) <= ALIGN
+    assert sum(reads) < 64 * ALIGN  # about 4 bytes per page of the stretch
+
+
+def record_header(key: bytes, size: int, payload_crc: int, cluster: bytes = CLUSTER.encode()) -> bytes:
+    """A record header with a valid header CRC, built from the documented format."""
+    ns = b"ns"
+    head = (
+        bytearray(
+            RECORD.pack(
+                b"KVTR",
+                1,
+                0,
+                RECORD_FIXED + len(ns) + len(key),
+                len(ns),
+                len(key),
+                size,
+                payload_crc,
+                crc32c.crc32c(cluster),
+                0,
+            )
+        )
+        + ns
+        + key
+    )
+    head[32:36] = struct.pack("<I", crc32c.crc32c(head))
+    return bytes(head)
+
+
+def _garbage_pages(path: Path, offset: int, plan: ReadPlan) -> None:
+    os.truncate(path, offset)
+    with open(path, "ab") as f:
+        for _ in range(5):
+            f.write(b"KVTR" + os.urandom(ALIGN - 4))
+
+
+def _header_past_eof(path: Path, offset: int, plan: ReadPlan) -> None:
+    """A bad header, then a valid-looking header whose payload would run past the end of the file."""
+    flip(path, offset + plan.header_len - 1)
+    with open(path, "r+b") as f:
+        f.seek(offset + 2 * ALIGN)
+        f.write(record_header(b"ghost", 1 << 20, 0) + b"x" * 100)
+
+
+def _cut_mid_later_page(path: Path, offset: int, plan: ReadPlan) -> None:
+    """A torn write that reached only a later page of the record: its header page is zeros."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(ALIGN))
+
+
+@pytest.mark.parametrize("tear", [_garbage_pages, _header_past_eof, _cut_mid_later_page])
+def test_torn_tail_without_a_valid_header_after_it_is_cut(stores, ssd, tear, caplog):
+    store = stores(ssd)
+    store.recover()
+    written = fill_sizes(store, [3000, 5000, 3 * ALIGN])
+    store.sync()
+    torn = list(written)[-1]
+    plan = store.plan_read(torn)
+    path = bucket_file(ssd, 0)
+    store.close()
+    tear(path, plan.file_offset, plan)
+
+    store = stores(ssd)
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        records = store.recover()
+    assert "torn bucket tail truncated" in caplog.text
+    assert {r.location for r in records} == set(written) - {torn}
+    assert path.stat().st_size == plan.file_offset
+    later = put(store, "later", b"after the tear")
+    assert later == torn
+    store.sync()
+    store, records = reopen(stores, store, ssd)
+    assert {r.location for r in records} == (set(written) - {torn}) | {later}
+
+
 def test_buckets_of_other_clusters_and_formats_are_ignored_untouched(stores, ssd):
     other = stores(ssd, cluster="other")
     other.recover()
