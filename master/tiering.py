@@ -263,9 +263,7 @@ class Tiering:
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
-        return (
-            record is not None and self.state._lookup(task.name) is record and record.state is ObjectState.COMPLETE
-        )
+        return record is not None and self.state._lookup(task.name) is record and record.state is ObjectState.COMPLETE
 
     def _offload_done(self, task: TierTask, status: int, location: int) -> None:
         self._end_offload(task)
