@@ -118,6 +118,7 @@ class MasterHandlers:
             ssd_capacity=request.ssd_capacity,
             offload=request.offload,
             disk_engine=request.disk_engine,
+            ssd_max_object=request.ssd_max_object,
         )
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)

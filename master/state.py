@@ -88,6 +88,7 @@ class SegmentRecord:
     ssd_capacity: int = 0  # bytes of its SSD tier; 0 = none
     offload: bool = False  # evicted DRAM copies go to its SSD tier instead of being dropped
     disk_engine: str = ""
+    ssd_max_object: int = 0  # larger objects are not offloaded there; 0 = any
     ssd_used: int = 0  # as last reported by its heartbeat, like the counters below
     io_counters: dict[str, int] = field(default_factory=dict)
     ssd_objects: int = 0  # disk replicas on it
@@ -199,6 +200,7 @@ class MasterState:
         ssd_capacity: int = 0,
         offload: bool = False,
         disk_engine: str = "",
+        ssd_max_object: int = 0,
     ) -> MountResult:
         """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
 
@@ -234,6 +236,7 @@ class MasterState:
             ssd_capacity=ssd_capacity,
             offload=offload and ssd_capacity > 0,
             disk_engine=disk_engine,
+            ssd_max_object=ssd_max_object,
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id

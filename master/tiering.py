@@ -166,6 +166,8 @@ class Tiering:
         segment_id = segment.segment_id
         if record.name in self.offloading or not self.can_offload(segment):
             return False
+        if segment.ssd_max_object and record.size > segment.ssd_max_object:
+            return False  # the segment could never serve it back: drop it instead
         dram = dram_key(segment_id)
         source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
         if source is None or any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
@@ -202,7 +204,10 @@ class Tiering:
             segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
             if segment is None or segment.state.name != "ACTIVE":
                 continue
-            offset = segment.allocator.allocate(record.size) if record.size else 0
+            allocator = segment.allocator
+            if allocator.used + record.size > self.state.config.high_watermark * allocator.capacity:
+                continue  # it would only push the watermark pass to offload something else
+            offset = allocator.allocate(record.size) if record.size else 0
             if offset is None:
                 continue  # promotion only "when space allows": no eviction for it
             task = TierTask(
@@ -310,6 +315,18 @@ class Tiering:
         self.counters["corrupt_dram_copies"] += 1
         state._evict_one(record, "corrupt", task.segment_id)
 
+    def _drop_corrupt_disk_copy(self, record: ObjectRecord, packed: int) -> None:
+        """A disk copy that failed verification can only ever be a miss: drop and tombstone it."""
+        state = self.state
+        self.counters["corrupt_disk_copies"] += 1
+        segment_id = packed >> TIER_SHIFT >> 2
+        if len(record.replicas) == 1:
+            state._delete(state._pop(record.name))  # forgets the copy too
+            return
+        record.replicas = tuple(r for r in record.replicas if r != packed)
+        state.segments[segment_id].ssd_objects -= 1
+        self.forget(segment_id, record.name, packed & OFFSET_MASK)
+
     def _end_offload(self, task: TierTask) -> None:
         if self.offloading.get(task.name) is task:
             del self.offloading[task.name]
@@ -335,6 +352,8 @@ class Tiering:
                 self.counters["promote_failures"] += 1
             if task.size:
                 segment.allocator.release(task.dram_offset, task.size)
+            if status == Status.CHECKSUM_MISMATCH and self._alive(task) and ssd in record.replicas:  # type: ignore[union-attr]
+                self._drop_corrupt_disk_copy(task.record, ssd)  # type: ignore[arg-type]
             return
         assert record is not None
         record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)

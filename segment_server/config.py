@@ -42,6 +42,7 @@ class SegmentConfig:
     ssd_threads: int = 4  # threads of the `threads` engine; for io_uring, the cap on the kernel's io-wq workers
     ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
     ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
+    ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
     log_level: str = "INFO"
 
@@ -79,6 +80,8 @@ class SegmentConfig:
             raise ValueError(f"--ssd-io must be auto, io_uring or threads, got {self.ssd_io!r}")
         if self.ssd_queue_depth < 1 or self.ssd_threads < 1 or self.ssd_read_ahead < 1:
             raise ValueError("--ssd-queue-depth, --ssd-threads and --ssd-read-ahead must be at least 1")
+        if self.ssd_send_timeout_s <= 0:
+            raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:
             raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
         return self

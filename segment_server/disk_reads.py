@@ -44,11 +44,16 @@ _IN_TRANSPORT = 4 << 20  # bytes queued on a connection before sending waits for
 
 
 class DiskReader:
-    def __init__(self, store: BucketStore, engine: DiskEngine, pool: BufferPool, window: int = 4) -> None:
+    def __init__(
+        self, store: BucketStore, engine: DiskEngine, pool: BufferPool, window: int = 4, send_timeout_s: float = 30.0
+    ) -> None:
         self.store = store
         self.engine = engine
         self.pool = pool
         self.window = window
+        # A client that stops reading holds read buffers: after this long without being able to
+        # send, its connection is aborted and the buffers go back to the pool.
+        self.send_timeout_s = send_timeout_s
 
     async def serve(
         self,
@@ -80,9 +85,16 @@ class DiskReader:
         async def drain() -> None:
             """Wait until everything queued is in the kernel; give every pending buffer back."""
             _limits(transport, 0)
-            await writable.wait()  # also set when the connection is lost
+            await wait_writable()  # also set when the connection is lost
             _limits(transport, _IN_TRANSPORT)
             release_sent()
+
+        async def wait_writable() -> None:
+            try:
+                await asyncio.wait_for(writable.wait(), self.send_timeout_s)
+            except TimeoutError:
+                logger.warning("READ_DISK client stopped reading for %.0fs: connection aborted", self.send_timeout_s)
+                transport.abort()  # connection_lost sets `writable`; is_closing() is now true
 
         def write(data: bytes | memoryview) -> None:
             nonlocal queued
@@ -104,7 +116,7 @@ class DiskReader:
                 if buf is not None:
                     pending.append((queued + 4 + sizes[i], buf))
                 stats.ssd_bytes_read += disk_bytes
-                await writable.wait()  # below the high-water mark (set at empty by resume_writing)
+                await wait_writable()  # below the high-water mark (set at empty by resume_writing)
                 if transport.is_closing():
                     return
                 release_sent()

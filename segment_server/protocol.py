@@ -309,7 +309,9 @@ class DataProtocol(asyncio.BufferedProtocol):
         if not task.cancelled() and task.exception() is not None:
             logger.error("READ_DISK failed", exc_info=task.exception())
             if self._transport is not None:
-                self._transport.close()  # the response may be half written: the stream cannot continue
+                # The response may be half written: the stream cannot continue. abort(), not close():
+                # a graceful close would still send queued views of read buffers already reused.
+                self._transport.abort()
             return
         if self._state == _CLOSED or self._transport is None:
             return

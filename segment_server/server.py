@@ -80,6 +80,8 @@ async def serve(config: SegmentConfig) -> int:
                 ssd_capacity=store.capacity if store is not None else 0,
                 offload=config.offload,
                 disk_engine=engine.name if engine is not None else "",
+                # a record is read whole into one read buffer: larger objects could not be served
+                ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
             ),
             on_mounted=on_mounted,
             on_fatal=on_fatal,
@@ -145,7 +147,11 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
         reason,
     )
     pool = BufferPool(parse_size(config.ssd_read_buffers))
-    return store, engine, DiskReader(store, engine, pool, window=config.ssd_read_ahead)
+    return (
+        store,
+        engine,
+        DiskReader(store, engine, pool, window=config.ssd_read_ahead, send_timeout_s=config.ssd_send_timeout_s),
+    )
 
 
 def max_buckets(capacity: int, bucket_size: int, bucket_keys: int | None = None) -> int:

@@ -176,15 +176,15 @@ class TcpConnector:
         status_buf = bytearray(frames.DISK_STATUS.size)
         try:
             with self._pool.socket() as sock:
-                sent = []
+                # One frame at a time, not pipelined: the segment stops reading while it serves a
+                # disk request, so a second large request sent before reading the first response
+                # could fill both directions of the socket and stall both sides.
+                header = bytearray(frames.RESPONSE.size)
                 for start, end in self._frames(sizes, min(self._frame_bytes, frames.MAX_DISK_FRAME_BYTES)):
                     request_id = next(self._request_ids)
                     names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
                     table = [(items[i][0], sizes[i]) for i in range(start, end)]
                     send_all(sock, [frames.pack_request(Op.READ_DISK, request_id, table, len(names)), names])
-                    sent.append((request_id, start, end))
-                header = bytearray(frames.RESPONSE.size)
-                for request_id, start, end in sent:
                     status, payload_len = self._read_response(sock, request_id, header)
                     if status != _OK:
                         message = self._error_message(sock, payload_len)

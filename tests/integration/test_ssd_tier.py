@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 import zlib
@@ -135,8 +136,13 @@ def test_disk_only_object_is_promoted_back_to_dram_after_repeated_reads(ssd_clus
     with ssd_cluster.client() as client:
         put_and_offload(ssd_cluster, client, keys)
         cold = next(k for k, s in sources(client, keys).items() if s == "ssd/tcp")
-        client.remove(keys[-1])  # leave DRAM room for the promotion (it never evicts)
-        client.remove(keys[-2])
+        # leave DRAM room under the watermark for the promotion (it never evicts): the removed
+        # ranges are free once the leases of the reads above have ended
+        for key in keys[-4:]:
+            client.remove(key)
+        assert ssd_cluster.wait_for(
+            lambda: (s := segment_info(client)).dram_used <= 0.8 * s.dram_capacity, timeout=20
+        ), segment_info(client)
         assert client.get(cold, with_source=True)[1] == "ssd/tcp"  # second read (sources() was the first)
         assert ssd_cluster.wait_for(lambda: {r["tier"] for r in client.locate(cold)} == {"dram", "ssd"}, timeout=10)
         value, source = client.get(cold, with_source=True)
@@ -335,3 +341,31 @@ def test_bad_and_abandoned_disk_reads_leave_the_segment_serving(ssd_cluster):
         # and the segment still serves everything, verified
         assert client.batch_get(on_disk) == [value_for(k) for k in on_disk]
     assert "READ_DISK failed" not in ssd_cluster.segments["ssd0"].tail(5000), "a disk request crashed"
+
+
+def test_a_client_that_stops_reading_a_disk_response_is_cut_off(bare_cluster, ssd_dir):
+    from kvtier.proto import frames
+    from kvtier.proto.frames import Op
+    from tests.integration import rawframes
+
+    bare_cluster.start_master()
+    start_ssd_segment(bare_cluster, ssd_dir, "--ssd-send-timeout-s", "1")
+    keys = [f"stall/{i:02d}" for i in range(24)]
+    with bare_cluster.client() as client:
+        put_and_offload(bare_cluster, client, keys)
+        on_disk = [k for k, s in sources(client, keys).items() if s == "ssd/tcp"][:8]
+        endpoint = next(e for e in client.cluster_status().segments[0].endpoints if e.startswith("tcp://"))
+        table = [(disk_location(client, k), MiB) for k in on_disk]
+        names = frames.pack_disk_names([b"default\x00" + k.encode() for k in on_disk])
+        stalled = rawframes.connect(endpoint)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        rawframes.send_request(stalled, Op.READ_DISK, 1, table, names)
+        try:
+            # when it reads nothing, the segment gives up on it after --ssd-send-timeout-s
+            assert bare_cluster.wait_for(
+                lambda: "stopped reading" in bare_cluster.segments["ssd0"].tail(200), timeout=15
+            ), "the stalled connection was never cut off"
+            # and everyone else is served meanwhile and afterwards, verified
+            assert client.batch_get(on_disk) == [value_for(k) for k in on_disk]
+        finally:
+            stalled.close()

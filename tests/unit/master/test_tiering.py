@@ -252,19 +252,23 @@ def test_dropped_disk_copies_remove_objects_left_without_replicas(state):
 
 
 def test_segment_loss_drops_its_disk_replicas_and_tasks(state):
+    # given a segment with one object on SSD, one offload in flight and one queued
     a = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, a)
     fill_past_watermark(state)
     state.tick()
-    disk.complete(disk.poll())
+    disk.complete(disk.poll())  # k0 on SSD
+    put(state, "k4")
+    put(state, "k5", size=700)  # 4.7 KiB of 4: over the watermark again
     state.tick()
-    pending = disk.poll()  # maybe more offloads; now the segment dies
+    in_flight = disk.poll()
+    assert [t.kind for t in in_flight] == [TaskKind.OFFLOAD]
+    # when the segment goes away
     assert state.unmount_segment(a) == OK
+    # then its objects are gone, disk copies included, and a late report of its task is refused
     assert stored(state) == set()
-    if pending:
-        assert state.tiering.done(a, [t.task_id for t in pending], [OK] * len(pending), [9] * len(pending)) == [
-            Status.NOT_PENDING
-        ] * len(pending)
+    assert state.tiering.done(a, [in_flight[0].task_id], [OK], [9]) == [Status.NOT_PENDING]
+    assert state.tiering.offloading == {} and state.tiering.offloading_bytes(a) == 0
     assert_consistent(state)
 
 
@@ -410,4 +414,24 @@ def test_disk_only_objects_leave_the_eviction_order_and_come_back_when_promoted(
     disk.complete(disk.poll())
     assert name in state._objects and name not in state._disk_only
     assert next(reversed(state._objects)) == name
+    assert_consistent(state)
+
+
+def test_disk_copy_that_fails_verification_on_promotion_is_dropped_and_forgotten(state):
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(8):
+        put(state, f"k{i}")
+    state.tick()
+    disk.complete(disk.poll())
+    location = replica_offset(state.record(NS, "k0").replicas[0])
+    read(state, "k0")
+    read(state, "k0")
+    # when the segment finds the disk copy does not match the object's checksum
+    assert disk.complete(disk.poll(), Status.CHECKSUM_MISMATCH) == [OK]
+    # then that copy (here the only one) is gone, and the segment is told to tombstone it
+    assert state.record(NS, "k0") is None
+    disk.poll()
+    assert disk.forgotten == [location]
+    assert state.tiering.counters["corrupt_disk_copies"] == 1
     assert_consistent(state)
