@@ -90,6 +90,8 @@ class DiskReader:
             release_sent()
 
         async def wait_writable() -> None:
+            if writable.is_set():
+                return  # the common case: no timer, no task
             try:
                 await asyncio.wait_for(writable.wait(), self.send_timeout_s)
             except TimeoutError:
