@@ -83,6 +83,18 @@ class FakeDisk:
         )
 
 
+def offloaded_k0(state: MasterState) -> tuple[int, FakeDisk]:
+    """An 8 KiB segment filled with k0..k7 (1 KiB each), after one watermark pass offloaded the
+    least recently used, k0, to SSD (down to 0.85). The segment id and its FakeDisk."""
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(8):
+        put(state, f"k{i}")
+    state.tick()
+    disk.complete(disk.poll())
+    return seg, disk
+
+
 def test_watermark_offloads_lru_objects_instead_of_dropping_them(state):
     # given a segment with an SSD tier, filled past its DRAM watermark
     seg = mount_ssd(state, "a", 4 * KiB)
@@ -178,12 +190,7 @@ def test_removing_an_offloaded_object_forgets_its_disk_copy(state):
 
 
 def test_disk_only_object_is_promoted_after_repeated_reads(state, clock):
-    seg = mount_ssd(state, "a", 8 * KiB)
-    disk = FakeDisk(state, seg)
-    for i in range(8):
-        put(state, f"k{i}")
-    state.tick()  # 8 KiB used of 8: offload down to 0.85
-    disk.complete(disk.poll())
+    seg, disk = offloaded_k0(state)
     assert tiers(state, "k0") == [(seg, TIER_SSD)]
     # when the disk-only object is read once: no promotion yet
     read(state, "k0")
@@ -398,12 +405,7 @@ def test_quota_eviction_never_takes_a_ranks_disk_only_objects(state):
 
 def test_disk_only_objects_leave_the_eviction_order_and_come_back_when_promoted(state):
     # given an object offloaded to SSD
-    seg = mount_ssd(state, "a", 8 * KiB)
-    disk = FakeDisk(state, seg)
-    for i in range(8):
-        put(state, f"k{i}")
-    state.tick()
-    disk.complete(disk.poll())
+    seg, disk = offloaded_k0(state)
     name = state.record(NS, "k0").name
     # then it is not in the order the eviction scan walks (millions of them must not slow it)
     assert name in state._disk_only and name not in state._objects
@@ -418,12 +420,7 @@ def test_disk_only_objects_leave_the_eviction_order_and_come_back_when_promoted(
 
 
 def test_disk_copy_that_fails_verification_on_promotion_is_dropped_and_forgotten(state):
-    seg = mount_ssd(state, "a", 8 * KiB)
-    disk = FakeDisk(state, seg)
-    for i in range(8):
-        put(state, f"k{i}")
-    state.tick()
-    disk.complete(disk.poll())
+    seg, disk = offloaded_k0(state)
     location = replica_offset(state.record(NS, "k0").replicas[0])
     read(state, "k0")
     read(state, "k0")
