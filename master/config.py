@@ -26,6 +26,10 @@ class MasterConfig:
     max_batch_keys: int = 100_000  # keys per request; more is BATCH_TOO_LARGE
     high_watermark: float = 0.90  # a segment fuller than this evicts LRU objects in the background...
     eviction_ratio: float = 0.05  # ...down to high_watermark - eviction_ratio
+    # A segment with an SSD tier copies its least recently used objects to SSD above this, keeping
+    # them in DRAM, so that eviction (and a put that needs room) later drops copies already safe.
+    # Above high_watermark it changes nothing (eviction offloads there anyway).
+    offload_watermark: float = 0.80
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     alignment: int = 64  # allocation granularity inside a region, bytes
@@ -47,6 +51,8 @@ class MasterConfig:
             )
         if not 0 < self.high_watermark <= 1:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0 < self.offload_watermark <= 1:
+            raise ValueError(f"offload_watermark must be in (0, 1], got {self.offload_watermark}")
         if not 0 < self.eviction_ratio <= self.high_watermark:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:

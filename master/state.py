@@ -38,7 +38,7 @@ from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
-from kvtier.master.placement import place, static_rank
+from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
     MAX_SEGMENT_CAPACITY,
@@ -58,7 +58,7 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
-from kvtier.master.tiering import Tiering, dram_key, is_dram
+from kvtier.master.tiering import Tiering, dram_key, is_dram, ssd_key
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -682,9 +682,33 @@ class MasterState:
         self.drainer.tick(now)
         self.tiering.tick(now)
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
+        offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:
                 self._evict_to_watermark(segment, segment.used - int(target * segment.capacity))
+            elif segment.used > offload_at * segment.capacity and self.tiering.can_offload(segment):
+                self._offload_ahead(segment)
+
+    def _offload_ahead(self, segment: SegmentRecord) -> None:
+        """Between the offload and high watermarks: copy least recently used objects to SSD (they
+        keep their DRAM copy), at most eviction_ratio of the segment in flight, so that eviction
+        later drops copies that are already safe instead of objects only DRAM held."""
+        tiering = self.tiering
+        segment_id = segment.segment_id
+        budget = int(self.config.eviction_ratio * segment.capacity) - tiering.offloading_bytes(segment_id)
+        if budget <= 0:
+            return
+        dram, ssd = dram_key(segment_id), ssd_key(segment_id)
+        offloading = tiering.offloading
+
+        def uncopied(record: ObjectRecord) -> bool:
+            tiers = [r >> TIER_SHIFT for r in record.replicas]
+            return dram in tiers and ssd not in tiers and record.name not in offloading
+
+        for victim in pick_victims(
+            self._objects.values(), self.clock(), budget, self._replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN
+        ):
+            tiering.offload(victim, segment)
 
     def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
         """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one

@@ -300,7 +300,11 @@ class Tiering:
         counts[0] += 1
         counts[1] += state._aligned(task.size)
         dram = dram_key(task.segment_id)
-        if any(r >> TIER_SHIFT == dram for r in record.replicas):
+        segment = state.segments[task.segment_id]
+        target = (state.config.high_watermark - state.config.eviction_ratio) * segment.capacity
+        # Offloaded to make room (above the eviction target): the DRAM copy goes. Copied ahead of
+        # need (below it): both stay, and eviction drops this DRAM copy first when room is needed.
+        if segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
             state._drop_dram_replica(record, task.segment_id)
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:

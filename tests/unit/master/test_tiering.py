@@ -432,3 +432,41 @@ def test_disk_copy_that_fails_verification_on_promotion_is_dropped_and_forgotten
     assert disk.forgotten == [location]
     assert state.tiering.counters["corrupt_disk_copies"] == 1
     assert_consistent(state)
+
+
+def test_above_the_offload_watermark_lru_objects_are_copied_ahead_and_keep_their_dram_copy(state):
+    # given a segment at 85% (above the offload watermark 0.80, at the eviction target 0.85)
+    seg = mount_ssd(state, "a", 10 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(17):
+        put(state, f"k{i}", size=512)
+    # when two ticks run, each completing what it queued (at most eviction_ratio = 512 B in flight)
+    for _ in range(2):
+        state.tick()
+        tasks = disk.poll()
+        assert [t.kind for t in tasks] == [TaskKind.OFFLOAD]
+        disk.complete(tasks)
+    # then the two least recently used objects are on SSD and still in DRAM; nothing was evicted
+    assert tiers(state, "k0") == [(seg, TIER_DRAM), (seg, TIER_SSD)]
+    assert tiers(state, "k1") == [(seg, TIER_DRAM), (seg, TIER_SSD)]
+    assert tiers(state, "k2") == [(seg, TIER_DRAM)]
+    assert stored(state) == {f"k{i}" for i in range(17)}
+    assert "watermark" not in state.evictions and "allocation" not in state.evictions
+    assert_consistent(state)
+    # and when a put needs room in a full segment, the copies already safe on SSD are what
+    # leaves DRAM (k0 and k1 are adjacent: 1 KiB of room), and no object is lost
+    put(state, "pad", size=1536)  # the free tail: 100% full now
+    put(state, "big", size=KiB)
+    assert {"big", "pad"} | {f"k{i}" for i in range(17)} == stored(state)
+    assert tiers(state, "k0") == [(seg, TIER_SSD)] and tiers(state, "k1") == [(seg, TIER_SSD)]
+    assert tiers(state, "k2") == [(seg, TIER_DRAM)]
+    assert state.evictions["allocation"][0] == 2
+    assert_consistent(state)
+
+
+def test_below_the_offload_watermark_nothing_is_copied(state):
+    seg = mount_ssd(state, "a", 10 * KiB)
+    for i in range(15):
+        put(state, f"k{i}", size=512)  # 75%
+    state.tick()
+    assert state.tiering.poll(seg, 10) == []
