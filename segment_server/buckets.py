@@ -18,8 +18,11 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   4096-aligned offset after the payload. The bucket header holds the full cluster id; each record
   holds a CRC32C tag of it, so a record can be recognised as this cluster's on its own (recovery drops
   a record whose tag is not ours, like one whose payload CRC fails).
-- A tombstone record's payload is 8 bytes: the u64 location of a record it declares dead (written
-  when the master removes an object that had a disk copy, so a restart does not resurrect it).
+- A tombstone record (empty namespace and key) has a payload of N >= 1 u64 locations (size a positive
+  multiple of 8), each naming a record it declares dead (written when the master removes objects that
+  had a disk copy, so a restart does not resurrect them). One record carries many locations, so a mass
+  removal costs a page per 8192 locations (writers cap a record at 64 KiB of locations; readers accept
+  any count). A tombstone whose size is not a positive multiple of 8 is an invalid record.
 - Sealing: when a bucket reaches ``bucket_size`` bytes or ``bucket_keys`` records (whichever first),
   it is sealed: an index footer is appended at a 4096-aligned offset: magic ``b"KVTI"``, count u32,
   then per record (offset u64, header_len u32, size u64, flags u16), then CRC32C u32 over the footer;
@@ -52,7 +55,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import crc32c
@@ -84,7 +87,8 @@ _LOCATOR_BODY = struct.Struct("<Q4s")
 _LOCATOR_SIZE = _LOCATOR_BODY.size + 4
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_TOMBSTONE_SIZE = _U64.size
+_TOMBSTONE_TARGET = _U64.size  # bytes per location in a tombstone payload
+_MAX_TOMBSTONE_TARGETS = 8192  # locations per tombstone record written (64 KiB of payload)
 _MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
 _CRC_CHUNK = 8 << 20  # recovery verifies payloads in chunks so a huge record does not need huge memory
 _NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
@@ -201,7 +205,7 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
         raise RecordError(f"record header truncated: {len(buf)} of {header_len} bytes")
     if _header_crc(buf[:header_len]) != header_crc:
         raise RecordError("record header CRC mismatch")
-    if flags == FLAG_TOMBSTONE and size != _TOMBSTONE_SIZE:
+    if flags == FLAG_TOMBSTONE and (size == 0 or size % _TOMBSTONE_TARGET):
         raise RecordError(f"tombstone payload of {size} bytes")
     names = _RECORD_HEAD.size
     try:
@@ -558,9 +562,9 @@ class BucketStore:
             return
         location = _location(bucket.bucket_id, offset)
         if head.flags == FLAG_TOMBSTONE:
-            payload = os.pread(fd, _TOMBSTONE_SIZE, offset + head.header_len)
-            if len(payload) == _TOMBSTONE_SIZE and crc32c.crc32c(payload) == head.payload_crc:
-                bucket.tombstones.append(_U64.unpack(payload)[0])
+            payload = os.pread(fd, head.size, offset + head.header_len)
+            if len(payload) == head.size and crc32c.crc32c(payload) == head.payload_crc:
+                bucket.tombstones += [target for (target,) in _U64.iter_unpack(payload)]
                 return
         elif _crc_range(fd, offset + head.header_len, head.size) == head.payload_crc:
             bucket.live[location] = DiskRecord(location, head.namespace, head.key, head.size, head.payload_crc)
@@ -594,23 +598,36 @@ class BucketStore:
         return location
 
     def tombstone(self, location: int) -> None:
-        """Declare a live record dead (unknown locations are ignored); durable only after `sync()`.
+        """Declare one live record dead: `tombstone_many((location,))`."""
+        self.tombstone_many((location,))
 
+    def tombstone_many(self, locations: Iterable[int]) -> None:
+        """Declare live records dead with one tombstone record per 8192 of them; durable only after `sync()`.
+
+        Unknown, already dead and repeated locations are ignored; nothing is written if none is left.
         Tombstones are not held to `capacity` (they free space later and must not fail for lack of it);
-        a file system ENOSPC raises DiskFull and leaves the record live.
+        a file system ENOSPC raises DiskFull and leaves the records of the failed record live (those of
+        records written before it are dead).
         """
-        bucket = self._buckets.get(location >> 20)
-        if bucket is None or location not in bucket.live:
-            return
-        self._append_tombstone(location)
-        with self._lock:
-            bucket.live.pop(location, None)
+        targets = []
+        for location in dict.fromkeys(locations):
+            bucket = self._buckets.get(location >> 20)
+            if bucket is not None and location in bucket.live:
+                targets.append(location)
+        for lo in range(0, len(targets), _MAX_TOMBSTONE_TARGETS):
+            chunk = targets[lo : lo + _MAX_TOMBSTONE_TARGETS]
+            self._append_tombstones(chunk)
+            with self._lock:
+                for location in chunk:
+                    bucket = self._buckets.get(location >> 20)
+                    if bucket is not None:
+                        bucket.live.pop(location, None)
 
-    def _append_tombstone(self, target: int) -> None:
-        payload = _U64.pack(target)
+    def _append_tombstones(self, targets: Sequence[int]) -> None:
+        """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations."""
+        payload = b"".join(_U64.pack(target) for target in targets)
         holder, _ = self._write_record(FLAG_TOMBSTONE, b"", b"", payload, crc32c.crc32c(payload), check_capacity=False)
-        if target >> 20 != holder.bucket_id:
-            holder.tombstones.append(target)
+        holder.tombstones += [target for target in targets if target >> 20 != holder.bucket_id]
         self._seal_if_full()
 
     def _write_record(
@@ -866,22 +883,24 @@ class BucketStore:
         last unpin for pinned ones. Unknown ids are ignored; the open bucket raises ValueError.
 
         Tombstones a deleted bucket holds for records in surviving buckets are appended again (and
-        synced) first, so deleting out of age order never resurrects a record. Eviction deletes oldest
-        first, where there is nothing to carry.
+        synced) first, in as few tombstone records as possible, so deleting out of age order never
+        resurrects a record. Eviction deletes oldest first, where there is nothing to carry.
         """
         doomed = {i for i in bucket_ids if i in self._buckets}
         if self._open is not None and self._open.bucket_id in doomed:
             raise ValueError(f"bucket {self._open.bucket_id} is the open bucket and cannot be deleted")
-        carry = [
-            target
-            for i in sorted(doomed)
-            for target in self._buckets[i].tombstones
-            if (target >> 20) in self._buckets and (target >> 20) not in doomed
-        ]
+        carry = list(
+            dict.fromkeys(
+                target
+                for i in sorted(doomed)
+                for target in self._buckets[i].tombstones
+                if (target >> 20) in self._buckets and (target >> 20) not in doomed
+            )
+        )
         if carry:
             try:
-                for target in carry:
-                    self._append_tombstone(target)
+                for lo in range(0, len(carry), _MAX_TOMBSTONE_TARGETS):
+                    self._append_tombstones(carry[lo : lo + _MAX_TOMBSTONE_TARGETS])
                 self.sync()
             except OSError as exc:  # freeing space matters more; the master still knows the truth
                 logger.error("tombstones not carried forward count=%d error=%s", len(carry), exc)

@@ -12,7 +12,8 @@ kvtier.master.tiering) and runs them against the DRAM region and the
   to fill.
 - PROMOTE: read the record, check its header and payload CRC against the
   object's checksum, copy it into the DRAM range the master allocated.
-- FORGET: append a tombstone, so a restart does not bring the copy back.
+- FORGET: tombstone the copy, so a restart does not bring it back (all FORGETs
+  of a poll batch in one tombstone record, written after the other tasks).
 
 After every mount it reports the store's inventory (`ReportDiskObjects`) and
 tombstones copies the master refuses as stale. When the store passes its
@@ -129,6 +130,7 @@ class TierWorker:
         first_error = ""
         appended = False
         offloaded = offloaded_bytes = 0
+        forgets: list[int] = []  # indexes of FORGET tasks: tombstoned together after the loop
         for i in range(len(reply.task_ids)):
             kind = reply.kinds[i]
             namespace, key, size, checksum = reply.namespaces[i], reply.keys[i], reply.sizes[i], reply.checksums[i]
@@ -150,9 +152,7 @@ class TierWorker:
                         reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum, promote_deadline
                     )
                 elif kind == pb.FORGET:
-                    self.store.tombstone(reply.disk_locations[i])
-                    appended = True
-                    self.forgotten += 1
+                    forgets.append(i)
             except RecordError as exc:  # the DRAM bytes no longer match the object: never store them
                 status, error = int(Status.CHECKSUM_MISMATCH), str(exc)
             except DiskFull as exc:
@@ -163,6 +163,15 @@ class TierWorker:
                 first_error = f"{Status(status).name} {key!r:.80}: {error}"
             statuses.append(status)
             locations.append(location)
+        if forgets:
+            try:
+                self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
+                appended = True
+                self.forgotten += len(forgets)
+            except OSError as exc:
+                for i in forgets:
+                    statuses[i] = int(Status.INTERNAL)
+                first_error = first_error or f"INTERNAL {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
         if appended:
             try:
                 self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
@@ -190,9 +199,8 @@ class TierWorker:
             for kind, status, location, answer in zip(reply.kinds, statuses, locations, done.statuses, strict=False)
             if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
         ]
-        for location in orphans:
-            self.store.tombstone(location)
         if orphans:
+            self.store.tombstone_many(orphans)
             self.store.sync()
             logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
 
@@ -248,9 +256,8 @@ class TierWorker:
             if reply.status != _OK:
                 raise grpc.RpcError(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
             stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
-        for record in stale:  # the master holds these keys with other bytes: they must never come back
-            self.store.tombstone(record.location)
-        if stale:
+        if stale:  # the master holds these keys with other bytes: they must never come back
+            self.store.tombstone_many(record.location for record in stale)
             self.store.sync()
         logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
 

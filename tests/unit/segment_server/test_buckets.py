@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.segment_server import buckets
 from kvtier.segment_server.buckets import (
     ALIGN,
     BucketStore,
@@ -255,6 +256,17 @@ def test_file_format_matches_the_documentation(stores, ssd):
     assert fields[:7] == (b"KVTR", 1, 1, 36, 0, 0, 8)
     assert fields[8] == crc32c.crc32c(b"fmt")  # tombstones carry the cluster tag too
     assert raw[ALIGN + 36 : ALIGN + 44] == struct.pack("<Q", locations[0])
+    assert fields[7] == crc32c.crc32c(raw[ALIGN + 36 : ALIGN + 44])
+
+    more = [store.append("space", f"more{i}", b"m", crc32c.crc32c(b"m")) for i in range(2)]
+    store.tombstone_many([locations[1], *more])  # one record, N = 3 locations
+    raw = bucket_file(ssd, 2).read_bytes()  # bucket 1 sealed after more0; more1 opens bucket 2
+    offset = 2 * ALIGN
+    fields = RECORD.unpack_from(raw, offset)
+    assert fields[:7] == (b"KVTR", 1, 1, 36, 0, 0, 24)
+    payload = raw[offset + 36 : offset + 60]
+    assert payload == struct.pack("<3Q", locations[1], *more)
+    assert fields[7] == crc32c.crc32c(payload)
 
 
 # --- verification ----------------------------------------------------------------------------
@@ -770,6 +782,86 @@ def test_tombstone_hides_record_now_and_after_reopen(stores, ssd):
     assert {r.location for r in records} == set(written) - {dead}
 
 
+def test_tombstone_many_writes_one_record_for_all_locations(stores, ssd):
+    store = stores(ssd)
+    store.recover()
+    written = fill(store, 5)
+    dead = list(written)[1:4]
+    used = store.used
+    size = bucket_file(ssd, 0).stat().st_size
+    store.tombstone_many(iter(dead))
+    assert store.used == used + ALIGN  # one page, not three
+    assert bucket_file(ssd, 0).stat().st_size == _aligned(size) + 36 + 3 * 8
+    for location in dead:
+        with pytest.raises(KeyError):
+            store.plan_read(location)
+    assert {r.location for r in store.records()} == set(written) - set(dead)
+    store.sync()
+    store, records = reopen(stores, store, ssd)
+    assert {r.location for r in records} == set(written) - set(dead)
+
+
+def test_tombstone_many_ignores_unknown_and_dead_locations(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 5)
+    first, second = list(written)[:2]
+    store.tombstone(first)
+    used, files = store.used, snapshot(ssd)
+    store.tombstone_many([first, 12345 << 20, first + 7])  # dead, unknown bucket, unknown record
+    store.tombstone_many([])
+    assert (store.used, snapshot(ssd)) == (used, files)
+    store.tombstone_many([first, second, second, 12345 << 20])  # one record with only `second`
+    assert store.used == used + ALIGN
+    store.sync()
+    store, records = reopen(stores, store, ssd, **SMALL)
+    assert {r.location for r in records} == set(written) - {first, second}
+
+
+def test_tombstone_many_past_the_per_record_cap_writes_several_records(stores, ssd, monkeypatch):
+    assert buckets._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
+    monkeypatch.setattr(buckets, "_MAX_TOMBSTONE_TARGETS", 3)
+    store = stores(ssd)
+    store.recover()
+    written = fill(store, 10, size=10)
+    dead = list(written)[:8]
+    used = store.used
+    store.tombstone_many(dead)
+    assert store.used == used + 3 * ALIGN  # 3 + 3 + 2 locations
+    store.sync()
+    store, records = reopen(stores, store, ssd)
+    assert {r.location for r in records} == set(written) - set(dead)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_tombstone_with_a_payload_not_a_multiple_of_8_is_invalid(stores, ssd, sealed, caplog):
+    kwargs = {"bucket_keys": 3} if sealed else {}
+    store = stores(ssd, **kwargs)
+    store.recover()
+    written = fill(store, 3, size=10)
+    first, victim, last = written
+    # Overwrite the middle record (one page) with a tombstone of 12 bytes naming the first record.
+    payload = struct.pack("<Q", first) + b"\xff" * 4
+    head = bytearray(RECORD.pack(b"KVTR", 1, 1, RECORD_FIXED, 0, 0, 12, crc32c.crc32c(payload), 0, 0))
+    struct.pack_into("<I", head, 28, crc32c.crc32c(CLUSTER.encode()))
+    struct.pack_into("<I", head, 32, crc32c.crc32c(head))
+    page = (bytes(head) + payload).ljust(ALIGN, b"\0")
+    with open(bucket_file(ssd, 0), "r+b") as f:
+        f.seek((victim & 0xFFFFF) * ALIGN)
+        f.write(page)
+    store.close()
+    with caplog.at_level(logging.WARNING):
+        store, records = reopen(stores, store, ssd, **kwargs)
+    assert "tombstone payload of 12 bytes" in caplog.text
+    assert {r.location for r in records} == {first, last}
+    assert read(store, first, written[first][0]) == written[first][1]
+    assert read(store, last, written[last][0]) == written[last][1]
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 def test_deleting_a_bucket_holding_a_tombstone_keeps_its_target_dead(stores, ssd):
     store = stores(ssd, bucket_keys=1)  # one record per bucket
     store.recover()
@@ -780,6 +872,25 @@ def test_deleting_a_bucket_holding_a_tombstone_keeps_its_target_dead(stores, ssd
     store.delete_buckets([2])
     store, records = reopen(stores, store, ssd, bucket_keys=1)
     assert [r.location for r in records] == [keep]
+
+
+def test_deleting_buckets_carries_their_tombstones_in_one_record(stores, ssd):
+    store = stores(ssd, bucket_keys=2)
+    store.recover()
+    targets = [put(store, f"t{i}", b"t") for i in range(4)]  # buckets 0 and 1
+    store.tombstone(targets[0])  # bucket 2
+    store.tombstone_many(targets[1:3])  # bucket 2, sealed
+    store.tombstone(targets[3])  # bucket 3
+    keep = put(store, "keep", b"k")  # bucket 3, sealed
+    assert store.open_bucket_id == 4
+    store.delete_buckets([2, 3])
+    assert bucket_ids(ssd) == [0, 1, 4]
+    raw = bucket_file(ssd, 4).read_bytes()
+    assert len(raw) == ALIGN + 36 + 4 * 8  # the four carried tombstones in one record
+    assert raw[ALIGN + 36 :] == struct.pack("<4Q", *targets)
+    store, records = reopen(stores, store, ssd, bucket_keys=2)
+    assert records == []
+    assert keep >> 20 == 3
 
 
 # --- capacity, eviction, deletion, pins ------------------------------------------------------
