@@ -18,7 +18,6 @@ state's tables, which live in the same package.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -153,10 +152,7 @@ class Drainer:
             if source_segment is not None:
                 source_segment.objects -= 1
                 if record.size:  # readers may hold the source range: free it when their lease ends
-                    heapq.heappush(
-                        state._deferred,
-                        (record.lease_until, next(state._seq), source_id, replica_offset(source), record.size),
-                    )
+                    state._free_later(source_id, replica_offset(source), record.size, record.lease_until)
             return True
         state._release_replicas([target], record.size)
         return False

@@ -558,12 +558,13 @@ class MasterState:
                 if segment is not None:
                     segment.objects -= 1
                     if record.size:
-                        heapq.heappush(
-                            self._deferred,
-                            (record.lease_until, next(self._seq), segment_id, packed & OFFSET_MASK, record.size),
-                        )
+                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, record.lease_until)
         else:
             self._release_replicas(record.replicas, record.size)
+
+    def _free_later(self, segment_id: int, offset: int, size: int, until: float) -> None:
+        """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it."""
+        heapq.heappush(self._deferred, (until, next(self._seq), segment_id, offset, size))
 
     def _release_replicas(self, replicas: Iterable[int], size: int) -> None:
         for packed in replicas:
@@ -643,10 +644,7 @@ class MasterState:
             if segment is not None:
                 for packed in dropped:
                     segment.objects -= 1
-                    heapq.heappush(
-                        self._deferred,
-                        (record.lease_until, next(self._seq), segment_id, packed & OFFSET_MASK, record.size),
-                    )
+                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, record.lease_until)
             return
         self._release_replicas(dropped, record.size)
 

@@ -321,15 +321,21 @@ class Tiering:
 
     def _drop_corrupt_disk_copy(self, record: ObjectRecord, packed: int) -> None:
         """A disk copy that failed verification can only ever be a miss: drop and tombstone it."""
-        state = self.state
         self.counters["corrupt_disk_copies"] += 1
+        self._remove_disk_copy(record, packed, forget=True)
+
+    def _remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool) -> None:
+        """Take one disk replica off a live record (the object goes when it was the last replica);
+        with `forget`, the segment is told to tombstone it."""
+        state = self.state
         segment_id = packed >> TIER_SHIFT >> 2
         if len(record.replicas) == 1:
-            state._delete(state._pop(record.name))  # forgets the copy too
+            state._delete(state._pop(record.name), forget_disk=forget)
             return
         record.replicas = tuple(r for r in record.replicas if r != packed)
         state.segments[segment_id].ssd_objects -= 1
-        self.forget(segment_id, record.name, packed & OFFSET_MASK)
+        if forget:
+            self.forget(segment_id, record.name, packed & OFFSET_MASK)
 
     def _end_offload(self, task: TierTask) -> None:
         if self.offloading.get(task.name) is task:
@@ -433,11 +439,7 @@ class Tiering:
             if record is None or packed not in record.replicas:
                 continue
             dropped += 1
-            if len(record.replicas) == 1:
-                state._delete(state._pop(name), forget_disk=False)
-            else:
-                record.replicas = tuple(r for r in record.replicas if r != packed)
-                state.segments[segment_id].ssd_objects -= 1
+            self._remove_disk_copy(record, packed, forget=False)  # the segment deletes it itself
         self.counters["disk_copies_dropped"] += dropped
         return dropped
 
