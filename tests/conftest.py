@@ -1,4 +1,4 @@
-"""Shared fixtures: `cluster` (a master + two 64 MiB segments as real processes) and `bare_cluster`."""
+"""Shared fixtures: `cluster` (a master + two 64 MiB segments as real processes), `bare_cluster`, `etcd`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster
+from tests.etcd import ETCD_BINARY, EtcdServer, etcd_available
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -47,3 +48,19 @@ def cluster(bare_cluster: Cluster) -> Cluster:
     bare_cluster.start_segment("seg0")
     bare_cluster.start_segment("seg1")
     return bare_cluster
+
+
+@pytest.fixture
+def etcd(tmp_path: Path, request: pytest.FixtureRequest):
+    """A single-member etcd on free loopback ports (see tests/etcd.py); skipped when etcd is not installed."""
+    if not etcd_available():
+        pytest.skip(f"etcd not installed at {ETCD_BINARY} (apt-get install etcd-server, or set KVTIER_TEST_ETCD)")
+    server = EtcdServer(tmp_path)
+    yield server
+    server.stop()
+    failed = any(
+        getattr(request.node, f"rep_{when}", None) and getattr(request.node, f"rep_{when}").failed
+        for when in ("setup", "call")
+    )
+    if failed:
+        print(f"etcd log tail:\n{server.tail()}")
