@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from kvtier.proto.keys import check_namespace
+from kvtier.proto.units import check_master_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class ClientConfig:
         check_namespace(self.namespace)
         if not self.master:
             raise ValueError("master address is required, e.g. 127.0.0.1:50051")
+        check_master_spec(self.master)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.frame_bytes < 1:

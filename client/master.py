@@ -9,6 +9,13 @@ same handlers.
 Failure handling, written once here:
 - gRPC UNAVAILABLE (master restarting, connection refused) is retried with
   exponential back-off from 50 ms to 1 s until the caller's deadline.
+- A reply whose status is UNAVAILABLE (the master is recovering after a
+  restart, or is a standby) is retried the same way; the master answered
+  before doing anything, so every call, PutStart included, may be repeated.
+- The master can move (`address` is a list or etcd://..., see
+  kvtier.proto.discovery): after a failure or a standby's refusal the client
+  asks its `MasterLocator` for the leader (a standby's `leader=` hint first)
+  and reconnects there, fast path included.
 - A fast-path connection that cannot be opened switches this client to gRPC
   and asks `Hello` again a second later (a restarted master listens elsewhere).
 - A fast-path exchange that broke after the request was sent is retried over
@@ -31,6 +38,7 @@ import grpc
 from kvtier.client.sockpool import SocketPool, recv_exact, send_all
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc, rpcframe
+from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.errors import ConnectError, KvtierError, ProtocolError, TransportError
 from kvtier.proto.status import Status, to_status
 from kvtier.proto.units import parse_hostport
@@ -38,22 +46,19 @@ from kvtier.proto.units import parse_hostport
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+_UNAVAILABLE = int(Status.UNAVAILABLE)
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
 
 
 class MasterClient:
     def __init__(self, address: str, timeout: float, *, fast_path: bool = True, connections: int = 4) -> None:
-        self.address = address
+        self.spec = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", rpcframe.MESSAGE_LIMIT),
-                ("grpc.max_send_message_length", rpcframe.MESSAGE_LIMIT),
-            ],
-        )
-        self.stub = master_pb2_grpc.MasterStub(self._channel)
+        self._locator = MasterLocator(address, timeout=min(timeout, 2.0))
+        self.address = ""
+        self._channel: grpc.Channel | None = None
+        self.stub: Any = None
         self._want_fast = fast_path
         self._connections = connections
         self._fast: SocketPool | None = None
@@ -66,6 +71,18 @@ class MasterClient:
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Invoke `method`; raise KvtierError on failure (see the module docstring)."""
         deadline = time.monotonic() + (timeout or self.timeout)
+        backoff = 0.05
+        while True:
+            reply = self._call_once(method, request, deadline)
+            status = getattr(reply, "status", 0)
+            if status != _UNAVAILABLE or deadline - time.monotonic() <= backoff:
+                return self._check(method, reply)
+            logger.debug("master refused method=%s (%s); retrying in %.2fs", method, reply.error, backoff)
+            self._moved(reply.error)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def _call_once(self, method: str, request: Any, deadline: float) -> Any:
         method_id = rpcframe.METHOD_IDS.get(method)
         pool = self._fast_pool(deadline) if method_id is not None else None
         if pool is not None:
@@ -83,8 +100,8 @@ class MasterClient:
                 if sent[0] and method in _NOT_REPEATABLE:
                     raise KvtierError(Status.UNAVAILABLE, f"{method}: fast path failed mid-call: {exc}") from None
             else:
-                return self._check(method, reply)
-        return self._check(method, self._call_grpc(method, request, deadline))
+                return reply
+        return self._call_grpc(method, request, deadline)
 
     def hello(self, timeout: float | None = None) -> pb.HelloResponse:
         return self._check(
@@ -99,9 +116,50 @@ class MasterClient:
         with self._lock:
             pool, self._fast = self._fast, None
             self._want_fast = False
+            channel, self._channel = self._channel, None
         if pool is not None:
             pool.close()
-        self._channel.close()
+        if channel is not None:
+            channel.close()
+        self._locator.close()
+
+    # ------------------------------------------------------------------ which master
+
+    def _grpc_stub(self) -> Any:
+        """The stub for the locator's current address (a new channel when the leader moved)."""
+        address = self._locator.address
+        if not address:
+            raise ConnectError(f"no leading master known for {self.spec}")
+        if address == self.address and self.stub is not None:
+            return self.stub
+        with self._lock:
+            if address != self.address or self.stub is None:
+                old = self._channel
+                self._channel = grpc.insecure_channel(
+                    address,
+                    options=[
+                        ("grpc.max_receive_message_length", rpcframe.MESSAGE_LIMIT),
+                        ("grpc.max_send_message_length", rpcframe.MESSAGE_LIMIT),
+                    ],
+                )
+                self.stub = master_pb2_grpc.MasterStub(self._channel)
+                self.address = address
+                if old is not None:
+                    old.close()
+            return self.stub
+
+    def _moved(self, error: str = "") -> None:
+        """The master failed or refused: find the leader (a standby's hint first), and forget the
+        fast path when it is elsewhere now."""
+        if not self._locator.is_multi and not leader_hint(error):
+            return
+        before = self.address
+        if self._locator.refresh(leader_hint(error)) != before:
+            with self._lock:
+                pool, self._fast = self._fast, None
+                self._next_hello = 0.0
+            if pool is not None:
+                pool.close()
 
     # ------------------------------------------------------------------ fast path
 
@@ -161,25 +219,27 @@ class MasterClient:
 
     def _call_grpc(self, method: str, request: Any, deadline: float) -> Any:
         backoff = 0.05
-        rpc = getattr(self.stub, method)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} did not answer in time")
             try:
+                rpc = getattr(self._grpc_stub(), method)
                 return rpc(request, timeout=remaining)
-            except grpc.RpcError as exc:
-                code = exc.code()
+            except (grpc.RpcError, ConnectError) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code in _RETRYABLE and deadline - time.monotonic() > backoff:
                     logger.debug("master unavailable method=%s; retrying in %.2fs", method, backoff)
+                    self._moved()
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} timed out") from None
+                details = exc.details() if isinstance(exc, grpc.RpcError) else exc.message
                 if code == grpc.StatusCode.UNAVAILABLE:
-                    raise ConnectError(f"{method}: master {self.address} unavailable: {exc.details()}") from None
-                raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {exc.details()}") from None
+                    raise ConnectError(f"{method}: master {self.address or self.spec} unavailable: {details}") from None
+                raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {details}") from None
 
     @staticmethod
     def _check(method: str, reply: Any) -> Any:

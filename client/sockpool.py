@@ -4,7 +4,10 @@ Sockets are blocking with kernel send/receive timeouts (SO_SNDTIMEO,
 SO_RCVTIMEO), so a transfer is a few syscalls with no poll loop, and a peer
 that stops answering costs at most the timeout. At most `limit` sockets
 exist; further callers wait up to the timeout for one. A socket whose use
-raised is closed, never returned to the pool.
+raised is closed, never returned to the pool. An idle socket the peer closed
+meanwhile (the server restarted) is noticed before it is handed out, so a
+request is never sent into a connection known to be dead: callers can tell
+"failed before sending" (safe to repeat anywhere) from "failed mid-call".
 """
 
 from __future__ import annotations
@@ -58,7 +61,14 @@ class SocketPool:
                     raise ConnectError(f"no free connection to {self.what} within {self.timeout}s")
                 if self._closed:
                     raise ConnectError(f"connection pool to {self.what} is closed")
-            sock = self._idle.pop() if self._idle else None
+            sock = None
+            while self._idle:
+                sock = self._idle.pop()
+                if _alive(sock):
+                    break
+                sock.close()
+                self._open -= 1
+                sock = None
             if sock is None:
                 self._open += 1
         if sock is None:
@@ -90,6 +100,17 @@ class SocketPool:
             self._open -= len(self._idle)
             self._idle.clear()
             self._cond.notify_all()  # waiters give up instead of sleeping out their timeout
+
+
+def _alive(sock: socket.socket) -> bool:
+    """An idle socket is alive when nothing is waiting in it: not EOF, not an error, not stray bytes."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (closed) or stray bytes: unusable
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:

@@ -119,6 +119,27 @@ class OffsetAllocator:
             self._allocated[start] = size
         return start
 
+    def reserve_ascending(self, offset: int, size: int) -> bool:
+        """Mark [offset, offset + size) allocated, for rebuilding a region's books from an
+        inventory sent in increasing offset order (ranges may only come after every range already
+        reserved, so the range must lie in the free extent that ends the region). False, and
+        nothing changes, when it does not: overlapping, out of order, misaligned or out of bounds.
+        """
+        size = self.aligned(size)
+        self._flush()
+        tail = self._free_by_end.get(self.capacity)
+        if size <= 0 or offset % self.alignment or tail is None or not tail <= offset <= self.capacity - size:
+            return False
+        self._remove(tail, self.capacity - tail)
+        if offset > tail:
+            self._insert(tail, offset - tail)
+        if offset + size < self.capacity:
+            self._insert(offset + size, self.capacity - offset - size)
+        self.used += size
+        if self._allocated is not None:
+            self._allocated[offset] = size
+        return True
+
     def release(self, offset: int, size: int) -> None:
         """Return a range obtained from `allocate(size)`; merges with free neighbours."""
         size = self.aligned(size)

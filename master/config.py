@@ -34,6 +34,13 @@ class MasterConfig:
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
+    # Restart and HA (docs/architecture.md, "Master restart and HA").
+    state_dir: str = ""  # standalone: where segment names, registrations and the epoch are saved
+    recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
+    commit_wait_s: float = 2.0  # PutEnd waits this long at most for segments to acknowledge commits
+    etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
+    etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
+    advertise: str = ""  # HA: the address other processes reach this master at (default: listen)
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
     log_level: str = "INFO"
 
@@ -41,7 +48,15 @@ class MasterConfig:
         parse_hostport(self.listen)
         if self.fast_listen not in ("auto", "off"):
             parse_hostport(self.fast_listen)
-        for name in ("segment_ttl_s", "heartbeat_interval_s", "lease_s", "put_timeout_s", "tick_interval_s"):
+        for name in (
+            "segment_ttl_s",
+            "heartbeat_interval_s",
+            "lease_s",
+            "put_timeout_s",
+            "tick_interval_s",
+            "recovery_timeout_s",
+            "commit_wait_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_interval_s * 2 > self.segment_ttl_s:
@@ -65,6 +80,14 @@ class MasterConfig:
             raise ValueError(f"alignment must be a power of two, got {self.alignment}")
         if problem := cluster_id_problem(self.cluster_id):
             raise ValueError(problem)
+        if self.etcd_lease_ttl_s < 2:
+            raise ValueError(
+                f"etcd_lease_ttl_s must be at least 2 (whole seconds in etcd), got {self.etcd_lease_ttl_s}"
+            )
+        if self.advertise:
+            parse_hostport(self.advertise)
+        if self.etcd and self.state_dir:
+            raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
         return self
 
 

@@ -148,6 +148,8 @@ class Drainer:
         if moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)
             source_id = replica_segment(source)
+            state.commits.dropped(source_id, replica_offset(source), record)
+            state.commits.committed(replica_segment(target), replica_offset(target), record)
             source_segment = state.segments.get(source_id)
             if source_segment is not None:
                 source_segment.objects -= 1

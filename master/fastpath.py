@@ -5,6 +5,11 @@ same `MasterHandlers` method gRPC would call. Handlers are synchronous and
 never block, so answering inline on the event loop keeps responses in order
 and costs no task per request. While the transport's send buffer is above
 its high-water mark the connection stops reading (backpressure).
+
+PutEnd and Remove are the exception: their answers wait for the segments to
+acknowledge the commit log (`CommitWaiter`). The connection then stops
+reading and parsing until that answer is written, so answers stay in
+request order.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import socket
 
 from google.protobuf.message import DecodeError
 
-from kvtier.master.servicer import MasterHandlers
+from kvtier.master.servicer import WAITING_CALLS, CommitWaiter, MasterHandlers
 from kvtier.proto import rpcframe
 from kvtier.proto.units import parse_hostport
 
@@ -24,12 +29,18 @@ _HEADER = rpcframe.HEADER
 _HEADER_SIZE = _HEADER.size
 
 
+_WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcframe.METHOD_IDS}
+
+
 class FastPathProtocol(asyncio.Protocol):
-    def __init__(self, handlers: MasterHandlers) -> None:
+    def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter) -> None:
         self._handlers = handlers
+        self._waiter = waiter
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._closing = False
+        self._waiting = False  # a PutEnd answer is waiting for acknowledgements
+        self._write_paused = False
         self._dispatch = {
             method: (getattr(handlers, name), request_type)
             for method, (name, request_type, _) in rpcframe.METHODS.items()
@@ -46,18 +57,24 @@ class FastPathProtocol(asyncio.Protocol):
         self._buffer = bytearray()
 
     def pause_writing(self) -> None:
+        self._write_paused = True
         if self._transport is not None:
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self._transport is not None and not self._closing:
+        self._write_paused = False
+        if self._transport is not None and not self._closing and not self._waiting:
             self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        self._buffer += data
+        if not self._waiting:
+            self._process()
+
+    def _process(self) -> None:
         buffer = self._buffer
-        buffer += data
         consumed = 0
         while len(buffer) - consumed >= _HEADER_SIZE:
             magic, method, request_id, size = _HEADER.unpack_from(buffer, consumed)
@@ -73,10 +90,29 @@ class FastPathProtocol(asyncio.Protocol):
             except DecodeError:
                 return self._fatal(request_id, f"undecodable {request_type.__name__}")
             consumed = end
-            reply = handler(request).SerializeToString()
+            response = handler(request)
+            if method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
+                del buffer[:consumed]
+                self._waiting = True
+                self._transport.pause_reading()
+                asyncio.get_running_loop().create_task(self._answer_later(method, request_id, response, barrier))
+                return
+            reply = response.SerializeToString()
             self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
         if consumed:
             del buffer[:consumed]
+
+    async def _answer_later(self, method: int, request_id: int, response, barrier: dict[int, int]) -> None:
+        response = await self._waiter.finish(response, barrier)
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        reply = response.SerializeToString()
+        transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
+        self._waiting = False
+        if not self._write_paused:
+            transport.resume_reading()
+        self._process()
 
     def _fatal(self, request_id: int, reason: str) -> None:
         peer = self._transport.get_extra_info("peername")
@@ -88,12 +124,12 @@ class FastPathProtocol(asyncio.Protocol):
         self._transport.close()
 
 
-async def start_fast_path(listen: str, handlers: MasterHandlers) -> asyncio.AbstractServer:
+async def start_fast_path(listen: str, handlers: MasterHandlers, waiter: CommitWaiter) -> asyncio.AbstractServer:
     """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint`."""
     host, port = parse_hostport(listen)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: FastPathProtocol(handlers), host=host, port=port, reuse_address=True, backlog=512
+        lambda: FastPathProtocol(handlers, waiter), host=host, port=port, reuse_address=True, backlog=512
     )
     bound_host, bound_port = server.sockets[0].getsockname()[:2]
     handlers.fast_endpoint = f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"

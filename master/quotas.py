@@ -79,5 +79,9 @@ class QuotaTable:
         registered = self._instances.get(instance)
         return registered is None or rank < registered[0] * registered[1]
 
+    def registrations(self) -> dict[str, list[int]]:
+        """instance -> [tp, pp, budget]: what a restarted master needs to rebuild the quotas."""
+        return {name: list(sizes) for name, sizes in self._instances.items()}
+
     def snapshot(self) -> list[Owner]:
         return sorted(self._owners.values(), key=lambda o: (o.instance, o.rank))

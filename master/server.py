@@ -1,4 +1,18 @@
-"""Runs the master: a grpc.aio server on uvloop plus the periodic tick task."""
+"""Runs the master: a grpc.aio server on uvloop, the fast path, the periodic tick, and its role.
+
+Standalone (no `etcd`): this process is the leader. Its epoch is larger than
+any earlier incarnation's (kvtier.master.persist); with a `state_dir` it
+saves the segments it must wait for after a restart and recovers from their
+inventories (kvtier.master.recovery).
+
+HA (`etcd`): every master campaigns for the leader key
+(kvtier.master.election). The winner starts a new epoch with empty tables,
+loads the saved state from etcd and recovers; the others are standbys
+answering UNAVAILABLE with the leader's address. A leader that loses its
+lease (etcd unreachable past the grace period, or paused past it) drops its
+tables and becomes a standby: it can never accept a write once another
+master may have been elected.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +20,19 @@ import asyncio
 import logging
 import os
 import signal
-import uuid
 
 import grpc
 
 from kvtier.master.config import MasterConfig
 from kvtier.master.fastpath import start_fast_path
-from kvtier.master.servicer import MasterHandlers, MasterServicer
+from kvtier.master.persist import (
+    FileStateStore,
+    NoStateStore,
+    SavedState,
+    StateStore,
+    next_standalone_epoch,
+)
+from kvtier.master.servicer import CommitWaiter, MasterHandlers, MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.config import write_ready_file
@@ -27,11 +47,70 @@ GRPC_OPTIONS = [
 ]
 
 
+class Roles:
+    """Switches the handlers between tables as leadership comes and goes (event loop thread)."""
+
+    def __init__(self, config: MasterConfig, handlers: MasterHandlers, servicer: MasterServicer) -> None:
+        self.config = config
+        self.handlers = handlers
+        self.servicer = servicer
+        self.store: StateStore = NoStateStore()
+        self._saving = asyncio.Lock()
+        servicer.after_register = self.save
+
+    def lead(self, epoch: int, saved: SavedState | None) -> None:
+        """Start epoch `epoch` with empty tables, waiting for the saved segments' inventories."""
+        state = MasterState(self.config)
+        if saved is not None:
+            for instance, (tp, pp, budget) in saved.instances.items():
+                try:
+                    state.quotas.register(instance, tp, pp, budget)
+                except ValueError as exc:
+                    logger.error("saved registration of instance %s is invalid: %s", instance, exc)
+            state.begin_recovery(set(saved.segments), self.config.recovery_timeout_s)
+        state.saved_state_stale = True  # save this epoch at once
+        self.servicer.attach(state)
+        self.handlers.state = state
+        self.handlers.epoch = epoch
+        logger.info(
+            "leading epoch=%d waiting_for_segments=%s", epoch, ",".join(sorted(saved.segments)) if saved else "none"
+        )
+
+    def stand_by(self, reason: str) -> None:
+        """Drop the tables (a new leader rebuilds them from the segments) and refuse everything."""
+        logger.warning("no longer leading epoch=%d: %s", self.handlers.epoch, reason)
+        state = MasterState(self.config)
+        self.servicer.attach(state)
+        self.handlers.state = state
+
+    async def save(self) -> None:
+        """Save what changed, off the event loop; returns once it is durable (or failed).
+        RegisterInstance awaits it: a registration acknowledged is a registration kept."""
+        async with self._saving:  # one save at a time: a later snapshot is never overwritten by an earlier
+            state = self.handlers.state
+            if not state.saved_state_stale or not self.handlers.leadership.is_leader():
+                return
+            state.saved_state_stale = False
+            saved = SavedState(
+                epoch=self.handlers.epoch,
+                segments=sorted(s.name for s in state.segments.values()),
+                instances=state.quotas.registrations(),
+            )
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)
+                logger.info("saved master state segments=%d instances=%d", len(saved.segments), len(saved.instances))
+            except Exception as exc:  # retried at the next tick; a restart meanwhile waits for fewer
+                logger.error("saving master state failed: %s", exc)
+                state.saved_state_stale = True
+
+
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
+    loop = asyncio.get_running_loop()
     state = MasterState(config)
-    epoch = uuid.uuid4().hex[:16]
-    handlers = MasterHandlers(state, epoch)
-    servicer = MasterServicer(handlers)
+    handlers = MasterHandlers(state, 0)
+    waiter = CommitWaiter(handlers, config.commit_wait_s)
+    servicer = MasterServicer(handlers, waiter)
+    roles = Roles(config, handlers, servicer)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     port = server.add_insecure_port(config.listen)
@@ -39,34 +118,54 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         raise SystemExit(f"kvtier-master: cannot bind {config.listen}")
     host = config.listen.rpartition(":")[0]
     address = f"{host}:{port}"
+    election = None
+    if config.etcd:
+        from kvtier.master.ha import start_election  # imported here: etcd stubs only when used
+
+        handlers.leadership, election, roles.store = start_election(config, config.advertise or address, roles, loop)
+        handlers.epoch = 0
+    else:
+        roles.store = FileStateStore(config.state_dir) if config.state_dir else NoStateStore()
+        saved = roles.store.load()
+        roles.lead(next_standalone_epoch(saved), saved)
     await server.start()
     fast_server = None
     if config.fast_listen != "off":
         fast_listen = f"{host}:0" if config.fast_listen == "auto" else config.fast_listen
         try:
-            fast_server = await start_fast_path(fast_listen, handlers)
+            fast_server = await start_fast_path(fast_listen, handlers, waiter)
         except OSError as exc:
             await server.stop(grace=None)
             raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None
-    logger.info("master serving address=%s cluster_id=%s epoch=%s", address, config.cluster_id, epoch)
+    if election is not None:
+        election.start(handlers.fast_endpoint)
+    logger.info("master serving address=%s cluster_id=%s epoch=%d", address, config.cluster_id, handlers.epoch)
     fast = f", fast path {handlers.fast_endpoint}" if handlers.fast_endpoint else ""
     print(f"kvtier-master listening on {address}{fast} (cluster {config.cluster_id})", flush=True)
     if config.ready_file:
         write_ready_file(
             config.ready_file,
-            {"address": address, "fast_endpoint": handlers.fast_endpoint, "epoch": epoch, "pid": os.getpid()},
+            {
+                "address": address,
+                "fast_endpoint": handlers.fast_endpoint,
+                "epoch": handlers.epoch,
+                "pid": os.getpid(),
+            },
         )
 
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     async def ticker() -> None:
         while True:
             await asyncio.sleep(config.tick_interval_s)
+            if not handlers.leadership.is_leader():
+                continue
             try:
-                state.tick()
+                handlers.state.tick()
+                if handlers.state.saved_state_stale:
+                    asyncio.create_task(roles.save())
             except Exception:  # a bug here must not stop expiry forever
                 logger.exception("tick failed")
 
@@ -74,6 +173,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     await stop.wait()
     logger.info("master stopping")
     tick_task.cancel()
+    if election is not None:
+        await loop.run_in_executor(None, election.stop)
     if fast_server is not None:
         fast_server.close()
     await server.stop(grace=1.0)

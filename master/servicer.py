@@ -16,12 +16,14 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 
+from kvtier.master.commits import notice_fields
 from kvtier.master.records import replica_offset, replica_segment
+from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
@@ -32,6 +34,27 @@ from kvtier.proto.status import Status
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any, Any], Any]
+# Which RPCs a master answers in which role (see `MasterHandlers._refusal`): INFO always; SEGMENT
+# (segment servers' control plane) only as the leader; DATA only as a leader done recovering.
+INFO, SEGMENT, DATA = "info", "segment", "data"
+_GATES = {
+    "Hello": INFO,
+    "Status": INFO,
+    **dict.fromkeys(
+        (
+            "MountSegment",
+            "UnmountSegment",
+            "Heartbeat",
+            "PollTierTasks",
+            "TierTasksDone",
+            "ReportDiskObjects",
+            "DropDiskReplicas",
+            "PollCommits",
+            "ReportDramObjects",
+        ),
+        SEGMENT,
+    ),
+}
 # Per-segment byte counters a heartbeat carries and Status repeats (see HeartbeatRequest).
 _IO_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
 
@@ -40,11 +63,22 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
     def decorate(handler: Handler) -> Handler:
         name = handler.__name__
 
+        gate = _GATES.get(name, DATA)
+        check_epoch = gate is SEGMENT and name != "MountSegment"
+
         @functools.wraps(handler)
         def wrapper(self: MasterHandlers, request: Any) -> Any:
             started = time.perf_counter()
             self.requests[name] += 1
             try:
+                if gate is not INFO and (refusal := self._refusal(gate)):
+                    self.refused[name] += 1
+                    return response_type(status=Status.UNAVAILABLE, error=refusal)
+                if check_epoch and request.epoch != self.epoch:
+                    return response_type(
+                        status=Status.SEGMENT_NOT_FOUND,
+                        error=f"mounted under master epoch {request.epoch}, this is {self.epoch}: mount again",
+                    )
                 return handler(self, request)
             except InvalidKeyError as exc:
                 self.failures[name] += 1
@@ -63,13 +97,44 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
     return decorate
 
 
+class Leadership:
+    """Whether this master may act, and who leads. Standalone: always the leader.
+    With etcd, kvtier.master.election supplies both (the server wires it in)."""
+
+    def is_leader(self) -> bool:
+        return True
+
+    def leader(self) -> str:
+        return ""
+
+
 class MasterHandlers:
-    def __init__(self, state: MasterState, epoch: str) -> None:
+    def __init__(self, state: MasterState, epoch: int, leadership: Leadership | None = None) -> None:
         self.state = state
         self.epoch = epoch
+        self.leadership = leadership or Leadership()
         self.fast_endpoint = ""  # set by the server once the fast path listens
         self.requests: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # answered UNAVAILABLE: standby or recovering
+
+    def _refusal(self, gate: str) -> str:
+        """Why this master may not answer an RPC of `gate` now ("" = it may)."""
+        if not self.leadership.is_leader():
+            return f"not the leader; leader={self.leadership.leader()}"
+        if gate is DATA and not self.state.serving:
+            recovery = self.state.recovery
+            return (
+                f"master epoch {self.epoch} is recovering: {len(recovery.reported & recovery.expected)} of "
+                f"{len(recovery.expected)} segment inventories in; retry"
+            )
+        return ""
+
+    @property
+    def role(self) -> str:
+        if not self.leadership.is_leader():
+            return "standby"
+        return "leader" if self.state.serving else "recovering"
 
     def _too_many(self, keys: Iterable[str], response_type: type) -> Any | None:
         count = len(keys)  # type: ignore[arg-type]
@@ -100,10 +165,13 @@ class MasterHandlers:
         return pb.HelloResponse(
             status=Status.OK,
             cluster_id=config.cluster_id,
-            master_epoch=self.epoch,
+            master_epoch=str(self.epoch),
             fast_endpoint=self.fast_endpoint,
             max_batch_keys=config.max_batch_keys,
             lease_ms=int(config.lease_s * 1000),
+            epoch=self.epoch,
+            role=self.role,
+            leader=self.leadership.leader(),
         )
 
     @_rpc(pb.MountSegmentResponse)
@@ -119,6 +187,7 @@ class MasterHandlers:
             offload=request.offload,
             disk_engine=request.disk_engine,
             ssd_max_object=request.ssd_max_object,
+            inventory=request.inventory,
         )
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
@@ -128,7 +197,8 @@ class MasterHandlers:
             segment_id=result.segment.segment_id,
             heartbeat_interval_ms=int(config.heartbeat_interval_s * 1000),
             ttl_ms=int(config.segment_ttl_s * 1000),
-            master_epoch=self.epoch,
+            master_epoch=str(self.epoch),
+            epoch=self.epoch,
         )
 
     @_rpc(pb.UnmountSegmentResponse)
@@ -139,7 +209,7 @@ class MasterHandlers:
     def Heartbeat(self, request):
         counters = {name: getattr(request, name) for name in _IO_COUNTERS}
         status = self.state.heartbeat(request.segment_id, request.ssd_used, counters)
-        return pb.HeartbeatResponse(status=status, master_epoch=self.epoch)
+        return pb.HeartbeatResponse(status=status, master_epoch=str(self.epoch), epoch=self.epoch)
 
     # -------------------------------------------------------------- objects
 
@@ -328,7 +398,11 @@ class MasterHandlers:
         ]
         return pb.StatusResponse(
             cluster_id=self.state.config.cluster_id,
-            master_epoch=self.epoch,
+            master_epoch=str(self.epoch),
+            epoch=self.epoch,
+            role=self.role,
+            leader=self.leadership.leader(),
+            recovery=self.state.recovery.figures(now),
             objects=snap.objects,
             pending_puts=snap.pending_puts,
             capacity=sum(s.capacity for s in snap.segments),
@@ -342,7 +416,7 @@ class MasterHandlers:
                 pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
                 for reason, (objects, size) in sorted(self.state.evictions.items())
             ],
-            tiering=dict(self.state.tiering.counters),
+            tiering=dict(self.state.tiering.counters) | dict(self.state.commits.counters),
         )
 
     # -------------------------------------------------------------- tiering
@@ -415,6 +489,73 @@ class MasterHandlers:
         )
         return pb.KeyStatusResponse(status=Status.OK)
 
+    # -------------------------------------------------------------- commit log and recovery
+
+    @_rpc(pb.PollCommitsResponse)
+    def PollCommits(self, request):
+        """Non-blocking: acknowledge, then the notices queued now (the gRPC servicer adds the long poll)."""
+        notices = self.state.commits.poll(request.segment_id, request.acked_seq, request.max_notices or 4096)
+        if notices is None:
+            return pb.PollCommitsResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        reply = pb.PollCommitsResponse(status=Status.OK, epoch=self.epoch, first_seq=notices.first_seq)
+        if not notices.items:
+            return reply
+        now = self.state.clock()
+        drops, offsets, sizes, checksums = reply.drops, reply.offsets, reply.sizes, reply.checksums
+        namespaces, keys, instances, ranks = reply.namespaces, reply.keys, reply.instances, reply.ranks
+        pins, pin_ttl_ms = reply.pins, reply.pin_ttl_ms
+        for offset, record, drop in notices.items:
+            drops.append(drop)
+            offsets.append(offset)
+            fields = notice_fields(record, now)
+            namespaces.append(fields[0])
+            keys.append(fields[1])
+            sizes.append(fields[2])
+            checksums.append(fields[3])
+            instances.append(fields[4])
+            ranks.append(fields[5])
+            pins.append(fields[6])
+            pin_ttl_ms.append(fields[7])
+        return reply
+
+    @_rpc(pb.KeyStatusResponse)
+    def ReportDramObjects(self, request):
+        segment = self.state.segments.get(request.segment_id)
+        if segment is None:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        columns = (
+            request.keys,
+            request.sizes,
+            request.checksums,
+            request.offsets,
+            request.instances,
+            request.ranks,
+            request.pins,
+            request.pin_ttl_ms,
+        )
+        if any(len(column) != len(request.namespaces) for column in columns):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        statuses = report_dram_objects(
+            self.state,
+            request.segment_id,
+            DramObjects(
+                request.namespaces,
+                request.keys,
+                request.sizes,
+                request.checksums,
+                request.offsets,
+                request.instances,
+                request.ranks,
+                request.pins,
+                request.pin_ttl_ms,
+            ),
+        )
+        if request.done:
+            inventory_done(self.state, request.segment_id)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
 
 RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
 
@@ -422,21 +563,129 @@ RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].meth
 LONG_POLL_MAX_S = 30.0
 
 
+# Calls answered only once the segments acknowledged the notices they made (kvtier.master.commits).
+WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix")
+
+
+class CommitWaiter:
+    """The wait of PutEnd, Remove and RemovePrefix for the segments' acknowledgements
+    (kvtier.master.commits).
+
+    Shared by the gRPC servicer and the fast path. One event wakes every
+    waiter whenever a segment acknowledges; each checks its own barrier.
+    """
+
+    def __init__(self, handlers: MasterHandlers, timeout_s: float) -> None:
+        self._handlers = handlers
+        self._timeout_s = timeout_s
+        self._event = asyncio.Event()
+        self.attach(handlers.state)
+
+    def attach(self, state: MasterState) -> None:
+        state.commits.on_ack = self._wake
+
+    def _wake(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    def barrier(self) -> dict[int, int] | None:
+        """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
+        return self._handlers.state.commits.barrier() or None
+
+    async def finish(self, reply: Any, barrier: dict[int, int]) -> Any:
+        """Wait for `barrier`, then the reply to send. A master deposed meanwhile answers
+        UNAVAILABLE: its commits may not have reached the segments the new leader rebuilds from."""
+        handlers = self._handlers
+        state = handlers.state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        while not state.commits.acked(barrier):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                state.commits.stalled(barrier)
+                logger.warning("commit acknowledgements timed out segments=%s", sorted(barrier))
+                break
+            try:
+                await asyncio.wait_for(self._event.wait(), remaining)
+            except TimeoutError:
+                pass
+        if handlers.state is not state or not handlers.leadership.is_leader():
+            return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
+        return reply
+
+
 class MasterServicer(master_pb2_grpc.MasterServicer):
     """The gRPC face of `MasterHandlers`: every RPC delegates to the handler of the same name.
 
-    `PollTierTasks` alone waits: for a task of its segment to be queued, or `wait_ms`.
+    `PollTierTasks` and `PollCommits` wait: for work of their segment to be queued, or `wait_ms`.
+    `PutEnd` answers once the segments acknowledged its commits (`CommitWaiter`).
     """
 
-    def __init__(self, handlers: MasterHandlers) -> None:
+    def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter) -> None:
         self.handlers = handlers
+        self.waiter = waiter
         self._task_events: dict[int, asyncio.Event] = {}
-        handlers.state.tiering.notify = self._wake
+        self._commit_events: dict[int, asyncio.Event] = {}
+        self.after_register: Callable[[], Awaitable[None]] | None = None  # saves the registration
+        self.attach(handlers.state)
+
+    def attach(self, state: MasterState) -> None:
+        """Hook a (new) state's notifications to the long polls."""
+        state.tiering.notify = self._wake
+        state.commits.notify = self._wake_commits
+        self.waiter.attach(state)
 
     def _wake(self, segment_id: int) -> None:
         event = self._task_events.get(segment_id)
         if event is not None:
             event.set()
+
+    def _wake_commits(self, segment_id: int) -> None:
+        event = self._commit_events.get(segment_id)
+        if event is not None:
+            event.set()
+
+    async def _answer_when_acknowledged(self, name: str, request: Any) -> Any:
+        reply = getattr(self.handlers, name)(request)
+        if reply.status != Status.OK:
+            return reply
+        barrier = self.waiter.barrier()
+        return reply if barrier is None else await self.waiter.finish(reply, barrier)
+
+    async def PutEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._answer_when_acknowledged("PutEnd", request)
+
+    async def Remove(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._answer_when_acknowledged("Remove", request)
+
+    async def RemovePrefix(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._answer_when_acknowledged("RemovePrefix", request)
+
+    async def RegisterInstance(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        reply = self.handlers.RegisterInstance(request)
+        if reply.status == Status.OK and self.after_register is not None:
+            await self.after_register()
+        return reply
+
+    async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        handlers = self.handlers
+        reply = handlers.PollCommits(request)  # applies the acknowledgement at once
+        wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
+        if reply.status != Status.OK or reply.offsets or wait_s <= 0:
+            return reply
+        commits = handlers.state.commits
+        event = self._commit_events.setdefault(request.segment_id, asyncio.Event())
+        event.clear()
+        try:
+            if not commits.has_notices(request.segment_id, reply.first_seq - 1):
+                await asyncio.wait_for(event.wait(), wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            if self._commit_events.get(request.segment_id) is event:
+                del self._commit_events[request.segment_id]
+        request.acked_seq = reply.first_seq - 1
+        return handlers.PollCommits(request)
 
     async def PollTierTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         handlers = self.handlers
@@ -464,5 +713,5 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    if _name != "PollTierTasks":
+    if _name not in ("PollTierTasks", "PollCommits", "RegisterInstance", *WAITING_CALLS):
         setattr(MasterServicer, _name, _delegate(_name))

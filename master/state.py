@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.master.allocator import OffsetAllocator
+from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
@@ -58,6 +59,7 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
+from kvtier.master.recovery import Recovery
 from kvtier.master.tiering import Tiering, dram_key, is_dram, ssd_key
 from kvtier.proto.status import Status
 
@@ -71,6 +73,7 @@ _PENDING = ObjectState.PENDING
 class SegmentState(enum.Enum):
     ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
     DRAINING = 2  # takes no new allocations; serves reads until its objects have moved away
+    RECOVERING = 3  # mounted, still reporting its inventory (kvtier.master.recovery): no allocations
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +184,11 @@ class MasterState:
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
         self.tiering = Tiering(self)
+        self.commits = CommitLog(clock)
+        # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
+        self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
+        # Segments mounted and instances registered changed since the server last saved them.
+        self.saved_state_stale = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
         self._put_ids = itertools.count(1)
@@ -201,8 +209,12 @@ class MasterState:
         offload: bool = False,
         disk_engine: str = "",
         ssd_max_object: int = 0,
+        inventory: bool = False,
     ) -> MountResult:
         """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
+
+        With `inventory` the segment is RECOVERING (no allocations) until it has
+        reported the objects its region holds (kvtier.master.recovery).
 
         A name that is already mounted is replaced: its old replicas are dropped
         (the previous process under that name is gone; the region file lock on
@@ -237,14 +249,30 @@ class MasterState:
             offload=offload and ssd_capacity > 0,
             disk_engine=disk_engine,
             ssd_max_object=ssd_max_object,
+            state=SegmentState.RECOVERING if inventory else SegmentState.ACTIVE,
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
         self.tiering.mounted(segment)
+        self.commits.mounted(segment.segment_id)
+        self.saved_state_stale = True
+        if not inventory:
+            self.recovery.reported.add(name)
         logger.info(
             "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
         )
         return MountResult(Status.OK, segment)
+
+    def begin_recovery(self, expected: set[str], timeout_s: float) -> None:
+        """Answer data RPCs with UNAVAILABLE until the `expected` segments have reported their
+        inventories or `timeout_s` has passed (kvtier.master.recovery)."""
+        self.recovery = Recovery(started_at=self.clock(), expected=set(expected), timeout_s=timeout_s)
+        self.recovery.check(self.clock())
+
+    @property
+    def serving(self) -> bool:
+        """False while recovering: data RPCs wait (clients retry) until the inventories are in."""
+        return self.recovery.finished_at is not None
 
     def unmount_segment(self, segment_id: int) -> Status:
         """Remove a segment and every replica on it. SEGMENT_NOT_FOUND or OK."""
@@ -269,6 +297,8 @@ class MasterState:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
+        self.commits.segment_dropped(segment_id)
+        self.saved_state_stale = True
         doomed = []
         now_disk_only = []
         dram = dram_key(segment_id)
@@ -415,6 +445,7 @@ class MasterState:
         pending = self._pending
         prefix = name_prefix(namespace)
         not_pending = int(Status.NOT_PENDING)
+        committed = self.commits.committed
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
             name = prefix + key
@@ -428,6 +459,8 @@ class MasterState:
                 # then, milliseconds ago; moving it again here would cost more than it tells.
                 record.complete(checksum)
                 del pending[name]
+                for packed in record.replicas:  # all DRAM while pending: tell their segments
+                    committed(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
                 out.append(_OK)
         return out
 
@@ -537,6 +570,10 @@ class MasterState:
         self.object_count -= 1
         if record.state is _PENDING:
             self._pending.pop(record.name, None)
+        else:
+            for packed in record.replicas:
+                if is_dram(packed):
+                    self.commits.dropped(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
         disk = [r for r in record.replicas if not is_dram(r)]
         if disk:
             record.replicas = tuple(r for r in record.replicas if is_dram(r))
@@ -635,6 +672,8 @@ class MasterState:
         dram = dram_key(segment_id)
         dropped = [r for r in record.replicas if r >> TIER_SHIFT == dram]
         record.replicas = tuple(r for r in record.replicas if r >> TIER_SHIFT != dram)
+        for packed in dropped:
+            self.commits.dropped(segment_id, packed & OFFSET_MASK, record)
         if record.owner is not None:
             record.owner.used -= self._aligned(record.size) * len(dropped)
         if not any(is_dram(r) for r in record.replicas) and self._objects.get(record.name) is record:
@@ -651,6 +690,7 @@ class MasterState:
     def register_instance(self, instance: str, tp_size: int, pp_size: int, budget: int) -> int:
         """Register an engine deployment; the per-rank quota. Raises ValueError when invalid."""
         quota = self.quotas.register(instance, tp_size, pp_size, budget)
+        self.saved_state_stale = True
         logger.info("instance registered instance=%s tp=%d pp=%d quota_per_rank=%d", instance, tp_size, pp_size, quota)
         return quota
 
@@ -679,6 +719,7 @@ class MasterState:
                 segment.allocator.release(offset, size)
         self.drainer.tick(now)
         self.tiering.tick(now)
+        self.recovery.check(now)
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):

@@ -368,6 +368,7 @@ class Tiering:
         assert record is not None
         record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)
         state._now_in_dram(record)
+        state.commits.committed(task.segment_id, task.dram_offset, record)
         segment.objects += 1
         if record.owner is not None:
             record.owner.used += state._aligned(record.size)

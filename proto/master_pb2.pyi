@@ -42,7 +42,7 @@ class HelloRequest(_message.Message):
     def __init__(self, client_version: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("status", "error", "cluster_id", "master_epoch", "fast_endpoint", "max_batch_keys", "lease_ms")
+    __slots__ = ("status", "error", "cluster_id", "master_epoch", "fast_endpoint", "max_batch_keys", "lease_ms", "epoch", "role", "leader")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class HelloResponse(_message.Message):
     FAST_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     cluster_id: str
@@ -57,7 +60,10 @@ class HelloResponse(_message.Message):
     fast_endpoint: str
     max_batch_keys: int
     lease_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., fast_endpoint: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    role: str
+    leader: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., fast_endpoint: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class SegmentEndpoint(_message.Message):
     __slots__ = ("segment_id", "name", "host_id", "endpoints")
@@ -72,7 +78,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +89,7 @@ class MountSegmentRequest(_message.Message):
     OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     DISK_ENGINE_FIELD_NUMBER: _ClassVar[int]
     SSD_MAX_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -93,29 +100,34 @@ class MountSegmentRequest(_message.Message):
     offload: bool
     disk_engine: str
     ssd_max_object: int
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ...) -> None: ...
+    inventory: bool
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch")
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     segment_id: int
     heartbeat_interval_ms: int
     ttl_ms: int
     master_epoch: str
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
-    __slots__ = ("segment_id",)
+    __slots__ = ("segment_id", "epoch")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
-    def __init__(self, segment_id: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentResponse(_message.Message):
     __slots__ = ("status", "error")
@@ -126,30 +138,34 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SSD_USED_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     ssd_used: int
     dram_bytes_served: int
     ssd_bytes_served: int
     disk_bytes_read: int
     ssd_bytes_offloaded: int
-    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "master_epoch", "error")
+    __slots__ = ("status", "master_epoch", "error", "epoch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     master_epoch: str
     error: str
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host")
@@ -474,7 +490,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering")
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery")
     class RpcRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +512,13 @@ class StatusResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RecoveryEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +534,10 @@ class StatusResponse(_message.Message):
     QUOTAS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     TIERING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     master_epoch: str
     objects: int
@@ -526,17 +553,23 @@ class StatusResponse(_message.Message):
     quotas: _containers.RepeatedCompositeFieldContainer[QuotaInfo]
     evictions: _containers.RepeatedCompositeFieldContainer[EvictionInfo]
     tiering: _containers.ScalarMap[str, int]
-    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    epoch: int
+    role: str
+    leader: str
+    recovery: _containers.ScalarMap[str, float]
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., recovery: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PollTierTasksRequest(_message.Message):
-    __slots__ = ("segment_id", "max_tasks", "wait_ms")
+    __slots__ = ("segment_id", "max_tasks", "wait_ms", "epoch")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TASKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     max_tasks: int
     wait_ms: int
-    def __init__(self, segment_id: _Optional[int] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PollTierTasksResponse(_message.Message):
     __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations", "task_ttl_ms")
@@ -565,31 +598,109 @@ class PollTierTasksResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., task_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class TierTasksDoneRequest(_message.Message):
-    __slots__ = ("segment_id", "task_ids", "statuses", "disk_locations", "error")
+    __slots__ = ("segment_id", "task_ids", "statuses", "disk_locations", "error", "epoch")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     task_ids: _containers.RepeatedScalarFieldContainer[int]
     statuses: _containers.RepeatedScalarFieldContainer[int]
     disk_locations: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, segment_id: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DiskObjectsRequest(_message.Message):
-    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "disk_locations")
+    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "disk_locations", "epoch")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     disk_locations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class PollCommitsRequest(_message.Message):
+    __slots__ = ("segment_id", "acked_seq", "wait_ms", "max_notices", "epoch")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NOTICES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    acked_seq: int
+    wait_ms: int
+    max_notices: int
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., acked_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ..., max_notices: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class PollCommitsResponse(_message.Message):
+    __slots__ = ("status", "error", "epoch", "first_seq", "drops", "offsets", "sizes", "checksums", "namespaces", "keys", "instances", "ranks", "pins", "pin_ttl_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    epoch: int
+    first_seq: int
+    drops: _containers.RepeatedScalarFieldContainer[bool]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    instances: _containers.RepeatedScalarFieldContainer[str]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    pins: _containers.RepeatedScalarFieldContainer[Pin]
+    pin_ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., drops: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DramObjectsRequest(_message.Message):
+    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "offsets", "instances", "ranks", "pins", "pin_ttl_ms", "done", "epoch")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    namespaces: _containers.RepeatedScalarFieldContainer[str]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    instances: _containers.RepeatedScalarFieldContainer[str]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    pins: _containers.RepeatedScalarFieldContainer[Pin]
+    pin_ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    done: bool
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...

@@ -139,6 +139,16 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
                 _registered_method=True)
+        self.PollCommits = channel.unary_unary(
+                '/kvtier.v1.Master/PollCommits',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.FromString,
+                _registered_method=True)
+        self.ReportDramObjects = channel.unary_unary(
+                '/kvtier.v1.Master/ReportDramObjects',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -285,6 +295,26 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PollCommits(self, request, context):
+        """Metadata that survives a master restart or failover (docs/architecture.md, "Master
+        restart and HA"). Each segment keeps an index of the complete objects in its DRAM region,
+        told by the master in order: a long poll hands out commit and drop notices, and each poll
+        acknowledges the previous batch. PutEnd answers once the segments holding the objects
+        acknowledged them, so every object a client saw committed is in some segment's index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDramObjects(self, request, context):
+        """After a mount with `inventory` set: the complete objects the segment's DRAM holds (their
+        bytes verified against their checksums), in chunks; the last one has `done` set. Until
+        then the segment takes no allocations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -391,6 +421,16 @@ def add_MasterServicer_to_server(servicer, server):
             'DropDiskReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.DropDiskReplicas,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
+            ),
+            'PollCommits': grpc.unary_unary_rpc_method_handler(
+                    servicer.PollCommits,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.SerializeToString,
+            ),
+            'ReportDramObjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDramObjects,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
             ),
     }
@@ -960,6 +1000,60 @@ class Master:
             target,
             '/kvtier.v1.Master/DropDiskReplicas',
             kvtier_dot_proto_dot_master__pb2.DiskObjectsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PollCommits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/PollCommits',
+            kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDramObjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/ReportDramObjects',
+            kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
             options,
             channel_credentials,

@@ -53,3 +53,19 @@ def parse_hostport(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, 
         raise ValueError(f"invalid address {text!r}: expected HOST:PORT")
     host = host.strip("[]") or default_host
     return host, int(port)
+
+
+def check_master_spec(spec: str) -> str:
+    """Validate a `--master` value: HOST:PORT, a comma list of them, or etcd://HOST:PORT[,...]/CLUSTER
+    (see kvtier.proto.discovery); raise ValueError when malformed."""
+    if spec.startswith("etcd://"):
+        from kvtier.proto.etcd_client import parse_etcd_url  # the etcd stubs load only when used
+
+        parse_etcd_url(spec)
+        return spec
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("a master address is required, e.g. 127.0.0.1:50051")
+    for address in addresses:
+        parse_hostport(address)
+    return spec

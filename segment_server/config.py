@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from kvtier.proto.config import load_config
 from kvtier.proto.keys import cluster_id_problem, segment_name_problem
-from kvtier.proto.units import parse_hostport, parse_size
+from kvtier.proto.units import check_master_spec, parse_hostport, parse_size
 
 MIN_DRAM = 1 << 20
 MIN_SSD = 16 << 20
@@ -55,7 +55,7 @@ class SegmentConfig:
         return parse_size(self.ssd_size) if self.ssd_dir else 0
 
     def validate(self) -> SegmentConfig:
-        parse_hostport(self.master)
+        check_master_spec(self.master)
         parse_hostport(self.listen)
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")

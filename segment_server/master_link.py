@@ -1,10 +1,19 @@
-"""The segment server's control-plane link: mount, heartbeat, re-mount, unmount.
+"""The segment server's control-plane link: mount, inventory, heartbeat, re-mount, unmount.
 
 Runs on its own thread with a synchronous gRPC channel, so heartbeats are
 never delayed by data-plane work on the event loop (a field lesson: heartbeats
 starved by I/O expire healthy nodes). Failures back off exponentially from
-50 ms to 3 s; SEGMENT_NOT_FOUND (the master expired us or restarted) triggers
-a new mount.
+50 ms to 0.5 s (a restarted master must find its segments back quickly).
+
+Every mount is followed by the inventory (kvtier.master.recovery): the DRAM
+objects of the index kept by kvtier.segment_server.dram_index, then the SSD
+tier's disk copies, then `done`. Only then is the mount's session (segment
+id, epoch) published to the other threads (commit feed, tier worker).
+
+A new mount happens when the master answers SEGMENT_NOT_FOUND (it expired
+us, restarted, or another master was elected) or UNAVAILABLE (a standby:
+the link follows the leader it names, or asks etcd / the next address, see
+kvtier.proto.discovery).
 """
 
 from __future__ import annotations
@@ -12,41 +21,105 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
+from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.status import Status
+from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 
 logger = logging.getLogger(__name__)
 
 _BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 3.0
+_BACKOFF_MAX_S = 0.5
 _RPC_TIMEOUT_S = 2.0
+
+
+class MasterChannels:
+    """One gRPC channel to the current master, shared by the segment's threads; follows the leader."""
+
+    def __init__(self, locator: MasterLocator) -> None:
+        self._locator = locator
+        self._lock = threading.Lock()
+        self._address = ""
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+
+    def stub(self) -> Any:
+        address = self._locator.address
+        if not address:
+            raise NoLeader()
+        with self._lock:
+            if address != self._address or self._stub is None:
+                if self._channel is not None:
+                    self._channel.close()
+                self._channel = grpc.insecure_channel(address)
+                self._stub = master_pb2_grpc.MasterStub(self._channel)
+                self._address = address
+                logger.info("master link target=%s", address)
+            return self._stub
+
+    def failed(self, error: str = "") -> None:
+        """The master did not answer or is not the leader: look for the leader (a hint in `error` wins)."""
+        self._locator.refresh(leader_hint(error))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None
+        self._locator.close()
+
+
+class NoLeader(grpc.RpcError):
+    """etcd names no leading master right now (an election is under way, or etcd is unreachable)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def __str__(self) -> str:
+        return "no leading master known"
 
 
 class MasterLink:
     def __init__(
         self,
-        master: str,
+        channels: MasterChannels,
         mount_request: pb.MountSegmentRequest,
+        index: DramIndex,
         on_mounted: Callable[[int], None],
         on_fatal: Callable[[str, int], None],
         report: Callable[[], dict[str, int]] | None = None,
+        report_disk: Callable[[Any, int, int], None] | None = None,
     ) -> None:
-        """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each heartbeat."""
-        self._channel = grpc.insecure_channel(master)
-        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each
+        heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory."""
+        self._channels = channels
         self._request = mount_request
+        self._request.inventory = True
+        self._index = index
         self._on_mounted = on_mounted
         self._on_fatal = on_fatal
         self._report = report
+        self._report_disk = report_disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
-        self.segment_id = 0
-        self.master_epoch = ""
+        self._session = (0, 0)  # (segment id, epoch) of the current mount once its inventory is in
         self._interval_s = 1.0
+
+    @property
+    def segment_id(self) -> int:
+        return self._session[0]
+
+    @property
+    def master_epoch(self) -> int:
+        return self._session[1]
+
+    def session(self) -> tuple[int, int]:
+        return self._session
 
     def start(self) -> None:
         self._thread.start()
@@ -54,56 +127,81 @@ class MasterLink:
     def stop(self, unmount: bool = True) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if unmount and self.segment_id:
+        segment_id, epoch = self._session
+        if unmount and segment_id:
             try:
-                self._stub.UnmountSegment(pb.UnmountSegmentRequest(segment_id=self.segment_id), timeout=_RPC_TIMEOUT_S)
-                logger.info("unmounted segment_id=%d", self.segment_id)
+                self._channels.stub().UnmountSegment(
+                    pb.UnmountSegmentRequest(segment_id=segment_id, epoch=epoch), timeout=_RPC_TIMEOUT_S
+                )
+                logger.info("unmounted segment_id=%d", segment_id)
             except grpc.RpcError as exc:
-                logger.warning("unmount failed segment_id=%d code=%s", self.segment_id, exc.code())
-        self._channel.close()
+                logger.warning("unmount failed segment_id=%d code=%s", segment_id, exc.code())
 
     def _run(self) -> None:
         backoff = _BACKOFF_MIN_S
         while not self._stop.is_set():
             try:
-                if not self.segment_id:
+                if not self._session[0]:
                     self._mount()
                 else:
+                    segment_id, epoch = self._session
                     extra = self._report() if self._report is not None else {}
-                    reply = self._stub.Heartbeat(
-                        pb.HeartbeatRequest(segment_id=self.segment_id, **extra), timeout=_RPC_TIMEOUT_S
+                    reply = self._channels.stub().Heartbeat(
+                        pb.HeartbeatRequest(segment_id=segment_id, epoch=epoch, **extra), timeout=_RPC_TIMEOUT_S
                     )
-                    if reply.status == Status.SEGMENT_NOT_FOUND:
-                        logger.warning("master forgot segment_id=%d; mounting again", self.segment_id)
-                        self.segment_id = 0
+                    if reply.status != Status.OK:
+                        self._lost(Status(reply.status).name, reply.error)
                         continue
                 backoff = _BACKOFF_MIN_S
                 self._stop.wait(self._interval_s)
-            except grpc.RpcError as exc:
-                logger.warning("master unreachable code=%s; retrying in %.2fs", exc.code(), backoff)
+            except (grpc.RpcError, InventoryRefused) as exc:
+                detail = exc.code() if isinstance(exc, grpc.RpcError) else exc
+                logger.warning("master unreachable (%s); retrying in %.2fs", detail, backoff)
+                self._channels.failed()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
             except _Fatal as exc:
                 self._on_fatal(str(exc), exc.exit_code)
                 return
 
+    def _lost(self, why: str, error: str) -> None:
+        logger.warning("master dropped segment_id=%d (%s: %s); mounting again", self._session[0], why, error)
+        self._session = (0, 0)
+        if why == "UNAVAILABLE":
+            self._channels.failed(error)
+            self._stop.wait(_BACKOFF_MIN_S)
+
     def _mount(self) -> None:
-        reply = self._stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
+        stub = self._channels.stub()
+        reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         if reply.status == Status.SEGMENT_DRAINED:
             raise _Fatal(f"segment was drained by an operator ({reply.error}); exiting", exit_code=0)
+        if reply.status == Status.UNAVAILABLE:  # a standby, or etcd says another leads now
+            self._channels.failed(reply.error)
+            raise InventoryRefused(f"master is not the leader: {reply.error}")
         if reply.status != Status.OK:
             raise _Fatal(f"master refused mount: {Status(reply.status).name}: {reply.error}")
-        self.segment_id = reply.segment_id
-        self.master_epoch = reply.master_epoch
-        self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
-        logger.info(
-            "mounted segment_id=%d name=%s epoch=%s heartbeat_s=%.2f",
-            reply.segment_id,
-            self._request.name,
-            reply.master_epoch,
-            self._interval_s,
+        segment_id, epoch = reply.segment_id, reply.epoch
+        reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index)
+        if self._report_disk is not None:
+            self._report_disk(stub, segment_id, epoch)
+        done = stub.ReportDramObjects(
+            pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch, done=True), timeout=_RPC_TIMEOUT_S
         )
-        self._on_mounted(reply.segment_id)
+        if done.status != Status.OK:
+            raise InventoryRefused(f"ReportDramObjects(done): {Status(done.status).name}: {done.error}")
+        self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
+        self._session = (segment_id, epoch)
+        logger.info(
+            "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
+            segment_id,
+            self._request.name,
+            epoch,
+            self._interval_s,
+            reported,
+            refused,
+        )
+        self._on_mounted(segment_id)
 
 
 class _Fatal(Exception):

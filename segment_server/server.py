@@ -10,14 +10,16 @@ import signal
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.config import write_ready_file
+from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.region import host_id
 from kvtier.proto.units import format_size, parse_size
 from kvtier.segment_server.buckets import ALIGN, BucketStore
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio import BufferPool, open_engine
+from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.listeners import ShmListener, TcpListener
-from kvtier.segment_server.master_link import MasterLink
+from kvtier.segment_server.master_link import MasterChannels, MasterLink
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.region import DramRegion, region_path, remove_orphans
 from kvtier.segment_server.tier_worker import TierWorker
@@ -46,8 +48,8 @@ async def serve(config: SegmentConfig) -> int:
         region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
     ).open()
     stats = DataPlaneStats()
-    store = engine = disk = worker = None
-    link = None
+    store = engine = disk = worker = feed = None
+    link = channels = None
     listeners: list = []
     try:
         if config.ssd_dir:
@@ -60,16 +62,16 @@ async def serve(config: SegmentConfig) -> int:
         mounted = asyncio.Event()
 
         def on_mounted(_segment_id: int) -> None:
-            if worker is not None:
-                worker.mounted()  # report the SSD inventory to this master
             loop.call_soon_threadsafe(mounted.set)
 
         def on_fatal(message: str, exit_code: int) -> None:
             fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
+        channels = MasterChannels(MasterLocator(config.master))
+        index = DramIndex(region.view)
         link = MasterLink(
-            config.master,
+            channels,
             pb.MountSegmentRequest(
                 cluster_id=config.cluster_id,
                 name=config.name,
@@ -83,13 +85,19 @@ async def serve(config: SegmentConfig) -> int:
                 # a record is read whole into one read buffer: larger objects could not be served
                 ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
             ),
+            index=index,
             on_mounted=on_mounted,
             on_fatal=on_fatal,
             report=lambda: _report(stats, store, worker),
+            report_disk=lambda stub, segment_id, epoch: (
+                worker.report_inventory(stub, segment_id, epoch) if worker is not None else None
+            ),
         )
         if store is not None:
-            worker = TierWorker(config.master, store, region.view, lambda: link.segment_id if link else 0)
+            worker = TierWorker(channels.stub, store, region.view, link.session)
             worker.start()
+        feed = CommitFeed(channels.stub, index, link.session)
+        feed.start()
         link.start()
         print(f"kvtier-segment {config.name} serving {', '.join(endpoints)} dram={region.capacity}", flush=True)
         waiter = asyncio.create_task(mounted.wait())
@@ -106,8 +114,11 @@ async def serve(config: SegmentConfig) -> int:
         logger.info("segment server stopping name=%s", config.name)
         if worker is not None:
             worker.stop()
+        if feed is not None:
+            feed.stop()
         if link is not None:
             link.stop(unmount=not fatal)
+            channels.close()
         for listener in listeners:
             await listener.stop()
         if engine is not None:

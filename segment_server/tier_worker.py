@@ -15,8 +15,9 @@ kvtier.master.tiering) and runs them against the DRAM region and the
 - FORGET: tombstone the copy, so a restart does not bring it back (all FORGETs
   of a poll batch in one tombstone record, written after the other tasks).
 
-After every mount it reports the store's inventory (`ReportDiskObjects`) and
-tombstones copies the master refuses as stale. When the store passes its
+After every mount the master link has it report the store's inventory
+(`report_inventory`, before the mount's inventory is done) and tombstone the
+copies the master refuses as stale. When the store passes its
 high watermark it tells the master which copies go (`DropDiskReplicas`)
 before unlinking their buckets.
 
@@ -34,14 +35,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import crc32c
 import grpc
 
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto import master_pb2_grpc
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
+from kvtier.segment_server.dram_index import InventoryRefused
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +59,19 @@ _PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the repor
 class TierWorker:
     def __init__(
         self,
-        master: str,
+        stub: Callable[[], Any],
         store: BucketStore,
         region: memoryview,
-        segment_id: Callable[[], int],
+        session: Callable[[], tuple[int, int]],
     ) -> None:
-        self._channel = grpc.insecure_channel(master)
-        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        """`stub()` gives the current master's stub; `session()` the (segment id, epoch) of the
+        current mount, (0, 0) when not mounted."""
+        self._stub_of = stub
         self.store = store
         self._region = region
-        self._segment_id = segment_id
+        self._session = session
+        self._epoch = 0
         self._stop = threading.Event()
-        self._mounted = threading.Event()  # set by every (re)mount: report the inventory
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
         self.offloaded = 0
         self.offloaded_bytes = 0
@@ -81,28 +84,26 @@ class TierWorker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=_RPC_TIMEOUT_S + 2)
-        self._channel.close()
 
-    def mounted(self) -> None:
-        """Called by the master link after each successful mount (any thread)."""
-        self._mounted.set()
+    @property
+    def _stub(self) -> Any:
+        return self._stub_of()
 
     # ------------------------------------------------------------------ loop
 
     def _run(self) -> None:
         backoff = 0.05
         while not self._stop.is_set():
-            segment_id = self._segment_id()
+            segment_id, self._epoch = self._session()
             if not segment_id:
                 self._stop.wait(0.05)
                 continue
             try:
-                if self._mounted.is_set():
-                    self._mounted.clear()
-                    self._report_inventory(segment_id)
                 self._evict_buckets(segment_id)
                 reply = self._stub.PollTierTasks(
-                    pb.PollTierTasksRequest(segment_id=segment_id, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS),
+                    pb.PollTierTasksRequest(
+                        segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
+                    ),
                     timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
                 )
                 if reply.status != _OK:  # SEGMENT_NOT_FOUND: the master link re-mounts us
@@ -185,6 +186,7 @@ class TierWorker:
         done = self._stub.TierTasksDone(
             pb.TierTasksDoneRequest(
                 segment_id=segment_id,
+                epoch=self._epoch,
                 task_ids=list(reply.task_ids),
                 statuses=statuses,
                 disk_locations=locations,
@@ -247,14 +249,15 @@ class TierWorker:
 
     # ------------------------------------------------------------------ inventory and capacity
 
-    def _report_inventory(self, segment_id: int) -> None:
+    def report_inventory(self, stub: Any, segment_id: int, epoch: int) -> None:
+        """Report every disk copy to the master (called by the master link after each mount)."""
         records = self.store.records()
         stale = []
         for lo in range(0, len(records), _REPORT_BATCH):
             chunk = records[lo : lo + _REPORT_BATCH]
-            reply = self._stub.ReportDiskObjects(_disk_objects(segment_id, chunk), timeout=_RPC_TIMEOUT_S)
+            reply = stub.ReportDiskObjects(_disk_objects(segment_id, epoch, chunk), timeout=_RPC_TIMEOUT_S)
             if reply.status != _OK:
-                raise grpc.RpcError(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
+                raise InventoryRefused(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
             stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
         if stale:  # the master holds these keys with other bytes: they must never come back
             self.store.tombstone_many(record.location for record in stale)
@@ -270,7 +273,7 @@ class TierWorker:
         records = [r for r in self.store.records() if r.location in doomed]
         for lo in range(0, max(len(records), 1), _REPORT_BATCH):
             reply = self._stub.DropDiskReplicas(
-                _disk_objects(segment_id, records[lo : lo + _REPORT_BATCH]), timeout=_RPC_TIMEOUT_S
+                _disk_objects(segment_id, self._epoch, records[lo : lo + _REPORT_BATCH]), timeout=_RPC_TIMEOUT_S
             )
             if reply.status != _OK:
                 return False  # the master did not take it: keep the buckets, try again later
@@ -280,9 +283,10 @@ class TierWorker:
         return True
 
 
-def _disk_objects(segment_id: int, records: list[DiskRecord]) -> pb.DiskObjectsRequest:
+def _disk_objects(segment_id: int, epoch: int, records: list[DiskRecord]) -> pb.DiskObjectsRequest:
     return pb.DiskObjectsRequest(
         segment_id=segment_id,
+        epoch=epoch,
         namespaces=[r.namespace for r in records],
         keys=[r.key for r in records],
         sizes=[r.size for r in records],

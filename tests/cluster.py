@@ -118,6 +118,20 @@ class Cluster:
         self.segments[name] = proc
         return proc
 
+    def restart_master(self, *extra: str, sig: int = signal.SIGKILL) -> Proc:
+        """Kill the master (SIGKILL by default) and start a new one at the same gRPC address."""
+        assert self.master is not None, "start_master() first"
+        address = self.master_address
+        self.kill(self.master, sig)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return self.start_master("--listen", address, *extra)
+            except RuntimeError:  # the port may linger for a moment after a kill
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
         proc.popen.send_signal(sig)
         proc.popen.wait(timeout=10)

@@ -19,7 +19,7 @@ def test_status_of_a_fresh_cluster(cluster):
     status = cluster.client().cluster_status()
     assert status.status == Status.OK
     assert status.cluster_id == cluster.cluster_id
-    assert status.master_epoch == cluster.master.info["epoch"]
+    assert status.master_epoch == str(cluster.master.info["epoch"])
     assert (status.objects, status.pending_puts, status.used) == (0, 0, 0)
     assert status.capacity == 2 * SEGMENT
     assert status.uptime_s > 0

@@ -272,6 +272,17 @@ def break_fast_sockets(client) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+def make_fast_path_unreachable(client) -> None:
+    """Close the client's idle fast-path sockets and point its pool at a port nobody listens on."""
+    pool = client._master._fast
+    assert pool is not None
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        dead = closed.getsockname()[:2]
+    for sock in pool._idle:
+        sock.shutdown(socket.SHUT_RDWR)
+    pool.address = dead
+
+
 class FakeFastPath:
     """A fast-path peer that reads each request frame whole, then misbehaves instead of answering."""
 
@@ -338,12 +349,17 @@ def test_a_dead_fast_path_connection_falls_back_to_grpc(cluster, monkeypatch):
     def back_on_the_fast_path() -> bool:
         return client.get("fp") == value and client._master.fast_path_active
 
-    # A dead socket: the request cannot even be sent. Gets and puts go over gRPC.
+    # A dead idle socket (as after a master restart) is noticed before use and replaced.
     break_fast_sockets(client)
+    assert client.get("fp") == value
+    assert client._master.fast_path_active, "a dead idle socket is replaced, the fast path stays"
+    # A fast path that cannot be reached at all: the request cannot even be sent, gets and puts go
+    # over gRPC, and a later Hello brings the fast path back.
+    make_fast_path_unreachable(client)
     assert client.get("fp") == value
     assert not client._master.fast_path_active, "the broken fast path is dropped"
     assert cluster.wait_for(back_on_the_fast_path, timeout=10.0), "Hello again, and the fast path is back"
-    break_fast_sockets(client)
+    make_fast_path_unreachable(client)
     assert client.batch_put(["fp/1", "fp/2"], [b"one", b"two"]) == [Status.OK, Status.OK]
     assert client.batch_get(["fp/1", "fp/2"]) == [b"one", b"two"]
     assert cluster.wait_for(back_on_the_fast_path, timeout=10.0)

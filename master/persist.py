@@ -1,0 +1,93 @@
+"""The little a master saves: which segments to wait for, instance registrations, its epoch.
+
+Objects are never saved here: segments report them after a restart
+(kvtier.master.recovery). What the segments cannot tell is saved by the
+leader whenever it changes (rarely: a segment mounts or leaves, an instance
+registers), off the event loop:
+
+- `segments`: names mounted, so a restarted master knows whose inventories
+  to wait for before it answers reads (a miss during recovery would be a
+  false miss);
+- `instances`: TP x PP and budget per engine deployment (per-rank quotas);
+- `epoch`: standalone only, so the next incarnation's epoch is larger.
+
+Standalone masters keep it in `<state_dir>/master-state.json` (written to a
+temporary file, fsynced, renamed). HA masters keep it in etcd under
+`/kvtier/<cluster>/state`, written only while leading. Without either a
+master starts with nothing to wait for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "master-state.json"
+
+
+@dataclass(slots=True)
+class SavedState:
+    epoch: int = 0
+    segments: list[str] = field(default_factory=list)
+    instances: dict[str, list[int]] = field(default_factory=dict)  # instance -> [tp, pp, budget]
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> SavedState:
+        raw = json.loads(data)
+        return cls(
+            epoch=int(raw.get("epoch", 0)),
+            segments=[str(s) for s in raw.get("segments", [])],
+            instances={str(k): [int(x) for x in v] for k, v in raw.get("instances", {}).items()},
+        )
+
+
+class StateStore(Protocol):
+    def load(self) -> SavedState | None: ...
+
+    def save(self, saved: SavedState) -> None: ...
+
+
+class NoStateStore:
+    def load(self) -> SavedState | None:
+        return None
+
+    def save(self, saved: SavedState) -> None:
+        pass
+
+
+class FileStateStore:
+    def __init__(self, state_dir: str) -> None:
+        self.path = Path(state_dir) / STATE_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def load(self) -> SavedState | None:
+        try:
+            return SavedState.from_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError, AttributeError) as exc:
+            logger.error("unreadable master state file path=%s: %s; starting without it", self.path, exc)
+            return None
+
+    def save(self, saved: SavedState) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(saved.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def next_standalone_epoch(saved: SavedState | None) -> int:
+    """Larger than the saved one, and than any earlier start's (milliseconds since 1970)."""
+    return max((saved.epoch if saved else 0) + 1, int(time.time() * 1000))

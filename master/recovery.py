@@ -1,0 +1,205 @@
+"""Rebuilding the master's tables from segment inventories (restart and failover).
+
+A new master incarnation (a restart, or a standby elected leader) starts
+with empty tables. Segment servers notice the new epoch (their heartbeat
+answers SEGMENT_NOT_FOUND, or the leader changed), mount again with
+`inventory` set and report what their DRAM region holds
+(`ReportDramObjects`, from the index kept by kvtier.master.commits, every
+object's bytes verified against its checksum first) and what their SSD tier
+holds (`ReportDiskObjects`, as after any mount). A segment takes no
+allocations until its inventory is complete: new puts must not land on
+ranges it has yet to report.
+
+The master answers data RPCs with UNAVAILABLE ("recovering") until every
+segment it expects is back, or `recovery_timeout_s` has passed; clients
+retry within their timeout. The segments it expects are those mounted when
+the previous incarnation last saved its state (kvtier.master.persist: a
+state file, or etcd in HA); with no saved state it expects none and serves
+at once (segments that come back later still bring their objects).
+
+What is rebuilt, and from where:
+- objects, their replicas (DRAM and SSD), sizes and checksums: inventories;
+- quota accounting (which rank owns which bytes), pins (hard, and soft with
+  the time they had left): the segments' indexes carry them;
+- instance registrations (TP x PP and budget): the saved state;
+- read leases: every rebuilt object starts under one full lease, because
+  readers of the previous incarnation may still be copying its bytes.
+Not rebuilt: puts that had not reached PutEnd (their ranges are free in the
+new books, their PutEnd answers NOT_PENDING: rolled back on both sides);
+pending tier tasks (offloads are chosen again; a disk copy written but not
+reported is reported by the next inventory); forgets of disk copies not yet
+acknowledged by their segment (such a copy can come back after a restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.master.records import PIN_HARD, PIN_SOFT, TIER_SHIFT, ObjectRecord, ObjectState, object_name, replica
+from kvtier.master.tiering import dram_key
+from kvtier.proto.status import Status
+
+if TYPE_CHECKING:
+    from kvtier.master.state import MasterState
+
+logger = logging.getLogger(__name__)
+
+_OK = int(Status.OK)
+
+
+@dataclass(slots=True)
+class DramObjects:
+    """One ReportDramObjects chunk as parallel lists (see DramObjectsRequest)."""
+
+    namespaces: Sequence[str]
+    keys: Sequence[str]
+    sizes: Sequence[int]
+    checksums: Sequence[int]
+    offsets: Sequence[int]
+    instances: Sequence[str]
+    ranks: Sequence[int]
+    pins: Sequence[int]
+    pin_ttl_ms: Sequence[int]
+
+
+@dataclass(slots=True)
+class Recovery:
+    """Progress of the current incarnation's recovery (all times from the state's clock)."""
+
+    started_at: float
+    expected: set[str] = field(default_factory=set)  # segment names to wait for
+    reported: set[str] = field(default_factory=set)  # names whose inventory is complete
+    objects: int = 0  # DRAM copies registered from inventories
+    refused: int = 0  # inventory entries not registered
+    finished_at: float | None = None
+    timeout_s: float = 5.0
+
+    @property
+    def active(self) -> bool:
+        return self.finished_at is None
+
+    def check(self, now: float) -> bool:
+        """Finish when everything expected is back or time is up; True when it just finished."""
+        if self.finished_at is not None:
+            return False
+        if self.expected <= self.reported or now - self.started_at >= self.timeout_s:
+            self.finished_at = now
+            missing = sorted(self.expected - self.reported)
+            logger.info(
+                "recovery finished seconds=%.3f segments=%d objects=%d refused=%d missing=%s",
+                now - self.started_at,
+                len(self.reported),
+                self.objects,
+                self.refused,
+                ",".join(missing) or "none",
+            )
+            return True
+        return False
+
+    def figures(self, now: float) -> dict[str, float]:
+        return {
+            "segments_expected": float(len(self.expected)),
+            "segments_reported": float(len(self.reported)),
+            "objects": float(self.objects),
+            "refused": float(self.refused),
+            "seconds": (self.finished_at if self.finished_at is not None else now) - self.started_at,
+            "active": 1.0 if self.active else 0.0,
+        }
+
+
+def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects) -> list[int]:
+    """Register DRAM objects a recovering segment reports. Per object: OK; INVALID_RANGE when its
+    range overlaps another, is out of order or out of bounds; CHECKSUM_MISMATCH when the master
+    knows the key with other bytes; PUT_IN_PROGRESS when a put of the key is pending; INVALID_KEY.
+    The segment drops every entry not answered OK from its index."""
+    from kvtier.master.state import SegmentState, master_key_problem
+
+    segment = state.segments[segment_id]
+    if segment.state is not SegmentState.RECOVERING:
+        return [int(Status.INVALID_ARGUMENT)] * len(chunk.keys)
+    now = state.clock()
+    lease_until = now + state.config.lease_s
+    allocator = segment.allocator
+    dram = dram_key(segment_id)
+    out: list[int] = []
+    for namespace, key, size, checksum, offset, instance, rank, pin, pin_ttl_ms in zip(
+        chunk.namespaces,
+        chunk.keys,
+        chunk.sizes,
+        chunk.checksums,
+        chunk.offsets,
+        chunk.instances,
+        chunk.ranks,
+        chunk.pins,
+        chunk.pin_ttl_ms,
+        strict=True,
+    ):
+        if master_key_problem(key) or master_key_problem(namespace):
+            out.append(int(Status.INVALID_KEY))
+            continue
+        name = object_name(namespace, key)
+        record = state._lookup(name)
+        if record is not None:
+            if record.state is ObjectState.PENDING:
+                out.append(int(Status.PUT_IN_PROGRESS))
+                continue
+            if record.size != size or record.checksum != checksum:
+                out.append(int(Status.CHECKSUM_MISMATCH))
+                continue
+            if any(r >> TIER_SHIFT == dram for r in record.replicas):
+                out.append(int(Status.CHECKSUM_MISMATCH))  # a second copy on one segment: keep the first
+                continue
+        if size and not allocator.reserve_ascending(offset, size):
+            out.append(int(Status.INVALID_RANGE))
+            continue
+        packed = replica(segment_id, offset)
+        owner = state.quotas.owner(instance, rank)
+        if record is None:
+            record = ObjectRecord(name, size, (packed,), 0, now, owner, _pin_until(pin, pin_ttl_ms, now))
+            record.complete(checksum)
+            state._objects[name] = record
+            state.object_count += 1
+            if owner is not None:
+                owner.objects += 1
+        else:
+            record.replicas = (packed, *record.replicas)
+            state._now_in_dram(record)
+            record.pin_until = max(record.pin_until, _pin_until(pin, pin_ttl_ms, now))
+        record.lease_until = max(record.lease_until, lease_until)
+        if record.owner is not None:
+            record.owner.used += state._aligned(size)
+        segment.objects += 1
+        state.recovery.objects += 1
+        out.append(_OK)
+    state.recovery.refused += sum(1 for s in out if s != _OK)
+    return out
+
+
+def inventory_done(state: MasterState, segment_id: int) -> None:
+    """The segment reported everything: it takes allocations from now on."""
+    from kvtier.master.state import SegmentState
+
+    segment = state.segments[segment_id]
+    if segment.state is SegmentState.RECOVERING:
+        segment.state = SegmentState.ACTIVE
+        state.recovery.reported.add(segment.name)
+        logger.info(
+            "segment inventory complete id=%d name=%s objects=%d used=%d",
+            segment_id,
+            segment.name,
+            segment.objects,
+            segment.used,
+        )
+        state.recovery.check(state.clock())
+
+
+def _pin_until(pin: int, pin_ttl_ms: int, now: float) -> float:
+    if pin == PIN_HARD:
+        return math.inf
+    if pin == PIN_SOFT and pin_ttl_ms:
+        return now + pin_ttl_ms / 1000
+    return 0.0

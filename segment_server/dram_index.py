@@ -1,0 +1,239 @@
+"""The segment's index of the complete objects in its DRAM region, and the feed that keeps it.
+
+The master tells each segment, in order, which of its DRAM ranges hold
+complete objects (commit notices) and which stopped holding one (drop
+notices); see kvtier.master.commits. `CommitFeed` long-polls them on its own
+thread and applies them to `DramIndex`; each poll acknowledges the previous
+batch, and the master answers a PutEnd only once its commits are
+acknowledged. After a master restart or failover the segment mounts again
+and reports the index as its DRAM inventory (`report_dram_inventory`): that
+is how a new master incarnation learns the objects the old one knew.
+
+What is reported is only what can be verified: an entry whose bytes do not
+match its checksum any more (the range was reused while a drop notice was
+lost with the old master), or that overlaps a newer entry, is dropped, never
+reported. The index lives as long as the region (the process): a restarted
+segment server starts with an empty region and an empty index.
+
+Entries are tuples, not objects, and notices are applied in bulk: this is
+control-plane work (one entry per object, not per byte), off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+import grpc
+
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import Status
+
+logger = logging.getLogger(__name__)
+
+_POLL_WAIT_MS = 1000
+_MAX_NOTICES = 8192
+_RPC_TIMEOUT_S = 10.0
+_REPORT_BATCH = 10_000
+_BACKOFF_MAX_S = 0.5
+
+# An entry: (namespace, key, size, checksum, instance, rank, pin, pin_deadline (monotonic; 0 = none), seq)
+Entry = tuple[str, str, int, int, str, int, int, float, int]
+
+
+class DramIndex:
+    """offset -> entry, for every complete object the master committed to this region. Thread-safe."""
+
+    def __init__(self, region: memoryview, clock: Callable[[], float] = time.monotonic) -> None:
+        self._region = region
+        self._clock = clock
+        # offset -> entry; a zero-size object (no range of its own) by "namespace NUL key"
+        self._entries: dict[int | str, Entry] = {}
+        self._lock = threading.Lock()
+        self._seq = 0  # order of commits: a newer entry wins an overlap
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def apply(self, reply: pb.PollCommitsResponse) -> int:
+        """Apply one poll's notices in order; how many."""
+        now = self._clock()
+        count = len(reply.offsets)
+        entries = self._entries
+        with self._lock:
+            for i in range(count):
+                offset = reply.offsets[i]
+                where: int | str = offset if reply.sizes[i] else reply.namespaces[i] + "\x00" + reply.keys[i]
+                if reply.drops[i]:
+                    entries.pop(where, None)
+                    continue
+                ttl_ms = reply.pin_ttl_ms[i]
+                self._seq += 1
+                entries[where] = (
+                    reply.namespaces[i],
+                    reply.keys[i],
+                    reply.sizes[i],
+                    reply.checksums[i],
+                    reply.instances[i],
+                    reply.ranks[i],
+                    reply.pins[i],
+                    now + ttl_ms / 1000 if ttl_ms else 0.0,
+                    self._seq,
+                )
+        return count
+
+    def inventory(self) -> list[tuple[int, Entry]]:
+        """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of
+        two overlapping entries is kept). Entries that fail are removed from the index."""
+        with self._lock:
+            snapshot = list(self._entries.items())
+        empty = [(0, e) for k, e in snapshot if isinstance(k, str)]  # zero-size: nothing to overlap or verify
+        items = sorted((k, e) for k, e in snapshot if not isinstance(k, str))
+        kept: list[tuple[int, Entry]] = []
+        bad: list[tuple[int, Entry]] = []
+        region = self._region
+        for offset, entry in items:
+            if offset + entry[2] > len(region):
+                bad.append((offset, entry))
+                continue
+            if kept and kept[-1][0] + kept[-1][1][2] > offset:
+                if kept[-1][1][8] > entry[8]:
+                    bad.append((offset, entry))
+                    continue
+                bad.append(kept.pop())
+            kept.append((offset, entry))
+        verified = []
+        for offset, entry in kept:
+            if crc32c.crc32c(region[offset : offset + entry[2]]) == entry[3]:
+                verified.append((offset, entry))
+            else:
+                bad.append((offset, entry))
+        if bad:
+            self.forget(bad)
+            logger.warning("dropped %d DRAM index entries that no longer verify or overlap", len(bad))
+        return empty + verified
+
+    def forget(self, items: list[tuple[int, Entry]]) -> None:
+        """Remove these entries (unless a newer commit replaced them meanwhile)."""
+        with self._lock:
+            for offset, entry in items:
+                where: int | str = offset if entry[2] else entry[0] + "\x00" + entry[1]
+                if self._entries.get(where) is entry:
+                    del self._entries[where]
+
+    def pin_ttl_ms(self, entry: Entry) -> int:
+        deadline = entry[7]
+        return max(1, int((deadline - self._clock()) * 1000)) if deadline else 0
+
+
+def report_dram_inventory(stub: Any, segment_id: int, epoch: int, index: DramIndex) -> tuple[int, int]:
+    """Send the verified index to the master in chunks (the last one not yet marked done: the
+    caller sends `done` after the SSD inventory). Entries it refuses leave the index.
+    Returns (objects reported, objects refused)."""
+    items = index.inventory()
+    refused: list[tuple[int, Any]] = []
+    for lo in range(0, len(items), _REPORT_BATCH):
+        chunk = items[lo : lo + _REPORT_BATCH]
+        request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
+        for offset, entry in chunk:
+            request.namespaces.append(entry[0])
+            request.keys.append(entry[1])
+            request.sizes.append(entry[2])
+            request.checksums.append(entry[3])
+            request.offsets.append(offset)
+            request.instances.append(entry[4])
+            request.ranks.append(entry[5])
+            request.pins.append(entry[6])
+            request.pin_ttl_ms.append(index.pin_ttl_ms(entry))
+        reply = stub.ReportDramObjects(request, timeout=_RPC_TIMEOUT_S)
+        if reply.status != Status.OK:
+            raise InventoryRefused(f"ReportDramObjects: {Status(reply.status).name}: {reply.error}")
+        refused += [item for item, status in zip(chunk, reply.statuses, strict=True) if status != Status.OK]
+    if refused:
+        index.forget(refused)
+    return len(items), len(refused)
+
+
+class InventoryRefused(Exception):
+    """The master refused the inventory as a whole (it restarted again, or we are not mounted)."""
+
+
+class CommitFeed:
+    """Long-polls the master's commit notices for this segment and applies them to the index."""
+
+    def __init__(
+        self,
+        stub: Callable[[], Any],
+        index: DramIndex,
+        session: Callable[[], tuple[int, int]],
+    ) -> None:
+        """`stub()` gives the current master's stub; `session()` the (segment id, epoch) mounted
+        now, (0, 0) when not mounted."""
+        self._stub = stub
+        self.index = index
+        self._session = session
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-commit-feed", daemon=True)
+        self._call: Any = None  # the long poll in flight: cancelled by stop()
+        self.applied = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        acked = 0
+        polled: tuple[int, int] = (0, 0)
+        while not self._stop.is_set():
+            session = self._session()
+            if not session[0]:
+                self._stop.wait(0.02)
+                continue
+            if session != polled:
+                polled, acked = session, 0  # a new mount numbers its notices from 1
+            segment_id, epoch = session
+            try:
+                self._call = self._stub().PollCommits.future(
+                    pb.PollCommitsRequest(
+                        segment_id=segment_id,
+                        epoch=epoch,
+                        acked_seq=acked,
+                        wait_ms=_POLL_WAIT_MS,
+                        max_notices=_MAX_NOTICES,
+                    ),
+                    timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+                )
+                if self._stop.is_set():
+                    self._call.cancel()
+                reply = self._call.result()
+                if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
+                    self._stop.wait(0.05)
+                    continue
+                if self._session() != session:
+                    continue  # mounted again meanwhile: these notices belong to the old mount
+                applied = self.index.apply(reply)
+                self.applied += applied
+                acked = reply.first_seq + applied - 1
+                backoff = 0.05
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if self._stop.is_set():
+                    return
+                if isinstance(exc, grpc.RpcError):
+                    logger.debug("commit feed: master unreachable code=%s", exc.code())
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            except Exception:  # never die silently: the index would go stale
+                logger.exception("commit feed failed; retrying")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
