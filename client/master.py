@@ -15,12 +15,18 @@ Failure handling, written once here:
 - The master can move (`address` is a list or etcd://..., see
   kvtier.proto.discovery): after a failure or a standby's refusal the client
   asks its `MasterLocator` for the leader (a standby's `leader=` hint first)
-  and reconnects there, fast path included.
+  and reconnects there, fast path included. Each attempt then gets at most
+  ATTEMPT_S of the caller's timeout: a leader that hangs (paused, cut off)
+  must not hold the call until the whole timeout is gone.
 - A fast-path connection that cannot be opened switches this client to gRPC
   and asks `Hello` again a second later (a restarted master listens elsewhere).
 - A fast-path exchange that broke after the request was sent is retried over
   gRPC only for calls that are safe to repeat; a broken PutStart raises
   UNAVAILABLE (its allocations are reclaimed by the master's put timeout).
+  When the master can move (HA) a PutStart is repeated too: the master that
+  hung is most likely a deposed leader, which refuses it when it wakes; at
+  worst a live one allocated twice, and the keys answer PUT_IN_PROGRESS until
+  the first allocation times out.
 - A response whose whole-request `status` is not OK raises KvtierError.
 Thread-safe: the gRPC channel and the socket pool are shared.
 """
@@ -49,6 +55,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _UNAVAILABLE = int(Status.UNAVAILABLE)
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
+ATTEMPT_S = 2.0  # longest single attempt when the master can move (a list of masters, or etcd)
 
 
 class MasterClient:
@@ -56,6 +63,7 @@ class MasterClient:
         self.spec = address
         self.timeout = timeout
         self._locator = MasterLocator(address, timeout=min(timeout, 2.0))
+        self._attempt_s = min(timeout, ATTEMPT_S) if self._locator.is_multi else timeout
         self.address = ""
         self._channel: grpc.Channel | None = None
         self.stub: Any = None
@@ -91,13 +99,13 @@ class MasterClient:
                 reply = self._call_fast(pool, method_id, request, sent)
             except TransportError as exc:
                 self._drop_fast(pool, exc)
-                if sent[0] and method in _NOT_REPEATABLE:
+                if sent[0] and method in _NOT_REPEATABLE and not self._locator.is_multi:
                     raise KvtierError(
                         Status.UNAVAILABLE, f"{method}: fast path failed mid-call: {exc.message}"
                     ) from None
             except OSError as exc:  # timeouts (EAGAIN), resets, broken pipes
                 self._drop_fast(pool, exc)
-                if sent[0] and method in _NOT_REPEATABLE:
+                if sent[0] and method in _NOT_REPEATABLE and not self._locator.is_multi:
                     raise KvtierError(Status.UNAVAILABLE, f"{method}: fast path failed mid-call: {exc}") from None
             else:
                 return reply
@@ -181,7 +189,7 @@ class MasterClient:
         if not hello.fast_endpoint:
             return None
         address = parse_hostport(hello.fast_endpoint.split("://", 1)[-1])
-        new = SocketPool(address, self.timeout, self._connections, f"master fast path {hello.fast_endpoint}")
+        new = SocketPool(address, self._attempt_s, self._connections, f"master fast path {hello.fast_endpoint}")
         with self._lock:
             if self._fast is None and self._want_fast:
                 self._fast = new
@@ -225,9 +233,11 @@ class MasterClient:
                 raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} did not answer in time")
             try:
                 rpc = getattr(self._grpc_stub(), method)
-                return rpc(request, timeout=remaining)
+                return rpc(request, timeout=min(remaining, self._attempt_s))
             except (grpc.RpcError, ConnectError) as exc:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._locator.is_multi:
+                    code = grpc.StatusCode.UNAVAILABLE  # this master hangs: look for the leader elsewhere
                 if code in _RETRYABLE and deadline - time.monotonic() > backoff:
                     logger.debug("master unavailable method=%s; retrying in %.2fs", method, backoff)
                     self._moved()

@@ -122,8 +122,13 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     if config.etcd:
         from kvtier.master.ha import start_election  # imported here: etcd stubs only when used
 
-        handlers.leadership, election, roles.store = start_election(config, config.advertise or address, roles, loop)
-        handlers.epoch = 0
+        try:
+            handlers.leadership, election, roles.store = start_election(
+                config, config.advertise or address, roles, loop
+            )
+        except ValueError as exc:
+            await server.stop(grace=None)
+            raise SystemExit(f"kvtier-master: {exc}") from None
     else:
         roles.store = FileStateStore(config.state_dir) if config.state_dir else NoStateStore()
         saved = roles.store.load()

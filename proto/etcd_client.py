@@ -316,6 +316,27 @@ class EtcdClient:
         )
         return self._unary("KV", "Txn", request, timeout).succeeded
 
+    def put_if_created_at(
+        self, guard: str, create_revision: int, key: str, value: bytes, *, timeout: float | None = None
+    ) -> bool:
+        """Write `key` only while `guard` exists with this `create_revision`; True if written.
+
+        A leader saves its state this way: with guard = the leader key and its
+        epoch, a deposed leader can never overwrite what its successor saved.
+        """
+        request = rpc_pb2.TxnRequest(
+            compare=[
+                rpc_pb2.Compare(
+                    key=guard.encode(),
+                    target=rpc_pb2.Compare.CREATE,
+                    result=rpc_pb2.Compare.EQUAL,
+                    create_revision=create_revision,
+                )
+            ],
+            success=[rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key.encode(), value=value))],
+        )
+        return self._unary("KV", "Txn", request, timeout).succeeded
+
     # ---------------------------------------------------------------- leases
 
     def grant(self, ttl_s: int, *, timeout: float | None = None) -> int:

@@ -52,6 +52,8 @@ class Cluster:
         self.segment_ttl_s = segment_ttl_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.master: Proc | None = None
+        self.masters: dict[str, Proc] = {}  # HA: every master started with start_master(name=...)
+        self.master_spec = ""  # what segments and clients are given as --master; default the master's address
         self.segments: dict[str, Proc] = {}
         self._clients: list[Client] = []
 
@@ -82,9 +84,9 @@ class Cluster:
         proc.info = json.loads(ready.read_text())
         return proc
 
-    def start_master(self, *extra: str) -> Proc:
-        self.master = self._spawn(
-            "master",
+    def start_master(self, *extra: str, name: str = "master") -> Proc:
+        proc = self._spawn(
+            name,
             [
                 "-m", "kvtier.master",
                 "--listen", "127.0.0.1:0",
@@ -94,10 +96,20 @@ class Cluster:
                 *extra,
             ],
         )  # fmt: skip
-        return self.master
+        self.masters[name] = proc
+        if name == "master" or self.master is None:
+            self.master = proc
+        return proc
+
+    def start_ha_masters(self, etcd_endpoint: str, count: int = 3, *extra: str) -> list[Proc]:
+        """`count` masters campaigning in etcd; segments and clients then find the leader through etcd."""
+        self.master_spec = f"etcd://{etcd_endpoint}/{self.cluster_id}"
+        return [self.start_master("--etcd", self.master_spec, *extra, name=f"master{i}") for i in range(count)]
 
     @property
     def master_address(self) -> str:
+        if self.master_spec:
+            return self.master_spec
         assert self.master is not None, "start_master() first"
         return self.master.info["address"]
 
@@ -121,7 +133,7 @@ class Cluster:
     def restart_master(self, *extra: str, sig: int = signal.SIGKILL) -> Proc:
         """Kill the master (SIGKILL by default) and start a new one at the same gRPC address."""
         assert self.master is not None, "start_master() first"
-        address = self.master_address
+        address = self.master.info["address"]
         self.kill(self.master, sig)
         deadline = time.monotonic() + 10
         while True:
@@ -158,13 +170,13 @@ class Cluster:
     # ------------------------------------------------------------ teardown
 
     def logs(self) -> str:
-        procs = ([self.master] if self.master else []) + list(self.segments.values())
+        procs = self._master_procs() + list(self.segments.values())
         return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.tail()}" for p in procs)
 
     def stop(self) -> None:
         for client in self._clients:
             client.close()
-        procs = list(self.segments.values()) + ([self.master] if self.master else [])
+        procs = list(self.segments.values()) + self._master_procs()
         for proc in procs:
             if proc.alive:
                 proc.popen.send_signal(signal.SIGTERM)
@@ -174,6 +186,12 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+
+    def _master_procs(self) -> list[Proc]:
+        procs = list(self.masters.values())
+        if self.master is not None and self.master not in procs:
+            procs.append(self.master)
+        return procs
 
     def leftover_region_files(self) -> list[str]:
         return sorted(str(p) for p in Path("/dev/shm").glob(f"kvtier.{self.cluster_id}.*"))

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from kvtier.client.master import MasterClient
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
+from tests.load_worker import expected_value
 
 
 @pytest.fixture
@@ -128,3 +133,52 @@ def test_without_saved_state_the_master_serves_at_once_and_segments_still_bring_
     client.put("k", b"v")
     bare_cluster.restart_master()
     assert bare_cluster.wait_for(lambda: client.get("k") == b"v", timeout=10)
+
+
+def start_load(cluster, tmp_path, seconds: float, writers: int = 2, readers: int = 2):
+    """Writer and reader processes (tests/load_worker.py) against the cluster's master spec."""
+    procs = []
+    for i in range(writers):
+        out = tmp_path / f"writer{i}.keys"
+        procs.append((out, _spawn_worker(cluster, "writer", out, seconds, f"w{i}")))
+    for i in range(readers):
+        out = tmp_path / f"reader{i}.wrong"
+        procs.append((out, _spawn_worker(cluster, "reader", out, seconds, str(writers))))
+    return procs
+
+
+def _spawn_worker(cluster, role: str, out, seconds: float, worker: str):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.load_worker", role, cluster.master_address, str(out), str(seconds), worker],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def finish_load(procs) -> tuple[list[str], list[str]]:
+    """Wait for the workers; (keys acknowledged by writers, wrong answers seen by readers)."""
+    acked, wrong = [], []
+    for out, proc in procs:
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, output.decode(errors="replace")
+        lines = out.read_text().split()
+        if out.suffix == ".keys":
+            acked += lines
+        else:
+            wrong += [line for line in out.read_text().splitlines() if line]
+    return acked, wrong
+
+
+def test_kill_9_under_mixed_load_never_gives_wrong_bytes_and_loses_no_acknowledged_put(durable, tmp_path):
+    procs = start_load(durable, tmp_path, seconds=6.0)
+    time.sleep(2.0)
+    durable.restart_master("--state-dir", durable.state_dir)
+    acked, wrong = finish_load(procs)
+    assert not wrong, f"readers got wrong bytes: {wrong[:5]}"
+    assert len(acked) > 100, "the writers made progress"
+    client = durable.client(timeout=10.0)
+    got = client.batch_get(acked)
+    lost = [key for key, value in zip(acked, got, strict=True) if value is None]
+    assert not lost, f"{len(lost)} acknowledged puts lost, e.g. {lost[:5]}"
+    assert all(value == expected_value(key) for key, value in zip(acked, got, strict=True))
