@@ -124,6 +124,10 @@ def _status_dict(reply: Any) -> dict[str, Any]:
     return {
         "cluster_id": reply.cluster_id,
         "master_epoch": reply.master_epoch,
+        "epoch": reply.epoch,
+        "role": reply.role,
+        "leader": reply.leader,
+        "recovery": dict(reply.recovery),
         "uptime_s": round(reply.uptime_s, 3),
         "objects": reply.objects,
         "pending_puts": reply.pending_puts,
@@ -178,6 +182,14 @@ def cmd_status(opts: argparse.Namespace) -> int:
         f"objects {data['objects']}  used {format_size(data['used'])} / {format_size(data['capacity'])} "
         f"({used_pct:.1f}%)"
     )
+    recovery = data["recovery"]
+    if data["role"] != "leader" or recovery.get("segments_expected"):
+        leader = f"  leader {data['leader']}" if data["leader"] else ""
+        print(
+            f"role {data['role']}{leader}  recovery: {int(recovery.get('segments_reported', 0))} of "
+            f"{int(recovery.get('segments_expected', 0))} expected segments, "
+            f"{int(recovery.get('objects', 0))} objects rebuilt in {recovery.get('seconds', 0.0):.2f}s"
+        )
     rows = [
         ["ID", "NAME", "STATE", "CAPACITY", "USED", "OBJECTS", "SSD", "SSD USED", "SSD OBJ", "HEARTBEAT", "ENDPOINTS"]
     ]

@@ -7,6 +7,7 @@ restart.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -182,3 +183,25 @@ def test_kill_9_under_mixed_load_never_gives_wrong_bytes_and_loses_no_acknowledg
     lost = [key for key, value in zip(acked, got, strict=True) if value is None]
     assert not lost, f"{len(lost)} acknowledged puts lost, e.g. {lost[:5]}"
     assert all(value == expected_value(key) for key, value in zip(acked, got, strict=True))
+
+
+def test_kvtier_status_shows_the_new_epoch_and_what_recovery_rebuilt(durable):
+    client = durable.client()
+    assert not any(client.batch_put([f"s/{i}" for i in range(20)], [b"x"] * 20))
+    before = json.loads(_kvtier("status", "--json", "--master", durable.master_address))
+    durable.restart_master("--state-dir", durable.state_dir)
+    assert client.get("s/0") == b"x"  # waits out the recovery
+    after = json.loads(_kvtier("status", "--json", "--master", durable.master_address))
+    assert after["epoch"] > before["epoch"] and after["role"] == "leader"
+    assert after["recovery"]["segments_expected"] == 2 == after["recovery"]["segments_reported"]
+    assert after["recovery"]["objects"] == 20 and after["recovery"]["active"] == 0
+    human = _kvtier("status", "--master", durable.master_address)
+    assert "recovery: 2 of 2 expected segments, 20 objects rebuilt" in human
+
+
+def _kvtier(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.client.cli", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
