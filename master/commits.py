@@ -23,6 +23,12 @@ has stalled (it hung, or its link is down) is waited for at most
 it until it polls again, and the `commit_waits_timed_out` counter says so.
 Segments that never poll (older segment servers) are never waited for.
 
+A segment the master drops while drops are still unacknowledged (its
+heartbeats stopped, but the process lives on) keeps the stale entries in its
+index; when it mounts again they would come back, removed objects included.
+So those drops are remembered by segment name (`undelivered_drop`) until the
+segment's next inventory is in, and entries matching one are refused.
+
 Plain Python, owned by `MasterState`'s thread like everything else; the
 waiting itself is asyncio plumbing in the servicer.
 """
@@ -62,6 +68,8 @@ class CommitLog:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._feeds: dict[int, SegmentFeed] = {}
+        # segment name -> (offset, object name) of drops it never acknowledged before it was dropped
+        self._undelivered: dict[str, set[tuple[int, str]]] = {}
         self.counters: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
@@ -71,8 +79,12 @@ class CommitLog:
     def mounted(self, segment_id: int) -> None:
         self._feeds[segment_id] = SegmentFeed()
 
-    def segment_dropped(self, segment_id: int) -> None:
-        self._feeds.pop(segment_id, None)
+    def segment_dropped(self, segment_id: int, name: str) -> None:
+        feed = self._feeds.pop(segment_id, None)
+        if feed is not None:
+            drops = {(offset, record.name) for offset, record, drop in feed.notices if drop}
+            if drops:
+                self._undelivered.setdefault(name, set()).update(drops)
         if self.on_ack is not None:
             self.on_ack()  # waiters for it are done: nothing more can be acknowledged
 
@@ -143,6 +155,15 @@ class CommitLog:
             if feed is not None and feed.polling and feed.acked < seq:
                 feed.polling = False
                 self.counters["commit_waits_timed_out"] += 1
+
+    def undelivered_drop(self, segment_name: str, offset: int, name: str) -> bool:
+        """Whether the segment of this name was dropped before it acknowledged dropping this entry."""
+        drops = self._undelivered.get(segment_name)
+        return drops is not None and (offset, name) in drops
+
+    def inventory_done(self, segment_name: str) -> None:
+        """The segment reported its index again: what it still had of those drops was refused."""
+        self._undelivered.pop(segment_name, None)
 
     def backlog(self) -> int:
         return sum(len(f.notices) for f in self._feeds.values())

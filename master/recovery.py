@@ -114,7 +114,8 @@ class Recovery:
 def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects) -> list[int]:
     """Register DRAM objects a recovering segment reports. Per object: OK; INVALID_RANGE when its
     range overlaps another, is out of order or out of bounds; CHECKSUM_MISMATCH when the master
-    knows the key with other bytes; PUT_IN_PROGRESS when a put of the key is pending; INVALID_KEY.
+    knows the key with other bytes, or dropped this entry while the segment was away;
+    PUT_IN_PROGRESS when a put of the key is pending; INVALID_KEY.
     The segment drops every entry not answered OK from its index."""
     from kvtier.master.state import SegmentState, master_key_problem
 
@@ -142,6 +143,9 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.INVALID_KEY))
             continue
         name = object_name(namespace, key)
+        if state.commits.undelivered_drop(segment.name, offset, name):
+            out.append(int(Status.CHECKSUM_MISMATCH))  # removed or moved while the segment was away
+            continue
         record = state._lookup(name)
         if record is not None:
             if record.state is ObjectState.PENDING:
@@ -186,6 +190,7 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
         segment.state = SegmentState.ACTIVE
+        state.commits.inventory_done(segment.name)
         state.recovery.reported.add(segment.name)
         logger.info(
             "segment inventory complete id=%d name=%s objects=%d used=%d",

@@ -297,7 +297,7 @@ class MasterState:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
-        self.commits.segment_dropped(segment_id)
+        self.commits.segment_dropped(segment_id, segment.name)
         self.saved_state_stale = True
         doomed = []
         now_disk_only = []

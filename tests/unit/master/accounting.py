@@ -8,14 +8,45 @@ lease to end, and the allocator's free extents: no overlap, no gap. The
 master's allocators keep no per-allocation table (see master/allocator.py),
 so this is where a double free or a leaked range would show. It extends the invariant of the
 `MasterStateMachine` in test_state.py with what eviction and quotas added.
+
+It also plays every segment's part in the commit log (kvtier.master.commits):
+it polls each segment's notices, applies them to a model of that segment's
+DRAM index, acknowledges them, and checks the index says exactly what the
+records say: every complete object's DRAM copy, at its offset, with its size
+and checksum, and nothing else. That is what a restarted master would rebuild.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 from kvtier.master.records import TIER_DRAM, object_name, replica_offset, replica_segment, replica_tier
 from kvtier.master.state import MasterState, ObjectState
+
+# state -> segment id -> the segment's DRAM index as its notices built it: where -> (name, size, checksum)
+_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def segment_indexes(state: MasterState) -> dict[int, dict]:
+    """Poll, apply and acknowledge every segment's notices; each segment's index model."""
+    indexes = _INDEXES.setdefault(state, {})
+    for segment_id in list(indexes):
+        if segment_id not in state.segments:
+            del indexes[segment_id]  # gone, or dropped by the master: its index went with it
+    for segment_id in state.segments:
+        index = indexes.setdefault(segment_id, {})
+        feed = state.commits._feeds[segment_id]
+        notices = state.commits.poll(segment_id, feed.acked, 1 << 30)
+        for offset, record, drop in notices.items:
+            where = offset if record.size else record.name
+            if drop:
+                index.pop(where, None)
+            else:
+                index[where] = (record.name, record.size, record.checksum)
+        state.commits.poll(segment_id, notices.first_seq + len(notices.items) - 1, 0)  # acknowledge
+        assert not state.commits.barrier().get(segment_id), "acknowledged notices still awaited"
+    return indexes
 
 
 def records(state: MasterState) -> list:
@@ -112,6 +143,20 @@ def assert_consistent(state: MasterState) -> None:
         )
         assert segment.ssd_objects == disk_copies[segment_id], (
             f"segment {segment.name}: ssd_objects={segment.ssd_objects}, disk copies on it={disk_copies[segment_id]}"
+        )
+    indexes = segment_indexes(state)
+    expected: dict[int, dict] = {segment_id: {} for segment_id in state.segments}
+    for record in all_records:
+        if record.state is ObjectState.COMPLETE:
+            for replica in record.replicas:
+                if replica_tier(replica) == TIER_DRAM:
+                    where = replica_offset(replica) if record.size else record.name
+                    expected[replica_segment(replica)][where] = (record.name, record.size, record.checksum)
+    for segment_id, segment in state.segments.items():
+        assert indexes[segment_id] == expected[segment_id], (
+            f"segment {segment.name}: its index from the commit log differs from the records: "
+            f"extra {sorted(indexes[segment_id].items() - expected[segment_id].items())[:3]}, "
+            f"missing {sorted(expected[segment_id].items() - indexes[segment_id].items())[:3]}"
         )
     assert state.object_count == len(all_records)
     assert len(state._pending) == pending == state.snapshot().pending_puts

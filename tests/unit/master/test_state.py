@@ -11,6 +11,7 @@ from kvtier.master.config import MasterConfig
 from kvtier.master.records import PIN_HARD, PIN_NONE, replica_segment
 from kvtier.master.state import MasterState, ObjectState, PutOptions
 from kvtier.proto.status import Status
+from tests.unit.master.accounting import assert_consistent
 
 OK = Status.OK
 MiB = 1 << 20
@@ -669,6 +670,7 @@ class MasterStateMachine(RuleBasedStateMachine):
         assert {s: seg.objects for s, seg in state.segments.items()} == replicas
         assert state.object_count == records
         assert state.snapshot().pending_puts == pending == len(state._pending)
+        assert_consistent(state)  # includes the segments' indexes built from the commit log
 
 
 TestMasterStateMachine = MasterStateMachine.TestCase

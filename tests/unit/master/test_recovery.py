@@ -1,0 +1,249 @@
+"""Rebuilding a master from segment inventories (kvtier.master.recovery), and the commit log behind them."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kvtier.master.allocator import OffsetAllocator
+from kvtier.master.config import MasterConfig
+from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, TIER_DRAM, replica_segment, replica_tier
+from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
+from kvtier.master.state import MasterState, PutOptions, SegmentState
+from kvtier.proto.status import Status
+from tests.unit.master.accounting import _INDEXES, assert_consistent, segment_indexes
+from tests.unit.master.test_state import FakeClock
+
+OK = Status.OK
+MiB = 1 << 20
+NS = "ns"
+
+
+def new_state(clock: FakeClock) -> MasterState:
+    config = MasterConfig(cluster_id="unit", segment_ttl_s=10.0, heartbeat_interval_s=1.0, lease_s=5.0).validate()
+    return MasterState(config, clock=clock)
+
+
+def mount(state: MasterState, name: str, capacity: int = MiB, inventory: bool = False) -> int:
+    result = state.mount_segment("unit", name, f"host-{name}", ["tcp://127.0.0.1:9"], capacity, inventory=inventory)
+    assert result.status == OK, result.error
+    return result.segment.segment_id
+
+
+def chunk(entries: list[tuple]) -> DramObjects:
+    """entries: (key, size, checksum, offset[, instance, rank, pin, pin_ttl_ms])"""
+    full = [e + ("", 0, PIN_NONE, 0)[len(e) - 4 :] for e in entries]
+    return DramObjects(
+        [NS] * len(full),
+        [e[0] for e in full],
+        [e[1] for e in full],
+        [e[2] for e in full],
+        [e[3] for e in full],
+        [e[4] for e in full],
+        [e[5] for e in full],
+        [e[6] for e in full],
+        [e[7] for e in full],
+    )
+
+
+def inventory_of(old: MasterState, segment_id: int) -> list[tuple]:
+    """What a segment would report: its index (built from the commit log), sorted by offset."""
+    index = segment_indexes(old)[segment_id]
+    out = []
+    for where, (name, size, checksum) in index.items():
+        record = old._lookup(name)
+        owner = record.owner
+        ttl_ms = int((record.pin_until - old.clock()) * 1000) if record.pin == PIN_SOFT else 0
+        out.append(
+            (
+                0 if isinstance(where, str) else where,
+                name.partition("\x00")[2],
+                size,
+                checksum,
+                owner.instance if owner else "",
+                owner.rank if owner else 0,
+                record.pin,
+                ttl_ms,
+            )
+        )
+    return [(k, s, c, o, i, r, p, t) for o, k, s, c, i, r, p, t in sorted(out)]
+
+
+def test_the_allocator_reserves_ranges_in_ascending_order_only():
+    allocator = OffsetAllocator(1024, 64)
+    assert allocator.reserve_ascending(128, 100)  # 128 aligned bytes
+    assert allocator.reserve_ascending(512, 64)
+    assert not allocator.reserve_ascending(256, 64), "before the last reserved range"
+    assert not allocator.reserve_ascending(520, 64), "overlaps"
+    assert not allocator.reserve_ascending(577, 1), "misaligned"
+    assert not allocator.reserve_ascending(1024 - 64, 128), "past the end"
+    assert allocator.used == 192
+    assert sorted(allocator.free_spans()) == [(0, 128), (256, 256), (576, 448)]
+    allocator.release(128, 100)
+    assert sorted(allocator.free_spans()) == [(0, 512), (576, 448)]
+
+
+def test_a_master_rebuilt_from_its_segments_indexes_has_the_same_books():
+    clock = FakeClock()
+    old = new_state(clock)
+    ids = [mount(old, name) for name in ("a", "b", "c")]
+    old.register_instance("eng", 2, 1, 2 * MiB)
+    rng = random.Random(3)
+    for i in range(300):
+        pin = rng.choice((PIN_NONE, PIN_NONE, PIN_SOFT, PIN_HARD))
+        options = PutOptions(instance="eng", rank=i % 2, pin=pin, pin_ttl_s=100)
+        size = rng.choice((0, 1, 100, 5000, 20000))
+        started = old.put_start(NS, [f"k{i}"], [size], rng.choice((1, 1, 2)), options)
+        if started.statuses == [OK] and started.replica_counts[0]:
+            old.put_end(NS, [f"k{i}"], [rng.getrandbits(32)], started.put_id)
+        if i % 7 == 0:
+            old.remove(NS, [f"k{rng.randrange(i + 1)}"])
+        clock.advance(0.01)
+    old.put_start(NS, ["pending"], [1000], 1)  # never ends: must not come back
+    old.tick()
+    assert_consistent(old)
+
+    clock.advance(1.0)
+    new = new_state(clock)
+    new.register_instance("eng", 2, 1, 2 * MiB)
+    new.begin_recovery({"a", "b", "c"}, timeout_s=5.0)
+    assert not new.serving
+    for name, old_id in zip(("a", "b", "c"), ids, strict=True):
+        new_id = mount(new, name, inventory=True)
+        assert new.segments[new_id].state is SegmentState.RECOVERING
+        entries = inventory_of(old, old_id)
+        statuses = report_dram_objects(new, new_id, chunk(entries))
+        assert statuses == [OK] * len(entries)
+        _INDEXES.setdefault(new, {})[new_id] = dict(segment_indexes(old)[old_id])  # the segment keeps its index
+        inventory_done(new, new_id)
+    assert new.serving and new.recovery.objects == sum(len(segment_indexes(old)[i]) for i in ids)
+    assert_consistent(new)
+
+    def books(state: MasterState) -> dict:
+        out = {}
+        for record in state.records():
+            if record.state.name == "COMPLETE" and any(replica_tier(r) == TIER_DRAM for r in record.replicas):
+                names = sorted(state.segments[replica_segment(r)].name for r in record.replicas)
+                out[record.name] = (record.size, record.checksum, names, record.pin)
+        return out
+
+    assert books(new) == books(old)
+    assert new._lookup(f"{NS}\x00pending") is None
+    dram_bytes = dict.fromkeys((s.name for s in old.segments.values()), 0)
+    for record in old.records():
+        if record.state.name == "COMPLETE":
+            for replica in record.replicas:
+                if replica_tier(replica) == TIER_DRAM:
+                    dram_bytes[old.segments[replica_segment(replica)].name] += -(-record.size // 64) * 64
+    assert {s.name: s.used for s in new.segments.values()} == dram_bytes, "only complete objects' ranges"
+    used_old = {(o.instance, o.rank): (o.used, o.objects) for o in old.quotas.snapshot()}
+    used_new = {(o.instance, o.rank): (o.used, o.objects) for o in new.quotas.snapshot()}
+    assert used_new == used_old and any(used for used, _ in used_new.values())
+    assert all(math.isinf(r.pin_until) for r in new.records() if r.pin == PIN_HARD)
+    assert all(r.lease_until >= clock() + 5.0 for r in new.records()), "rebuilt objects start under a lease"
+
+
+def test_conflicting_inventory_entries_are_refused_and_the_rest_registered():
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a", inventory=True)
+    b = mount(state, "b")
+    started = state.put_start(NS, ["pending"], [100], 1)
+    assert started.statuses == [OK] and replica_segment(state._lookup(f"{NS}\x00pending").replicas[0]) == b
+    statuses = report_dram_objects(
+        state,
+        a,
+        chunk(
+            [
+                ("x", 100, 1, 0),
+                ("y", 100, 2, 64),  # overlaps x's 128 aligned bytes
+                ("x", 100, 1, 128),  # x again on the same segment
+                ("z", 100, 3, 256),
+                ("z", 100, 3, 512),  # second copy of z here
+                ("pending", 100, 9, 640),  # a put of it is pending elsewhere
+                ("w", 100, 4, 1 << 30),  # out of the region
+            ]
+        ),
+    )
+    assert statuses == [
+        OK,
+        Status.INVALID_RANGE,
+        Status.CHECKSUM_MISMATCH,
+        OK,
+        Status.CHECKSUM_MISMATCH,
+        Status.PUT_IN_PROGRESS,
+        Status.INVALID_RANGE,
+    ]
+    second = report_dram_objects(state, a, chunk([("x", 101, 1, 768)]))
+    assert second == [Status.CHECKSUM_MISMATCH], "known with another size: the master's version wins"
+    assert state.segments[a].state is SegmentState.RECOVERING
+    assert state.put_start(NS, ["new"], [100], 1).replica_segments == [b], "no allocation on a recovering segment"
+    inventory_done(state, a)
+    assert state.segments[a].state is SegmentState.ACTIVE
+    assert report_dram_objects(state, a, chunk([("late", 1, 1, 900)])) == [Status.INVALID_ARGUMENT]
+
+
+def test_recovery_ends_when_the_expected_segments_are_back_or_at_the_timeout():
+    clock = FakeClock()
+    state = new_state(clock)
+    state.begin_recovery({"a", "b"}, timeout_s=3.0)
+    assert not state.serving
+    inventory_done(state, mount(state, "a", inventory=True))
+    assert not state.serving
+    clock.advance(3.0)
+    state.tick()
+    assert state.serving and state.recovery.reported == {"a"}
+    fresh = new_state(clock)
+    assert fresh.serving, "a first start waits for nobody"
+
+
+@pytest.mark.parametrize("stall", [False, True])
+def test_commit_log_barriers_wait_for_every_polling_segment_until_acknowledged_or_stalled(stall):
+    clock = FakeClock()
+    state = new_state(clock)
+    a, b, quiet = mount(state, "a"), mount(state, "b"), mount(state, "c")
+    commits = state.commits
+    for segment_id in (a, b):
+        commits.poll(segment_id, 0, 100)  # they poll; `quiet` never does
+    started = state.put_start(NS, ["k"], [100], 2, PutOptions(preferred_segment="a"))
+    state.put_end(NS, ["k"], [5], started.put_id)
+    barrier = commits.barrier()
+    assert set(barrier) <= {a, b} and barrier, "a segment that never polls is not waited for"
+    assert not commits.acked(barrier)
+    first = {s: commits.poll(s, 0, 100) for s in barrier}
+    assert all(n.first_seq == 1 and len(n.items) == 1 for n in first.values())
+    again = commits.poll(next(iter(barrier)), 0, 100)
+    assert len(again.items) == 1, "a lost reply is sent again"
+    if stall:
+        commits.stalled(barrier)
+        assert commits.acked(barrier) and commits.counters["commit_waits_timed_out"] >= 1
+        assert commits.barrier() == {}, "a stalled segment is not waited for until it polls again"
+    else:
+        for segment_id in barrier:
+            commits.poll(segment_id, 1, 100)
+        assert commits.acked(barrier) and commits.barrier() == {}
+    assert quiet in state.segments
+
+
+def test_a_segment_dropped_before_it_acknowledged_a_removal_cannot_bring_the_object_back():
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a")
+    state.commits.poll(a, 0, 100)
+    started = state.put_start(NS, ["k", "kept"], [100, 100], 1)
+    state.put_end(NS, ["k", "kept"], [5, 6], started.put_id)
+    state.commits.poll(a, 2, 100)  # both commits acknowledged
+    offsets = dict(zip(["k", "kept"], started.replica_offsets, strict=True))
+    assert state.remove(NS, ["k"]) == [OK]  # its drop is never acknowledged: the segment went silent
+    clock.advance(11.0)
+    state.tick()
+    assert a not in state.segments
+    again = mount(state, "a", inventory=True)
+    statuses = report_dram_objects(
+        state, again, chunk([("k", 100, 5, offsets["k"]), ("kept", 100, 6, offsets["kept"])])
+    )
+    assert statuses == [Status.CHECKSUM_MISMATCH, OK]
+    inventory_done(state, again)
+    assert not state.commits.undelivered_drop("a", offsets["k"], f"{NS}\x00k"), "forgotten once refused"

@@ -1,0 +1,61 @@
+"""The segment's DRAM index (kvtier.segment_server.dram_index): notices in, verified inventory out."""
+
+from __future__ import annotations
+
+import crc32c
+
+from kvtier.proto import master_pb2 as pb
+from kvtier.segment_server.dram_index import DramIndex
+
+
+def notices(*items: tuple) -> pb.PollCommitsResponse:
+    """items: (drop, offset, key, value_or_size[, pin, pin_ttl_ms])"""
+    reply = pb.PollCommitsResponse(first_seq=1)
+    for drop, offset, key, value, *pin in items:
+        size = value if isinstance(value, int) else len(value)
+        reply.drops.append(drop)
+        reply.offsets.append(offset)
+        reply.sizes.append(size)
+        reply.checksums.append(0 if isinstance(value, int) else crc32c.crc32c(value))
+        reply.namespaces.append("ns")
+        reply.keys.append(key)
+        reply.instances.append("eng")
+        reply.ranks.append(3)
+        reply.pins.append(pin[0] if pin else pb.PIN_NONE)
+        reply.pin_ttl_ms.append(pin[1] if pin else 0)
+    return reply
+
+
+def test_inventory_reports_verified_entries_by_offset_and_drops_what_no_longer_verifies():
+    region = bytearray(4096)
+    index = DramIndex(memoryview(region), clock=lambda: 100.0)
+    a, b, c = b"a" * 100, b"b" * 64, b"c" * 10
+    region[0:100], region[128:192], region[512:522] = a, b, c
+    assert index.apply(notices((False, 512, "c", c), (False, 0, "a", a), (False, 128, "b", b))) == 3
+    index.apply(notices((False, 1024, "gone", b"x" * 8), (True, 1024, "gone", b"x" * 8)))
+    index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")))
+    region[130] = 0  # b's bytes were overwritten (its drop notice was lost with a master)
+    inventory = index.inventory()
+    assert [(offset, entry[1]) for offset, entry in inventory] == [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
+    assert inventory[0][1][6] == pb.PIN_SOFT and index.pin_ttl_ms(inventory[0][1]) == 5000
+    assert inventory[2][1][4:6] == ("eng", 3)
+    assert len(index) == 4, "the entry that failed verification left the index"
+
+
+def test_of_two_overlapping_entries_the_newer_is_kept_and_a_drop_removes_by_offset():
+    region = bytearray(4096)
+    index = DramIndex(memoryview(region))
+    old, new = b"o" * 256, b"n" * 64
+    region[0:256] = old
+    index.apply(notices((False, 0, "old", old)))
+    region[128:192] = new  # reused without the old one's drop: both could be checked...
+    index.apply(notices((False, 128, "new", new)))
+    assert [entry[1] for _, entry in index.inventory()] == ["new"]
+    index.apply(notices((True, 128, "new", new)))
+    assert index.inventory() == [] and len(index) == 0
+
+
+def test_an_entry_past_the_region_is_never_reported():
+    index = DramIndex(memoryview(bytearray(1024)))
+    index.apply(notices((False, 1000, "far", 100)))
+    assert index.inventory() == [] and len(index) == 0
