@@ -11,7 +11,8 @@ numbered per segment and handed out in order by a long poll
 (`PollCommits`); each poll acknowledges everything up to `acked_seq`.
 
 PutEnd, Remove and RemovePrefix answer only once every segment acknowledged
-every notice made before the answer (`barrier` / `acked`): an object a
+every notice made before the answer (`barrier` / `acked`; the servicer's
+`Barrier` adds the FORGETs of SSD copies, kvtier.master.tiering): an object a
 client saw committed is in a segment's index, and one it saw removed is in
 none, whatever happens to the master next. Waiting for all segments, not
 only those the call touched, also orders versions: when a key is dropped on

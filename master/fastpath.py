@@ -102,7 +102,7 @@ class FastPathProtocol(asyncio.Protocol):
         if consumed:
             del buffer[:consumed]
 
-    async def _answer_later(self, method: int, request_id: int, response, barrier: dict[int, int]) -> None:
+    async def _answer_later(self, method: int, request_id: int, response, barrier) -> None:
         response = await self._waiter.finish(response, barrier)
         transport = self._transport
         if transport is None or self._closing:

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ from kvtier.master.commits import notice_fields
 from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState, PutOptions
+from kvtier.master.tiering import TierTask
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.errors import InvalidKeyError
@@ -567,6 +569,17 @@ LONG_POLL_MAX_S = 30.0
 WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix")
 
 
+@dataclass(slots=True)
+class Barrier:
+    """What an answer waits for: commit-log notices per segment, and FORGETs of disk copies."""
+
+    notices: dict[int, int]
+    forgets: list[TierTask]
+
+    def done(self, state: MasterState) -> bool:
+        return state.commits.acked(self.notices) and all(state.tiering.forgotten(t) for t in self.forgets)
+
+
 class CommitWaiter:
     """The wait of PutEnd, Remove and RemovePrefix for the segments' acknowledgements
     (kvtier.master.commits).
@@ -583,27 +596,31 @@ class CommitWaiter:
 
     def attach(self, state: MasterState) -> None:
         state.commits.on_ack = self._wake
+        state.tiering.on_ack = self._wake
 
     def _wake(self) -> None:
         event, self._event = self._event, asyncio.Event()
         event.set()
 
-    def barrier(self) -> dict[int, int] | None:
+    def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
-        return self._handlers.state.commits.barrier() or None
+        state = self._handlers.state
+        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets())
+        return barrier if barrier.notices or barrier.forgets else None
 
-    async def finish(self, reply: Any, barrier: dict[int, int]) -> Any:
+    async def finish(self, reply: Any, barrier: Barrier) -> Any:
         """Wait for `barrier`, then the reply to send. A master deposed meanwhile answers
         UNAVAILABLE: its commits may not have reached the segments the new leader rebuilds from."""
         handlers = self._handlers
         state = handlers.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        while not state.commits.acked(barrier):
+        while not barrier.done(state):
             remaining = deadline - loop.time()
             if remaining <= 0:
-                state.commits.stalled(barrier)
-                logger.warning("commit acknowledgements timed out segments=%s", sorted(barrier))
+                state.commits.stalled(barrier.notices)
+                state.tiering.forgets_stalled(barrier.forgets)
+                logger.warning("acknowledgements timed out segments=%s", sorted(barrier.notices))
                 break
             try:
                 await asyncio.wait_for(self._event.wait(), remaining)

@@ -112,6 +112,8 @@ class Tiering:
         self._names: dict[int, str] = {}  # segment id -> name, for every segment ever mounted
         self.counters: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
+        self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
+        self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
 
     # ------------------------------------------------------------------ queueing
 
@@ -237,10 +239,38 @@ class Tiering:
         if segment_id in self.state.segments:
             self._enqueue(task)
 
+    def pending_forgets(self) -> list[TierTask]:
+        """FORGETs not yet acknowledged by mounted, responsive segments: what a Remove waits for,
+        so a removed object's disk copy cannot come back with a restart of the master."""
+        mounted = {self._names.get(segment_id) for segment_id in self.state.segments}
+        return [
+            task
+            for name, tasks in self._unacked_forgets.items()
+            if name in mounted and name not in self._forgets_stalled
+            for task in tasks.values()
+        ]
+
+    def forgotten(self, task: TierTask) -> bool:
+        """Acknowledged, or no longer waited for (its segment left or stalled)."""
+        name = self._names.get(task.segment_id, "")
+        return (
+            self._unacked_forgets.get(name, {}).get(task.disk_location) is not task
+            or name in self._forgets_stalled
+            or task.segment_id not in self.state.segments
+        )
+
+    def forgets_stalled(self, tasks: list[TierTask]) -> None:
+        """A Remove timed out waiting for these: stop waiting for their segments until they answer."""
+        for task in tasks:
+            if not self.forgotten(task):
+                self._forgets_stalled.add(self._names.get(task.segment_id, ""))
+                self.counters["forget_waits_timed_out"] += 1
+
     # ------------------------------------------------------------------ outcomes
 
     def done(self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int]) -> list[int]:
         """Apply a segment's reports. Per task: OK, or NOT_PENDING for a task it does not hold (expired)."""
+        self._forgets_stalled.discard(self._names.get(segment_id, ""))
         out = []
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
@@ -255,6 +285,8 @@ class Tiering:
             else:
                 self._forget_done(task, status)
             out.append(_OK)
+        if self.on_ack is not None:
+            self.on_ack()
         return out
 
     def _forget_done(self, task: TierTask, status: int) -> None:

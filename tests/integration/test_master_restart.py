@@ -205,3 +205,28 @@ def _kvtier(*args: str) -> str:
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def test_objects_on_the_ssd_tier_survive_and_a_removed_one_stays_removed(bare_cluster, tmp_path):
+    from tests.integration.test_ssd_tier import put_and_offload, sources, start_ssd_segment, value_for
+
+    state_dir = str(tmp_path / "state")
+    ssd_dir = tmp_path / "ssd"
+    ssd_dir.mkdir()
+    bare_cluster.start_master("--state-dir", state_dir, "--promote-after-reads", "0")
+    start_ssd_segment(bare_cluster, ssd_dir)
+    client = bare_cluster.client(timeout=15.0)
+    keys = [f"big/{i}" for i in range(40)]
+    put_and_offload(bare_cluster, client, keys)
+    before = sources(client, keys)
+    on_ssd = [k for k in keys if before[k] and before[k].startswith("ssd")]
+    in_dram = [k for k in keys if before[k] and before[k].startswith("dram")]
+    assert on_ssd and in_dram, before
+    removed = [on_ssd[0], in_dram[0]]
+    assert client.batch_remove(removed) == [Status.OK, Status.OK]
+    bare_cluster.restart_master("--state-dir", state_dir, "--promote-after-reads", "0")  # right after
+    after = sources(client, keys)
+    assert all(after[k] is None for k in removed), "a removed object came back after the restart"
+    kept = [k for k in keys if before[k] and k not in removed]
+    assert all(after[k] == before[k] for k in kept), {k: (before[k], after[k]) for k in kept if after[k] != before[k]}
+    assert client.get(kept[0]) == value_for(kept[0])

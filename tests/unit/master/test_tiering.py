@@ -470,3 +470,33 @@ def test_below_the_offload_watermark_nothing_is_copied(state):
         put(state, f"k{i}", size=512)  # 75%
     state.tick()
     assert state.tiering.poll(seg, 10) == []
+
+
+def test_a_removal_waits_for_the_forget_of_its_disk_copy_unless_the_segment_stalls(state):
+    from kvtier.master.servicer import Barrier
+
+    seg, disk = offloaded_k0(state)
+    assert state.tiering.pending_forgets() == []
+    assert state.remove(NS, ["k0"]) == [OK]
+    barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets())
+    assert [t.disk_location for t in barrier.forgets] == [1]
+    assert not barrier.done(state), "answered before the segment tombstoned the disk copy"
+    disk.poll(ack_forgets=False)
+    assert not barrier.done(state), "handed out is not acknowledged"
+    state.tiering.done(seg, [barrier.forgets[0].task_id], [int(OK)], [0])
+    assert barrier.done(state) and state.tiering.pending_forgets() == []
+
+
+def test_a_segment_that_does_not_acknowledge_forgets_is_not_waited_for_until_it_answers_again(state):
+    from kvtier.master.servicer import Barrier
+
+    seg, disk = offloaded_k0(state)
+    assert state.remove(NS, ["k0"]) == [OK]
+    stuck = Barrier({}, state.tiering.pending_forgets())
+    assert stuck.forgets and not stuck.done(state)
+    state.tiering.forgets_stalled(stuck.forgets)  # what a timed-out wait does
+    assert stuck.done(state) and state.tiering.pending_forgets() == []
+    assert state.tiering.counters["forget_waits_timed_out"] == 1
+    disk.poll(ack_forgets=False)
+    state.tiering.done(seg, [], [], [])  # it answers again (any report)
+    assert [t.disk_location for t in state.tiering.pending_forgets()] == [1], "waited for again"
