@@ -10,25 +10,25 @@ that becomes readable (PutEnd, promotion from SSD, a drain's move) is a
 numbered per segment and handed out in order by a long poll
 (`PollCommits`); each poll acknowledges everything up to `acked_seq`.
 
-PutEnd, Remove and RemovePrefix answer only once every segment acknowledged
-every notice made before the answer (`barrier` / `acked`; the servicer's
-`Barrier` adds the FORGETs of SSD copies, kvtier.master.tiering): an object a
-client saw committed is in a segment's index, and one it saw removed is in
-none, whatever happens to the master next. Waiting for all segments, not
-only those the call touched, also orders versions: when a key is dropped on
-one segment and put again, with other bytes, on another, the drop is
-acknowledged before the new put is, so a restart can never bring back the
-old bytes next to, or instead of, the new ones. A segment whose poll
-has stalled (it hung, or its link is down) is waited for at most
-`commit_wait_s`; its feed then counts as stalled, PutEnd stops waiting for
-it until it polls again, and the `commit_waits_timed_out` counter says so.
-Segments that never poll (older segment servers) are never waited for.
+PutEnd, Remove and RemovePrefix answer only once every segment that keeps an
+index acknowledged every notice made before the answer (`barrier` /
+`acked`; the servicer's `Barrier` adds the FORGETs of SSD copies, see
+kvtier.master.tiering): an object a client saw committed is in a segment's
+index, and one it saw removed is in none, whatever happens to the master
+next. Waiting for all segments, not only those the call touched, also orders
+versions: when a key is dropped on one segment and put again, with other
+bytes, on another, the drop is acknowledged before the new put is, so a
+restart can never bring back the old bytes next to, or instead of, the new.
 
-A segment the master drops while drops are still unacknowledged (its
-heartbeats stopped, but the process lives on) keeps the stale entries in its
-index; when it mounts again they would come back, removed objects included.
-So those drops are remembered by segment name (`undelivered_drop`) until the
-segment's next inventory is in, and entries matching one are refused.
+Nobody is ever counted as having acknowledged what it did not. A segment
+whose feed has notices waiting and has not polled for `segment_ttl_s` is
+expelled by the master (`silent`, then MasterState drops it): its objects
+leave the tables, the waits for it end, and its name is saved as expelled
+before those waits answer, so that its index, stale from then on, is
+discarded when it mounts again, in this incarnation or any later one.
+
+A move (drain) drops the source copy only after the target's commit is
+acknowledged (`dropped_after`): the object is in some index all along.
 
 Plain Python, owned by `MasterState`'s thread like everything else; the
 waiting itself is asyncio plumbing in the servicer.
@@ -47,10 +47,13 @@ from kvtier.master.records import PIN_SOFT, ObjectRecord
 class SegmentFeed:
     """Notices of one mounted segment not yet acknowledged, and how far it got."""
 
+    last_poll: float  # when it last polled (mount time before the first poll)
+    keeps_index: bool  # it keeps an index: waited for, and expelled when silent
     notices: deque[tuple[int, ObjectRecord, bool]] = field(default_factory=deque)  # (offset, record, is a drop)
     first_seq: int = 1  # sequence number of notices[0]
     acked: int = 0  # every notice up to this one is applied by the segment
-    polling: bool = False  # the segment polls its feed (it is waited for)
+    # Drops on other segments waiting for this one to acknowledge up to seq: (seq, segment id, offset, record)
+    after_ack: deque[tuple[int, int, int, ObjectRecord]] = field(default_factory=deque)
 
     @property
     def last_seq(self) -> int:
@@ -65,29 +68,44 @@ class Notices:
     items: list[tuple[int, ObjectRecord, bool]]
 
 
+# A poll's answer stays far below the 64 MiB gRPC message limit whatever the key lengths.
+POLL_BYTES = 4 << 20
+_NOTICE_OVERHEAD = 64  # protobuf bytes of a notice besides its names
+
+
 class CommitLog:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._feeds: dict[int, SegmentFeed] = {}
-        # segment name -> (offset, object name) of drops it never acknowledged before it was dropped
-        self._undelivered: dict[str, set[tuple[int, str]]] = {}
         self.counters: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
 
     # ------------------------------------------------------------------ segments
 
-    def mounted(self, segment_id: int) -> None:
-        self._feeds[segment_id] = SegmentFeed()
+    def mounted(self, segment_id: int, keeps_index: bool) -> None:
+        self._feeds[segment_id] = SegmentFeed(self._clock(), keeps_index)
 
-    def segment_dropped(self, segment_id: int, name: str) -> None:
+    def keeps_index(self, segment_id: int) -> bool:
+        feed = self._feeds.get(segment_id)
+        return feed is not None and feed.keeps_index
+
+    def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)
         if feed is not None:
-            drops = {(offset, record.name) for offset, record, drop in feed.notices if drop}
-            if drops:
-                self._undelivered.setdefault(name, set()).update(drops)
+            for _, source, offset, record in feed.after_ack:  # its copies are gone: the sources go now
+                self.dropped(source, offset, record)
         if self.on_ack is not None:
-            self.on_ack()  # waiters for it are done: nothing more can be acknowledged
+            self.on_ack()  # waiters for it are done: it was expelled or left
+
+    def silent(self, ttl_s: float) -> list[int]:
+        """Segments keeping an index with notices waiting that have not polled for `ttl_s`."""
+        now = self._clock()
+        return [
+            segment_id
+            for segment_id, feed in self._feeds.items()
+            if feed.keeps_index and feed.last_seq > feed.acked and now - feed.last_poll > ttl_s
+        ]
 
     # ------------------------------------------------------------------ notices
 
@@ -107,64 +125,65 @@ class CommitLog:
             if self.notify is not None:
                 self.notify(segment_id)
 
+    def dropped_after(self, segment_id: int, offset: int, record: ObjectRecord, target_id: int) -> None:
+        """Like `dropped`, once `target_id` acknowledged everything queued for it so far (a move:
+        the source copy leaves its index only when the target's index has the object)."""
+        target = self._feeds.get(target_id)
+        if target is None or not target.keeps_index or target.acked >= target.last_seq:
+            self.dropped(segment_id, offset, record)
+        else:
+            target.after_ack.append((target.last_seq, segment_id, offset, record))
+
     def has_notices(self, segment_id: int, acked: int) -> bool:
         feed = self._feeds.get(segment_id)
         return feed is not None and feed.last_seq > acked
 
     def poll(self, segment_id: int, acked_seq: int, limit: int) -> Notices | None:
-        """Apply the acknowledgement, then the notices after it (at most `limit`); None when the
-        segment is not mounted."""
+        """Apply the acknowledgement, then the notices after it (at most `limit`, and at most
+        POLL_BYTES of them); None when the segment is not mounted."""
         feed = self._feeds.get(segment_id)
         if feed is None:
             return None
-        if not feed.polling:
-            feed.polling = True
+        feed.last_poll = self._clock()
         acked_seq = min(acked_seq, feed.last_seq)
         if acked_seq > feed.acked:
             for _ in range(acked_seq - feed.first_seq + 1):
                 feed.notices.popleft()
             feed.first_seq = acked_seq + 1
             feed.acked = acked_seq
+            while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
+                _, source, offset, record = feed.after_ack.popleft()
+                self.dropped(source, offset, record)
             if self.on_ack is not None:
                 self.on_ack()
         start = feed.acked + 1  # a segment that lost a reply polls with an older ack: resend
         skip = start - feed.first_seq
-        items = [feed.notices[i] for i in range(skip, min(len(feed.notices), skip + limit))]
+        items = []
+        budget = POLL_BYTES
+        notices = feed.notices
+        for i in range(skip, min(len(notices), skip + limit)):
+            item = notices[i]
+            budget -= len(item[1].name) + _NOTICE_OVERHEAD
+            if budget < 0 and items:
+                break
+            items.append(item)
         return Notices(start, items)
 
     # ------------------------------------------------------------------ waiting
 
     def barrier(self) -> dict[int, int]:
         """Every notice made so far and not yet acknowledged: segment id -> sequence number to wait
-        for. Segments that do not poll their feed are left out."""
-        return {s: f.last_seq for s, f in self._feeds.items() if f.polling and f.last_seq > f.acked}
+        for. Segments that keep no index are left out."""
+        return {s: f.last_seq for s, f in self._feeds.items() if f.keeps_index and f.last_seq > f.acked}
 
     def acked(self, barrier: dict[int, int]) -> bool:
-        """Whether every segment of `barrier` acknowledged its commits (or is gone, or stalled)."""
+        """Whether every segment of `barrier` acknowledged its notices, or is gone (left or expelled)."""
         feeds = self._feeds
         for segment_id, seq in barrier.items():
             feed = feeds.get(segment_id)
-            if feed is not None and feed.polling and feed.acked < seq:
+            if feed is not None and feed.acked < seq:
                 return False
         return True
-
-    def stalled(self, barrier: dict[int, int]) -> None:
-        """A wait for `barrier` timed out: stop waiting for the segments that did not acknowledge
-        until they poll again."""
-        for segment_id, seq in barrier.items():
-            feed = self._feeds.get(segment_id)
-            if feed is not None and feed.polling and feed.acked < seq:
-                feed.polling = False
-                self.counters["commit_waits_timed_out"] += 1
-
-    def undelivered_drop(self, segment_name: str, offset: int, name: str) -> bool:
-        """Whether the segment of this name was dropped before it acknowledged dropping this entry."""
-        drops = self._undelivered.get(segment_name)
-        return drops is not None and (offset, name) in drops
-
-    def inventory_done(self, segment_name: str) -> None:
-        """The segment reported its index again: what it still had of those drops was refused."""
-        self._undelivered.pop(segment_name, None)
 
     def backlog(self) -> int:
         return sum(len(f.notices) for f in self._feeds.values())

@@ -37,7 +37,6 @@ class MasterConfig:
     # Restart and HA (docs/architecture.md, "Master restart and HA").
     state_dir: str = ""  # standalone: where segment names, registrations and the epoch are saved
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
-    commit_wait_s: float = 2.0  # PutEnd waits this long at most for segments to acknowledge commits
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     advertise: str = ""  # HA: the address other processes reach this master at (default: listen)
@@ -55,7 +54,6 @@ class MasterConfig:
             "put_timeout_s",
             "tick_interval_s",
             "recovery_timeout_s",
-            "commit_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -95,7 +95,7 @@ class Drainer:
         now = state.clock()
         lease_until = now + state.config.lease_s
         batch = MigrationBatch(next(self._ids), segment.segment_id, now)
-        targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE]
+        targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE and s.saved]
         dram = segment.segment_id << 2 | TIER_DRAM
         for record in state.records():
             if len(batch.items) >= max_objects:
@@ -148,8 +148,8 @@ class Drainer:
         if moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)
             source_id = replica_segment(source)
-            state.commits.dropped(source_id, replica_offset(source), record)
             state.commits.committed(replica_segment(target), replica_offset(target), record)
+            state.commits.dropped_after(source_id, replica_offset(source), record, replica_segment(target))
             source_segment = state.segments.get(source_id)
             if source_segment is not None:
                 source_segment.objects -= 1

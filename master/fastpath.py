@@ -103,7 +103,11 @@ class FastPathProtocol(asyncio.Protocol):
             del buffer[:consumed]
 
     async def _answer_later(self, method: int, request_id: int, response, barrier) -> None:
-        response = await self._waiter.finish(response, barrier)
+        try:
+            response = await self._waiter.finish(response, barrier)
+        except Exception:  # never leave the connection paused: answer, and let the client retry
+            logger.exception("waiting for acknowledgements failed")
+            response = type(response)(status=-1, error="internal error while waiting for acknowledgements")
         transport = self._transport
         if transport is None or self._closing:
             return

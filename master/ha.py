@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 from kvtier.master.config import MasterConfig
 from kvtier.master.election import LeaderElection
-from kvtier.master.persist import SavedState
+from kvtier.master.persist import SavedState, StateUnreadable
 from kvtier.master.servicer import Leadership
 from kvtier.proto.discovery import leader_key
 from kvtier.proto.etcd_client import EtcdClient, EtcdError, parse_etcd_url
@@ -67,14 +68,17 @@ class EtcdStateStore:
         self._leadership = leadership
 
     def load(self) -> SavedState | None:
-        value = self._etcd.get(self._key)
+        """None on a first start; StateUnreadable when etcd fails or the value is not ours."""
+        try:
+            value = self._etcd.get(self._key)
+        except EtcdError as exc:
+            raise StateUnreadable(f"etcd key {self._key}: {exc}") from None
         if value is None:
             return None
         try:
             return SavedState.from_json(value.value)
         except (ValueError, TypeError, AttributeError) as exc:
-            logger.error("unreadable master state in etcd key=%s: %s; starting without it", self._key, exc)
-            return None
+            raise StateUnreadable(f"etcd key {self._key}: {exc}") from None
 
     def save(self, saved: SavedState) -> None:
         epoch = self._leadership.active_epoch
@@ -133,24 +137,29 @@ class HaRunner:
     # -------------------------------------------------------- election thread
 
     def _elected(self, epoch: int) -> None:
-        assert self.store is not None
-        try:
-            saved = self.store.load()
-        except EtcdError as exc:
-            logger.error("cannot read the saved state (%s): recovering without it", exc)
-            saved = None
-        self._loop.call_soon_threadsafe(self._lead, epoch, saved)
+        assert self.store is not None and self.election is not None
+        saved, loaded = None, False
+        for _ in range(3):  # etcd just answered the campaign: a failure here is most likely brief
+            try:
+                saved, loaded = self.store.load(), True
+                break
+            except StateUnreadable as exc:
+                logger.error("cannot read the saved state (%s)", exc)
+                time.sleep(0.1)
+        if not loaded:
+            logger.error("leading without recovery: saved state unreadable, and it will not be overwritten")
+        self._loop.call_soon_threadsafe(self._lead, epoch, saved, loaded)
 
     def _deposed(self, reason: str) -> None:
         self._loop.call_soon_threadsafe(self._stand_by, reason)
 
     # -------------------------------------------------------- event loop
 
-    def _lead(self, epoch: int, saved: SavedState | None) -> None:
+    def _lead(self, epoch: int, saved: SavedState | None, loaded: bool) -> None:
         assert self.election is not None and self.leadership is not None
         if self.election.epoch != epoch or not self.election.is_leader():
             return  # lost again before the loop got here
-        self._roles.lead(epoch, saved)
+        self._roles.lead(epoch, saved, loaded)
         self.leadership.active_epoch = epoch
 
     def _stand_by(self, reason: str) -> None:

@@ -9,12 +9,15 @@ registers), off the event loop:
   to wait for before it answers reads (a miss during recovery would be a
   false miss);
 - `instances`: TP x PP and budget per engine deployment (per-rank quotas);
+- `expelled`: segments the master expelled (silent past their TTL) whose DRAM
+  index is stale: told to discard it when they mount again, in any later
+  incarnation (saved before the calls that waited on them answer);
 - `epoch`: standalone only, so the next incarnation's epoch is larger.
 
 Standalone masters keep it in `<state_dir>/master-state.json` (written to a
 temporary file, fsynced, renamed). HA masters keep it in etcd under
 `/kvtier/<cluster>/state`, written only while leading. Without either a
-master starts with nothing to wait for.
+master starts with nothing to wait for and takes no DRAM inventories.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class SavedState:
     epoch: int = 0
     segments: list[str] = field(default_factory=list)
     instances: dict[str, list[int]] = field(default_factory=dict)  # instance -> [tp, pp, budget]
+    expelled: list[str] = field(default_factory=list)  # segments whose DRAM index is stale
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -48,7 +52,12 @@ class SavedState:
             epoch=int(raw.get("epoch", 0)),
             segments=[str(s) for s in raw.get("segments", [])],
             instances={str(k): [int(x) for x in v] for k, v in raw.get("instances", {}).items()},
+            expelled=[str(s) for s in raw.get("expelled", [])],
         )
+
+
+class StateUnreadable(Exception):
+    """The saved state exists but cannot be read: recover nothing, and never overwrite it."""
 
 
 class StateStore(Protocol):
@@ -71,13 +80,13 @@ class FileStateStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def load(self) -> SavedState | None:
+        """The saved state; None on a first start; StateUnreadable when it exists but cannot be read."""
         try:
             return SavedState.from_json(self.path.read_bytes())
         except FileNotFoundError:
             return None
-        except (ValueError, TypeError, AttributeError) as exc:
-            logger.error("unreadable master state file path=%s: %s; starting without it", self.path, exc)
-            return None
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise StateUnreadable(f"master state file {self.path}: {exc}") from None
 
     def save(self, saved: SavedState) -> None:
         tmp = self.path.with_suffix(".tmp")

@@ -4,18 +4,26 @@ A new master incarnation (a restart, or a standby elected leader) starts
 with empty tables. Segment servers notice the new epoch (their heartbeat
 answers SEGMENT_NOT_FOUND, or the leader changed), mount again with
 `inventory` set and report what their DRAM region holds
-(`ReportDramObjects`, from the index kept by kvtier.master.commits, every
-object's bytes verified against its checksum first) and what their SSD tier
-holds (`ReportDiskObjects`, as after any mount). A segment takes no
-allocations until its inventory is complete: new puts must not land on
-ranges it has yet to report.
+(`ReportDramObjects`, from the index each keeps from the commit log, see
+kvtier.master.commits and kvtier.segment_server.dram_index; every object's
+bytes verified against its checksum first) and what their SSD tier holds
+(`ReportDiskObjects`, as after any mount). A segment takes no allocations
+until its inventory is complete: new puts must not land on ranges it has
+yet to report.
+
+DRAM inventories are taken only while recovering, and only from segments
+not expelled (saved state): once the master serves, removals and new puts
+happen that an index reported later would contradict, and an expelled
+segment's index misses what happened after it was expelled. Such segments
+are told at mount to discard their index (`discard_index`): their objects
+are lost to recompute, never served stale. A master without saved state
+(no `--state-dir`, no etcd) never recovers: it cannot know whom it expelled.
 
 The master answers data RPCs with UNAVAILABLE ("recovering") until every
-segment it expects is back, or `recovery_timeout_s` has passed; clients
-retry within their timeout. The segments it expects are those mounted when
-the previous incarnation last saved its state (kvtier.master.persist: a
-state file, or etcd in HA); with no saved state it expects none and serves
-at once (segments that come back later still bring their objects).
+segment it expects is back, or `recovery_timeout_s` has passed (longer while
+an expected segment is still reporting, up to ten times that); clients retry
+within their timeout. The segments it expects are those mounted when the
+previous incarnation last saved its state (kvtier.master.persist).
 
 What is rebuilt, and from where:
 - objects, their replicas (DRAM and SSD), sizes and checksums: inventories;
@@ -27,8 +35,7 @@ What is rebuilt, and from where:
 Not rebuilt: puts that had not reached PutEnd (their ranges are free in the
 new books, their PutEnd answers NOT_PENDING: rolled back on both sides);
 pending tier tasks (offloads are chosen again; a disk copy written but not
-reported is reported by the next inventory); forgets of disk copies not yet
-acknowledged by their segment (such a copy can come back after a restart).
+reported is reported by the next inventory).
 """
 
 from __future__ import annotations
@@ -82,11 +89,18 @@ class Recovery:
     def active(self) -> bool:
         return self.finished_at is None
 
-    def check(self, now: float) -> bool:
-        """Finish when everything expected is back or time is up; True when it just finished."""
+    def check(self, now: float, mid_inventory: bool = False) -> bool:
+        """Finish when everything expected is back, or time is up and no expected segment is in
+        the middle of its inventory (a large one takes a while to verify), or at ten times the
+        timeout whatever happens; True when it just finished."""
         if self.finished_at is not None:
             return False
-        if self.expected <= self.reported or now - self.started_at >= self.timeout_s:
+        waited = now - self.started_at
+        if (
+            self.expected <= self.reported
+            or (waited >= self.timeout_s and not mid_inventory)
+            or waited >= 10 * self.timeout_s
+        ):
             self.finished_at = now
             missing = sorted(self.expected - self.reported)
             logger.info(
@@ -114,15 +128,17 @@ class Recovery:
 def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects) -> list[int]:
     """Register DRAM objects a recovering segment reports. Per object: OK; INVALID_RANGE when its
     range overlaps another, is out of order or out of bounds; CHECKSUM_MISMATCH when the master
-    knows the key with other bytes, or dropped this entry while the segment was away;
-    PUT_IN_PROGRESS when a put of the key is pending; INVALID_KEY.
-    The segment drops every entry not answered OK from its index."""
+    knows the key with other bytes; PUT_IN_PROGRESS when a put of the key is pending;
+    INVALID_KEY; INVALID_ARGUMENT for all when the inventory is not taken (recovery is over, or the
+    segment was told to discard its index). The segment drops every entry not answered OK from
+    its index."""
     from kvtier.master.state import SegmentState, master_key_problem
 
     segment = state.segments[segment_id]
-    if segment.state is not SegmentState.RECOVERING:
-        return [int(Status.INVALID_ARGUMENT)] * len(chunk.keys)
+    if segment.state is not SegmentState.RECOVERING or not segment.inventory_accepted or not state.recovery.active:
+        return [int(Status.INVALID_ARGUMENT)] * len(chunk.keys)  # too late: the master serves already
     now = state.clock()
+    segment.last_heartbeat = now  # a large inventory takes a while: it is alive
     lease_until = now + state.config.lease_s
     allocator = segment.allocator
     dram = dram_key(segment_id)
@@ -143,9 +159,6 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.INVALID_KEY))
             continue
         name = object_name(namespace, key)
-        if state.commits.undelivered_drop(segment.name, offset, name):
-            out.append(int(Status.CHECKSUM_MISMATCH))  # removed or moved while the segment was away
-            continue
         record = state._lookup(name)
         if record is not None:
             if record.state is ObjectState.PENDING:
@@ -173,6 +186,9 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             record.replicas = (packed, *record.replicas)
             state._now_in_dram(record)
             record.pin_until = max(record.pin_until, _pin_until(pin, pin_ttl_ms, now))
+            if record.owner is None and owner is not None:  # known so far from a disk copy (no owner)
+                record.owner = owner
+                owner.objects += 1
         record.lease_until = max(record.lease_until, lease_until)
         if record.owner is not None:
             record.owner.used += state._aligned(size)
@@ -190,7 +206,9 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
         segment.state = SegmentState.ACTIVE
-        state.commits.inventory_done(segment.name)
+        if not segment.inventory_accepted and segment.name in state.expelled:
+            state.expelled.discard(segment.name)  # it emptied its stale index
+            state.saved_state_stale = True
         state.recovery.reported.add(segment.name)
         logger.info(
             "segment inventory complete id=%d name=%s objects=%d used=%d",
@@ -199,7 +217,7 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
             segment.objects,
             segment.used,
         )
-        state.recovery.check(state.clock())
+        state.recovery.check(state.clock(), mid_inventory=state._mid_inventory())
 
 
 def _pin_until(pin: int, pin_ttl_ms: int, now: float) -> float:

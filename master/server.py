@@ -30,6 +30,7 @@ from kvtier.master.persist import (
     NoStateStore,
     SavedState,
     StateStore,
+    StateUnreadable,
     next_standalone_epoch,
 )
 from kvtier.master.servicer import CommitWaiter, MasterHandlers, MasterServicer
@@ -56,10 +57,14 @@ class Roles:
         self.servicer = servicer
         self.store: StateStore = NoStateStore()
         self._saving = asyncio.Lock()
-        servicer.after_register = self.save
+        self._saving_allowed = True
+        servicer.save_state = self.save
 
-    def lead(self, epoch: int, saved: SavedState | None) -> None:
-        """Start epoch `epoch` with empty tables, waiting for the saved segments' inventories."""
+    def lead(self, epoch: int, saved: SavedState | None, loaded: bool = True) -> None:
+        """Start epoch `epoch` with empty tables. With a state store that loaded (`saved` None on a
+        first start), recover: take the saved segments' inventories. `loaded` False (the store
+        could not be read): take no inventories and save nothing this epoch, so the saved state
+        (whom to expect, whom we expelled, registrations) is never overwritten by ignorance."""
         state = MasterState(self.config)
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
@@ -67,8 +72,15 @@ class Roles:
                     state.quotas.register(instance, tp, pp, budget)
                 except ValueError as exc:
                     logger.error("saved registration of instance %s is invalid: %s", instance, exc)
-            state.begin_recovery(set(saved.segments), self.config.recovery_timeout_s)
-        state.saved_state_stale = True  # save this epoch at once
+        if loaded and not isinstance(self.store, NoStateStore):
+            state.begin_recovery(
+                set(saved.segments) if saved else set(),
+                self.config.recovery_timeout_s,
+                set(saved.expelled) if saved else set(),
+            )
+        state.saved_state_stale = loaded  # save this epoch at once
+        state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
+        self._saving_allowed = loaded
         self.servicer.attach(state)
         self.handlers.state = state
         self.handlers.epoch = epoch
@@ -88,16 +100,27 @@ class Roles:
         RegisterInstance awaits it: a registration acknowledged is a registration kept."""
         async with self._saving:  # one save at a time: a later snapshot is never overwritten by an earlier
             state = self.handlers.state
-            if not state.saved_state_stale or not self.handlers.leadership.is_leader():
+            if not state.saved_state_stale or not self.handlers.leadership.is_leader() or not self._saving_allowed:
                 return
             state.saved_state_stale = False
+            segments = {s.name for s in state.segments.values()}
+            if state.recovery.active:  # those not back yet are still expected by the next incarnation
+                segments |= state.recovery.expected
+            generation = state.state_generation
             saved = SavedState(
                 epoch=self.handlers.epoch,
-                segments=sorted(s.name for s in state.segments.values()),
+                segments=sorted(segments),
                 instances=state.quotas.registrations(),
+                expelled=sorted(state.expelled),
             )
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)
+                state.durable_generation = max(state.durable_generation, generation)
+                for segment in state.segments.values():
+                    if segment.name in segments:
+                        segment.saved = True
+                if self.handlers.state is state:
+                    self.servicer.waiter.wake()
                 logger.info("saved master state segments=%d instances=%d", len(saved.segments), len(saved.instances))
             except Exception as exc:  # retried at the next tick; a restart meanwhile waits for fewer
                 logger.error("saving master state failed: %s", exc)
@@ -108,7 +131,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     loop = asyncio.get_running_loop()
     state = MasterState(config)
     handlers = MasterHandlers(state, 0)
-    waiter = CommitWaiter(handlers, config.commit_wait_s)
+    # Expulsion of a silent segment (tick, at segment_ttl_s) ends every wait before this.
+    waiter = CommitWaiter(handlers, config.segment_ttl_s + 2 * config.tick_interval_s + 1.0)
     servicer = MasterServicer(handlers, waiter)
     roles = Roles(config, handlers, servicer)
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -131,8 +155,12 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             raise SystemExit(f"kvtier-master: {exc}") from None
     else:
         roles.store = FileStateStore(config.state_dir) if config.state_dir else NoStateStore()
-        saved = roles.store.load()
-        roles.lead(next_standalone_epoch(saved), saved)
+        try:
+            saved, loaded = roles.store.load(), True
+        except StateUnreadable as exc:
+            logger.error("%s: serving without recovery, and leaving the file as it is", exc)
+            saved, loaded = None, False
+        roles.lead(next_standalone_epoch(saved), saved, loaded)
     await server.start()
     fast_server = None
     if config.fast_listen != "off":

@@ -201,6 +201,7 @@ class MasterHandlers:
             ttl_ms=int(config.segment_ttl_s * 1000),
             master_epoch=str(self.epoch),
             epoch=self.epoch,
+            discard_index=result.discard_index,
         )
 
     @_rpc(pb.UnmountSegmentResponse)
@@ -571,13 +572,19 @@ WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix")
 
 @dataclass(slots=True)
 class Barrier:
-    """What an answer waits for: commit-log notices per segment, and FORGETs of disk copies."""
+    """What an answer waits for: commit-log notices per segment, FORGETs of disk copies, and the
+    saved state covering expulsions (kvtier.master.commits)."""
 
     notices: dict[int, int]
     forgets: list[TierTask]
+    generation: int
 
     def done(self, state: MasterState) -> bool:
-        return state.commits.acked(self.notices) and all(state.tiering.forgotten(t) for t in self.forgets)
+        return (
+            state.commits.acked(self.notices)
+            and state.durable_generation >= self.generation
+            and all(state.tiering.forgotten(t) for t in self.forgets)
+        )
 
 
 class CommitWaiter:
@@ -585,7 +592,11 @@ class CommitWaiter:
     (kvtier.master.commits).
 
     Shared by the gRPC servicer and the fast path. One event wakes every
-    waiter whenever a segment acknowledges; each checks its own barrier.
+    waiter whenever a segment acknowledges (or leaves, or a save becomes
+    durable); each checks its own barrier. A segment that never acknowledges
+    is expelled at segment_ttl_s (MasterState.tick), which ends the wait; a
+    FORGET not acknowledged by then is no longer waited for (its segment's
+    tier worker hangs). Past that, the answer is UNAVAILABLE, never OK.
     """
 
     def __init__(self, handlers: MasterHandlers, timeout_s: float) -> None:
@@ -595,18 +606,19 @@ class CommitWaiter:
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
-        state.commits.on_ack = self._wake
-        state.tiering.on_ack = self._wake
+        state.commits.on_ack = self.wake
+        state.tiering.on_ack = self.wake
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         event, self._event = self._event, asyncio.Event()
         event.set()
 
     def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
         state = self._handlers.state
-        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets())
-        return barrier if barrier.notices or barrier.forgets else None
+        generation = state.state_generation if state.state_generation > state.durable_generation else 0
+        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation)
+        return barrier if barrier.notices or barrier.forgets or generation else None
 
     async def finish(self, reply: Any, barrier: Barrier) -> Any:
         """Wait for `barrier`, then the reply to send. A master deposed meanwhile answers
@@ -618,10 +630,12 @@ class CommitWaiter:
         while not barrier.done(state):
             remaining = deadline - loop.time()
             if remaining <= 0:
-                state.commits.stalled(barrier.notices)
                 state.tiering.forgets_stalled(barrier.forgets)
-                logger.warning("acknowledgements timed out segments=%s", sorted(barrier.notices))
-                break
+                if barrier.done(state):
+                    break
+                missing = sorted(barrier.notices)
+                logger.error("acknowledgements missing after %.1fs segments=%s", self._timeout_s, missing)
+                return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
             try:
                 await asyncio.wait_for(self._event.wait(), remaining)
             except TimeoutError:
@@ -643,11 +657,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.waiter = waiter
         self._task_events: dict[int, asyncio.Event] = {}
         self._commit_events: dict[int, asyncio.Event] = {}
-        self.after_register: Callable[[], Awaitable[None]] | None = None  # saves the registration
+        self.save_state: Callable[[], Awaitable[None]] | None = None  # saves what changed, durably
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
         """Hook a (new) state's notifications to the long polls."""
+        for event in (*self._task_events.values(), *self._commit_events.values()):
+            event.set()  # long polls of the old state's segments answer now (their ids mean nothing here)
+        self._task_events.clear()
+        self._commit_events.clear()
         state.tiering.notify = self._wake
         state.commits.notify = self._wake_commits
         self.waiter.attach(state)
@@ -679,9 +697,18 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return await self._answer_when_acknowledged("RemovePrefix", request)
 
     async def RegisterInstance(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Answers once the registration is saved: one acknowledged is one a restart keeps."""
         reply = self.handlers.RegisterInstance(request)
-        if reply.status == Status.OK and self.after_register is not None:
-            await self.after_register()
+        if reply.status == Status.OK and self.save_state is not None:
+            await self.save_state()
+        return reply
+
+    async def ReportDramObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The last chunk answers once the segment's name is saved: from then on it takes
+        allocations, and a restart waits for it."""
+        reply = self.handlers.ReportDramObjects(request)
+        if request.done and reply.status == Status.OK and self.save_state is not None:
+            await self.save_state()
         return reply
 
     async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -730,5 +757,5 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    if _name not in ("PollTierTasks", "PollCommits", "RegisterInstance", *WAITING_CALLS):
+    if _name not in ("PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects", *WAITING_CALLS):
         setattr(MasterServicer, _name, _delegate(_name))

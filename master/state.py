@@ -30,6 +30,7 @@ import heapq
 import itertools
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,11 @@ _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
 
 
+HEARTBEAT_EXPIRED = "heartbeat ttl expired"
+FEED_SILENT = "commit feed silent"
+EXPULSIONS = (HEARTBEAT_EXPIRED, FEED_SILENT)  # drops after which the segment's index is stale
+
+
 class SegmentState(enum.Enum):
     ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
     DRAINING = 2  # takes no new allocations; serves reads until its objects have moved away
@@ -95,6 +101,10 @@ class SegmentRecord:
     ssd_used: int = 0  # as last reported by its heartbeat, like the counters below
     io_counters: dict[str, int] = field(default_factory=dict)
     ssd_objects: int = 0  # disk replicas on it
+    inventory_accepted: bool = False  # RECOVERING: its DRAM inventory is taken (else it discards its index)
+    # Its name is in the durably saved state (kvtier.master.persist): only then does it take
+    # allocations, so a restart right after still waits for it and takes its inventory.
+    saved: bool = True
 
     @property
     def capacity(self) -> int:
@@ -144,6 +154,7 @@ class MountResult:
     status: Status
     segment: SegmentRecord | None = None
     error: str = ""
+    discard_index: bool = False  # the segment must empty its DRAM index before reporting it
 
 
 @dataclass(slots=True)
@@ -189,9 +200,19 @@ class MasterState:
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
         # Segments mounted and instances registered changed since the server last saved them.
         self.saved_state_stale = False
+        # Names of segments expelled (silent past segment_ttl_s) whose DRAM index is stale: saved,
+        # and told to discard it when they mount again (kvtier.master.commits).
+        self.expelled: set[str] = set()
+        # Bumped by every change that must be durable before calls waiting on it answer (an
+        # expulsion); the server sets durable_generation once a save covering it is durable.
+        self.state_generation = 0
+        self.durable_generation = 0
+        # With a state store, a new segment takes allocations only once its name is saved.
+        self.save_mounts = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
         self._segment_ids = itertools.count(1)
-        self._put_ids = itertools.count(1)
+        # Random start per incarnation: a late PutEnd or PutRevoke of the previous one never matches.
+        self._put_ids = itertools.count(random.getrandbits(62) + 1)
         self._seq = itertools.count()
         self.object_count = 0
 
@@ -236,6 +257,10 @@ class MasterState:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self._drop_segment(old, reason="remounted")
         now = self.clock()
+        # A segment's DRAM index is taken only by a master rebuilding itself (recovering, with saved
+        # state telling whom to expect and whom it expelled): once it serves, removals and new puts
+        # happen that an index reported later would contradict.
+        accepted = inventory and self.recovery.active and name not in self.expelled
         segment = SegmentRecord(
             segment_id=next(self._segment_ids),
             name=name,
@@ -250,24 +275,32 @@ class MasterState:
             disk_engine=disk_engine,
             ssd_max_object=ssd_max_object,
             state=SegmentState.RECOVERING if inventory else SegmentState.ACTIVE,
+            inventory_accepted=accepted,
+            saved=not self.save_mounts,
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
         self.tiering.mounted(segment)
-        self.commits.mounted(segment.segment_id)
+        self.commits.mounted(segment.segment_id, keeps_index=inventory)
         self.saved_state_stale = True
         if not inventory:
             self.recovery.reported.add(name)
         logger.info(
             "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
         )
-        return MountResult(Status.OK, segment)
+        return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
 
-    def begin_recovery(self, expected: set[str], timeout_s: float) -> None:
-        """Answer data RPCs with UNAVAILABLE until the `expected` segments have reported their
-        inventories or `timeout_s` has passed (kvtier.master.recovery)."""
+    def begin_recovery(self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset()) -> None:
+        """Take segment inventories, and answer data RPCs with UNAVAILABLE until the `expected`
+        segments have reported theirs or `timeout_s` has passed (kvtier.master.recovery).
+        `expelled` segments (saved by an earlier incarnation) must discard their index."""
+        self.expelled = set(expelled)
         self.recovery = Recovery(started_at=self.clock(), expected=set(expected), timeout_s=timeout_s)
         self.recovery.check(self.clock())
+
+    def _mid_inventory(self) -> bool:
+        expected = self.recovery.expected
+        return any(s.state is SegmentState.RECOVERING and s.name in expected for s in self.segments.values())
 
     @property
     def serving(self) -> bool:
@@ -297,7 +330,10 @@ class MasterState:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
-        self.commits.segment_dropped(segment_id, segment.name)
+        if reason in EXPULSIONS and self.commits.keeps_index(segment_id):
+            self.expelled.add(segment.name)  # its index misses what happens from now on
+            self.state_generation += 1
+        self.commits.segment_dropped(segment_id)
         self.saved_state_stale = True
         doomed = []
         now_disk_only = []
@@ -363,7 +399,7 @@ class MasterState:
         objects = self._objects
         prefix = name_prefix(namespace)
         alignment = self.config.alignment
-        active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE]
+        active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE and s.saved]
         largest = max((s.capacity for s in active), default=0)
         static = static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
@@ -701,7 +737,9 @@ class MasterState:
         now = self.clock()
         ttl = self.config.segment_ttl_s
         for segment_id in [s.segment_id for s in self.segments.values() if now - s.last_heartbeat > ttl]:
-            self._drop_segment(segment_id, reason="heartbeat ttl expired")
+            self._drop_segment(segment_id, reason=HEARTBEAT_EXPIRED)
+        for segment_id in self.commits.silent(ttl):
+            self._drop_segment(segment_id, reason=FEED_SILENT)
         timeout = self.config.put_timeout_s
         while self._pending:
             name, record = next(iter(self._pending.items()))
@@ -719,7 +757,7 @@ class MasterState:
                 segment.allocator.release(offset, size)
         self.drainer.tick(now)
         self.tiering.tick(now)
-        self.recovery.check(now)
+        self.recovery.check(now, mid_inventory=self._mid_inventory())
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):

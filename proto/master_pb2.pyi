@@ -104,7 +104,7 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch")
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class MountSegmentResponse(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     segment_id: int
@@ -119,7 +120,8 @@ class MountSegmentResponse(_message.Message):
     ttl_ms: int
     master_epoch: str
     epoch: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    discard_index: bool
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id", "epoch")

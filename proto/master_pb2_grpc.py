@@ -299,8 +299,9 @@ class MasterServicer:
         """Metadata that survives a master restart or failover (docs/architecture.md, "Master
         restart and HA"). Each segment keeps an index of the complete objects in its DRAM region,
         told by the master in order: a long poll hands out commit and drop notices, and each poll
-        acknowledges the previous batch. PutEnd answers once the segments holding the objects
-        acknowledged them, so every object a client saw committed is in some segment's index.
+        acknowledges the previous batch. PutEnd, Remove and RemovePrefix answer once every segment
+        acknowledged every earlier notice: what a client saw stored is in a segment's index, what it
+        saw removed in none. A segment silent past its TTL is expelled and must discard its index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

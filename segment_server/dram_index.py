@@ -46,7 +46,13 @@ Entry = tuple[str, str, int, int, str, int, int, float, int]
 
 
 class DramIndex:
-    """offset -> entry, for every complete object the master committed to this region. Thread-safe."""
+    """offset -> entry, for every complete object the master committed to this region. Thread-safe.
+
+    It also holds the mount session (segment id, epoch) the notices belong to:
+    notices are applied only under the session they were polled in, checked
+    under the same lock the master link takes to end a session and snapshot
+    the index, so no late notice of an old mount lands after its snapshot.
+    """
 
     def __init__(self, region: memoryview, clock: Callable[[], float] = time.monotonic) -> None:
         self._region = region
@@ -55,16 +61,33 @@ class DramIndex:
         self._entries: dict[int | str, Entry] = {}
         self._lock = threading.Lock()
         self._seq = 0  # order of commits: a newer entry wins an overlap
+        self._session = (0, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def apply(self, reply: pb.PollCommitsResponse) -> int:
-        """Apply one poll's notices in order; how many."""
+    @property
+    def session(self) -> tuple[int, int]:
+        return self._session
+
+    def set_session(self, session: tuple[int, int]) -> None:
+        with self._lock:
+            self._session = session
+
+    def clear(self) -> None:
+        """The master will not take this index (it expelled us, or serves already): it is stale."""
+        with self._lock:
+            self._entries.clear()
+
+    def apply(self, reply: pb.PollCommitsResponse, session: tuple[int, int]) -> int:
+        """Apply one poll's notices in order, if `session` (polled in) is still the current one;
+        how many (-1: not applied)."""
         now = self._clock()
         count = len(reply.offsets)
         entries = self._entries
         with self._lock:
+            if session != self._session:
+                return -1
             for i in range(count):
                 offset = reply.offsets[i]
                 where: int | str = offset if reply.sizes[i] else reply.namespaces[i] + "\x00" + reply.keys[i]
@@ -130,12 +153,13 @@ class DramIndex:
         return max(1, int((deadline - self._clock()) * 1000)) if deadline else 0
 
 
-def report_dram_inventory(stub: Any, segment_id: int, epoch: int, index: DramIndex) -> tuple[int, int]:
-    """Send the verified index to the master in chunks (the last one not yet marked done: the
-    caller sends `done` after the SSD inventory). Entries it refuses leave the index.
-    Returns (objects reported, objects refused)."""
-    items = index.inventory()
-    refused: list[tuple[int, Any]] = []
+def report_dram_inventory(
+    stub: Any, segment_id: int, epoch: int, index: DramIndex, items: list[tuple[int, Entry]]
+) -> tuple[int, int]:
+    """Send `items` (the index's verified `inventory()`) to the master in chunks (the last one
+    not yet marked done: the caller sends `done` after the SSD inventory). Entries it refuses
+    leave the index at once. Returns (objects reported, objects refused)."""
+    refused_total = 0
     for lo in range(0, len(items), _REPORT_BATCH):
         chunk = items[lo : lo + _REPORT_BATCH]
         request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
@@ -151,11 +175,16 @@ def report_dram_inventory(stub: Any, segment_id: int, epoch: int, index: DramInd
             request.pin_ttl_ms.append(index.pin_ttl_ms(entry))
         reply = stub.ReportDramObjects(request, timeout=_RPC_TIMEOUT_S)
         if reply.status != Status.OK:
-            raise InventoryRefused(f"ReportDramObjects: {Status(reply.status).name}: {reply.error}")
-        refused += [item for item, status in zip(chunk, reply.statuses, strict=True) if status != Status.OK]
-    if refused:
-        index.forget(refused)
-    return len(items), len(refused)
+            raise InventoryRefused(f"ReportDramObjects: {status_name(reply.status)}: {reply.error}")
+        refused = [item for item, status in zip(chunk, reply.statuses, strict=True) if status != Status.OK]
+        if refused:
+            index.forget(refused)
+            refused_total += len(refused)
+    return len(items), refused_total
+
+
+def status_name(status: int) -> str:
+    return Status(status).name if status in Status._value2member_map_ else str(status)
 
 
 class InventoryRefused(Exception):
@@ -220,9 +249,9 @@ class CommitFeed:
                 if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
                     self._stop.wait(0.05)
                     continue
-                if self._session() != session:
+                applied = self.index.apply(reply, session)
+                if applied < 0:
                     continue  # mounted again meanwhile: these notices belong to the old mount
-                applied = self.index.apply(reply)
                 self.applied += applied
                 acked = reply.first_seq + applied - 1
                 backoff = 0.05

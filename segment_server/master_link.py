@@ -11,9 +11,13 @@ tier's disk copies, then `done`. Only then is the mount's session (segment
 id, epoch) published to the other threads (commit feed, tier worker).
 
 A new mount happens when the master answers SEGMENT_NOT_FOUND (it expired
-us, restarted, or another master was elected) or UNAVAILABLE (a standby:
-the link follows the leader it names, or asks etcd / the next address, see
-kvtier.proto.discovery).
+us, restarted, or another master was elected). UNAVAILABLE (a standby, or a
+leader that lost its lease for a moment) keeps the mount: the link follows
+the leader it names, or asks etcd / the next address (see
+kvtier.proto.discovery), and the next heartbeat tells whether that master
+knows us. A mount's answer may say `discard_index`: the master does not take
+our DRAM index (it serves already, or it expelled us and the index is
+stale), so it is emptied first.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import grpc
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.discovery import MasterLocator, leader_hint
+from kvtier.proto.rpcframe import MESSAGE_LIMIT
 from kvtier.proto.status import Status
-from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
+from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,13 @@ class MasterChannels:
             if address != self._address or self._stub is None:
                 if self._channel is not None:
                     self._channel.close()
-                self._channel = grpc.insecure_channel(address)
+                self._channel = grpc.insecure_channel(
+                    address,
+                    options=[
+                        ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                        ("grpc.max_send_message_length", MESSAGE_LIMIT),
+                    ],
+                )
                 self._stub = master_pb2_grpc.MasterStub(self._channel)
                 self._address = address
                 logger.info("master link target=%s", address)
@@ -107,19 +118,20 @@ class MasterLink:
         self._report_disk = report_disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
-        self._session = (0, 0)  # (segment id, epoch) of the current mount once its inventory is in
         self._interval_s = 1.0
 
+    # The session, (segment id, epoch) of the current mount once its inventory is in, lives in the
+    # index: notices are applied only under the session they were polled in.
     @property
     def segment_id(self) -> int:
-        return self._session[0]
+        return self._index.session[0]
 
     @property
     def master_epoch(self) -> int:
-        return self._session[1]
+        return self._index.session[1]
 
     def session(self) -> tuple[int, int]:
-        return self._session
+        return self._index.session
 
     def start(self) -> None:
         self._thread.start()
@@ -127,7 +139,7 @@ class MasterLink:
     def stop(self, unmount: bool = True) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        segment_id, epoch = self._session
+        segment_id, epoch = self._index.session
         if unmount and segment_id:
             try:
                 self._channels.stub().UnmountSegment(
@@ -141,57 +153,71 @@ class MasterLink:
         backoff = _BACKOFF_MIN_S
         while not self._stop.is_set():
             try:
-                if not self._session[0]:
+                if not self._index.session[0]:
                     self._mount()
                 else:
-                    segment_id, epoch = self._session
+                    segment_id, epoch = self._index.session
                     extra = self._report() if self._report is not None else {}
                     reply = self._channels.stub().Heartbeat(
                         pb.HeartbeatRequest(segment_id=segment_id, epoch=epoch, **extra), timeout=_RPC_TIMEOUT_S
                     )
+                    if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
+                        self._channels.failed(reply.error)
+                        raise _Retry(f"master refused the heartbeat: {reply.error}")
                     if reply.status != Status.OK:
-                        self._lost(Status(reply.status).name, reply.error)
+                        logger.warning(
+                            "master dropped segment_id=%d (%s: %s); mounting again",
+                            segment_id,
+                            status_name(reply.status),
+                            reply.error,
+                        )
+                        self._index.set_session((0, 0))
                         continue
                 backoff = _BACKOFF_MIN_S
                 self._stop.wait(self._interval_s)
-            except (grpc.RpcError, InventoryRefused) as exc:
+            except (grpc.RpcError, InventoryRefused, _Retry) as exc:
                 detail = exc.code() if isinstance(exc, grpc.RpcError) else exc
                 logger.warning("master unreachable (%s); retrying in %.2fs", detail, backoff)
-                self._channels.failed()
+                if not isinstance(exc, _Retry):  # a refusal already named where to go
+                    self._channels.failed()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
             except _Fatal as exc:
                 self._on_fatal(str(exc), exc.exit_code)
                 return
-
-    def _lost(self, why: str, error: str) -> None:
-        logger.warning("master dropped segment_id=%d (%s: %s); mounting again", self._session[0], why, error)
-        self._session = (0, 0)
-        if why == "UNAVAILABLE":
-            self._channels.failed(error)
-            self._stop.wait(_BACKOFF_MIN_S)
+            except Exception:  # never die silently: the segment would stop heartbeating yet serve on
+                logger.exception("master link failed; retrying")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _mount(self) -> None:
+        self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
+        items = self._index.inventory()  # verified before mounting: the master waits on nothing slow
         stub = self._channels.stub()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         if reply.status == Status.SEGMENT_DRAINED:
             raise _Fatal(f"segment was drained by an operator ({reply.error}); exiting", exit_code=0)
         if reply.status == Status.UNAVAILABLE:  # a standby, or etcd says another leads now
             self._channels.failed(reply.error)
-            raise InventoryRefused(f"master is not the leader: {reply.error}")
+            raise _Retry(f"master is not the leader: {reply.error}")
         if reply.status != Status.OK:
-            raise _Fatal(f"master refused mount: {Status(reply.status).name}: {reply.error}")
+            raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch
-        reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index)
+        if reply.discard_index:
+            if items:
+                logger.warning("master does not take our DRAM index (%d objects): discarding it", len(items))
+            self._index.clear()
+            items = []
+        reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index, items)
         if self._report_disk is not None:
             self._report_disk(stub, segment_id, epoch)
         done = stub.ReportDramObjects(
             pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch, done=True), timeout=_RPC_TIMEOUT_S
         )
         if done.status != Status.OK:
-            raise InventoryRefused(f"ReportDramObjects(done): {Status(done.status).name}: {done.error}")
+            raise InventoryRefused(f"ReportDramObjects(done): {status_name(done.status)}: {done.error}")
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
-        self._session = (segment_id, epoch)
+        self._index.set_session((segment_id, epoch))
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,
@@ -202,6 +228,10 @@ class MasterLink:
             refused,
         )
         self._on_mounted(segment_id)
+
+
+class _Retry(Exception):
+    """Refused for now, with the leader to try named (the locator already follows it)."""
 
 
 class _Fatal(Exception):

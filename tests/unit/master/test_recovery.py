@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import random
 
-import pytest
-
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.config import MasterConfig
 from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, TIER_DRAM, replica_segment, replica_tier
@@ -148,8 +146,10 @@ def test_a_master_rebuilt_from_its_segments_indexes_has_the_same_books():
 def test_conflicting_inventory_entries_are_refused_and_the_rest_registered():
     clock = FakeClock()
     state = new_state(clock)
-    a = mount(state, "a", inventory=True)
+    state.begin_recovery({"a", "b"}, timeout_s=5.0)
     b = mount(state, "b")
+    a = mount(state, "a", inventory=True)
+    state.recovery.finished_at = None  # b took no inventory: keep recovering for the test's puts
     started = state.put_start(NS, ["pending"], [100], 1)
     assert started.statuses == [OK] and replica_segment(state._lookup(f"{NS}\x00pending").replicas[0]) == b
     statuses = report_dram_objects(
@@ -199,51 +199,87 @@ def test_recovery_ends_when_the_expected_segments_are_back_or_at_the_timeout():
     assert fresh.serving, "a first start waits for nobody"
 
 
-@pytest.mark.parametrize("stall", [False, True])
-def test_commit_log_barriers_wait_for_every_polling_segment_until_acknowledged_or_stalled(stall):
+def test_commit_log_barriers_wait_for_every_segment_keeping_an_index_until_acknowledged():
     clock = FakeClock()
     state = new_state(clock)
-    a, b, quiet = mount(state, "a"), mount(state, "b"), mount(state, "c")
+    a, b = mount(state, "a", inventory=True), mount(state, "b", inventory=True)
+    legacy = mount(state, "c")  # keeps no index (mounted without inventory): never waited for
+    inventory_done(state, a)
+    inventory_done(state, b)
     commits = state.commits
-    for segment_id in (a, b):
-        commits.poll(segment_id, 0, 100)  # they poll; `quiet` never does
-    started = state.put_start(NS, ["k"], [100], 2, PutOptions(preferred_segment="a"))
+    started = state.put_start(NS, ["k"], [100], 3)
     state.put_end(NS, ["k"], [5], started.put_id)
     barrier = commits.barrier()
-    assert set(barrier) <= {a, b} and barrier, "a segment that never polls is not waited for"
+    assert set(barrier) == {a, b} and legacy not in barrier
     assert not commits.acked(barrier)
     first = {s: commits.poll(s, 0, 100) for s in barrier}
     assert all(n.first_seq == 1 and len(n.items) == 1 for n in first.values())
-    again = commits.poll(next(iter(barrier)), 0, 100)
-    assert len(again.items) == 1, "a lost reply is sent again"
-    if stall:
-        commits.stalled(barrier)
-        assert commits.acked(barrier) and commits.counters["commit_waits_timed_out"] >= 1
-        assert commits.barrier() == {}, "a stalled segment is not waited for until it polls again"
-    else:
-        for segment_id in barrier:
-            commits.poll(segment_id, 1, 100)
-        assert commits.acked(barrier) and commits.barrier() == {}
-    assert quiet in state.segments
+    assert len(commits.poll(a, 0, 100).items) == 1, "a lost reply is sent again"
+    commits.poll(a, 1, 100)
+    assert not commits.acked(barrier), "b has not acknowledged"
+    commits.poll(b, 1, 100)
+    assert commits.acked(barrier) and commits.barrier() == {}
 
 
-def test_a_segment_dropped_before_it_acknowledged_a_removal_cannot_bring_the_object_back():
+def test_a_silent_segment_is_expelled_its_name_saved_and_its_index_discarded_when_it_mounts_again():
     clock = FakeClock()
     state = new_state(clock)
-    a = mount(state, "a")
-    state.commits.poll(a, 0, 100)
-    started = state.put_start(NS, ["k", "kept"], [100, 100], 1)
-    state.put_end(NS, ["k", "kept"], [5, 6], started.put_id)
-    state.commits.poll(a, 2, 100)  # both commits acknowledged
-    offsets = dict(zip(["k", "kept"], started.replica_offsets, strict=True))
-    assert state.remove(NS, ["k"]) == [OK]  # its drop is never acknowledged: the segment went silent
-    clock.advance(11.0)
-    state.tick()
-    assert a not in state.segments
-    again = mount(state, "a", inventory=True)
-    statuses = report_dram_objects(
-        state, again, chunk([("k", 100, 5, offsets["k"]), ("kept", 100, 6, offsets["kept"])])
+    state.begin_recovery(set(), timeout_s=1.0)
+    a, b = mount(state, "a", inventory=True), mount(state, "b", inventory=True)
+    inventory_done(state, a)
+    inventory_done(state, b)
+    for segment_id in (a, b):
+        state.commits.poll(segment_id, 0, 100)
+    started = state.put_start(NS, ["k"], [100], 2)
+    state.put_end(NS, ["k"], [5], started.put_id)
+    barrier = state.commits.barrier()
+    state.commits.poll(b, 1, 100)  # b acknowledges; a never polls again but keeps heartbeating
+    for _ in range(11):
+        clock.advance(1.0)
+        state.heartbeat(a)
+        state.heartbeat(b)
+        state.commits.poll(b, 1, 100)
+        state.tick()
+    assert a not in state.segments, "expelled: silent feed with notices waiting"
+    assert state.commits.acked(barrier), "the wait for it ends..."
+    assert state.expelled == {"a"} and state.state_generation > state.durable_generation, (
+        "...once the expulsion is saved (the server's save sets durable_generation)"
     )
-    assert statuses == [Status.CHECKSUM_MISMATCH, OK]
-    inventory_done(state, again)
-    assert not state.commits.undelivered_drop("a", offsets["k"], f"{NS}\x00k"), "forgotten once refused"
+    assert state.record(NS, "k").replicas and all(replica_segment(r) == b for r in state.record(NS, "k").replicas)
+    again = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True)
+    assert again.discard_index, "its index missed what happened since: it must go"
+    inventory_done(state, again.segment.segment_id)
+    assert state.expelled == set() and state.saved_state_stale
+
+
+def test_dram_inventories_are_taken_only_while_recovering():
+    clock = FakeClock()
+    state = new_state(clock)
+    assert state.mount_segment("unit", "x", "h", ["tcp://h:1"], MiB, inventory=True).discard_index
+    state.begin_recovery({"a"}, timeout_s=5.0, expelled={"gone"})
+    assert not state.mount_segment("unit", "a", "h", ["tcp://h:1"], MiB, inventory=True).discard_index
+    assert state.mount_segment("unit", "gone", "h", ["tcp://h:1"], MiB, inventory=True).discard_index
+    late = mount(state, "late", inventory=True)
+    state.recovery.finished_at = clock()
+    assert report_dram_objects(state, late, chunk([("k", 1, 1, 0)])) == [Status.INVALID_ARGUMENT]
+
+
+def test_a_moved_object_leaves_the_source_index_only_after_the_target_acknowledged():
+    clock = FakeClock()
+    state = new_state(clock)
+    a, b = mount(state, "a", inventory=True), mount(state, "b", inventory=True)
+    for segment_id in (a, b):
+        inventory_done(state, segment_id)
+        state.commits.poll(segment_id, 0, 100)
+    started = state.put_start(NS, ["k"], [100], 1, PutOptions(preferred_segment="a"))
+    state.put_end(NS, ["k"], [5], started.put_id)
+    state.commits.poll(a, 1, 100)
+    record = state.record(NS, "k")
+    target = state.segments[b].allocator.allocate(100)
+    from kvtier.master.drain import Migration
+
+    state.drainer._finish(Migration(record, record.replicas[0], (b << 50) | target), moved=True)
+    assert not state.commits.poll(a, 1, 100).items, "no drop on the source before the target has it"
+    assert [drop for _, _, drop in state.commits.poll(b, 0, 100).items] == [False]
+    state.commits.poll(b, 1, 100)  # the target acknowledges its commit
+    assert [drop for _, _, drop in state.commits.poll(a, 1, 100).items] == [True]

@@ -478,7 +478,7 @@ def test_a_removal_waits_for_the_forget_of_its_disk_copy_unless_the_segment_stal
     seg, disk = offloaded_k0(state)
     assert state.tiering.pending_forgets() == []
     assert state.remove(NS, ["k0"]) == [OK]
-    barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets())
+    barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), 0)
     assert [t.disk_location for t in barrier.forgets] == [1]
     assert not barrier.done(state), "answered before the segment tombstoned the disk copy"
     disk.poll(ack_forgets=False)
@@ -492,7 +492,7 @@ def test_a_segment_that_does_not_acknowledge_forgets_is_not_waited_for_until_it_
 
     seg, disk = offloaded_k0(state)
     assert state.remove(NS, ["k0"]) == [OK]
-    stuck = Barrier({}, state.tiering.pending_forgets())
+    stuck = Barrier({}, state.tiering.pending_forgets(), 0)
     assert stuck.forgets and not stuck.done(state)
     state.tiering.forgets_stalled(stuck.forgets)  # what a timed-out wait does
     assert stuck.done(state) and state.tiering.pending_forgets() == []

@@ -31,9 +31,9 @@ def test_inventory_reports_verified_entries_by_offset_and_drops_what_no_longer_v
     index = DramIndex(memoryview(region), clock=lambda: 100.0)
     a, b, c = b"a" * 100, b"b" * 64, b"c" * 10
     region[0:100], region[128:192], region[512:522] = a, b, c
-    assert index.apply(notices((False, 512, "c", c), (False, 0, "a", a), (False, 128, "b", b))) == 3
-    index.apply(notices((False, 1024, "gone", b"x" * 8), (True, 1024, "gone", b"x" * 8)))
-    index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")))
+    assert index.apply(notices((False, 512, "c", c), (False, 0, "a", a), (False, 128, "b", b)), (0, 0)) == 3
+    index.apply(notices((False, 1024, "gone", b"x" * 8), (True, 1024, "gone", b"x" * 8)), (0, 0))
+    index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")), (0, 0))
     region[130] = 0  # b's bytes were overwritten (its drop notice was lost with a master)
     inventory = index.inventory()
     assert [(offset, entry[1]) for offset, entry in inventory] == [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
@@ -47,15 +47,26 @@ def test_of_two_overlapping_entries_the_newer_is_kept_and_a_drop_removes_by_offs
     index = DramIndex(memoryview(region))
     old, new = b"o" * 256, b"n" * 64
     region[0:256] = old
-    index.apply(notices((False, 0, "old", old)))
+    index.apply(notices((False, 0, "old", old)), (0, 0))
     region[128:192] = new  # reused without the old one's drop: both could be checked...
-    index.apply(notices((False, 128, "new", new)))
+    index.apply(notices((False, 128, "new", new)), (0, 0))
     assert [entry[1] for _, entry in index.inventory()] == ["new"]
-    index.apply(notices((True, 128, "new", new)))
+    index.apply(notices((True, 128, "new", new)), (0, 0))
     assert index.inventory() == [] and len(index) == 0
 
 
 def test_an_entry_past_the_region_is_never_reported():
     index = DramIndex(memoryview(bytearray(1024)))
-    index.apply(notices((False, 1000, "far", 100)))
+    index.apply(notices((False, 1000, "far", 100)), (0, 0))
     assert index.inventory() == [] and len(index) == 0
+
+
+def test_notices_of_an_old_mount_are_not_applied_once_the_session_changed():
+    region = bytearray(1024)
+    region[0:1] = b"v"
+    index = DramIndex(memoryview(region))
+    index.set_session((1, 7))
+    assert index.apply(notices((False, 0, "k", b"v")), (1, 7)) == 1
+    index.set_session((0, 0))  # the link ends the mount (to snapshot and mount again)
+    assert index.apply(notices((False, 64, "late", b"w")), (1, 7)) == -1
+    assert [entry[1] for _, entry in index.inventory()] == ["k"]
