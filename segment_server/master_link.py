@@ -119,6 +119,9 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
         self._interval_s = 1.0
+        # The verified index while no mount holds (it cannot change then): retried mounts against a
+        # master that is still away do not verify every byte again.
+        self._verified: list | None = None
 
     # The session, (segment id, epoch) of the current mount once its inventory is in, lives in the
     # index: notices are applied only under the session they were polled in.
@@ -192,7 +195,9 @@ class MasterLink:
 
     def _mount(self) -> None:
         self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
-        items = self._index.inventory()  # verified before mounting: the master waits on nothing slow
+        if self._verified is None:  # verified before mounting: the master waits on nothing slow
+            self._verified = self._index.inventory()
+        items = self._verified
         stub = self._channels.stub()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         if reply.status == Status.SEGMENT_DRAINED:
@@ -208,6 +213,7 @@ class MasterLink:
                 logger.warning("master does not take our DRAM index (%d objects): discarding it", len(items))
             self._index.clear()
             items = []
+        self._verified = None  # from here on the index may change (refused entries leave it)
         reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index, items)
         if self._report_disk is not None:
             self._report_disk(stub, segment_id, epoch)
