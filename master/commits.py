@@ -40,7 +40,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.master.records import PIN_SOFT, ObjectRecord
+from kvtier.master.records import OFFSET_MASK, PIN_SOFT, SEGMENT_SHIFT, ObjectRecord
 
 
 @dataclass(slots=True, eq=False)
@@ -117,6 +117,21 @@ class CommitLog:
             if self.notify is not None:
                 self.notify(segment_id)
 
+    def committed_records(self, records: list[ObjectRecord]) -> None:
+        """Every (DRAM) replica of each record became readable: `committed` in bulk (PutEnd's path)."""
+        feeds = self._feeds
+        touched = set()
+        for record in records:
+            for packed in record.replicas:
+                segment_id = packed >> SEGMENT_SHIFT
+                feed = feeds.get(segment_id)
+                if feed is not None:
+                    feed.notices.append((packed & OFFSET_MASK, record, False))
+                    touched.add(segment_id)
+        if self.notify is not None:
+            for segment_id in touched:
+                self.notify(segment_id)
+
     def dropped(self, segment_id: int, offset: int, record: ObjectRecord) -> None:
         """The DRAM copy of `record` at `offset` on the segment is no longer one (its range may be reused)."""
         feed = self._feeds.get(segment_id)
@@ -189,20 +204,7 @@ class CommitLog:
         return sum(len(f.notices) for f in self._feeds.values())
 
 
-def notice_fields(record: ObjectRecord, now: float) -> tuple[str, str, int, int, str, int, int, int]:
-    """(namespace, key, size, checksum, instance, rank, pin, pin_ttl_ms) of a commit notice."""
-    namespace, _, key = record.name.partition("\x00")
-    owner = record.owner
+def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
+    """(pin, pin_ttl_ms) of a notice: a soft pin carries the time it has left."""
     pin = record.pin
-    ttl_ms = int(max(0.0, record.pin_until - now) * 1000) if pin == PIN_SOFT else 0
-    meta = record.meta
-    return (
-        namespace,
-        key,
-        meta >> 32,
-        meta & 0xFFFF_FFFF,
-        owner.instance if owner is not None else "",
-        owner.rank if owner is not None else 0,
-        pin,
-        ttl_ms,
-    )
+    return pin, int(max(0.0, record.pin_until - now) * 1000) if pin == PIN_SOFT else 0

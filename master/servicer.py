@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from kvtier.master.commits import notice_fields
+from kvtier.master.commits import notice_pin
 from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState, PutOptions
@@ -501,24 +501,26 @@ class MasterHandlers:
         if notices is None:
             return pb.PollCommitsResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
         reply = pb.PollCommitsResponse(status=Status.OK, epoch=self.epoch, first_seq=notices.first_seq)
-        if not notices.items:
+        items = notices.items
+        if not items:
             return reply
-        now = self.state.clock()
-        drops, offsets, sizes, checksums = reply.drops, reply.offsets, reply.sizes, reply.checksums
-        namespaces, keys, instances, ranks = reply.namespaces, reply.keys, reply.instances, reply.ranks
-        pins, pin_ttl_ms = reply.pins, reply.pin_ttl_ms
-        for offset, record, drop in notices.items:
-            drops.append(drop)
-            offsets.append(offset)
-            fields = notice_fields(record, now)
-            namespaces.append(fields[0])
-            keys.append(fields[1])
-            sizes.append(fields[2])
-            checksums.append(fields[3])
-            instances.append(fields[4])
-            ranks.append(fields[5])
-            pins.append(fields[6])
-            pin_ttl_ms.append(fields[7])
+        # Column by column (list comprehensions, bulk extends): thousands of notices per poll.
+        records = [item[1] for item in items]
+        metas = [record.meta for record in records]
+        reply.drops.extend([item[2] for item in items])
+        reply.offsets.extend([item[0] for item in items])
+        reply.sizes.extend([meta >> 32 for meta in metas])
+        reply.checksums.extend([meta & 0xFFFF_FFFF for meta in metas])
+        reply.names.extend([record.name for record in records])
+        owners = [record.owner for record in records]
+        if any(owners):
+            reply.instances.extend([owner.instance if owner is not None else "" for owner in owners])
+            reply.ranks.extend([owner.rank if owner is not None else 0 for owner in owners])
+        if any(record.pin_until for record in records):
+            now = self.state.clock()
+            pins = [notice_pin(record, now) for record in records]
+            reply.pins.extend([pin for pin, _ in pins])
+            reply.pin_ttl_ms.extend([ttl for _, ttl in pins])
         return reply
 
     @_rpc(pb.KeyStatusResponse)

@@ -481,7 +481,7 @@ class MasterState:
         pending = self._pending
         prefix = name_prefix(namespace)
         not_pending = int(Status.NOT_PENDING)
-        committed = self.commits.committed
+        done: list[ObjectRecord] = []  # told to their segments in one go after the loop
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
             name = prefix + key
@@ -495,9 +495,10 @@ class MasterState:
                 # then, milliseconds ago; moving it again here would cost more than it tells.
                 record.complete(checksum)
                 del pending[name]
-                for packed in record.replicas:  # all DRAM while pending: tell their segments
-                    committed(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
+                done.append(record)
                 out.append(_OK)
+        if done:
+            self.commits.committed_records(done)  # replicas all DRAM while pending
         return out
 
     def put_revoke(self, namespace: str, keys: Sequence[str], put_id: int) -> list[int]:

@@ -648,7 +648,7 @@ class PollCommitsRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., acked_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ..., max_notices: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PollCommitsResponse(_message.Message):
-    __slots__ = ("status", "error", "epoch", "first_seq", "drops", "offsets", "sizes", "checksums", "namespaces", "keys", "instances", "ranks", "pins", "pin_ttl_ms")
+    __slots__ = ("status", "error", "epoch", "first_seq", "drops", "offsets", "sizes", "checksums", "names", "instances", "ranks", "pins", "pin_ttl_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -657,8 +657,7 @@ class PollCommitsResponse(_message.Message):
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
@@ -671,13 +670,12 @@ class PollCommitsResponse(_message.Message):
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    namespaces: _containers.RepeatedScalarFieldContainer[str]
-    keys: _containers.RepeatedScalarFieldContainer[str]
+    names: _containers.RepeatedScalarFieldContainer[str]
     instances: _containers.RepeatedScalarFieldContainer[str]
     ranks: _containers.RepeatedScalarFieldContainer[int]
     pins: _containers.RepeatedScalarFieldContainer[Pin]
     pin_ttl_ms: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., drops: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., drops: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DramObjectsRequest(_message.Message):
     __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "offsets", "instances", "ranks", "pins", "pin_ttl_ms", "done", "epoch")

@@ -41,8 +41,11 @@ _RPC_TIMEOUT_S = 10.0
 _REPORT_BATCH = 10_000
 _BACKOFF_MAX_S = 0.5
 
-# An entry: (namespace, key, size, checksum, instance, rank, pin, pin_deadline (monotonic; 0 = none), seq)
-Entry = tuple[str, str, int, int, str, int, int, float, int]
+# An entry: (name "namespace NUL key", size, checksum, instance, rank, pin, pin_deadline (monotonic;
+# 0 = none), seq). Tuples built column-wise: applying a poll of thousands of notices is on the
+# path of every PutEnd (the master answers once it is acknowledged).
+Entry = tuple[str, int, int, str, int, int, float, int]
+_SIZE, _CHECKSUM, _SEQ = 1, 2, 7
 
 
 class DramIndex:
@@ -83,30 +86,28 @@ class DramIndex:
         """Apply one poll's notices in order, if `session` (polled in) is still the current one;
         how many (-1: not applied)."""
         now = self._clock()
-        count = len(reply.offsets)
+        offsets, sizes, names = list(reply.offsets), list(reply.sizes), list(reply.names)
+        count = len(offsets)
+        checksums, drops = list(reply.checksums), list(reply.drops)
+        instances = list(reply.instances) or [""] * count
+        ranks = list(reply.ranks) or [0] * count
+        pins = list(reply.pins) or [0] * count
+        deadlines = [now + ttl / 1000 if ttl else 0.0 for ttl in reply.pin_ttl_ms] or [0.0] * count
         entries = self._entries
         with self._lock:
             if session != self._session:
                 return -1
-            for i in range(count):
-                offset = reply.offsets[i]
-                where: int | str = offset if reply.sizes[i] else reply.namespaces[i] + "\x00" + reply.keys[i]
-                if reply.drops[i]:
+            seq = self._seq
+            for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
+                offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
+            ):
+                where = offset if size else name
+                if drop:
                     entries.pop(where, None)
-                    continue
-                ttl_ms = reply.pin_ttl_ms[i]
-                self._seq += 1
-                entries[where] = (
-                    reply.namespaces[i],
-                    reply.keys[i],
-                    reply.sizes[i],
-                    reply.checksums[i],
-                    reply.instances[i],
-                    reply.ranks[i],
-                    reply.pins[i],
-                    now + ttl_ms / 1000 if ttl_ms else 0.0,
-                    self._seq,
-                )
+                else:
+                    seq += 1
+                    entries[where] = (name, size, checksum, instance, rank, pin, deadline, seq)
+            self._seq = seq
         return count
 
     def inventory(self) -> list[tuple[int, Entry]]:
@@ -120,18 +121,18 @@ class DramIndex:
         bad: list[tuple[int, Entry]] = []
         region = self._region
         for offset, entry in items:
-            if offset + entry[2] > len(region):
+            if offset + entry[_SIZE] > len(region):
                 bad.append((offset, entry))
                 continue
-            if kept and kept[-1][0] + kept[-1][1][2] > offset:
-                if kept[-1][1][8] > entry[8]:
+            if kept and kept[-1][0] + kept[-1][1][_SIZE] > offset:
+                if kept[-1][1][_SEQ] > entry[_SEQ]:
                     bad.append((offset, entry))
                     continue
                 bad.append(kept.pop())
             kept.append((offset, entry))
         verified = []
         for offset, entry in kept:
-            if crc32c.crc32c(region[offset : offset + entry[2]]) == entry[3]:
+            if crc32c.crc32c(region[offset : offset + entry[_SIZE]]) == entry[_CHECKSUM]:
                 verified.append((offset, entry))
             else:
                 bad.append((offset, entry))
@@ -144,12 +145,12 @@ class DramIndex:
         """Remove these entries (unless a newer commit replaced them meanwhile)."""
         with self._lock:
             for offset, entry in items:
-                where: int | str = offset if entry[2] else entry[0] + "\x00" + entry[1]
+                where: int | str = offset if entry[_SIZE] else entry[0]
                 if self._entries.get(where) is entry:
                     del self._entries[where]
 
     def pin_ttl_ms(self, entry: Entry) -> int:
-        deadline = entry[7]
+        deadline = entry[6]
         return max(1, int((deadline - self._clock()) * 1000)) if deadline else 0
 
 
@@ -164,14 +165,15 @@ def report_dram_inventory(
         chunk = items[lo : lo + _REPORT_BATCH]
         request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
         for offset, entry in chunk:
-            request.namespaces.append(entry[0])
-            request.keys.append(entry[1])
-            request.sizes.append(entry[2])
-            request.checksums.append(entry[3])
+            namespace, _, key = entry[0].partition("\x00")
+            request.namespaces.append(namespace)
+            request.keys.append(key)
+            request.sizes.append(entry[1])
+            request.checksums.append(entry[2])
             request.offsets.append(offset)
-            request.instances.append(entry[4])
-            request.ranks.append(entry[5])
-            request.pins.append(entry[6])
+            request.instances.append(entry[3])
+            request.ranks.append(entry[4])
+            request.pins.append(entry[5])
             request.pin_ttl_ms.append(index.pin_ttl_ms(entry))
         reply = stub.ReportDramObjects(request, timeout=_RPC_TIMEOUT_S)
         if reply.status != Status.OK:

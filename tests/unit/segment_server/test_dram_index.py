@@ -17,8 +17,7 @@ def notices(*items: tuple) -> pb.PollCommitsResponse:
         reply.offsets.append(offset)
         reply.sizes.append(size)
         reply.checksums.append(0 if isinstance(value, int) else crc32c.crc32c(value))
-        reply.namespaces.append("ns")
-        reply.keys.append(key)
+        reply.names.append("ns\x00" + key)
         reply.instances.append("eng")
         reply.ranks.append(3)
         reply.pins.append(pin[0] if pin else pb.PIN_NONE)
@@ -36,9 +35,9 @@ def test_inventory_reports_verified_entries_by_offset_and_drops_what_no_longer_v
     index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")), (0, 0))
     region[130] = 0  # b's bytes were overwritten (its drop notice was lost with a master)
     inventory = index.inventory()
-    assert [(offset, entry[1]) for offset, entry in inventory] == [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
-    assert inventory[0][1][6] == pb.PIN_SOFT and index.pin_ttl_ms(inventory[0][1]) == 5000
-    assert inventory[2][1][4:6] == ("eng", 3)
+    assert [(offset, entry[0][3:]) for offset, entry in inventory] == [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
+    assert inventory[0][1][5] == pb.PIN_SOFT and index.pin_ttl_ms(inventory[0][1]) == 5000
+    assert inventory[2][1][3:5] == ("eng", 3)
     assert len(index) == 4, "the entry that failed verification left the index"
 
 
@@ -50,7 +49,7 @@ def test_of_two_overlapping_entries_the_newer_is_kept_and_a_drop_removes_by_offs
     index.apply(notices((False, 0, "old", old)), (0, 0))
     region[128:192] = new  # reused without the old one's drop: both could be checked...
     index.apply(notices((False, 128, "new", new)), (0, 0))
-    assert [entry[1] for _, entry in index.inventory()] == ["new"]
+    assert [entry[0][3:] for _, entry in index.inventory()] == ["new"]
     index.apply(notices((True, 128, "new", new)), (0, 0))
     assert index.inventory() == [] and len(index) == 0
 
@@ -69,4 +68,4 @@ def test_notices_of_an_old_mount_are_not_applied_once_the_session_changed():
     assert index.apply(notices((False, 0, "k", b"v")), (1, 7)) == 1
     index.set_session((0, 0))  # the link ends the mount (to snapshot and mount again)
     assert index.apply(notices((False, 64, "late", b"w")), (1, 7)) == -1
-    assert [entry[1] for _, entry in index.inventory()] == ["k"]
+    assert [entry[0][3:] for _, entry in index.inventory()] == ["k"]
