@@ -35,7 +35,8 @@ def test_inventory_reports_verified_entries_by_offset_and_drops_what_no_longer_v
     index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")), (0, 0))
     region[130] = 0  # b's bytes were overwritten (its drop notice was lost with a master)
     inventory = index.inventory()
-    assert [(offset, entry[0][3:]) for offset, entry in inventory] == [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
+    expected = [(0, "empty"), (0, "empty2"), (0, "a"), (512, "c")]
+    assert [(offset, entry[0][3:]) for offset, entry in inventory] == expected
     assert inventory[0][1][5] == pb.PIN_SOFT and index.pin_ttl_ms(inventory[0][1]) == 5000
     assert inventory[2][1][3:5] == ("eng", 3)
     assert len(index) == 4, "the entry that failed verification left the index"
