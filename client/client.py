@@ -190,9 +190,9 @@ class Client:
         with self._lock:
             if now >= self._next_prune:
                 self._next_prune = now + min(self.config.connector_idle_s, 10.0)
-                for name, (_, old, used) in list(self._connectors.items()):
+                for idle_name, (_, old, used) in list(self._connectors.items()):
                     if now - used > self.config.connector_idle_s:
-                        del self._connectors[name]
+                        del self._connectors[idle_name]
                         stale.append(old)
             known = self._connectors.get(name)
             if known is not None and known[0] == endpoints:

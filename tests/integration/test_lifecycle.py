@@ -80,3 +80,20 @@ def test_a_segment_name_held_by_a_live_process_is_refused(cluster):
     tcp = cluster.client(transport="tcp")
     assert tcp.get("k") == b"v"
     assert os.path.exists(region)
+
+
+def test_pruning_idle_connectors_never_mixes_up_segments(cluster):
+    """Regression: the idle-prune loop reused the variable holding the segment being looked up,
+    so after a prune a connector was filed under another segment's name (reads missed)."""
+    client = cluster.client()
+    keys = [f"prune/{i}" for i in range(64)]
+    values = [b"%d" % i for i in range(64)]
+    assert not any(client.batch_put(keys, values, replicas=1))
+    assert {r["segment"] for k in keys for r in client.locate(k)} == {"seg0", "seg1"}
+    for _ in range(3):
+        with client._lock:
+            client._next_prune = 0.0  # prune on the next lookup...
+            for name, (endpoints, connector, _) in list(client._connectors.items()):
+                client._connectors[name] = (endpoints, connector, -1e9)  # ...and every connector is idle
+        assert client.batch_get(keys) == values
+    assert sorted(client._connectors) == ["seg0", "seg1"]
