@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
+from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
 from kvtier.proto.units import format_size, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
@@ -60,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-bytes", default="1GiB", help="--tier ssd: bytes put on the SSD tier")
     parser.add_argument("--ssd-dir", default="", help="--tier ssd: a directory on the disk to measure (.kvtier)")
     add_master_arguments(parser)
+    add_recovery_arguments(parser)
 
 
 def machine_description() -> dict[str, str | int]:
@@ -271,6 +273,10 @@ def run(opts: argparse.Namespace) -> int:
         result = run_master_bench(opts.objects, opts.master_batch, opts.cycles)
         print_master_result(result, opts.json, machine_description())
         return 0
+    if opts.recovery or opts.failover:
+        from kvtier.bench.recovery_bench import run_recovery
+
+        return run_recovery(opts, machine_description())
     if opts.tier == "ssd":
         from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s level=%(levelname)s component=master logger=%(name)s %(message)s",
         stream=sys.stderr,
     )
+    # A master holds millions of long-lived records: with the default thresholds (700 allocations)
+    # the cyclic collector keeps walking them and took a quarter of the master's CPU at 1M objects
+    # (docs/benchmarks.md). Young collections 100x rarer; the records hold no cycles that matter.
+    gc.set_threshold(70_000, 20, 20)
     try:
         import uvloop
 

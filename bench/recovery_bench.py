@@ -1,0 +1,876 @@
+"""`kvtier bench --recovery` / `--failover`: how long the cluster is away when its master dies.
+
+Real processes on loopback, started here and stopped at the end whatever
+happens (their logs, the master's state dir and etcd's data dir live in one
+temporary directory, removed at the end; segments' region files in /dev/shm
+too). `--recovery-objects` objects (default 100,000) of 1-16 KiB are put first
+with `batch_put`, 1,000 keys per call; each value is a slice of one random
+pool chosen by the key's number, so any read can be checked.
+
+`--recovery`: a standalone master with a `--state-dir` and two segment
+servers. `--repeat` times: SIGKILL the master, start it again at the same
+address, and measure from the kill
+- until the new process listens (its ready file);
+- until `Hello` says role "leader" (recovery finished; polled every 10 ms on
+  a channel of our own that reconnects fast);
+- until a client made before the kill (as an engine's would be) gets the
+  right bytes for 1,000 random keys with one `batch_get`;
+- until another such client's `Exists` over all keys, 10,000 per call, finds
+  every one of them;
+and read the master's own recovery figures (`cluster_status().recovery`).
+The three waits run in parallel threads from the moment of the kill. After
+the last restart every object is read back in full and compared.
+
+`--failover`: a single-member etcd, three masters electing a leader through
+it (default lease TTL, 5 s) and two segments, all given `etcd://...`; the same
+objects are put first. `--repeat` times: a writer thread puts 16 keys per
+call without pause; after 2 s the leader is SIGKILLed; measured from the
+kill: a standby reporting it won the election, the new leader serving
+(role "leader"), and the writer's first successful put (a batch that started
+after the kill, or one that was in flight and ended more than 100 ms after it:
+a reply already on its way from the old leader cannot take that long). The
+writer goes on 1 s more; then every key it was told was stored and 1,000
+sampled objects of the fill are read back and compared, and Exists must find
+every object of the fill. The killed master is started again as a standby
+before the next run; after the last run every object of the fill is read back.
+
+A read that misses is retried RETRIES times, 0.5 s apart, before its key
+counts as lost (one that then reads right counts as a flaky read): a client
+can miss a read while the object is safe, e.g. when a connection fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto import master_pb2_grpc
+from kvtier.proto.errors import KvtierError
+from kvtier.proto.units import format_size, parse_size
+
+READY_TIMEOUT_S = 30.0
+SERVE_DEADLINE_S = 60.0  # a wait for the cluster to serve again gives up after this long
+PUT_BATCH = 1000
+SAMPLE = 1000
+EXISTS_BATCH = 10_000
+WRITER_BATCH = 16
+MIN_SIZE, MAX_SIZE = 1 << 10, 16 << 10
+POOL_SLACK = 4096
+RETRIES = 3
+RESTART_FIGURES = ("master_ready_s", "leader_s", "get_s", "exists_s")
+FAILOVER_FIGURES = ("elected_s", "leader_s", "gap_s")
+IN_FLIGHT_S = 0.1  # see the module docstring: a put ending this long after the kill was served by another master
+# Poll with fast reconnects: a channel's default back-off after a refused connection is 1 s and growing.
+_PROBE_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
+
+
+# ---------------------------------------------------------------------- data
+
+
+class Payloads:
+    """Value number n: a slice of one random pool, its size (1-16 KiB) and start fixed by n."""
+
+    def __init__(self, seed: int = 6) -> None:
+        self.pool = random.Random(seed).randbytes(MAX_SIZE + POOL_SLACK)
+        self.view = memoryview(self.pool)
+
+    @staticmethod
+    def size(n: int) -> int:
+        return MIN_SIZE + (n * 2654435761) % (MAX_SIZE - MIN_SIZE + 1)
+
+    def value(self, n: int) -> memoryview:
+        start = (n * 40503) % POOL_SLACK
+        return self.view[start : start + self.size(n)]
+
+    def matches(self, n: int, got: bytes | None) -> bool:
+        start = (n * 40503) % POOL_SLACK
+        return got is not None and got == self.pool[start : start + self.size(n)]
+
+
+def _key(n: int) -> str:
+    return f"recovery/{n:09d}"
+
+
+def _fill(client, payloads: Payloads, objects: int) -> float:
+    """Put objects 0..objects-1; seconds taken. Raises if any put fails."""
+    started = time.perf_counter()
+    for lo in range(0, objects, PUT_BATCH):
+        numbers = range(lo, min(objects, lo + PUT_BATCH))
+        statuses = client.batch_put([_key(n) for n in numbers], [payloads.value(n) for n in numbers])
+        if any(statuses):
+            failed = sorted({s.name for s in statuses if s})
+            raise RuntimeError(f"fill: batch_put at object {lo} failed: {failed}")
+    return time.perf_counter() - started
+
+
+def _verify(client, payloads: Payloads, numbers: list[int], key=_key) -> tuple[list[int], list[int], int]:
+    """Read `numbers` back in batches: (the numbers missing, those read with other bytes, how many
+    missed at first but read back right on one of RETRIES later reads). A miss is retried because a
+    read can fail without the object being gone (a segment connection lost, say): loss is what
+    stays missing."""
+    missing, wrong = [], []
+    for lo in range(0, len(numbers), PUT_BATCH):
+        chunk = numbers[lo : lo + PUT_BATCH]
+        for n, got in zip(chunk, client.batch_get([key(n) for n in chunk]), strict=True):
+            if got is None:
+                missing.append(n)
+            elif not payloads.matches(n, got):
+                wrong.append(n)
+    flaky = 0
+    for _ in range(RETRIES):
+        if not missing:
+            break
+        time.sleep(0.5)
+        got = client.batch_get([key(n) for n in missing])
+        flaky += sum(1 for n, v in zip(missing, got, strict=True) if v is not None and payloads.matches(n, v))
+        wrong += [n for n, v in zip(missing, got, strict=True) if v is not None and not payloads.matches(n, v)]
+        missing = [n for n, v in zip(missing, got, strict=True) if v is None]
+    return missing, wrong, flaky
+
+
+def _count_missing(client, keys: list[str]) -> int:
+    """How many of `keys` Exists does not find (raises KvtierError when the master does not answer)."""
+    missing = 0
+    for lo in range(0, len(keys), EXISTS_BATCH):
+        missing += client.batch_exists(keys[lo : lo + EXISTS_BATCH]).count(False)
+    return missing
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Processes:
+    """The processes and clients of one bench run; logs, state and data dirs in one temporary directory.
+
+    A context manager: on the way out (an exception included) it closes the
+    clients, stops every child (segments first, then masters, then etcd;
+    SIGKILL after 10 s), removes the cluster's region files from /dev/shm once
+    none of its segments is alive, and deletes the directory; after a failure
+    it prints the tail of every log first.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.cluster_id = f"{prefix}{uuid.uuid4().hex[:6]}"
+        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-recovery-"))
+        self.children: dict[str, Child] = {}
+        self._logs: set[Path] = set()
+        self._closers: list = []
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, Exception):  # not for Ctrl-C or SIGTERM
+            print(
+                f"kvtier bench: {exc_type.__name__} in {self.cluster_id}; process logs:\n{self.tails()}",
+                file=sys.stderr,
+            )
+        self.close()
+
+    def client(self, master: str, timeout: float):
+        from kvtier.client import Client
+
+        client = Client(master, timeout=timeout)
+        self.on_close(client.close)
+        return client
+
+    def on_close(self, closer) -> None:
+        self._closers.append(closer)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        """Start `python -m ...` with a ready file and wait until it is written."""
+        log = self.dir / f"{name}.log"
+        ready = self.dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        child = self._popen(name, [sys.executable, *args, "--ready-file", str(ready)], log)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if not child.alive:
+                raise RuntimeError(f"{name} exited with {child.popen.returncode} before ready:\n{child.tail()}")
+            if time.monotonic() > deadline:
+                child.popen.kill()
+                child.popen.wait()
+                raise RuntimeError(f"{name} not ready after {READY_TIMEOUT_S:.0f}s:\n{child.tail()}")
+            time.sleep(0.005)
+        child.info = json.loads(ready.read_text())
+        return child
+
+    def respawn(self, name: str, args: list[str]) -> Child:
+        """spawn() again for up to 10 s: a killed process's port may linger for a moment."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return self.spawn(name, args)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _popen(self, name: str, argv: list[str], log: Path) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.children[name] = child = Child(name, popen, log)
+        self._logs.add(log)
+        return child
+
+    def start_etcd(self, binary: str) -> str:
+        """A single-member etcd on free loopback ports (default raft timings); its client endpoint."""
+        from kvtier.proto.etcd_client import EtcdClient, EtcdError
+
+        port, peer_port = _free_port(), _free_port()
+        client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer_port}"
+        args = [
+            binary,
+            "--name", "etcd",
+            "--data-dir", str(self.dir / "etcd.data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"etcd={peer_url}",
+            "--initial-cluster-state", "new",
+            "--logger", "zap",
+            "--log-outputs", "stderr",
+        ]  # fmt: skip
+        child = self._popen("etcd", args, self.dir / "etcd.log")
+        endpoint = f"127.0.0.1:{port}"
+        probe = EtcdClient(endpoint, timeout=0.5)
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:  # a linearizable read answers only once etcd has a raft leader
+                if not child.alive:
+                    raise RuntimeError(f"etcd exited with {child.popen.returncode}:\n{child.tail()}")
+                try:
+                    probe.get("/kvtier-bench-ready-probe")
+                    return endpoint
+                except EtcdError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"etcd not ready after {READY_TIMEOUT_S:.0f}s:\n{child.tail()}") from None
+                    time.sleep(0.05)
+        finally:
+            probe.close()
+
+    def kill(self, name: str) -> float:
+        """SIGKILL the child and reap it; the monotonic time the signal was sent."""
+        child = self.children[name]
+        killed_at = time.monotonic()
+        child.popen.kill()
+        child.popen.wait()
+        return killed_at
+
+    def log_findings(self, limit: int = 12) -> dict[str, object]:
+        """Warnings counted per log; error lines and tracebacks quoted (first `limit`, time stamps cut)."""
+        warnings: dict[str, int] = {}
+        errors: list[str] = []
+        for log in sorted(self._logs):
+            try:
+                lines = log.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            count = sum(1 for line in lines if "level=WARNING" in line or '"level":"warn"' in line)
+            if count:
+                warnings[log.stem] = count
+            for line in lines:
+                if any(m in line for m in ("level=ERROR", "level=CRITICAL", "Traceback", '"level":"error"')):
+                    text = f"{log.stem}: {line.split(' level=', 1)[-1][:200]}"
+                    if text not in errors and len(errors) < limit:
+                        errors.append(text)
+        return {"warnings": warnings, "errors": errors}
+
+    def tails(self) -> str:
+        return "\n".join(f"----- {c.name} (rc={c.popen.poll()}) -----\n{c.tail()}" for c in self.children.values())
+
+    def close(self) -> None:
+        for closer in reversed(self._closers):
+            with contextlib.suppress(Exception):  # the processes must be stopped whatever happens
+                closer()
+        self._closers.clear()
+
+        def group(child: Child) -> int:  # segments unmount while their master lives; etcd goes last
+            return 0 if child.name.startswith("seg") else 2 if child.name == "etcd" else 1
+
+        for rank in (0, 1, 2):
+            batch = [c for c in self.children.values() if group(c) == rank]
+            for child in batch:
+                if child.alive:
+                    child.popen.terminate()
+            for child in batch:
+                try:
+                    child.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    child.popen.kill()
+                    child.popen.wait()
+        for path in Path("/dev/shm").glob(f"kvtier.{self.cluster_id}.*"):
+            path.unlink(missing_ok=True)  # every process of this cluster is gone: these are orphans
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Probe:
+    """`Hello` on masters over channels of its own that reconnect fast (after a refused connection a
+    default channel waits 1 s, then longer, before it tries again)."""
+
+    def __init__(self) -> None:
+        self.channels: dict[str, grpc.Channel] = {}
+
+    def hello(self, address: str) -> pb.HelloResponse | None:
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address, options=_PROBE_OPTIONS)
+        try:
+            return master_pb2_grpc.MasterStub(self.channels[address]).Hello(pb.HelloRequest(), timeout=0.5)
+        except grpc.RpcError:
+            return None
+
+    def wait_leader(self, addresses: dict[str, str], timeout: float = READY_TIMEOUT_S) -> str:
+        """The name of the one master that says it leads and serves (waits for one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            roles = {name: self.hello(address) for name, address in addresses.items()}
+            leaders = [name for name, hello in roles.items() if hello is not None and hello.role == "leader"]
+            if len(leaders) == 1:
+                return leaders[0]
+            time.sleep(0.02)
+        raise RuntimeError(f"no single leader among {sorted(addresses)} after {timeout:.0f}s")
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+
+
+class _Watch:
+    """Waits that run in parallel threads from the kill on; each records when it first saw what it
+    waits for, in seconds from the kill (NaN when it never did within SERVE_DEADLINE_S)."""
+
+    def __init__(self) -> None:
+        self.killed_at = 0.0
+        self.first: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.wrong = 0  # values read with other bytes than were put (must stay 0)
+        self._go = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def poll(self, what: str, predicate) -> None:
+        """From the kill, call predicate() every 10 ms until it is true (KvtierError counts as false)."""
+
+        def run() -> None:
+            self._go.wait()
+            try:
+                while time.monotonic() - self.killed_at < SERVE_DEADLINE_S:
+                    try:
+                        if predicate():
+                            self.mark(what)
+                            return
+                    except KvtierError:  # the master did not serve within the client's timeout
+                        pass
+                    time.sleep(0.01)
+            except Exception as exc:  # reported with the result, not lost in a thread
+                self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def start(self, killed_at: float) -> None:
+        self.killed_at = killed_at
+        self._go.set()
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(SERVE_DEADLINE_S + 15)
+
+    def mark(self, what: str) -> None:
+        self.first.setdefault(what, time.monotonic() - self.killed_at)
+
+    def get(self, what: str) -> float:
+        return self.first.get(what, float("nan"))
+
+
+def _segment_dram(opts_dram: str, objects: int, extra: int) -> int:
+    """Per segment (two): room for the objects with a third to spare, and `extra`; at least --dram."""
+    mean = (MIN_SIZE + MAX_SIZE) // 2 + 64
+    need = objects * mean * 4 // 3 // 2 + extra
+    return max(parse_size(opts_dram), -(-need // (64 << 20)) * (64 << 20))
+
+
+def _start_segments(procs: Processes, master: str, dram: int) -> None:
+    for i in range(2):
+        procs.spawn(
+            f"seg{i}",
+            [
+                "-m", "kvtier.segment_server",
+                "--master", master,
+                "--listen", "127.0.0.1:0",
+                "--cluster-id", procs.cluster_id,
+                "--name", f"seg{i}",
+                "--dram", str(dram),
+            ],
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- restart
+
+
+@dataclass
+class RestartRun:
+    master_ready_s: float  # kill -> the new master process listens (ready file)
+    leader_s: float  # kill -> Hello says role "leader": recovery finished, data RPCs served
+    get_s: float  # kill -> batch_get of SAMPLE random keys returned the right bytes
+    exists_s: float  # kill -> Exists over every key found all of them
+    recovery: dict[str, float]  # the master's own figures (cluster_status().recovery)
+    missing: int  # keys Exists did not find once the waits ended
+    wrong: int  # sampled values read with other bytes
+    errors: list[str]
+
+
+@dataclass
+class RecoveryResult:
+    objects: int
+    payload_bytes: int
+    segment_dram: int  # each of the two segments
+    fill_s: float
+    runs: list[RestartRun]
+    verified: int  # objects read back in full after the last restart with the right bytes
+    lost: int
+    wrong: int
+    flaky_reads: int  # reads that missed but read back right when retried (see _verify)
+    logs: dict[str, object]
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(r, name) for r in self.runs)
+
+
+def run_recovery_bench(objects: int, repeat: int, dram: str) -> RecoveryResult:
+    payloads = Payloads()
+    segment_dram = _segment_dram(dram, objects, 0)
+    with Processes("rbench") as procs:
+        state_dir = procs.dir / "master-state"
+        master_args = ["-m", "kvtier.master", "--cluster-id", procs.cluster_id, "--state-dir", str(state_dir)]
+        address = procs.spawn("master", [*master_args, "--listen", "127.0.0.1:0"]).info["address"]
+        _start_segments(procs, address, segment_dram)
+        # Two engine-like clients, made before any kill and used throughout.
+        getter, checker = procs.client(address, 10.0), procs.client(address, 10.0)
+        fill_s = _fill(getter, payloads, objects)
+        keys = [_key(n) for n in range(objects)]
+        if missing := _count_missing(checker, keys):
+            raise RuntimeError(f"{missing} objects missing right after the fill")
+        rng = random.Random(66)
+        runs = []
+        for _ in range(repeat):
+            sample = rng.sample(range(objects), min(SAMPLE, objects))
+            sample_keys = [_key(n) for n in sample]
+            epoch_before = checker.cluster_status().epoch
+            watch = _Watch()
+            probe = _Probe()
+
+            def leader(probe=probe, epoch_before=epoch_before) -> bool:
+                hello = probe.hello(address)
+                return hello is not None and hello.epoch > epoch_before and hello.role == "leader"
+
+            def sample_get(sample=sample, sample_keys=sample_keys, watch=watch) -> bool:
+                got = getter.batch_get(sample_keys)  # misses while the master is away, never an exception
+                wrong = sum(1 for n, v in zip(sample, got, strict=True) if v is not None and not payloads.matches(n, v))
+                watch.wrong = max(watch.wrong, wrong)
+                return None not in got
+
+            watch.poll("leader", leader)
+            watch.poll("get", sample_get)
+            watch.poll("exists", lambda: _count_missing(checker, keys) == 0)
+            watch.start(procs.kill("master"))
+            procs.respawn("master", [*master_args, "--listen", address])  # the same address
+            watch.mark("ready")
+            watch.join()
+            probe.close()
+            runs.append(
+                RestartRun(
+                    master_ready_s=watch.get("ready"),
+                    leader_s=watch.get("leader"),
+                    get_s=watch.get("get"),
+                    exists_s=watch.get("exists"),
+                    recovery=dict(checker.cluster_status().recovery),
+                    missing=_count_missing(checker, keys),
+                    wrong=watch.wrong,
+                    errors=watch.errors,
+                )
+            )
+        lost, wrong, flaky = _verify(getter, payloads, list(range(objects)))
+        return RecoveryResult(
+            objects=objects,
+            payload_bytes=sum(Payloads.size(n) for n in range(objects)),
+            segment_dram=segment_dram,
+            fill_s=fill_s,
+            runs=runs,
+            verified=objects - len(lost) - len(wrong),
+            lost=len(lost),
+            wrong=len(wrong),
+            flaky_reads=flaky,
+            logs=procs.log_findings(),
+        )
+
+
+# ---------------------------------------------------------------------- failover
+
+
+@dataclass
+class FailoverRun:
+    killed: str
+    new_leader: str
+    elected_s: float  # kill -> a standby says it won the election (role recovering or leader)
+    leader_s: float  # kill -> the new leader serves (role "leader")
+    gap_s: float  # kill -> the writer's first successful put served by the new leader
+    puts_ok: int  # keys the writer was told were stored during the run
+    puts_failed: dict[str, int]  # keys whose put returned an error (not counted as stored), by status
+    lost: int  # acknowledged or pre-filled keys not found afterwards, retries included
+    wrong: int
+    flaky_reads: int  # reads that missed but read back right when retried
+    recovery: dict[str, float]
+    errors: list[str]
+
+
+@dataclass
+class FailoverResult:
+    objects: int
+    lease_ttl_s: float
+    segment_dram: int
+    fill_s: float
+    runs: list[FailoverRun]
+    verified: int
+    lost: int
+    wrong: int
+    flaky_reads: int
+    logs: dict[str, object]
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(r, name) for r in self.runs)
+
+
+class _Writer:
+    """Puts WRITER_BATCH keys per call from a thread until stopped; logs (start, end, numbers stored)."""
+
+    def __init__(self, client, payloads: Payloads, base: int) -> None:
+        self.client = client
+        self.payloads = payloads
+        self.base = base
+        self.log: list[tuple[float, float, list[int]]] = []
+        self.failures: Counter[str] = Counter()  # status names of the puts that failed
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def key(n: int) -> str:
+        return f"failover/{n:011d}"
+
+    def _run(self) -> None:
+        n = self.base
+        try:
+            while not self._stop.is_set():
+                numbers = list(range(n, n + WRITER_BATCH))
+                n += WRITER_BATCH
+                started = time.monotonic()
+                statuses = self.client.batch_put(
+                    [self.key(m) for m in numbers], [self.payloads.value(m) for m in numbers]
+                )
+                self.log.append(
+                    (started, time.monotonic(), [m for m, s in zip(numbers, statuses, strict=True) if not s])
+                )
+                self.failures.update(s.name for s in statuses if s)
+        except Exception as exc:
+            self.error = f"writer: {type(exc).__name__}: {exc}"
+
+    def stop(self) -> list[int]:
+        """Stop; the numbers of every key the writer was told was stored."""
+        self._stop.set()
+        self._thread.join(60)
+        return [m for _, _, stored in self.log for m in stored]
+
+
+def run_failover_bench(objects: int, repeat: int, dram: str, etcd_binary: str) -> FailoverResult:
+    binary = shutil.which(etcd_binary)
+    if binary is None:
+        raise RuntimeError(f"etcd not found at {etcd_binary!r} (apt-get install etcd-server, or --etcd-binary)")
+    payloads = Payloads()
+    segment_dram = _segment_dram(dram, objects, 1 << 30)  # the writer's keys on top
+    with Processes("fbench") as procs:
+        spec = f"etcd://{procs.start_etcd(binary)}/{procs.cluster_id}"
+        master_args = ["-m", "kvtier.master", "--listen", "127.0.0.1:0", "--cluster-id", procs.cluster_id]
+        master_args += ["--etcd", spec]  # default --etcd-lease-ttl-s: 5 s
+        addresses = {f"master{i}": procs.spawn(f"master{i}", master_args).info["address"] for i in range(3)}
+        probe = _Probe()
+        procs.on_close(probe.close)
+        probe.wait_leader(addresses)
+        _start_segments(procs, spec, segment_dram)
+        writer_client, checker = procs.client(spec, 30.0), procs.client(spec, 30.0)
+        fill_s = _fill(writer_client, payloads, objects)
+        keys = [_key(n) for n in range(objects)]
+        rng = random.Random(67)
+        runs = []
+        for r in range(repeat):
+            sample = rng.sample(range(objects), min(SAMPLE, objects))
+            old = probe.wait_leader(addresses)
+            others = {name: address for name, address in addresses.items() if name != old}
+            writer = _Writer(writer_client, payloads, base=(r + 1) * 1_000_000_000)
+            time.sleep(2.0)
+            watch = _Watch()
+            roles: dict[str, str] = {}
+
+            def new_leader(others=others, roles=roles, watch=watch) -> bool:
+                for name, address in others.items():
+                    hello = probe.hello(address)
+                    if hello is not None and hello.role in ("recovering", "leader"):
+                        watch.mark("elected")
+                        if hello.role == "leader":
+                            roles["leader"] = name
+                            return True
+                return False
+
+            watch.poll("leader", new_leader)
+            watch.poll("put", lambda writer=writer, watch=watch: not math.isnan(_first_put_s(writer, watch.killed_at)))
+            watch.start(procs.kill(old))
+            watch.join()
+            time.sleep(1.0)  # writing on under the new leader
+            acked = writer.stop()
+            if writer.error:
+                watch.errors.append(writer.error)
+            lost_writes, wrong_writes, flaky_writes = _verify(checker, payloads, acked, key=_Writer.key)
+            lost_sample, wrong_sample, flaky_sample = _verify(checker, payloads, sample)
+            runs.append(
+                FailoverRun(
+                    killed=old,
+                    new_leader=roles.get("leader", ""),
+                    elected_s=watch.get("elected"),
+                    leader_s=watch.get("leader"),
+                    gap_s=_first_put_s(writer, watch.killed_at),
+                    puts_ok=len(acked),
+                    puts_failed=dict(writer.failures),
+                    lost=len(lost_writes) + len(lost_sample) + _count_missing(checker, keys),
+                    wrong=len(wrong_writes) + len(wrong_sample),
+                    flaky_reads=flaky_writes + flaky_sample,
+                    recovery=dict(checker.cluster_status().recovery),
+                    errors=watch.errors,
+                )
+            )
+            # The killed master comes back as a standby (at a new port) for the next run.
+            addresses[old] = procs.respawn(old, master_args).info["address"]
+        lost, wrong, flaky = _verify(checker, payloads, list(range(objects)))
+        return FailoverResult(
+            objects=objects,
+            lease_ttl_s=5.0,
+            segment_dram=segment_dram,
+            fill_s=fill_s,
+            runs=runs,
+            verified=objects - len(lost) - len(wrong),
+            lost=len(lost),
+            wrong=len(wrong),
+            flaky_reads=flaky,
+            logs=procs.log_findings(),
+        )
+
+
+def _first_put_s(writer: _Writer, killed_at: float) -> float:
+    """Seconds from the kill to the end of the first put served by another master (module docstring)."""
+    for started, ended, stored in writer.log:
+        if stored and ended > killed_at and (started > killed_at or ended - killed_at > IN_FLIGHT_S):
+            return ended - killed_at
+    return float("nan")
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--recovery",
+        action="store_true",
+        help="start a master (--state-dir) and 2 segments, fill, kill -9 and restart the master --repeat times; "
+        "time until it serves again, check no loss",
+    )
+    parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="start etcd, 3 masters and 2 segments, fill; kill -9 the leader under a writer --repeat times; "
+        "time until puts succeed, check no loss",
+    )
+    parser.add_argument(
+        "--recovery-objects",
+        type=int,
+        default=100_000,
+        help="--recovery/--failover: 1-16 KiB objects stored first (default: %(default)s)",
+    )
+    parser.add_argument("--etcd-binary", default="/usr/bin/etcd", help="--failover: etcd to run (%(default)s)")
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
+
+
+def _table(header: list[str], rows: list[list[object]]) -> None:
+    """Right-aligned columns, two spaces apart."""
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells if i < len(row)) for i in range(len(header))]
+    for row in cells:
+        print("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=False)))
+
+
+def print_recovery_results(
+    recovery: RecoveryResult | None, failover: FailoverResult | None, as_json: bool, machine: dict
+) -> None:
+    if as_json:
+        doc: dict = {"machine": machine}
+        if recovery is not None:
+            doc["recovery"] = asdict(recovery)
+            doc["recovery"]["median"] = {k: recovery.median(k) for k in RESTART_FIGURES}
+        if failover is not None:
+            doc["failover"] = asdict(failover)
+            doc["failover"]["median"] = {k: failover.median(k) for k in FAILOVER_FIGURES}
+        print(json.dumps(_nan_to_none(doc), indent=2))
+        return
+    print(f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, Python {machine['python']}")
+    if recovery is not None:
+        r = recovery
+        print(
+            f"master kill -9 and restart: {r.objects:,} objects ({format_size(r.payload_bytes)}) on 2 segments of "
+            f"{format_size(r.segment_dram)}, filled in {r.fill_s:.1f}s; seconds from the kill to:"
+        )
+        rows: list[list[object]] = []
+        for i, run in enumerate(r.runs, 1):
+            rec = {k: f"{v:.0f}" for k, v in run.recovery.items()}
+            rows.append(
+                [i, *(_fmt(getattr(run, k)) for k in RESTART_FIGURES), f"{run.recovery.get('seconds', 0):.2f}"]
+                + [f"{rec.get('segments_reported')}/{rec.get('segments_expected')}", rec.get("objects")]
+                + [rec.get("refused"), run.missing, run.wrong]
+            )
+        rows.append(["median", *(_fmt(r.median(k)) for k in RESTART_FIGURES)])
+        header = ["run", "listening", "leader", "get 1000", "exists all", "recovery s", "segments", "objects"]
+        _table(header + ["refused", "missing", "wrong"], rows)
+        for i, run in enumerate(r.runs, 1):
+            for error in run.errors:
+                print(f"  run {i} error: {error}")
+        print(
+            f"  after the last restart: {r.verified:,} of {r.objects:,} intact, {r.lost} lost, {r.wrong} wrong "
+            f"({r.flaky_reads} reads missed once and read back right on a retry)"
+        )
+        _print_logs(r.logs)
+    if failover is not None:
+        f = failover
+        print(
+            f"leader failover: etcd + 3 masters (lease TTL {f.lease_ttl_s:.0f}s), 2 segments of "
+            f"{format_size(f.segment_dram)}, {f.objects:,} objects put first, a writer putting "
+            f"{WRITER_BATCH} keys per call; seconds from the kill to:"
+        )
+        rows = [
+            [i, run.killed, run.new_leader, *(_fmt(getattr(run, k)) for k in FAILOVER_FIGURES), run.puts_ok]
+            + [sum(run.puts_failed.values()), run.lost, run.wrong, f"{run.recovery.get('objects', 0):.0f}"]
+            + [f"{run.recovery.get('refused', 0):.0f}", run.flaky_reads]
+            for i, run in enumerate(f.runs, 1)
+        ]
+        rows.append(["median", "", "", *(_fmt(f.median(k)) for k in FAILOVER_FIGURES)])
+        header = ["run", "killed", "new leader", "elected", "serving", "first put", "puts ok", "failed", "lost"]
+        _table(header + ["wrong", "recovered objects", "refused", "flaky reads"], rows)
+        for i, run in enumerate(f.runs, 1):
+            if run.puts_failed:
+                print(f"  run {i} failed puts: " + ", ".join(f"{n} {s}" for s, n in sorted(run.puts_failed.items())))
+            for error in run.errors:
+                print(f"  run {i} error: {error}")
+        print(
+            f"  at the end: {f.verified:,} of {f.objects:,} objects put first intact, {f.lost} lost, {f.wrong} wrong "
+            f"({f.flaky_reads} reads missed once and read back right on a retry)"
+        )
+        _print_logs(f.logs)
+
+
+def _nan_to_none(value):
+    """JSON has no NaN: a wait that never ended is null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
+def _print_logs(logs: dict[str, object]) -> None:
+    warnings = logs.get("warnings") or {}
+    errors = logs.get("errors") or []
+    if warnings:
+        print("  log warnings: " + ", ".join(f"{name} {count}" for name, count in warnings.items()))  # type: ignore[union-attr]
+    for line in errors:  # type: ignore[union-attr]
+        print(f"  log error: {line}")
+
+
+def run_recovery(opts: argparse.Namespace, machine: dict) -> int:
+    """`kvtier bench --recovery` and/or `--failover`; exit status 1 when an object was lost or wrong."""
+    if opts.recovery_objects < 1:
+        print("kvtier bench: --recovery-objects must be positive", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the children
+    # The clients' warnings (master unreachable, fast path lost) are what this bench causes on purpose.
+    client_logger = logging.getLogger("kvtier.client")
+    level = client_logger.level
+    client_logger.setLevel(logging.ERROR)
+    try:
+        recovery = failover = None
+        if opts.recovery:
+            recovery = run_recovery_bench(opts.recovery_objects, opts.repeat, opts.dram)
+        if opts.failover:
+            failover = run_failover_bench(opts.recovery_objects, opts.repeat, opts.dram, opts.etcd_binary)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        client_logger.setLevel(level)
+    print_recovery_results(recovery, failover, opts.json, machine)
+    bad = 0
+    if recovery is not None:
+        bad += recovery.lost + recovery.wrong + sum(r.missing + r.wrong for r in recovery.runs)
+    if failover is not None:
+        bad += failover.lost + failover.wrong + sum(r.lost + r.wrong for r in failover.runs)
+    return 1 if bad else 0
