@@ -41,6 +41,7 @@ class MasterConfig:
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     advertise: str = ""  # HA: the address other processes reach this master at (default: listen)
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
+    metrics: str = ""  # HOST:PORT for Prometheus /metrics (port 0 = any); empty = off
     log_level: str = "INFO"
 
     def validate(self) -> MasterConfig:
@@ -84,6 +85,8 @@ class MasterConfig:
             )
         if self.advertise:
             parse_hostport(self.advertise)
+        if self.metrics:
+            parse_hostport(self.metrics)
         if self.etcd and self.state_dir:
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
         return self

@@ -170,6 +170,17 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         except OSError as exc:
             await server.stop(grace=None)
             raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None
+    metrics_address = ""
+    if config.metrics:
+        from kvtier.master.metrics import MasterCollector
+        from kvtier.proto.metrics import serve_metrics
+
+        try:
+            metrics_address = serve_metrics(config.metrics, MasterCollector(handlers, loop))
+        except OSError as exc:
+            await server.stop(grace=None)
+            raise SystemExit(f"kvtier-master: cannot bind metrics {config.metrics}: {exc.strerror}") from None
+        logger.info("metrics listening address=%s", metrics_address)
     if election is not None:
         election.start(handlers.fast_endpoint)
     logger.info("master serving address=%s cluster_id=%s epoch=%d", address, config.cluster_id, handlers.epoch)
@@ -183,6 +194,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 "fast_endpoint": handlers.fast_endpoint,
                 "epoch": handlers.epoch,
                 "pid": os.getpid(),
+                "metrics": metrics_address,
             },
         )
 

@@ -31,6 +31,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.errors import InvalidKeyError
 from kvtier.proto.keys import check_namespace
+from kvtier.proto.metrics import LatencyHistogram
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
                 return response_type(status=Status.INTERNAL, error=f"internal error in {name}")
             finally:
                 elapsed = time.perf_counter() - started
+                histogram = self.latency.get(name)
+                if histogram is None:
+                    histogram = self.latency[name] = LatencyHistogram()
+                histogram.observe(elapsed)
                 if elapsed > 0.5:
                     logger.warning("slow rpc method=%s seconds=%.3f", name, elapsed)
 
@@ -119,6 +124,9 @@ class MasterHandlers:
         self.requests: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # answered UNAVAILABLE: standby or recovering
+        self.latency: dict[str, LatencyHistogram] = {}  # handler time per RPC (kvtier_master_rpc_latency_seconds)
+        self.lookup_keys: Counter[str] = Counter()  # keys asked by Exists / GetReplicas
+        self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
 
     def _refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
@@ -271,6 +279,8 @@ class MasterHandlers:
         if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
             return rejected
         r = self.state.get_replicas(namespace, request.keys)
+        self.lookup_keys["GetReplicas"] += len(request.keys)
+        self.lookup_hits["GetReplicas"] += r.statuses.count(0)
         return pb.GetReplicasResponse(
             status=Status.OK,
             statuses=r.statuses,
@@ -290,6 +300,8 @@ class MasterHandlers:
         if rejected := self._too_many(request.keys, pb.ExistsResponse):
             return rejected
         found, prefix = self.state.exists(namespace, request.keys)
+        self.lookup_keys["Exists"] += len(request.keys)
+        self.lookup_hits["Exists"] += found.count(True)
         return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)
 
     @_rpc(pb.RemoveResponse)

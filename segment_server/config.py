@@ -29,6 +29,7 @@ class SegmentConfig:
     cluster_id: str = "default"
     shm_dir: str = "/dev/shm"  # where region files live
     ready_file: str = ""  # if set, JSON with endpoints is written here once mounted
+    metrics: str = ""  # HOST:PORT for Prometheus /metrics (port 0 = any); empty = off
     # SSD tier (off unless ssd_dir and ssd_size are set): bucket files in ssd_dir, at most ssd_size bytes.
     ssd_dir: str = ""
     ssd_size: str = "0"
@@ -56,6 +57,8 @@ class SegmentConfig:
 
     def validate(self) -> SegmentConfig:
         check_master_spec(self.master)
+        if self.metrics:
+            parse_hostport(self.metrics)
         parse_hostport(self.listen)
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")

@@ -98,6 +98,20 @@ async def serve(config: SegmentConfig) -> int:
             worker.start()
         feed = CommitFeed(channels.stub, index, link.session)
         feed.start()
+        metrics_address = ""
+        if config.metrics:
+            from kvtier.proto.metrics import serve_metrics
+            from kvtier.segment_server.metrics import SegmentCollector
+
+            collector = SegmentCollector(
+                config.name, stats, _disk_bytes_read, region.capacity, store, lambda: worker, lambda: feed
+            )
+            try:
+                metrics_address = serve_metrics(config.metrics, collector)
+            except OSError as exc:
+                fatal.append((f"cannot bind metrics {config.metrics}: {exc.strerror}", 1))
+                stop.set()
+            logger.info("metrics listening address=%s", metrics_address)
         link.start()
         print(f"kvtier-segment {config.name} serving {', '.join(endpoints)} dram={region.capacity}", flush=True)
         waiter = asyncio.create_task(mounted.wait())
@@ -106,7 +120,13 @@ async def serve(config: SegmentConfig) -> int:
         if mounted.is_set() and config.ready_file:
             write_ready_file(
                 config.ready_file,
-                {"name": config.name, "endpoints": endpoints, "region": region.path, "pid": os.getpid()},
+                {
+                    "name": config.name,
+                    "endpoints": endpoints,
+                    "region": region.path,
+                    "pid": os.getpid(),
+                    "metrics": metrics_address,
+                },
             )
         await stopper
         waiter.cancel()

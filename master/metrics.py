@@ -1,0 +1,177 @@
+"""The master's Prometheus metrics, read from its tables at scrape time.
+
+"Hit" means one thing here: a *lookup hit*, a key the master found complete
+(`kvtier_master_lookup_hits_total` against `kvtier_master_lookup_keys_total`,
+per RPC). Whether the bytes then arrived, verified, and from which tier, is
+counted where it happens: by the segment servers (bytes served per tier,
+physical disk reads) and by clients.
+
+The scrape runs on the HTTP thread; the tables belong to the event loop, so
+the collector asks the loop for a snapshot and waits for it (2 s at most).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.master.servicer import MasterHandlers
+from kvtier.proto.metrics import LatencyHistogram, histogram_family
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    requests: dict[str, int]
+    failures: dict[str, int]
+    refused: dict[str, int]
+    latency: dict[str, LatencyHistogram]
+    lookup_keys: dict[str, int]
+    lookup_hits: dict[str, int]
+    objects: int
+    pending: int
+    segments: list[tuple]  # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age)
+    evictions: dict[str, tuple[int, int]]
+    tiering: dict[str, int]
+    quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
+    epoch: int
+    role: str
+    recovering: bool
+
+
+class MasterCollector(Collector):
+    def __init__(self, handlers: MasterHandlers, loop: asyncio.AbstractEventLoop) -> None:
+        self._handlers = handlers
+        self._loop = loop
+
+    def _snapshot(self) -> _Snapshot:
+        """On the event loop."""
+        h = self._handlers
+        state = h.state
+        now = state.clock()
+        snap = state.snapshot()
+        return _Snapshot(
+            requests=dict(h.requests),
+            failures=dict(h.failures),
+            refused=dict(h.refused),
+            latency={name: LatencyHistogram(list(hist.counts), hist.total) for name, hist in h.latency.items()},
+            lookup_keys=dict(h.lookup_keys),
+            lookup_hits=dict(h.lookup_hits),
+            objects=snap.objects,
+            pending=snap.pending_puts,
+            segments=[
+                (
+                    s.name,
+                    s.state.name,
+                    s.capacity,
+                    s.used,
+                    s.objects,
+                    s.ssd_capacity,
+                    s.ssd_used,
+                    s.ssd_objects,
+                    now - s.last_heartbeat,
+                )
+                for s in snap.segments
+            ],
+            evictions={reason: (objects, size) for reason, (objects, size) in state.evictions.items()},
+            tiering=dict(state.tiering.counters) | dict(state.commits.counters),
+            quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
+            epoch=h.epoch,
+            role=h.role,
+            recovering=not state.serving,
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        async def take() -> _Snapshot:
+            return self._snapshot()
+
+        try:
+            snap = asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=2.0)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            logger.warning("metrics scrape: no snapshot from the event loop (%s)", exc)
+            return
+        yield from _families(snap)
+
+
+def _families(s: _Snapshot) -> Iterable[Metric]:
+    def counter(name: str, doc: str, label: str, values: dict[str, int]) -> Metric:
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for key, value in sorted(values.items()):
+            family.add_metric([key], value)
+        return family
+
+    yield counter("kvtier_master_rpc_requests", "RPCs handled, gRPC and fast path together.", "method", s.requests)
+    yield counter(
+        "kvtier_master_rpc_failures", "RPCs that failed (invalid input, internal errors).", "method", s.failures
+    )
+    yield counter(
+        "kvtier_master_rpc_refused", "RPCs answered UNAVAILABLE (standby, or recovering).", "method", s.refused
+    )
+    yield histogram_family(
+        "kvtier_master_rpc_latency_seconds",
+        "Metadata latency: time in the master's handler per RPC (data-plane latency is the segments').",
+        "method",
+        s.latency,
+    )
+    yield counter("kvtier_master_lookup_keys", "Keys asked by Exists and GetReplicas.", "rpc", s.lookup_keys)
+    yield counter(
+        "kvtier_master_lookup_hits",
+        "Lookup hits: keys found complete by Exists and GetReplicas (not bytes served).",
+        "rpc",
+        s.lookup_hits,
+    )
+    objects = GaugeMetricFamily("kvtier_master_objects", "Objects by state.", labels=["state"])
+    objects.add_metric(["complete"], s.objects)
+    objects.add_metric(["pending"], s.pending)
+    yield objects
+    capacity = GaugeMetricFamily(
+        "kvtier_segment_capacity_bytes", "Capacity per segment and tier.", labels=["segment", "tier"]
+    )
+    used = GaugeMetricFamily(
+        "kvtier_segment_used_bytes", "Bytes in use per segment and tier.", labels=["segment", "tier"]
+    )
+    copies = GaugeMetricFamily(
+        "kvtier_segment_objects", "Object copies per segment and tier.", labels=["segment", "tier"]
+    )
+    age = GaugeMetricFamily("kvtier_segment_heartbeat_age_seconds", "Since the last heartbeat.", labels=["segment"])
+    state = GaugeMetricFamily("kvtier_segment_state", "1 for the segment's state.", labels=["segment", "state"])
+    for name, seg_state, dram_cap, dram_used, dram_objects, ssd_cap, ssd_used, ssd_objects, heartbeat in s.segments:
+        capacity.add_metric([name, "dram"], dram_cap)
+        used.add_metric([name, "dram"], dram_used)
+        copies.add_metric([name, "dram"], dram_objects)
+        if ssd_cap:
+            capacity.add_metric([name, "ssd"], ssd_cap)
+            used.add_metric([name, "ssd"], ssd_used)
+            copies.add_metric([name, "ssd"], ssd_objects)
+        age.add_metric([name], heartbeat)
+        state.add_metric([name, seg_state.lower()], 1)
+    yield from (capacity, used, copies, age, state)
+    evicted = CounterMetricFamily("kvtier_master_evictions", "Objects evicted, by reason.", labels=["reason"])
+    evicted_bytes = CounterMetricFamily("kvtier_master_evicted_bytes", "Bytes evicted, by reason.", labels=["reason"])
+    for reason, (count, size) in sorted(s.evictions.items()):
+        evicted.add_metric([reason], count)
+        evicted_bytes.add_metric([reason], size)
+    yield evicted
+    yield evicted_bytes
+    yield counter(
+        "kvtier_master_tiering", "Tiering and commit-log events (offloads, promotions, ...).", "event", s.tiering
+    )
+    quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
+    quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])
+    quota_objects = GaugeMetricFamily("kvtier_quota_objects", "Objects a rank owns.", labels=["instance", "rank"])
+    for instance, rank, limit, held, count in s.quotas:
+        quota.add_metric([instance, str(rank)], limit)
+        quota_used.add_metric([instance, str(rank)], held)
+        quota_objects.add_metric([instance, str(rank)], count)
+    yield from (quota, quota_used, quota_objects)
+    role = GaugeMetricFamily("kvtier_master_role", "1 for this master's role.", labels=["role"])
+    role.add_metric([s.role], 1)
+    yield role
+    yield GaugeMetricFamily("kvtier_master_epoch", "This master incarnation's epoch.", value=s.epoch)

@@ -1,0 +1,147 @@
+"""A segment server's Prometheus metrics, read from its counters at scrape time.
+
+Kept apart on purpose (a field report saw a "store hit" served from RAM
+while the NVMe read almost nothing): object bytes this server sent from its
+DRAM region over TCP and from its SSD tier (`kvtier_segment_served_bytes`,
+by tier and transport; same-host `shm` reads never pass through the server
+and are counted by clients), the physical bytes the process read from
+storage (`kvtier_segment_disk_read_bytes`, the kernel's own counter), and the
+offload direction, DRAM to SSD (`kvtier_segment_offloaded_bytes`).
+Counters are plain integers updated on the event loop; reading them from the
+HTTP thread needs no lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.dram_index import CommitFeed
+from kvtier.segment_server.protocol import DataPlaneStats
+from kvtier.segment_server.tier_worker import TierWorker
+
+
+class SegmentCollector(Collector):
+    def __init__(
+        self,
+        name: str,
+        stats: DataPlaneStats,
+        disk_bytes_read: Callable[[], int],
+        capacity: int,
+        store: BucketStore | None,
+        worker: Callable[[], TierWorker | None],
+        feed: Callable[[], CommitFeed | None],
+    ) -> None:
+        self._name = name
+        self._stats = stats
+        self._disk_bytes_read = disk_bytes_read
+        self._capacity = capacity
+        self._store = store
+        self._worker = worker
+        self._feed = feed
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats
+        served = CounterMetricFamily(
+            "kvtier_segment_served_bytes",
+            "Object bytes sent to clients, by tier and transport (shm reads bypass the server).",
+            labels=["segment", "tier", "transport"],
+        )
+        served.add_metric([self._name, "dram", "tcp"], s.bytes_read)
+        served.add_metric([self._name, "ssd", "tcp"], s.ssd_bytes_served)
+        yield served
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_written_bytes",
+            "Payload bytes received into the region.",
+            self._name,
+            s.bytes_written,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_disk_read_bytes",
+            "Physical bytes this process read from storage (/proc/self/io), whatever the cause.",
+            self._name,
+            self._disk_bytes_read(),
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_ssd_read_bytes",
+            "Bytes the SSD tier's reads returned (records, headers, padding).",
+            self._name,
+            s.ssd_bytes_read,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_ssd_read_errors",
+            "Disk reads answered with an error.",
+            self._name,
+            s.ssd_read_errors,
+        )
+        yield _one(
+            CounterMetricFamily, "kvtier_segment_requests", "Data-plane requests handled.", self._name, s.requests
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_range_errors",
+            "Requests refused for a range outside the region.",
+            self._name,
+            s.range_errors,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_protocol_errors",
+            "Malformed frames (connection closed).",
+            self._name,
+            s.protocol_errors,
+        )
+        yield _one(
+            GaugeMetricFamily, "kvtier_segment_connections", "Open data-plane connections.", self._name, s.connections
+        )
+        yield _one(
+            GaugeMetricFamily,
+            "kvtier_segment_dram_capacity_bytes",
+            "Bytes of the DRAM region.",
+            self._name,
+            self._capacity,
+        )
+        worker = self._worker()
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_offloaded_bytes",
+            "Object bytes written DRAM to SSD (the offload direction, not serving).",
+            self._name,
+            worker.offloaded_bytes if worker is not None else 0,
+        )
+        if self._store is not None:
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_ssd_capacity_bytes",
+                "Bytes of the SSD tier.",
+                self._name,
+                self._store.capacity,
+            )
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_ssd_used_bytes",
+                "Bytes of bucket files.",
+                self._name,
+                self._store.used,
+            )
+        feed = self._feed()
+        yield _one(
+            GaugeMetricFamily,
+            "kvtier_segment_index_objects",
+            "Complete objects in this segment's DRAM index (what a restarted master rebuilds from).",
+            self._name,
+            len(feed.index) if feed is not None else 0,
+        )
+
+
+def _one(kind: type, name: str, documentation: str, segment: str, value: float) -> Metric:
+    family = kind(name, documentation, labels=["segment"])
+    family.add_metric([segment], value)
+    return family

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the master and the segment servers (issue 7, first part): present, moving,
+and honest about what a "hit" is."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(address: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_cluster):
+    bare_cluster.start_master("--metrics", "127.0.0.1:0")
+    seg = bare_cluster.start_segment("seg0", "64MiB", "--metrics", "127.0.0.1:0")
+    master_metrics, segment_metrics = bare_cluster.master.info["metrics"], seg.info["metrics"]
+    assert master_metrics.startswith("127.0.0.1:") and segment_metrics.startswith("127.0.0.1:")
+    client = bare_cluster.client(transport="tcp")
+    keys = [f"m/{i}" for i in range(40)]
+    values = [os.urandom(8192) for _ in keys]
+    assert not any(client.batch_put(keys, values))
+    client.batch_get(keys[:5])  # warm: connections open, code paths loaded
+
+    m0, s0 = scrape(master_metrics), scrape(segment_metrics)
+    assert client.batch_get(keys + ["m/absent"]) == values + [None]
+    found = client.batch_exists(keys[:10] + ["nope"])
+    assert found == [True] * 10 + [False]
+    m1, s1 = scrape(master_metrics), scrape(segment_metrics)
+
+    def delta(before, after, name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 41
+    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="GetReplicas") == 40
+    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="Exists") == 11
+    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="Exists") == 10
+    served = delta(s0, s1, "kvtier_segment_served_bytes_total", segment="seg0", tier="dram", transport="tcp")
+    assert served == 40 * 8192, "object bytes sent from DRAM over TCP"
+    assert delta(s0, s1, "kvtier_segment_served_bytes_total", segment="seg0", tier="ssd", transport="tcp") == 0
+    assert delta(s0, s1, "kvtier_segment_disk_read_bytes_total", segment="seg0") == 0, "served from RAM: no disk"
+    assert value(m1, "kvtier_master_rpc_latency_seconds_count", method="GetReplicas") >= 2
+    assert value(m1, "kvtier_master_rpc_requests_total", method="PutStart") >= 1
+    assert value(m1, "kvtier_master_objects", state="complete") == 40
+    assert value(m1, "kvtier_segment_used_bytes", segment="seg0", tier="dram") == 40 * 8192
+    assert value(m1, "kvtier_master_role", role="leader") == 1
+    assert value(s1, "kvtier_segment_index_objects", segment="seg0") == 40
+    for samples in (m1, s1):  # process figures of each service
+        assert value(samples, "process_open_fds") > 0
+        assert value(samples, "process_resident_memory_bytes") > 0
+        assert value(samples, "process_threads") >= 2
