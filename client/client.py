@@ -116,6 +116,7 @@ class Client:
         transport: str = "",
         instance: str = "",
         rank: int = 0,
+        metrics: bool | None = None,
     ) -> None:
         self.config = ClientConfig(
             master=master,
@@ -142,6 +143,10 @@ class Client:
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # records in flight on the segment); measured in docs/benchmarks.md.
         self._disk_streams = min(self.config.io_threads, self.config.connections_per_segment, 2)
+        if metrics if metrics is not None else ClientConfig.metrics_override():
+            from kvtier.client.metrics import track  # prometheus-client only when asked for
+
+            track(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -451,6 +456,7 @@ class Client:
             pos += count
         attempt = 0
         transferred: Counter[str] = Counter()  # bytes per tier
+        verified: Counter[str] = Counter()  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
         while replicas:
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
             for i, positions in replicas.items():
@@ -485,6 +491,8 @@ class Client:
                             out[i] = data if views is None else size
                             if sources is not None:
                                 sources[i] = f"{tier_name}/{path}"
+                            verified[f"served_{tier_name}_{path}"] += 1
+                            verified[f"served_bytes_{tier_name}_{path}"] += size
                             continue
                         status = _MISMATCH
                         self._count(checksum_mismatches=1)
@@ -506,6 +514,7 @@ class Client:
             misses=len(keys) - hits,
             bytes_read=sum(transferred.values()),
             **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
+            **verified,
         )
         return out
 

@@ -38,5 +38,10 @@ class ClientConfig:
         return self
 
     @staticmethod
+    def metrics_override() -> bool:
+        """KVTIER_CLIENT_METRICS=1: every Client of the process reports to Prometheus (kvtier.client.metrics)."""
+        return os.environ.get("KVTIER_CLIENT_METRICS", "").strip().lower() in ("1", "true", "yes", "on")
+
+    @staticmethod
     def transport_override() -> str:
         return os.environ.get("KVTIER_TRANSPORT", "").strip().lower()

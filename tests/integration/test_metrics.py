@@ -62,3 +62,36 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
         assert value(samples, "process_open_fds") > 0
         assert value(samples, "process_resident_memory_bytes") > 0
         assert value(samples, "process_threads") >= 2
+
+
+def test_client_metrics_count_objects_served_and_verified_by_tier_and_transport(cluster):
+    from prometheus_client import REGISTRY, generate_latest
+
+    def samples() -> dict:
+        out = {}
+        for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    namespace = f"cm{os.getpid()}"
+    shm = cluster.client(namespace=namespace, metrics=True)  # same host: shm
+    tcp = cluster.client(namespace=namespace, metrics=True, transport="tcp")
+    plain = cluster.client(namespace=namespace)  # not tracked
+    keys = [f"c/{i}" for i in range(8)]
+    assert not any(shm.batch_put(keys, [b"x" * 1000] * 8))
+    before = samples()
+    assert shm.batch_get(keys) == [b"x" * 1000] * 8
+    assert tcp.batch_get(keys[:3] + ["c/none"]) == [b"x" * 1000] * 3 + [None]
+    plain.batch_get(keys)
+    after = samples()
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted({"namespace": namespace, **labels}.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("kvtier_client_served_objects_total", tier="dram", transport="shm") == 8
+    assert delta("kvtier_client_served_objects_total", tier="dram", transport="tcp") == 3
+    assert delta("kvtier_client_served_bytes_total", tier="dram", transport="tcp") == 3000
+    assert delta("kvtier_client_gets_total") == 12 and delta("kvtier_client_misses_total") == 1
+    assert delta("kvtier_client_hits_total") == 11, "the untracked client is not counted"

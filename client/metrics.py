@@ -1,0 +1,84 @@
+"""Engine-side Prometheus metrics, opt-in: `Client(..., metrics=True)` or KVTIER_CLIENT_METRICS=1.
+
+One collector for the whole process, registered once in prometheus-client's
+default registry (the engine's own `/metrics` exposes it), summing every
+live tracked client by namespace. Counters come from `Client.stats()`; the
+client's hot paths only add to its own counters.
+
+What the engine side knows and the servers cannot: objects *served and
+verified* (checksum passed, handed to the caller), by tier and transport,
+including same-host `shm` copies that never pass through a segment server.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvtier.client.client import Client
+
+_clients: weakref.WeakSet = weakref.WeakSet()
+_lock = threading.Lock()
+_registered = False
+
+_SIMPLE = (
+    ("gets", "kvtier_client_gets", "Keys asked by gets."),
+    ("hits", "kvtier_client_hits", "Keys handed to the caller (served and verified)."),
+    ("misses", "kvtier_client_misses", "Keys that were misses (absent, unreachable or unverifiable)."),
+    ("checksum_mismatches", "kvtier_client_checksum_mismatches", "Copies whose bytes failed verification."),
+    ("puts", "kvtier_client_puts", "Keys put."),
+    ("put_failures", "kvtier_client_put_failures", "Keys whose put failed."),
+    ("bytes_written", "kvtier_client_written_bytes", "Object bytes written (every replica)."),
+    ("bytes_read", "kvtier_client_transferred_bytes", "Object bytes transferred to the client, verified or not."),
+)
+
+
+def track(client: Client) -> None:
+    global _registered
+    with _lock:
+        _clients.add(client)
+        first, _registered = not _registered, True
+    if first:  # outside the lock: registering collects once (to learn the metric names)
+        REGISTRY.register(_ClientCollector())
+
+
+class _ClientCollector(Collector):
+    def collect(self) -> Iterable[Metric]:
+        totals: dict[str, Counter] = {}
+        with _lock:
+            clients = list(_clients)
+        for client in clients:
+            totals.setdefault(client.namespace, Counter()).update(client.stats())
+        for stat, name, documentation in _SIMPLE:
+            family = CounterMetricFamily(name, documentation, labels=["namespace"])
+            for namespace, stats in sorted(totals.items()):
+                family.add_metric([namespace], stats.get(stat, 0))
+            yield family
+        served = CounterMetricFamily(
+            "kvtier_client_served_objects",
+            "Objects served and verified (checksum passed, handed to the caller), by tier and transport.",
+            labels=["namespace", "tier", "transport"],
+        )
+        served_bytes = CounterMetricFamily(
+            "kvtier_client_served_bytes",
+            "Bytes of objects served and verified, by tier and transport.",
+            labels=["namespace", "tier", "transport"],
+        )
+        for namespace, stats in sorted(totals.items()):
+            for key, count in sorted(stats.items()):
+                if key.startswith("served_bytes_"):
+                    tier, _, transport = key.removeprefix("served_bytes_").partition("_")
+                    served_bytes.add_metric([namespace, tier, transport], count)
+                elif key.startswith("served_"):
+                    tier, _, transport = key.removeprefix("served_").partition("_")
+                    served.add_metric([namespace, tier, transport], count)
+        yield served
+        yield served_bytes
