@@ -52,7 +52,7 @@ from kvtier.master.records import (
     object_name,
     replica,
 )
-from kvtier.proto.status import Status
+from kvtier.proto.status import Status, status_name
 
 if TYPE_CHECKING:
     from kvtier.master.state import MasterState, SegmentRecord
@@ -312,7 +312,7 @@ class Tiering:
             logger.warning(
                 "offload failed segment_id=%d status=%s: offload paused %.0fs",
                 task.segment_id,
-                Status(status).name if status in Status._value2member_map_ else status,
+                status_name(status),
                 OFFLOAD_BACKOFF_S,
             )
             self._offload_paused_until[task.segment_id] = state.clock() + OFFLOAD_BACKOFF_S

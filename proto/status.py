@@ -51,6 +51,11 @@ _GRPC_BY_NAME = {
 GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}
 
 
+def status_name(value: int) -> str:
+    """The name of a wire value for messages; the number itself when unknown (a newer peer)."""
+    return Status(value).name if value in Status._value2member_map_ else str(value)
+
+
 def to_status(value: int) -> Status:
     """Map a wire value to `Status`; unknown values (a newer peer) become INTERNAL."""
     try:

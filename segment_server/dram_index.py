@@ -31,7 +31,7 @@ import crc32c
 import grpc
 
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.status import Status
+from kvtier.proto.status import Status, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +183,6 @@ def report_dram_inventory(
             index.forget(refused)
             refused_total += len(refused)
     return len(items), refused_total
-
-
-def status_name(status: int) -> str:
-    return Status(status).name if status in Status._value2member_map_ else str(status)
 
 
 class InventoryRefused(Exception):

@@ -33,8 +33,8 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
-from kvtier.proto.status import Status
-from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory, status_name
+from kvtier.proto.status import Status, status_name
+from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 
 logger = logging.getLogger(__name__)
 
