@@ -1,14 +1,14 @@
 """The master's configuration: one dataclass of defaults, validated once at start.
 
-Loaded by the entry point from flags and `KVTIER_MASTER_*` environment variables
-(flags win); nothing deeper in the master reads the environment.
+Loaded by the entry point from a TOML file (`--config`), `KVTIER_MASTER_*` environment variables
+and flags (flags win; kvtier.proto.config); nothing deeper in the master reads the environment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.proto.config import load_config
+from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem
 from kvtier.proto.units import parse_hostport
 
@@ -89,11 +89,13 @@ class MasterConfig:
             parse_hostport(self.metrics)
         if self.etcd and self.state_dir:
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
+        check_log_level(self.log_level)
         return self
 
 
 def parse_args(argv: list[str] | None = None) -> MasterConfig:
-    """Build the config from defaults, `KVTIER_MASTER_<FIELD>` env vars, then flags; exit 2 when invalid."""
+    """Build the config from defaults, a `--config` TOML file, `KVTIER_MASTER_<FIELD>` env vars, then flags;
+    exit 2 when invalid."""
     return load_config(
         MasterConfig,
         prog="kvtier-master",

@@ -1,10 +1,13 @@
-"""Loading a service's config dataclass from defaults, environment and flags (flags win).
+"""Loading a service's config dataclass from defaults, a TOML file, environment and flags.
 
 Each service keeps its defaults in one frozen dataclass with a `validate()`
-method; `load_config` turns every field into a `--flag` (underscores become
-dashes) and a `<PREFIX><FIELD>` environment variable, converts values to the
-field's type, validates once, and on any error prints one line and exits
-with status 2.
+method. `load_config` turns every field into a `--flag` (underscores become
+dashes) and a `<PREFIX><FIELD>` environment variable, reads an optional TOML
+file (`--config PATH` or `<PREFIX>CONFIG`) whose top-level keys are the field
+names, and merges them: defaults < file < environment < flags. Values are
+converted to the field's type and validated once; any error prints one line
+naming the key and its source, and exits with status 2. `--print-config`
+prints the effective config as TOML and exits 0.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
+import tomllib
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def write_ready_file(path: str, info: dict) -> None:
@@ -26,6 +33,11 @@ def write_ready_file(path: str, info: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_log_level(level: str) -> None:
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {level!r}")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse that reports errors as one line (no usage dump) and exits with status 2."""
 
@@ -33,41 +45,125 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _from_text(kind: type, text: str) -> Any:
+    """A flag's or environment variable's text as the field's type; ValueError when it is not one."""
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError
+        return lowered in ("1", "true", "yes", "on")
+    return kind(text)
+
+
+def _from_toml(kind: type, value: Any) -> Any:
+    """A TOML value as the field's type. Numbers are accepted for size strings ("dram = 1073741824"),
+    integers for floats; nothing else is converted (a quoted number for a number is a mistake)."""
+    if kind is bool and isinstance(value, bool):
+        return value
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError
+
+
+_TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
 def _converter(kind: type, name: str):
     def convert(text: str) -> Any:
         try:
-            if kind is bool:
-                lowered = text.strip().lower()
-                if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError
-                return lowered in ("1", "true", "yes", "on")
-            return kind(text)
+            return _from_text(kind, text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value for {name}: {text!r}") from None
 
     return convert
 
 
+def _read_file(path: str, kinds: dict[str, type]) -> dict[str, Any]:
+    """The config file's values by field name; ValueError with one line naming the problem."""
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for key, value in document.items():
+        if key not in kinds:
+            hint = f" (did you mean {key.replace('-', '_')!r}?)" if key.replace("-", "_") in kinds else ""
+            raise ValueError(f"config file {path}: unknown key {key!r}{hint}")
+        try:
+            values[key] = _from_toml(kinds[key], value)
+        except ValueError:
+            raise ValueError(f"config file {path}: {key} must be {_TYPE_NAMES[kinds[key]]}, got {value!r}") from None
+    return values
+
+
+def to_toml(config: Any) -> str:
+    """The config as TOML, one `key = value` per field (the input `--config` takes)."""
+    lines = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = json.dumps(value)  # a JSON string is a valid TOML basic string
+        else:
+            text = repr(value)
+        lines.append(f"{field.name} = {text}")
+    return "\n".join(lines) + "\n"
+
+
 def load_config(cls: type[T], *, prog: str, description: str, env_prefix: str, argv: list[str] | None) -> T:
     parser = OneLineArgumentParser(prog=prog, description=description)
     defaults = cls()
-    env_values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        value = getattr(defaults, field.name)
-        kind = type(value)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    kinds = {field.name: type(getattr(defaults, field.name)) for field in fields}
+    config_env = f"{env_prefix}CONFIG"
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=os.environ.get(config_env, ""),
+        help=f"TOML file whose keys are the options below with underscores (env {config_env})",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the effective config as TOML and exit")
+    for field in fields:
         flag = "--" + field.name.replace("_", "-")
         env_name = f"{env_prefix}{field.name.upper()}"
-        if env_name in os.environ:
-            try:
-                env_values[field.name] = _converter(kind, env_name)(os.environ[env_name])
-            except argparse.ArgumentTypeError as exc:
-                parser.error(str(exc))
         parser.add_argument(
-            flag, type=_converter(kind, flag), default=None, help=f"env {env_name} (default: {value!r})"
+            flag,
+            type=_converter(kinds[field.name], flag),
+            default=None,
+            help=f"env {env_name} (default: {getattr(defaults, field.name)!r})",
         )
     opts = parser.parse_args(argv)
-    values = {**env_values, **{k: v for k, v in vars(opts).items() if v is not None}}
     try:
-        return cls(**values).validate()  # type: ignore[attr-defined]
+        file_values = _read_file(opts.config, kinds) if opts.config else {}
     except ValueError as exc:
         parser.error(str(exc))
+    env_values: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        env_name = f"{env_prefix}{name.upper()}"
+        if env_name in os.environ:
+            try:
+                env_values[name] = _from_text(kind, os.environ[env_name])
+            except ValueError:
+                parser.error(f"invalid {kind.__name__} value for {env_name}: {os.environ[env_name]!r}")
+    flag_values = {k: v for k, v in vars(opts).items() if k in kinds and v is not None}
+    values = {**file_values, **env_values, **flag_values}
+    try:
+        config = cls(**values).validate()  # type: ignore[attr-defined]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if opts.print_config:
+        source = f" from {opts.config}" if opts.config else ""
+        sys.stdout.write(f"# {prog}: effective config{source}, environment and flags\n{to_toml(config)}")
+        sys.stdout.flush()
+        parser.exit(0)
+    return config

@@ -1,7 +1,7 @@
 """The segment server's configuration: one dataclass of defaults, validated once at start.
 
-Loaded by the entry point from flags and `KVTIER_SEGMENT_*` environment
-variables (flags win); nothing deeper reads the environment.
+Loaded by the entry point from a TOML file (`--config`), `KVTIER_SEGMENT_*` environment
+variables and flags (flags win; kvtier.proto.config); nothing deeper reads the environment.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
-from kvtier.proto.config import load_config
+from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem, segment_name_problem
 from kvtier.proto.units import check_master_spec, parse_hostport, parse_size
 
@@ -87,6 +87,7 @@ class SegmentConfig:
             raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:
             raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
+        check_log_level(self.log_level)
         return self
 
     def with_defaults(self) -> SegmentConfig:
@@ -99,7 +100,8 @@ class SegmentConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> SegmentConfig:
-    """Build the config from defaults, `KVTIER_SEGMENT_<FIELD>` env vars, then flags; exit 2 when invalid."""
+    """Build the config from defaults, a `--config` TOML file, `KVTIER_SEGMENT_<FIELD>` env vars, then flags;
+    exit 2 when invalid."""
     return load_config(
         SegmentConfig,
         prog="kvtier-segment",
