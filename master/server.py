@@ -127,6 +127,16 @@ class Roles:
                 state.saved_state_stale = True
 
 
+def _readiness(handlers: MasterHandlers) -> str:
+    """`/readyz`: ready only while this master answers data RPCs, so a Service routes to the leader."""
+    role = handlers.role
+    if role == "leader":
+        return ""
+    if role == "standby":
+        return f"standby; leader={handlers.leadership.leader() or 'unknown'}"
+    return f"recovering: master epoch {handlers.epoch} is waiting for segment inventories"
+
+
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     state = MasterState(config)
@@ -176,7 +186,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         from kvtier.proto.metrics import serve_metrics
 
         try:
-            metrics_address = serve_metrics(config.metrics, MasterCollector(handlers, loop))
+            metrics_address = serve_metrics(
+                config.metrics, MasterCollector(handlers, loop), readiness=lambda: _readiness(handlers)
+            )
         except OSError as exc:
             await server.stop(grace=None)
             raise SystemExit(f"kvtier-master: cannot bind metrics {config.metrics}: {exc.strerror}") from None

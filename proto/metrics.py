@@ -4,17 +4,23 @@ Each service gives a collector that reads its own counters at scrape time:
 nothing on a hot path touches prometheus-client. The HTTP listener binds
 exactly the address it is given, on its own thread; `/metrics` also carries
 the process's CPU, RSS and open fds (prometheus-client's process collector)
-and its thread count.
+and its thread count. The same listener answers the probes of service
+managers: `/healthz` (200 while the process serves HTTP) and `/readyz` (200
+when the service's `readiness` callback has no objection, else 503 and the
+reason, one line).
 """
 
 from __future__ import annotations
 
 import bisect
+import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -56,13 +62,49 @@ class _Threads(Collector):
         yield GaugeMetricFamily("process_threads", "Threads of this process.", value=threading.active_count())
 
 
-def serve_metrics(listen: str, collector: Collector) -> str:
-    """Serve `/metrics` on exactly `listen` (HOST:PORT, port 0 = any); the bound address."""
+class _HttpServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stuck scraper never holds up shutdown
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # scrapes are not log lines
+        pass
+
+
+def _probe_app(metrics_app: Callable, readiness: Callable[[], str]) -> Callable:
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        if path == "/readyz":
+            try:
+                reason = readiness()
+            except Exception as exc:  # a probe must answer, and say why
+                reason = f"readiness check failed: {exc}"
+            if reason:
+                start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [reason.encode() + b"\n"]
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ready\n"]
+        return metrics_app(environ, start_response)
+
+    return app
+
+
+def serve_metrics(listen: str, collector: Collector, readiness: Callable[[], str] = lambda: "") -> str:
+    """Serve `/metrics`, `/healthz` and `/readyz` on exactly `listen` (HOST:PORT, port 0 = any); the
+    bound address. `readiness` returns "" when ready, else why not (called on the HTTP thread)."""
     host, port = parse_hostport(listen)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     registry.register(_Threads())
     registry.register(collector)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_HttpServer,), {"address_family": family})
+    server = make_server(
+        host, port, _probe_app(make_wsgi_app(registry), readiness), server_class, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True).start()
     bound_host, bound_port = server.server_address[:2]
     return f"{bound_host}:{bound_port}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 0.5
 _RPC_TIMEOUT_S = 2.0
+_READY_SILENCE_S = 5.0  # unanswered heartbeats for this long: not ready (the master expels later)
 
 
 class MasterChannels:
@@ -119,6 +121,7 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
         self._interval_s = 1.0
+        self._last_heartbeat = time.monotonic()  # of the last heartbeat (or mount) the master answered
         # The verified index while no mount holds (it cannot change then): retried mounts against a
         # master that is still away do not verify every byte again.
         self._verified: list | None = None
@@ -135,6 +138,15 @@ class MasterLink:
 
     def session(self) -> tuple[int, int]:
         return self._index.session
+
+    def readiness(self) -> str:
+        """`/readyz`: "" while mounted and heard by the master, else why not (any thread)."""
+        if not self._index.session[0]:
+            return "not mounted on a master"
+        silent_s = time.monotonic() - self._last_heartbeat
+        if silent_s > max(_READY_SILENCE_S, 3 * self._interval_s):
+            return f"mounted, but no heartbeat answered for {silent_s:.1f}s"
+        return ""
 
     def start(self) -> None:
         self._thread.start()
@@ -176,6 +188,7 @@ class MasterLink:
                         )
                         self._index.set_session((0, 0))
                         continue
+                self._last_heartbeat = time.monotonic()
                 backoff = _BACKOFF_MIN_S
                 self._stop.wait(self._interval_s)
             except (grpc.RpcError, InventoryRefused, _Retry) as exc:
@@ -223,6 +236,7 @@ class MasterLink:
         if done.status != Status.OK:
             raise InventoryRefused(f"ReportDramObjects(done): {status_name(done.status)}: {done.error}")
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
+        self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",

@@ -107,7 +107,7 @@ async def serve(config: SegmentConfig) -> int:
                 config.name, stats, _disk_bytes_read, region.capacity, store, lambda: worker, lambda: feed
             )
             try:
-                metrics_address = serve_metrics(config.metrics, collector)
+                metrics_address = serve_metrics(config.metrics, collector, readiness=link.readiness)
             except OSError as exc:
                 fatal.append((f"cannot bind metrics {config.metrics}: {exc.strerror}", 1))
                 stop.set()

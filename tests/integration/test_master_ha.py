@@ -14,6 +14,7 @@ from kvtier.proto import master_pb2_grpc
 from kvtier.proto.discovery import leader_hint
 from kvtier.proto.status import Status
 from tests.integration.test_master_restart import check_final_state, finish_load, start_load
+from tests.integration.test_metrics import probe
 from tests.load_worker import expected_value
 
 TTL = "2"  # etcd lease seconds: failover takes about this long
@@ -50,7 +51,9 @@ def _leader(cluster, timeout: float = 15.0) -> str:
 
 @pytest.fixture
 def ha(bare_cluster, etcd):
-    bare_cluster.start_ha_masters(etcd.endpoint, 3, "--etcd-lease-ttl-s", TTL, "--recovery-timeout-s", "3")
+    bare_cluster.start_ha_masters(
+        etcd.endpoint, 3, "--etcd-lease-ttl-s", TTL, "--recovery-timeout-s", "3", "--metrics", "127.0.0.1:0"
+    )
     leader = _leader(bare_cluster)
     bare_cluster.start_segment("seg0")
     bare_cluster.start_segment("seg1")
@@ -65,12 +68,16 @@ def test_one_leader_and_standbys_refuse_with_its_address(ha):
     assert client.get("k") == b"v"
     roles = _roles(ha)
     assert sorted(roles.values()) == ["leader", "standby", "standby"]
+    assert probe(ha.masters[ha.leader].info["metrics"], "/readyz") == (200, "ready\n")
     leader_address = ha.masters[ha.leader].info["address"]
     for name, proc in ha.masters.items():
         if name == ha.leader:
             continue
         hello = _hello(proc.info["address"])
         assert hello.role == "standby" and hello.leader == leader_address
+        # Readiness routes a Service to the leader only: a standby is alive but not ready.
+        assert probe(proc.info["metrics"], "/healthz")[0] == 200
+        assert probe(proc.info["metrics"], "/readyz") == (503, f"standby; leader={leader_address}\n")
         with grpc.insecure_channel(proc.info["address"]) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             reply = stub.PutStart(pb.PutStartRequest(namespace="default", keys=["x"], sizes=[10], replicas=1))

@@ -4,6 +4,7 @@ and honest about what a "hit" is."""
 from __future__ import annotations
 
 import os
+import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -95,3 +96,41 @@ def test_client_metrics_count_objects_served_and_verified_by_tier_and_transport(
     assert delta("kvtier_client_served_bytes_total", tier="dram", transport="tcp") == 3000
     assert delta("kvtier_client_gets_total") == 12 and delta("kvtier_client_misses_total") == 1
     assert delta("kvtier_client_hits_total") == 11, "the untracked client is not counted"
+
+
+def probe(address: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_health_and_readiness_probes_follow_the_service_state(bare_cluster, tmp_path):
+    master_args = ("--metrics", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"), "--recovery-timeout-s", "60")
+    bare_cluster.start_master(*master_args)
+    seg = bare_cluster.start_segment("seg0", "16MiB", "--metrics", "127.0.0.1:0")
+    master_http, segment_http = bare_cluster.master.info["metrics"], seg.info["metrics"]
+    assert probe(master_http, "/healthz") == (200, "ok\n")
+    assert probe(master_http, "/readyz") == (200, "ready\n")
+    assert probe(segment_http, "/readyz") == (200, "ready\n")
+    assert "kvtier_master_role" in probe(master_http, "/metrics")[1]
+
+    # A restarted master is alive but not ready while it waits for the saved segment's inventory.
+    bare_cluster.kill(seg)
+    master = bare_cluster.restart_master(*master_args)
+    master_http = master.info["metrics"]
+    assert probe(master_http, "/healthz")[0] == 200
+    code, reason = probe(master_http, "/readyz")
+    assert code == 503 and reason.startswith("recovering"), reason
+    seg = bare_cluster.start_segment("seg0", "16MiB", "--metrics", "127.0.0.1:0")
+    assert bare_cluster.wait_for(lambda: probe(master_http, "/readyz")[0] == 200)
+    segment_http = seg.info["metrics"]
+    assert probe(segment_http, "/readyz")[0] == 200
+
+    # A segment whose master stopped answering is no longer ready (it still runs: healthz stays 200).
+    bare_cluster.kill(master)
+    assert bare_cluster.wait_for(lambda: probe(segment_http, "/readyz")[0] == 503, timeout=15)
+    code, reason = probe(segment_http, "/readyz")
+    assert "no heartbeat answered" in reason or "not mounted" in reason, reason
+    assert probe(segment_http, "/healthz")[0] == 200
