@@ -9,15 +9,12 @@ import sys
 
 from kvtier.master.config import parse_args
 from kvtier.master.server import serve
+from kvtier.proto.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s level=%(levelname)s component=master logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging("master", config.log_level)
     # A master holds millions of long-lived records: with the default thresholds (700 allocations)
     # the cyclic collector keeps walking them and took a quarter of the master's CPU at 1M objects
     # (docs/benchmarks.md). Young collections 100x rarer; the records hold no cycles that matter.

@@ -20,11 +20,16 @@ class KvtierError(Exception):
     """A failed kvtier operation; `status` says which kind of failure."""
 
     retryable = False
+    request_id = ""  # of the client call that failed (kvtier.proto.logs): find it in server logs
 
     def __init__(self, status: Status, message: str = "") -> None:
         self.status = Status(status)
         self.message = message or self.status.name
         super().__init__(f"{self.status.name}: {self.message}")
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text} (request_id={self.request_id})" if self.request_id else text
 
 
 class InvalidKeyError(KvtierError, ValueError):

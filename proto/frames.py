@@ -8,6 +8,12 @@ successful READ the ranges' bytes concatenated, for an error (status < 0) a
 UTF-8 message. Responses come in request order; `request_id` echoes the
 request's so a pipelining client can check the pairing.
 
+A request whose flags have FLAG_TRACED set carries the client's request id
+(kvtier.proto.logs: the id the client's master calls and errors carry too) as
+the first entry of its range table, (request id, 0), counted in `nranges`;
+the ranges follow it. The server logs it with anything it reports about the
+request.
+
     request   magic:u16 version:u8 op:u8 request_id:u32 nranges:u32 flags:u32 payload_len:u64
     range     offset:u64 length:u64
     response  magic:u16 version:u8 op:u8 request_id:u32 status:i32 flags:u32 payload_len:u64
@@ -50,6 +56,8 @@ MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
 MAX_DISK_NAME = 2 + 256 + 1 + 1024  # namespace (<= 256 bytes), NUL, key (<= 1024 bytes)
 DISK_STATUS = struct.Struct("<i")
 
+FLAG_TRACED = 1  # the range table starts with (request id, 0)
+
 
 class Op(enum.IntEnum):
     WRITE = 1  # ranges + payload -> empty OK response once every byte is in the region
@@ -58,12 +66,15 @@ class Op(enum.IntEnum):
     READ_DISK = 4  # (location, size) ranges + object names -> per range: status, size bytes
 
 
-def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0) -> bytes:
-    """Header plus range table of one request, ready to send before any payload."""
+def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0, trace: int = 0) -> bytes:
+    """Header plus range table of one request, ready to send before any payload; with `trace` (the
+    client's request id, nonzero) the table starts with its trace entry."""
     flat = [v for pair in ranges for v in pair]
-    return REQUEST.pack(MAGIC, VERSION, op, request_id, len(ranges), 0, payload_len) + struct.pack(
-        f"<{len(flat)}Q", *flat
-    )
+    if trace:
+        flat[:0] = (trace, 0)
+    return REQUEST.pack(
+        MAGIC, VERSION, op, request_id, len(flat) // 2, FLAG_TRACED if trace else 0, payload_len
+    ) + struct.pack(f"<{len(flat)}Q", *flat)
 
 
 def pack_response(op: int, request_id: int, status: int, payload_len: int = 0) -> bytes:

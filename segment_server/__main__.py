@@ -6,17 +6,14 @@ import asyncio
 import logging
 import sys
 
+from kvtier.proto.logs import setup_logging
 from kvtier.segment_server.config import parse_args
 from kvtier.segment_server.server import FdLimitError, serve
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s level=%(levelname)s component=segment logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging("segment", config.log_level)
     try:
         import uvloop
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
+from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, RecordError
 from kvtier.segment_server.diskio import BufferPool, DiskEngine, read_fully
@@ -63,8 +64,11 @@ class DiskReader:
         ranges: Sequence[int],
         names: list[tuple[str, str]],
         stats: DataPlaneStats,
+        trace: int = 0,
     ) -> None:
-        """Answer one READ_DISK request on `transport` (see kvtier.proto.frames)."""
+        """Answer one READ_DISK request on `transport` (see kvtier.proto.frames); `trace` is the
+        client's request id, on every line logged for this request (this task's context)."""
+        current_request_id.set(trace)
         count = len(names)
         sizes = ranges[1::2]
         reads: dict[int, asyncio.Task] = {}

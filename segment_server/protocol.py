@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
-from kvtier.proto.status import Status
+from kvtier.proto.logs import format_request_id
+from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         # Current request.
         self._op = 0
         self._request_id = 0
+        self._flags = 0
+        self._trace = 0  # the client's request id (FLAG_TRACED), for logs
         self._nranges = 0
         self._payload_len = 0
         self._ranges: tuple[int, ...] = ()
@@ -154,7 +157,11 @@ class DataProtocol(asyncio.BufferedProtocol):
         elif state == _HEADER:
             self._on_header()
         elif state == _RANGES:
-            self._ranges = frames.unpack_ranges(self._table, self._nranges)
+            ranges = frames.unpack_ranges(self._table, self._nranges)
+            if self._flags & frames.FLAG_TRACED:
+                self._trace, ranges = ranges[0], ranges[2:]
+                self._nranges -= 1
+            self._ranges = ranges
             self._on_request()
         elif state == _NAMES:
             self._on_disk_request()
@@ -167,8 +174,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._need = frames.REQUEST.size
 
     def _on_header(self) -> None:
-        magic, version, op, request_id, nranges, _flags, payload_len = frames.REQUEST.unpack(self._header)
-        self._op, self._request_id = op, request_id
+        magic, version, op, request_id, nranges, flags, payload_len = frames.REQUEST.unpack(self._header)
+        self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
         if magic != frames.MAGIC or version != frames.VERSION:
             return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
         if op not in _OPS:
@@ -177,6 +184,8 @@ class DataProtocol(asyncio.BufferedProtocol):
             return self._fatal(f"{nranges} ranges in one frame; the limit is {frames.MAX_RANGES_PER_FRAME}")
         if op == Op.WRITE and payload_len > self._capacity:
             return self._fatal(f"write payload of {payload_len} bytes exceeds the region ({self._capacity})")
+        if flags & frames.FLAG_TRACED and nranges == 0:
+            return self._fatal("a traced frame without its trace entry")
         if op == Op.READ_DISK:
             if payload_len > nranges * frames.MAX_DISK_NAME:
                 return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
@@ -266,13 +275,27 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._drain_status, self._drain_message = status, message
 
     def _send_error(self, status: int, message: str) -> None:
+        if status != Status.PROTOCOL_ERROR:  # _fatal logged those
+            logger.warning(
+                "request refused peer=%s op=%s status=%s detail=%s",
+                self._transport.get_extra_info("peername"),
+                self._op,
+                status_name(status),
+                message,
+                extra={"rid": format_request_id(self._trace)},
+            )
         data = message.encode()[: frames.MAX_ERROR_MESSAGE]
         self._transport.write(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
 
     def _fatal(self, message: str) -> None:
         self._stats.protocol_errors += 1
         peer = self._transport.get_extra_info("peername")
-        logger.warning("protocol error peer=%s: %s; closing connection", peer, message)
+        logger.warning(
+            "protocol error, closing the connection peer=%s detail=%s",
+            peer,
+            message,
+            extra={"rid": format_request_id(self._trace)},
+        )
         self._send_error(Status.PROTOCOL_ERROR, message)
         self._state = _CLOSED
         self._transport.close()
@@ -301,7 +324,7 @@ class DataProtocol(asyncio.BufferedProtocol):
         if not self._write_paused:
             self._drained.set()
         task = asyncio.get_running_loop().create_task(
-            self._disk.serve(self._transport, self._drained, self._request_id, ranges, names, self._stats)
+            self._disk.serve(self._transport, self._drained, self._request_id, ranges, names, self._stats, self._trace)
         )
         task.add_done_callback(self._disk_done)
 

@@ -24,6 +24,7 @@ from kvtier.client.transport.base import Buffer
 from kvtier.proto import frames
 from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
 from kvtier.proto.frames import Op
+from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, to_status
 from kvtier.proto.units import parse_hostport
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 _OK = 0
 _CHUNK = 512 << 10  # per socket call when checksumming on the way: fits in L2 with room to spare
 _FAILED = int(Status.TRANSFER_FAILED)
+_MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the trace (request id)
 
 
 class TcpConnector:
@@ -54,7 +56,7 @@ class TcpConnector:
         frame_bytes = frame_bytes or self._frame_bytes
         start, payload = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (payload + size > frame_bytes or i - start >= frames.MAX_RANGES_PER_FRAME):
+            if i > start and (payload + size > frame_bytes or i - start >= _MAX_RANGES):
                 yield start, i
                 start, payload = i, 0
             payload += size
@@ -85,6 +87,7 @@ class TcpConnector:
         """
         sizes = [r[1] if isinstance(r[1], int) else len(r[1]) for r in ranges]
         results: list = [_FAILED] * len(ranges)
+        trace = current_request_id.get()  # the client call's id: the segment logs it
         try:
             with self._pool.socket() as sock:
                 sent = []
@@ -92,7 +95,7 @@ class TcpConnector:
                     request_id = next(self._request_ids)
                     table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
                     payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
-                    buffers: list = [frames.pack_request(op, request_id, table, payload_len)]
+                    buffers: list = [frames.pack_request(op, request_id, table, payload_len, trace)]
                     if op == Op.WRITE and checksums is not None:
                         for i in range(start, end):
                             view = ranges[i][1]
@@ -174,6 +177,7 @@ class TcpConnector:
         sizes = [item[1] for item in items]
         results: list = [_FAILED] * len(items)
         status_buf = bytearray(frames.DISK_STATUS.size)
+        trace = current_request_id.get()  # the client call's id: the segment logs it
         try:
             with self._pool.socket() as sock:
                 # One frame at a time, not pipelined: the segment stops reading while it serves a
@@ -184,7 +188,7 @@ class TcpConnector:
                     request_id = next(self._request_ids)
                     names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
                     table = [(items[i][0], sizes[i]) for i in range(start, end)]
-                    send_all(sock, [frames.pack_request(Op.READ_DISK, request_id, table, len(names)), names])
+                    send_all(sock, [frames.pack_request(Op.READ_DISK, request_id, table, len(names), trace), names])
                     status, payload_len = self._read_response(sock, request_id, header)
                     if status != _OK:
                         message = self._error_message(sock, payload_len)

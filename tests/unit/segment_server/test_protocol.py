@@ -458,15 +458,18 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
     out: list[tuple[int, int, int, bytes | None]] = []
     pos = 0
     while len(data) - pos >= 24:
-        magic, version, op, rid, nranges, _flags, payload_len = frames.REQUEST.unpack_from(data, pos)
+        magic, version, op, rid, nranges, flags, payload_len = frames.REQUEST.unpack_from(data, pos)
         pos += 24
+        traced = flags & frames.FLAG_TRACED
         if (
             magic != MAGIC
             or version != VERSION
-            or op not in (1, 2, 3)
+            or op not in (1, 2, 3, 4)
             or nranges > frames.MAX_RANGES_PER_FRAME
             or (op == Op.WRITE and payload_len > capacity)
-            or (op != Op.WRITE and payload_len)
+            or (traced and nranges == 0)
+            or (op == Op.READ_DISK and payload_len > nranges * frames.MAX_DISK_NAME)
+            or (op not in (Op.WRITE, Op.READ_DISK) and payload_len)
         ):
             out.append((op, rid, Status.PROTOCOL_ERROR, None))
             return region, out, True
@@ -474,7 +477,18 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
             break
         flat = struct.unpack_from(f"<{2 * nranges}Q", data, pos)
         pos += 16 * nranges
-        ranges = list(zip(flat[::2], flat[1::2], strict=True))
+        ranges = list(zip(flat[::2], flat[1::2], strict=True))[1 if traced else 0 :]  # the trace entry
+        if op == Op.READ_DISK:  # this segment has no SSD tier: well-formed names get NOT_FOUND
+            if len(data) - pos < payload_len:
+                break
+            try:
+                frames.unpack_disk_names(data[pos : pos + payload_len], len(ranges))
+            except (ValueError, UnicodeDecodeError):
+                out.append((op, rid, Status.PROTOCOL_ERROR, None))
+                return region, out, True
+            pos += payload_len
+            out.append((op, rid, Status.NOT_FOUND, None))
+            continue
         bad = any(offset + length > capacity for offset, length in ranges)
         total = sum(length for _, length in ranges)
         if op == Op.PING:
