@@ -22,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.master.servicer import MasterHandlers
-from kvtier.proto.metrics import LatencyHistogram, histogram_family
+from kvtier.proto.latency import LatencyHistogram
+from kvtier.proto.metrics import histogram_family
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class _Snapshot:
     pending: int
     segments: list[tuple]  # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age)
     evictions: dict[str, tuple[int, int]]
+    lease_expiries: dict[str, int]
     tiering: dict[str, int]
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
@@ -81,6 +83,7 @@ class MasterCollector(Collector):
                 for s in snap.segments
             ],
             evictions={reason: (objects, size) for reason, (objects, size) in state.evictions.items()},
+            lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             tiering=dict(state.tiering.counters) | dict(state.commits.counters),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
@@ -160,6 +163,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         evicted_bytes.add_metric([reason], size)
     yield evicted
     yield evicted_bytes
+    yield counter(
+        "kvtier_master_lease_expiries",
+        "Leases that ran out: put (PutStart never ended, reclaimed), segment (expelled for silence), "
+        "tier_task (an offload or promotion not reported in time).",
+        "kind",
+        s.lease_expiries,
+    )
     yield counter(
         "kvtier_master_tiering", "Tiering and commit-log events (offloads, promotions, ...).", "event", s.tiering
     )

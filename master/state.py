@@ -210,6 +210,8 @@ class MasterState:
         # With a state store, a new segment takes allocations only once its name is saved.
         self.save_mounts = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
+        # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
+        self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)
         # Random start per incarnation: a late PutEnd or PutRevoke of the previous one never matches.
         self._put_ids = itertools.count(random.getrandbits(62) + 1)
@@ -330,6 +332,8 @@ class MasterState:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
+        if reason in EXPULSIONS:
+            self.lease_expiries["segment"] += 1
         if reason in EXPULSIONS and self.commits.keeps_index(segment_id):
             self.expelled.add(segment.name)  # its index misses what happens from now on
             self.state_generation += 1
@@ -751,6 +755,7 @@ class MasterState:
             )
             del self._objects[name]
             self._delete(record)
+            self.lease_expiries["put"] += 1
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
             segment = self.segments.get(segment_id)
@@ -823,6 +828,10 @@ class MasterState:
 
     def named_records(self) -> Iterable[tuple[str, ObjectRecord]]:
         return itertools.chain(self._objects.items(), self._disk_only.items())
+
+    def names(self) -> Iterable[str]:
+        """Every object name (kvtier.master.records.object_name), in no useful order."""
+        return itertools.chain(self._objects, self._disk_only)
 
     def _lookup(self, name: str) -> ObjectRecord | None:
         return self._objects.get(name) or self._disk_only.get(name)

@@ -488,6 +488,8 @@ class Tiering:
                 "tier task expired task_id=%d kind=%s segment_id=%d", task.task_id, task.kind.name, task.segment_id
             )
             self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0])
+        if expired:
+            self.counters["expired_tasks"] += len(expired)
 
     def segment_dropped(self, segment_id: int) -> None:
         """Forget every task of a segment that is gone (its ranges went with its allocator)."""

@@ -6,7 +6,8 @@
 Call sites keep the stdlib logger and write their message as an event followed by
 `key=value` pairs (`logger.info("segment mounted id=%d name=%s", ...)`); the
 formatter splits the event from the pairs and quotes every value that needs it, so
-a value with spaces stays one field. Tracebacks are one quoted `exc=` field, so a
+a value with spaces stays one field; a value that may itself contain `k=v` text
+goes in `extra={"fields": {...}}` instead. Tracebacks are one quoted `exc=` field, so a
 log line is always one line.
 
 `rid` is the request id of the client call being served. A client numbers its
@@ -76,6 +77,10 @@ class KeyValueFormatter(logging.Formatter):
             fields.append(f"rid={quote(rid)}")
         fields.append(f"msg={quote(event)}")
         fields.extend(f"{key}={quote(value)}" for key, value in pairs)
+        # Values that may hold anything (an error text with its own "k=v" in it) come as a dict,
+        # `logger.warning("request refused", extra={"fields": {"detail": text}})`, never split.
+        extra = getattr(record, "fields", None) or {}
+        fields.extend(f"{key}={quote(str(value))}" for key, value in extra.items())
         if record.exc_info:
             fields.append(f"exc={quote(self.formatException(record.exc_info))}")
         return " ".join(fields)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.segment_server.buckets import BucketStore
@@ -53,6 +53,14 @@ class SegmentCollector(Collector):
         served.add_metric([self._name, "dram", "tcp"], s.bytes_read)
         served.add_metric([self._name, "ssd", "tcp"], s.ssd_bytes_served)
         yield served
+        latency = HistogramMetricFamily(
+            "kvtier_segment_request_latency_seconds",
+            "Data-path latency per op: request header received to response queued (completed requests).",
+            labels=["segment", "op"],
+        )
+        for op, histogram in sorted(s.latency.items()):
+            latency.add_metric([self._name, op], histogram.buckets(), histogram.total)
+        yield latency
         yield _one(
             CounterMetricFamily,
             "kvtier_segment_written_bytes",

@@ -30,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
+from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.logs import format_request_id
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
@@ -58,6 +60,11 @@ class DataPlaneStats:
     ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
     range_errors: int = 0
     protocol_errors: int = 0
+    # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
+    # the region; READ_DISK: the last record queued). Completed requests only.
+    latency: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK")}
+    )
 
 
 class DataProtocol(asyncio.BufferedProtocol):
@@ -176,6 +183,7 @@ class DataProtocol(asyncio.BufferedProtocol):
     def _on_header(self) -> None:
         magic, version, op, request_id, nranges, flags, payload_len = frames.REQUEST.unpack(self._header)
         self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
+        self._started = time.perf_counter()
         if magic != frames.MAGIC or version != frames.VERSION:
             return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
         if op not in _OPS:
@@ -246,6 +254,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                     parts.append(region[ranges[i] : ranges[i] + ranges[i + 1]])
             self._transport.writelines(parts)
             self._stats.bytes_read += total
+            self._stats.latency["READ"].observe(time.perf_counter() - self._started)
             self._start_header()
         else:  # PING
             self._transport.write(frames.pack_response(op, self._request_id, 0))
@@ -264,6 +273,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             self._need = ranges[2 * index + 1]
             return
         self._transport.write(frames.pack_response(Op.WRITE, self._request_id, 0))
+        self._stats.latency["WRITE"].observe(time.perf_counter() - self._started)
         self._start_header()
 
     def _drain(self, status: Status, message: str) -> None:
@@ -277,24 +287,30 @@ class DataProtocol(asyncio.BufferedProtocol):
     def _send_error(self, status: int, message: str) -> None:
         if status != Status.PROTOCOL_ERROR:  # _fatal logged those
             logger.warning(
-                "request refused peer=%s op=%s status=%s detail=%s",
-                self._transport.get_extra_info("peername"),
-                self._op,
-                status_name(status),
-                message,
-                extra={"rid": format_request_id(self._trace)},
+                "request refused",
+                extra={
+                    "rid": format_request_id(self._trace),
+                    "fields": {
+                        "peer": self._peer(),
+                        "op": Op(self._op).name if self._op in _OPS else self._op,
+                        "status": status_name(status),
+                        "detail": message,
+                    },
+                },
             )
         data = message.encode()[: frames.MAX_ERROR_MESSAGE]
         self._transport.write(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
 
+    def _peer(self) -> str:
+        peer = self._transport.get_extra_info("peername")
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
     def _fatal(self, message: str) -> None:
         self._stats.protocol_errors += 1
-        peer = self._transport.get_extra_info("peername")
+        peer = self._peer()
         logger.warning(
-            "protocol error, closing the connection peer=%s detail=%s",
-            peer,
-            message,
-            extra={"rid": format_request_id(self._trace)},
+            "protocol error, closing the connection",
+            extra={"rid": format_request_id(self._trace), "fields": {"peer": peer, "detail": message}},
         )
         self._send_error(Status.PROTOCOL_ERROR, message)
         self._state = _CLOSED
@@ -338,6 +354,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             return
         if self._state == _CLOSED or self._transport is None:
             return
+        self._stats.latency["READ_DISK"].observe(time.perf_counter() - self._started)
         self._start_header()
         if not self._write_paused:
             self._transport.resume_reading()

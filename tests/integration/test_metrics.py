@@ -59,6 +59,11 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
     assert value(m1, "kvtier_segment_used_bytes", segment="seg0", tier="dram") == 40 * 8192
     assert value(m1, "kvtier_master_role", role="leader") == 1
     assert value(s1, "kvtier_segment_index_objects", segment="seg0") == 40
+    # Data-path latency, per op, apart from the master's metadata latency: the 41-key get was one
+    # READ frame (40 ranges), the puts one WRITE.
+    assert delta(s0, s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ") == 1
+    assert value(s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="WRITE") >= 1
+    assert delta(s0, s1, "kvtier_segment_request_latency_seconds_sum", segment="seg0", op="READ") > 0
     for samples in (m1, s1):  # process figures of each service
         assert value(samples, "process_open_fds") > 0
         assert value(samples, "process_resident_memory_bytes") > 0
@@ -96,6 +101,36 @@ def test_client_metrics_count_objects_served_and_verified_by_tier_and_transport(
     assert delta("kvtier_client_served_bytes_total", tier="dram", transport="tcp") == 3000
     assert delta("kvtier_client_gets_total") == 12 and delta("kvtier_client_misses_total") == 1
     assert delta("kvtier_client_hits_total") == 11, "the untracked client is not counted"
+    # Client-side latency per call: one batch_get each on the two tracked clients.
+    assert delta("kvtier_client_op_latency_seconds_count", op="batch_get") == 2
+    assert delta("kvtier_client_op_latency_seconds_sum", op="batch_get") > 0
+    assert delta("kvtier_client_op_latency_seconds_count", op="batch_put") == 0
+
+
+def test_lease_expiries_count_abandoned_puts_and_expelled_segments(bare_cluster):
+    import grpc
+
+    from kvtier.proto import master_pb2 as pb
+    from kvtier.proto import master_pb2_grpc
+
+    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--put-timeout-s", "0.5")
+    bare_cluster.start_segment("keep", "16MiB")
+    lost = bare_cluster.start_segment("lost", "16MiB")
+    master_http = bare_cluster.master.info["metrics"]
+    with grpc.insecure_channel(bare_cluster.master.info["address"]) as channel:
+        stub = master_pb2_grpc.MasterStub(channel)
+        reply = stub.PutStart(pb.PutStartRequest(namespace="default", keys=["a", "b"], sizes=[8, 8], replicas=1))
+        assert list(reply.statuses) == [0, 0]  # started, never ended
+    bare_cluster.kill(lost)
+
+    def expiries() -> tuple[float, float]:
+        samples = scrape(master_http)
+        return (
+            value(samples, "kvtier_master_lease_expiries_total", kind="put"),
+            value(samples, "kvtier_master_lease_expiries_total", kind="segment"),
+        )
+
+    assert bare_cluster.wait_for(lambda: expiries() == (2, 1), timeout=10), expiries()
 
 
 def probe(address: str, path: str) -> tuple[int, str]:

@@ -78,3 +78,12 @@ def test_a_traceback_stays_on_one_line():
     fields = parse(line)
     assert fields["level"] == "error" and fields["method"] == "Remove"
     assert "Traceback" in fields["exc"] and "ValueError: boom\nsecond line" in fields["exc"]
+
+
+def test_structured_fields_are_never_split():
+    record = _record("request refused")
+    record.fields = {"status": "INVALID_RANGE", "detail": "range offset=4096 length=64 outside region of 4096"}
+    fields = parse(KeyValueFormatter("segment").format(record))
+    assert fields["msg"] == "request refused"
+    assert fields["detail"] == "range offset=4096 length=64 outside region of 4096"
+    assert "offset" not in fields and "length" not in fields
