@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem
-from kvtier.proto.units import parse_hostport
+from kvtier.proto.units import check_field, check_master_spec, is_wildcard, parse_hostport
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +39,22 @@ class MasterConfig:
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
-    advertise: str = ""  # HA: the address other processes reach this master at (default: listen)
+    # The address other processes reach this master at (default: listen); its host is also the
+    # fast path's advertised host. Required when listen is a wildcard (0.0.0.0, [::]).
+    advertise: str = ""
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
     metrics: str = ""  # HOST:PORT for Prometheus /metrics (port 0 = any); empty = off
     log_level: str = "INFO"
 
     def validate(self) -> MasterConfig:
-        parse_hostport(self.listen)
+        host, _port = check_field("listen", parse_hostport, self.listen)
         if self.fast_listen not in ("auto", "off"):
-            parse_hostport(self.fast_listen)
+            check_field("fast_listen", parse_hostport, self.fast_listen)
+        if is_wildcard(host) and not self.advertise:
+            raise ValueError(
+                f"listen {self.listen!r} is every interface: set advertise = HOST:PORT, the address clients "
+                "and segments reach this master at (it is also advertised for the fast path)"
+            )
         for name in (
             "segment_ttl_s",
             "heartbeat_interval_s",
@@ -84,9 +91,11 @@ class MasterConfig:
                 f"etcd_lease_ttl_s must be at least 2 (whole seconds in etcd), got {self.etcd_lease_ttl_s}"
             )
         if self.advertise:
-            parse_hostport(self.advertise)
+            check_field("advertise", parse_hostport, self.advertise)
         if self.metrics:
-            parse_hostport(self.metrics)
+            check_field("metrics", parse_hostport, self.metrics)
+        if self.etcd:
+            check_field("etcd", check_master_spec, self.etcd)
         if self.etcd and self.state_dir:
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
         check_log_level(self.log_level)

@@ -128,14 +128,18 @@ class FastPathProtocol(asyncio.Protocol):
         self._transport.close()
 
 
-async def start_fast_path(listen: str, handlers: MasterHandlers, waiter: CommitWaiter) -> asyncio.AbstractServer:
-    """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint`."""
+async def start_fast_path(
+    listen: str, handlers: MasterHandlers, waiter: CommitWaiter, advertise_host: str = ""
+) -> asyncio.AbstractServer:
+    """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint` (with
+    `advertise_host` in place of the bound host when given)."""
     host, port = parse_hostport(listen)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
         lambda: FastPathProtocol(handlers, waiter), host=host, port=port, reuse_address=True, backlog=512
     )
     bound_host, bound_port = server.sockets[0].getsockname()[:2]
+    bound_host = advertise_host or bound_host
     handlers.fast_endpoint = f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
     logger.info("fast path listening endpoint=%s", handlers.fast_endpoint)
     return server

@@ -38,6 +38,7 @@ from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
+from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     if config.fast_listen != "off":
         fast_listen = f"{host}:0" if config.fast_listen == "auto" else config.fast_listen
         try:
-            fast_server = await start_fast_path(fast_listen, handlers, waiter)
+            advertise_host = parse_hostport(config.advertise)[0] if config.advertise else ""
+            fast_server = await start_fast_path(fast_listen, handlers, waiter, advertise_host)
         except OSError as exc:
             await server.stop(grace=None)
             raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None

@@ -69,3 +69,19 @@ def check_master_spec(spec: str) -> str:
     for address in addresses:
         parse_hostport(address)
     return spec
+
+
+WILDCARD_HOSTS = frozenset(("0.0.0.0", "::", ""))
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding `host` listens on every interface (then it is no address to advertise)."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def check_field(name: str, check, value):
+    """`check(value)`, with a ValueError's message prefixed by the option's name."""
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

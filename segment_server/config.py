@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem, segment_name_problem
-from kvtier.proto.units import check_master_spec, parse_hostport, parse_size
+from kvtier.proto.units import check_field, check_master_spec, is_wildcard, parse_hostport, parse_size
 
 MIN_DRAM = 1 << 20
 MIN_SSD = 16 << 20
@@ -24,6 +24,9 @@ MIN_SSD = 16 << 20
 class SegmentConfig:
     master: str = "127.0.0.1:50051"  # master gRPC address
     listen: str = "127.0.0.1:0"  # data-plane TCP address; binds exactly this address (port 0: any free port)
+    # The host clients reach the data plane at (default: listen's host). Required when listen is a
+    # wildcard (0.0.0.0, [::]); e.g. the pod IP or the node's hostname.
+    advertise: str = ""
     dram: str = "1GiB"  # DRAM region size
     name: str = ""  # stable segment name; default: <hostname>-<random>
     cluster_id: str = "default"
@@ -56,10 +59,20 @@ class SegmentConfig:
         return parse_size(self.ssd_size) if self.ssd_dir else 0
 
     def validate(self) -> SegmentConfig:
-        check_master_spec(self.master)
+        check_field("master", check_master_spec, self.master)
         if self.metrics:
-            parse_hostport(self.metrics)
-        parse_hostport(self.listen)
+            check_field("metrics", parse_hostport, self.metrics)
+        host, _port = check_field("listen", parse_hostport, self.listen)
+        if self.advertise:
+            if self.advertise.count(":") == 1 or any(c in self.advertise for c in " /[]"):
+                raise ValueError(f"advertise is a host name or IP address, without a port: {self.advertise!r}")
+        elif is_wildcard(host):
+            raise ValueError(
+                f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
+                "this segment's data plane at"
+            )
+        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers"):
+            check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")
         if problem := cluster_id_problem(self.cluster_id):

@@ -34,8 +34,16 @@ class TcpListener:
 
     scheme = "tcp"
 
-    def __init__(self, listen: str, region: memoryview, stats: DataPlaneStats, disk: DiskReader | None = None) -> None:
+    def __init__(
+        self,
+        listen: str,
+        region: memoryview,
+        stats: DataPlaneStats,
+        disk: DiskReader | None = None,
+        advertise: str = "",
+    ) -> None:
         self._host, self._port = parse_hostport(listen)
+        self._advertise = advertise  # the host put in the endpoint URL (default: the bound one)
         self._region = region
         self._stats = stats
         self._disk = disk  # serves READ_DISK when the segment has an SSD tier
@@ -51,6 +59,7 @@ class TcpListener:
             backlog=512,
         )
         host, port = self._server.sockets[0].getsockname()[:2]
+        host = self._advertise or host
         endpoint = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
         logger.info("listening endpoint=%s", endpoint)
         return endpoint

@@ -55,7 +55,7 @@ async def serve(config: SegmentConfig) -> int:
         if config.ssd_dir:
             store, engine, disk = _open_ssd_tier(config)
         listeners = [
-            TcpListener(config.listen, region.view, stats, disk),
+            TcpListener(config.listen, region.view, stats, disk, config.advertise),
             ShmListener(region.path, host_id(), region.nonce),
         ]
         endpoints = [await listener.start() for listener in listeners]

@@ -88,3 +88,15 @@ def test_every_listener_of_a_cluster_binds_exactly_the_given_address(bare_cluste
     for address, _port in master_listeners | segment_listeners:
         assert ipaddress.ip_address(address) == ipaddress.ip_address(host), "bound to another address"
     assert udp_sockets(master.popen.pid) == 0 and udp_sockets(segment.popen.pid) == 0
+
+
+def test_a_wildcard_listener_is_advertised_under_the_given_host(bare_cluster):
+    bare_cluster.start_master("--listen", "0.0.0.0:0", "--advertise", "127.0.0.1:1")  # fast path: that host
+    assert bare_cluster.master.info["fast_endpoint"].startswith("tcp://127.0.0.1:")
+    seg = bare_cluster.start_segment("seg0", "16MiB", "--listen", "0.0.0.0:0", "--advertise", "127.0.0.1")
+    tcp = [e for e in seg.info["endpoints"] if e.startswith("tcp://")]
+    assert len(tcp) == 1 and tcp[0].startswith("tcp://127.0.0.1:")
+    assert ("0.0.0.0", int(tcp[0].rsplit(":", 1)[1])) in listening_addresses(seg.popen.pid)
+    with bare_cluster.client(transport="tcp") as client:  # reaches the data plane at the advertised host
+        client.put("k", b"v" * 1000)
+        assert client.get("k", with_source=True) == (b"v" * 1000, "dram/tcp")

@@ -63,8 +63,8 @@ def test_validate_accepts_boundary_values(changes):
 
 
 def test_parse_args_reads_flags():
-    config = parse_args(["--listen", "0.0.0.0:6000", "--lease-s", "2.5", "--alignment", "4096", "--cluster-id", "c"])
-    assert config.listen == "0.0.0.0:6000"
+    config = parse_args(["--listen", "127.0.0.3:6000", "--lease-s", "2.5", "--alignment", "4096", "--cluster-id", "c"])
+    assert config.listen == "127.0.0.3:6000"
     assert config.lease_s == 2.5
     assert config.alignment == 4096
     assert config.cluster_id == "c"

@@ -36,9 +36,9 @@ def _exit_message(capsys, parse, argv) -> str:
 
 
 def test_file_values_are_used_and_converted(tmp_path):
-    path = _write(tmp_path, 'listen = "0.0.0.0:6000"\nlease_s = 4\nmax_batch_keys = 500\nfast_listen = "off"\n')
+    path = _write(tmp_path, 'listen = "127.0.0.2:6000"\nlease_s = 4\nmax_batch_keys = 500\nfast_listen = "off"\n')
     config = master_args(["--config", path])
-    assert config.listen == "0.0.0.0:6000"
+    assert config.listen == "127.0.0.2:6000"
     assert config.lease_s == 4.0 and isinstance(config.lease_s, float)
     assert config.max_batch_keys == 500
     assert config.fast_listen == "off"
@@ -67,7 +67,10 @@ def test_config_path_from_environment(tmp_path, monkeypatch):
         ("lease-s = 1\n", "did you mean 'lease_s'"),
         ('lease_s = "soon"\n', "lease_s must be a number, got 'soon'"),
         ("max_batch_keys = 1.5\n", "max_batch_keys must be a whole number"),
-        ("listen = 6000\n", "invalid address"),  # a number is taken as text, then validated
+        ("listen = 6000\n", "listen: invalid address"),  # a number is taken as text, then validated
+        ('listen = "0.0.0.0:6000"\n', "set advertise"),  # every interface: no address to advertise
+        ('etcd = "http://x"\n', "etcd: invalid address"),
+        ('metrics = "nohostport"\n', "metrics: invalid address"),
         ("lease_s = 0\n", "lease_s must be positive"),
         ('log_level = "LOUD"\n', "log_level must be one of"),
         ("lease_s = \n", "is not valid TOML"),
@@ -98,3 +101,26 @@ def test_print_config_round_trips(tmp_path, capsys):
     config = segment_args(["--config", again])
     expected = segment_args(["--config", path, "--listen", "127.0.0.1:7000"])
     assert dataclasses.replace(config, name="") == dataclasses.replace(expected, name="")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('dram = "lots"\n', "dram: invalid size"),
+        ('ssd_read_buffers = "x"\n', "ssd_read_buffers: invalid size"),
+        ('listen = "0.0.0.0:0"\n', "set advertise"),
+        ('listen = "0.0.0.0:0"\nadvertise = "node-1:7000"\n', "without a port"),
+        ('master = "etcd://h:1"\n', "master:"),
+    ],
+)
+def test_bad_segment_values_name_their_key(tmp_path, capsys, text, expected):
+    path = _write(tmp_path, f'shm_dir = "{tmp_path}"\n{text}')
+    err = _exit_message(capsys, segment_args, ["--config", path])
+    assert expected in err
+
+
+def test_a_wildcard_listener_advertises_the_given_host(tmp_path):
+    config = segment_args(["--shm-dir", str(tmp_path), "--listen", "0.0.0.0:0", "--advertise", "node-1.example"])
+    assert config.advertise == "node-1.example"
+    master = master_args(["--listen", "[::]:7000", "--advertise", "master-0.kvtier:7000"])
+    assert master.advertise == "master-0.kvtier:7000"

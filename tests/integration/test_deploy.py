@@ -1,0 +1,710 @@
+"""deploy/ against the real services: systemd units, example configs, compose, Kubernetes, Dockerfile, dashboard.
+
+Every config a deployment file hands to `kvtier-master` / `kvtier-segment` (a TOML file, plus the
+environment and flags of a compose service or a Kubernetes container) goes through the real
+`--print-config`; sizes written in units, limits and volumes are checked against the configs they
+serve; the dashboard's metric names against what a running cluster exports. External tools
+(`systemd-analyze`, `docker compose`, `kubectl kustomize`) run where they are installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.master.config import MasterConfig
+from kvtier.proto.region import HEADER_SIZE
+from kvtier.proto.units import parse_size
+from kvtier.segment_server.config import SegmentConfig
+from kvtier.segment_server.server import FD_RESERVE, max_buckets
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+BIN = Path(sys.executable).parent  # the venv's console scripts: kvtier-master, kvtier-segment
+SERVICES = {"kvtier-master": (MasterConfig, "KVTIER_MASTER_"), "kvtier-segment": (SegmentConfig, "KVTIER_SEGMENT_")}
+MiB = 1 << 20
+HEADROOM = 512 * MiB  # deploy/README.md: a segment's memory = dram + ssd_read_buffers + ~512MiB
+
+# ------------------------------------------------------------------ helpers
+
+
+def print_config(
+    service: str, config: Path | None, env: dict[str, str] | None = None, *flags: str
+) -> subprocess.CompletedProcess:
+    """`<service> --config F --print-config` as a subprocess, with no KVTIER_* variable of ours leaking in."""
+    prefix = SERVICES[service][1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefix)}
+    args = [str(BIN / service), *(["--config", str(config)] if config else []), *flags, "--print-config"]
+    return subprocess.run(args, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+
+def effective(service: str, config: Path | None, env: dict[str, str] | None = None, *flags: str) -> dict:
+    """The effective config the service would run with; fails the test with its one-line error otherwise.
+
+    The service ignores environment variables that name no option, so a misspelt one is caught here."""
+    cls, prefix = SERVICES[service]
+    options = {f.name for f in dataclasses.fields(cls)} | {"config"}
+    for name in env or {}:
+        assert name.startswith(prefix) and name[len(prefix) :].lower() in options, f"{service} has no {name}"
+    result = print_config(service, config, env, *flags)
+    assert result.returncode == 0, f"{service} rejected {config} env={env}: {result.stderr.strip()}"
+    return tomllib.loads(result.stdout)
+
+
+def service_of(path: Path) -> str:
+    return "kvtier-master" if path.name.startswith("master") else "kvtier-segment"
+
+
+def segment_memory(cfg: dict) -> int:
+    """What a segment needs in its memory cgroup: the region (tmpfs, charged to it), read buffers, headroom."""
+    return parse_size(cfg["dram"]) + parse_size(cfg["ssd_read_buffers"]) + HEADROOM
+
+
+def k8s_quantity(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)
+
+
+def docker_size(text: str | int) -> int:
+    """Compose byte values: b, k, m, g are powers of 1024."""
+    text = str(text).lower()
+    factors = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    return int(text[:-1]) * factors[text[-1]] if text[-1] in factors else int(text)
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def example_tomls() -> list[Path]:
+    return sorted(DEPLOY.rglob("*.toml"))
+
+
+# ------------------------------------------------------------------ example configs
+
+
+@pytest.mark.parametrize("path", example_tomls(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_example_config_is_accepted_as_written(path: Path):
+    """Each TOML file in deploy/ loads, and every key it sets is in the effective config unchanged."""
+    written = tomllib.loads(path.read_text())
+    assert written, f"{path} sets nothing"
+    cfg = effective(service_of(path), path)
+    for key, value in written.items():
+        assert cfg[key] == value, f"{path}: {key} = {value!r} became {cfg[key]!r}"
+
+
+@pytest.mark.parametrize("name", ["master.toml", "master-ha.toml", "segment.toml"])
+def test_reference_configs_document_every_key_and_their_defaults_are_real(name: str, tmp_path: Path):
+    """deploy/config/ is the reference: every option appears (set, or as a commented "# key = default"),
+    each under a comment, and every commented default, uncommented, is accepted and is the real default."""
+    path = DEPLOY / "config" / name
+    service = service_of(path)
+    cls = SERVICES[service][0]
+    key_line = re.compile(r"^(#\s*)?([a-z_]+)\s*=\s*(.+)$")
+    lines = path.read_text().splitlines()
+    keys, defaults = set(), {}
+    for i, line in enumerate(lines):
+        match = key_line.match(line)
+        if not match:
+            continue
+        commented, key = bool(match.group(1)), match.group(2)
+        keys.add(key)
+        if commented:
+            defaults[key] = tomllib.loads(f"{key} = {match.group(3)}")[key]
+        # the block of lines this key belongs to starts with a prose comment
+        j = i
+        while j > 0 and lines[j - 1].strip() and key_line.match(lines[j - 1]):
+            j -= 1
+        above = lines[j - 1] if j > 0 else ""
+        assert above.startswith("#") and not key_line.match(above), f"{name}:{i + 1}: {key} has no comment above it"
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert keys <= fields, f"{name} names options that do not exist: {sorted(keys - fields)}"
+    assert fields <= keys, f"{name} does not document: {sorted(fields - keys)}"
+    uncommented = tmp_path / name
+    uncommented.write_text(re.sub(r"(?m)^#\s*([a-z_]+\s*=)", r"\1", path.read_text()))
+    cfg = effective(service, uncommented)
+    real_defaults = cls()
+    for key, value in defaults.items():
+        assert cfg[key] == value, f"{name}: commented {key} = {value!r} was not taken"
+        assert value == getattr(real_defaults, key), (
+            f"{name}: '# {key} = {value!r}' claims a default, the real one is {getattr(real_defaults, key)!r}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("service", "text", "key"),
+    [
+        ("kvtier-segment", 'dramm = "1GiB"\n', "dramm"),  # unknown key
+        ("kvtier-segment", 'dram = "lots"\n', "dram"),  # not a size
+        ("kvtier-segment", 'ssd_queue_depth = "deep"\n', "ssd_queue_depth"),  # wrong type
+        ("kvtier-segment", "ssd_low_watermark = 0.99\n", "ssd_low_watermark"),  # out of range
+        ("kvtier-master", 'listen-address = "0.0.0.0:50051"\n', "listen-address"),  # unknown key
+        ("kvtier-master", "high_watermark = 1.5\n", "high_watermark"),  # out of range
+        ("kvtier-master", 'segment_ttl_s = "ten"\n', "segment_ttl_s"),  # wrong type
+        ("kvtier-master", 'listen = "nohostport"\n', "listen"),  # not HOST:PORT
+    ],
+)
+def test_a_bad_config_exits_2_with_one_line_naming_the_key(service: str, text: str, key: str, tmp_path: Path):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = print_config(service, path)
+    assert result.returncode == 2, f"{text!r} was accepted: {result.stdout}"
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"not one line: {result.stderr}"
+    assert key in lines[0], f"the error does not name {key!r}: {lines[0]}"
+
+
+# ------------------------------------------------------------------ systemd
+
+
+def read_unit(path: Path) -> dict[str, list[str]]:
+    """`Section.Key` -> values in order (a key may repeat)."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return out
+
+
+def one(unit: dict[str, list[str]], key: str) -> str:
+    values = unit.get(f"Service.{key}") or unit.get(key)
+    assert values, f"{key} is not set"
+    return values[-1]
+
+
+def systemd_bytes(text: str) -> int:
+    factors = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    return int(text[:-1]) * factors[text[-1]] if text[-1] in factors else int(text)
+
+
+UNITS = DEPLOY / "systemd"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_units_pass_systemd_analyze_verify(tmp_path: Path):
+    """Verified as installed, except that ExecStart points at this venv's binaries (verify checks they exist).
+    Any diagnostic about the units fails the test, warnings included ("Unknown key", "Invalid ...")."""
+
+    def verify(directory: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                "systemd-analyze",
+                "verify",
+                "--man=no",
+                "--generators=no",
+                str(directory / "kvtier-master.service"),
+                str(directory / "kvtier-segment@a.service"),  # an instance of the template, as enabled
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def install(directory: Path, break_it: bool = False) -> None:
+        directory.mkdir()
+        for unit in UNITS.glob("*.service"):
+            text = unit.read_text()
+            assert "ExecStart=/opt/kvtier/bin/" in text, f"{unit.name}: ExecStart moved, update this test"
+            text = text.replace("ExecStart=/opt/kvtier/bin/", f"ExecStart={BIN}/")
+            if break_it:
+                text = text.replace("TasksMax=", "TasksMaxx=")
+            (directory / unit.name).write_text(text)
+
+    install(tmp_path / "units")
+    result = verify(tmp_path / "units")
+    diagnostics = [line for line in (result.stdout + result.stderr).splitlines() if "kvtier" in line]
+    assert result.returncode == 0 and not diagnostics, f"systemd-analyze verify:\n{result.stdout}{result.stderr}"
+    # The same check on a broken copy must complain, or it proves nothing here.
+    install(tmp_path / "broken", break_it=True)
+    broken = verify(tmp_path / "broken")
+    assert "TasksMaxx" in broken.stdout + broken.stderr, "systemd-analyze verify no longer reports unknown keys"
+
+
+def test_units_are_hardened_and_sized_from_their_configs():
+    master = read_unit(UNITS / "kvtier-master.service")
+    segment = read_unit(UNITS / "kvtier-segment@.service")
+    for name, unit in (("master", master), ("segment", segment)):
+        assert one(unit, "User") == one(unit, "Group") == "kvtier", name
+        assert "Service.DynamicUser" not in unit, f"{name}: files need a stable owner"
+        for key, value in {
+            "ProtectSystem": "strict",
+            "ProtectHome": "yes",
+            "NoNewPrivileges": "yes",
+            "ProtectKernelTunables": "yes",
+            "ProtectKernelModules": "yes",
+            "ProtectKernelLogs": "yes",
+            "ProtectControlGroups": "yes",
+            "Restart": "on-failure",
+            "RestartPreventExitStatus": "2",  # a bad config: restarting cannot fix it
+        }.items():
+            assert one(unit, key) == value, f"{name}: {key}"
+        assert one(unit, "RestrictAddressFamilies").split() == ["AF_INET", "AF_INET6", "AF_UNIX"], name
+        for key in ("LimitNOFILE", "TasksMax", "MemoryMax"):
+            one(unit, key)
+
+    # master: its only writable path is the state directory its config names
+    assert one(master, "StateDirectory") == "kvtier/master"
+    assert one(master, "ReadWritePaths").split() == ["/var/lib/kvtier/master"]
+    exec_master = one(master, "ExecStart").split()
+    assert exec_master == ["/opt/kvtier/bin/kvtier-master", "--config", "/etc/kvtier/master.toml"]
+    assert effective("kvtier-master", DEPLOY / "config" / "master.toml")["state_dir"] == "/var/lib/kvtier/master"
+
+    # segment: host /dev/shm stays shared (same-host clients map the region), the SSD dir is writable
+    assert one(segment, "ExecStart").split() == [
+        "/opt/kvtier/bin/kvtier-segment",
+        "--config",
+        "/etc/kvtier/segment-%i.toml",
+    ]
+    assert one(segment, "ReadWritePaths").split() == ["/var/lib/kvtier/ssd/%i", "/dev/shm"]
+    assert one(segment, "StateDirectory") == "kvtier/ssd/%i"
+    assert segment.get("Service.PrivateDevices", ["no"])[-1] == "no", "a private /dev hides the host's /dev/shm"
+    assert "Service.PrivateIPC" not in segment and "Service.TemporaryFileSystem" not in segment
+    assert one(segment, "RemoveIPC") == "no"
+    cfg = effective("kvtier-segment", DEPLOY / "config" / "segment.toml")
+    assert cfg["ssd_dir"] == "/var/lib/kvtier/ssd/a", "instance a's SSD dir is the unit's StateDirectory"
+    assert systemd_bytes(one(segment, "MemoryMax")) == segment_memory(cfg), "MemoryMax = dram + buffers + 512MiB"
+    buckets = max_buckets(parse_size(cfg["ssd_size"]), parse_size(cfg["ssd_bucket_size"]), cfg["ssd_bucket_keys"])
+    assert int(one(segment, "LimitNOFILE")) >= buckets + FD_RESERVE, "the segment would refuse to start"
+
+
+# ------------------------------------------------------------------ compose
+
+COMPOSE = DEPLOY / "compose" / "compose.yaml"
+
+
+def test_docker_compose_config_accepts_the_file():
+    if shutil.which("docker") is None:
+        pytest.skip("docker is not installed")
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip() or probe.stdout.strip()).splitlines()[0]
+        pytest.skip(f"the docker compose plugin does not work here: {why}")
+    for profile in ("single", "ha"):
+        result = subprocess.run(
+            ["docker", "compose", "-f", str(COMPOSE), "--profile", profile, "config", "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, f"profile {profile}: {result.stderr}"
+
+
+def is_kvtier(service: dict) -> bool:
+    return service.get("command", [""])[0] in SERVICES
+
+
+def compose_service_config(name: str, service: dict) -> tuple[str, Path, dict[str, str], list[str]]:
+    """(binary, config file on this machine, KVTIER_* environment, extra flags) of a kvtier service."""
+    command = service["command"]
+    assert command[0] in SERVICES, f"{name}: {command}"
+    assert command[1] == "--config", f"{name}: configs come from a file"
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    source = mounts.get(command[2])
+    assert source, f"{name}: {command[2]} is not mounted"
+    env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+    return command[0], (COMPOSE.parent / source).resolve(), env, command[3:]
+
+
+def test_compose_services_run_with_accepted_configs_and_sized_shm():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    by_profile: dict[str, list[str]] = {}
+    for name, service in services.items():
+        for profile in service.get("profiles", []):
+            by_profile.setdefault(profile, []).append(name)
+    assert set(by_profile) == {"single", "ha"}
+    metrics_ports = set()
+    for profile, names in by_profile.items():
+        kvtier = {n: compose_service_config(n, services[n]) for n in names if is_kvtier(services[n])}
+        masters = {n: c for n, c in kvtier.items() if c[0] == "kvtier-master"}
+        segments = {n: c for n, c in kvtier.items() if c[0] == "kvtier-segment"}
+        assert len(masters) == (1 if profile == "single" else 3), profile
+        assert len(segments) == 2, profile
+        assert {"prometheus", "grafana"} <= set(names)
+        for name, service in ((n, services[n]) for n in names):
+            for dependency in service.get("depends_on", []):
+                assert dependency in names, f"{name} depends on {dependency}, not in profile {profile}"
+        configs = {}
+        for name, (binary, path, env, flags) in kvtier.items():
+            configs[name] = cfg = effective(binary, path, env, *flags)
+            metrics_ports.add(port_of(cfg["metrics"]))
+        master_configs = [configs[n] for n in masters]
+        if profile == "ha":
+            assert "etcd" in names
+            etcd_urls = {c["etcd"] for c in master_configs}
+            assert len(etcd_urls) == 1 and next(iter(etcd_urls)).startswith("etcd://etcd:2379/")
+            for name in masters:
+                assert configs[name]["advertise"] == configs[name]["listen"] == f"{name}:50051"
+        else:
+            assert master_configs[0]["state_dir"], "a standalone master needs its state"
+            state_volumes = [
+                v for v in services["master"]["volumes"] if v.split(":")[1] == master_configs[0]["state_dir"]
+            ]
+            assert state_volumes and not state_volumes[0].startswith("."), "state_dir must be a named volume"
+        spec = master_configs[0]["etcd"] or master_configs[0]["listen"]
+        for name in segments:
+            cfg, service = configs[name], services[name]
+            assert cfg["master"] == spec, f"{name} does not point at this profile's master"
+            assert cfg["cluster_id"] == master_configs[0]["cluster_id"]
+            assert cfg["listen"].split(":")[0] == name, f"{name} must bind (and so advertise) its own address"
+            assert docker_size(service["shm_size"]) >= parse_size(cfg["dram"]) + HEADER_SIZE
+            assert docker_size(service["mem_limit"]) >= segment_memory(cfg)
+            ssd_mounts = [v for v in service["volumes"] if v.split(":")[1] == cfg["ssd_dir"]]
+            assert ssd_mounts and not ssd_mounts[0].startswith("."), f"{name}: the SSD tier on a named volume"
+        names_of_segments = {configs[n]["name"] for n in segments}
+        assert len(names_of_segments) == 2, "segment names are unique"
+    assert metrics_ports == {9450}, "the image's HEALTHCHECK and prometheus.yml expect 9450"
+    # every file a service mounts from the repository exists
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE.parent / source).exists(), f"{name} mounts a missing {source}"
+
+
+def test_prometheus_scrapes_every_compose_service_on_its_metrics_port():
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets: dict[str, int] = {}
+    for job in prometheus["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            targets.update(dict.fromkeys(sd["names"], sd["port"]))
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        if is_kvtier(service):
+            assert targets.get(name) == 9450, f"prometheus.yml does not scrape {name}"
+
+
+def test_grafana_provisioning_finds_prometheus_and_the_dashboard():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert [d["url"] for d in datasources] == ["http://prometheus:9090"] and "prometheus" in services
+    providers = yaml.safe_load((provisioning / "dashboards" / "kvtier.yml").read_text())["providers"]
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"])
+    dashboard_target = mounts["../grafana/kvtier-dashboard.json"]
+    assert Path(dashboard_target).parent == Path(providers[0]["options"]["path"])
+    assert mounts["../grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+# ------------------------------------------------------------------ Kubernetes
+
+KUBE = DEPLOY / "kubernetes"
+FIELD_VALUES = {"status.podIP": "10.1.2.3", "spec.nodeName": "node-1.example", "metadata.name": "kvtier-master-0"}
+
+
+def kustomize(directory: Path) -> tuple[list[dict], dict[str, dict[str, str]]]:
+    """Objects and generated ConfigMaps (name -> key -> text) of a kustomization, resources followed."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects: list[dict] = []
+    configmaps: dict[str, dict[str, str]] = {}
+    for resource in spec.get("resources", []):
+        path = directory / resource
+        if path.is_dir():
+            more, maps = kustomize(path)
+            objects += more
+            configmaps.update(maps)
+        else:
+            objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for generator in spec.get("configMapGenerator", []):
+        data = {}
+        for item in generator.get("files", []):
+            key, _, file = item.rpartition("=") if "=" in item else (Path(item).name, "", item)
+            data[key] = (directory / file).read_text()
+        behavior = generator.get("behavior", "create")
+        name = generator["name"]
+        assert (name in configmaps) == (behavior != "create"), f"{directory}: {behavior} {name}"
+        configmaps[name] = {**configmaps[name], **data} if behavior == "merge" else data
+    return objects, configmaps
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """KVTIER_* variables with fieldRefs and $(VAR) references resolved to plausible pod values."""
+    values: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            values[item["name"]] = FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], item["value"])
+    return {k: v for k, v in values.items() if k.startswith("KVTIER_")}
+
+
+def kube_container_config(pod: dict, container: dict, configmaps: dict, tmp_path: Path) -> tuple[str, dict]:
+    command = container["command"]
+    assert command[0] in SERVICES and command[1] == "--config", command
+    directory, _, filename = command[2].rpartition("/")
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[directory])
+    text = configmaps[volume["configMap"]["name"]][filename]
+    path = tmp_path / f"{container['name']}-{filename}"
+    path.write_text(text)
+    return command[0], effective(command[0], path, container_env(container), *command[3:])
+
+
+@pytest.mark.parametrize("variant", ["standalone", "ha"])
+def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(variant: str, tmp_path: Path):
+    objects, configmaps = kustomize(KUBE / variant)
+    kinds = [o["kind"] for o in objects]
+    assert kinds.count("Namespace") == 1 and "ServiceMonitor" in kinds
+    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
+    seen = {}
+    for workload in workloads.values():
+        pod = workload["spec"]["template"]["spec"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for container in pod["containers"]:
+            binary, cfg = kube_container_config(pod, container, configmaps, tmp_path)
+            seen[binary] = (workload, pod, container, cfg)
+            security = container["securityContext"]
+            assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True
+            assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+            assert pod["securityContext"]["runAsUser"] != 0
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports["metrics"] == port_of(cfg["metrics"])
+            assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+            assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+            limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+            assert k8s_quantity(limits["memory"]) >= k8s_quantity(requests["memory"])
+    master_workload, master_pod, master_container, master_cfg = seen["kvtier-master"]
+    segment_workload, segment_pod, segment_container, segment_cfg = seen["kvtier-segment"]
+    assert master_cfg["listen"] == "10.1.2.3:50051", "the master binds (and announces) the pod's address"
+    if variant == "standalone":
+        assert master_workload["kind"] == "Deployment" and master_workload["spec"]["replicas"] == 1
+        assert master_workload["spec"]["strategy"]["type"] == "Recreate"
+        mounts = {m["mountPath"]: m["name"] for m in master_container["volumeMounts"]}
+        state = next(v for v in master_pod["volumes"] if v["name"] == mounts[master_cfg["state_dir"]])
+        claim = state["persistentVolumeClaim"]["claimName"]
+        assert any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim for o in objects)
+        assert segment_cfg["master"] == "kvtier-master:50051"
+    else:
+        assert master_workload["kind"] == "StatefulSet" and master_workload["spec"]["replicas"] == 3
+        assert master_cfg["etcd"].startswith("etcd://etcd:2379/") and not master_cfg["state_dir"]
+        assert segment_cfg["master"] == master_cfg["etcd"], "segments find the leader in etcd"
+    assert segment_cfg["cluster_id"] == master_cfg["cluster_id"]
+
+    # segment: a DaemonSet with its region in an explicitly sized memory /dev/shm, NVMe on hostPath
+    assert segment_workload["kind"] == "DaemonSet"
+    assert segment_cfg["name"] == "node-1.example" and segment_cfg["listen"] == "10.1.2.3:7000"
+    mounts = {m["mountPath"]: m["name"] for m in segment_container["volumeMounts"]}
+    volumes = {v["name"]: v for v in segment_pod["volumes"]}
+    shm = volumes[mounts[segment_cfg["shm_dir"]]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    limits = segment_container["resources"]["limits"]
+    assert parse_size(segment_cfg["dram"]) + HEADER_SIZE <= k8s_quantity(shm["sizeLimit"])
+    assert k8s_quantity(shm["sizeLimit"]) <= k8s_quantity(limits["memory"])
+    assert k8s_quantity(limits["memory"]) == segment_memory(segment_cfg), "memory = dram + buffers + 512Mi"
+    assert segment_container["resources"]["requests"] == limits, "Guaranteed QoS: the last pod evicted"
+    assert "hostPath" in volumes[mounts[segment_cfg["ssd_dir"]]]
+
+    # Services select real pods; the ServiceMonitor finds them by label and port name
+    pod_labels = [w["spec"]["template"]["metadata"]["labels"] for w in workloads.values()]
+    services = [o for o in objects if o["kind"] == "Service"]
+    monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    selected = [
+        s for s in services if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    assert {s["metadata"]["name"] for s in selected} == {"kvtier-master", "kvtier-segment"}
+    for service in services:
+        assert any(service["spec"]["selector"].items() <= labels.items() for labels in pod_labels), service
+    for service in selected:
+        assert any(p["name"] == monitor["spec"]["endpoints"][0]["port"] for p in service["spec"]["ports"])
+        # unready pods stay reachable: a recovering master must hear from its segments
+        assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("variant", ["standalone", "ha"])
+def test_kubectl_kustomize_builds(variant: str):
+    result = subprocess.run(["kubectl", "kustomize", str(KUBE / variant)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    workload = ("Deployment" if variant == "standalone" else "StatefulSet", "kvtier-master")
+    assert workload in names and ("DaemonSet", "kvtier-segment") in names
+    # generated ConfigMaps carry a content hash, and the workloads were rewritten to use it
+    generated = {name for kind, name in names if kind == "ConfigMap"}
+    assert all(re.fullmatch(r"kvtier-(master|segment)-[a-z0-9]{10}", name) for name in generated), generated
+    assert all(o["metadata"].get("namespace") == "kvtier" for o in objects if o["kind"] != "Namespace")
+    used = {
+        v["configMap"]["name"]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+        for v in o["spec"]["template"]["spec"]["volumes"]
+        if "configMap" in v
+    }
+    assert used == generated
+
+
+# ------------------------------------------------------------------ Dockerfile
+
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """Instructions (continuation lines joined, comments dropped) per stage."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def test_dockerfile_runtime_stage_has_no_compiler_and_runs_as_a_fixed_non_root_user():
+    build, runtime = dockerfile_stages()
+    assert build[0].startswith("FROM python:3.11-slim AS ")
+    assert any("gcc" in line for line in build) and any("[ssd]" in line for line in build)
+    assert runtime[0] == "FROM python:3.11-slim"
+    assert not any(re.search(r"\b(gcc|cc|make|build-essential)\b", line) for line in runtime if line.startswith("RUN"))
+    user = [line.split()[1] for line in runtime if line.startswith("USER ")]
+    assert user and re.fullmatch(r"[1-9]\d*:[1-9]\d*", user[-1]), "a numeric uid:gid, so runAsNonRoot can check it"
+    exposed = {int(p) for line in runtime if line.startswith("EXPOSE ") for p in line.split()[1:]}
+    assert {50051, 50052, 7000, 9450} <= exposed
+    assert any(line.startswith("HEALTHCHECK ") for line in runtime)
+
+
+def healthcheck_argv() -> list[str]:
+    line = next(line for line in dockerfile_stages()[-1] if line.startswith("HEALTHCHECK "))
+    argv = json.loads(line[line.index(" CMD ") + 5 :])
+    assert argv[0] == "python"
+    return [sys.executable, *argv[1:]]
+
+
+def test_the_image_healthcheck_passes_on_running_servers_and_fails_without_one(bare_cluster):
+    bare_cluster.start_master("--metrics", "127.0.0.1:0")
+    seg = bare_cluster.start_segment("seg0", "16MiB", "--metrics", "127.0.0.1:0")
+    argv = healthcheck_argv()
+    for info in (bare_cluster.master.info, seg.info):
+        port = str(port_of(info["metrics"]))
+        result = subprocess.run(argv, env={**os.environ, "KVTIER_HEALTH_PORT": port}, capture_output=True, timeout=30)
+        assert result.returncode == 0, result.stderr.decode()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = str(s.getsockname()[1])
+    result = subprocess.run(argv, env={**os.environ, "KVTIER_HEALTH_PORT": free}, capture_output=True, timeout=30)
+    assert result.returncode == 1
+
+
+# ------------------------------------------------------------------ Grafana dashboard
+
+DASHBOARD = DEPLOY / "grafana" / "kvtier-dashboard.json"
+METRIC = re.compile(r"\b((?:kvtier|process)_[a-z0-9_]+)\b")
+
+
+def dashboard_panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])  # collapsed rows keep theirs inside
+    return out
+
+
+def dashboard_metric_names(dashboard: dict) -> dict[str, str]:
+    """metric name -> title of a panel (or variable) using it."""
+    names = {}
+    for panel in dashboard_panels(dashboard):
+        for target in panel.get("targets", []):
+            names.update(dict.fromkeys(METRIC.findall(target["expr"]), panel["title"]))
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            names.update(dict.fromkeys(METRIC.findall(variable["definition"]), f"${variable['name']}"))
+    return names
+
+
+def exported_names(text: str) -> set[str]:
+    """Sample names a Prometheus query can use, including those of families exported without samples yet."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.update(sample.name for sample in family.samples)
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+        names.update(family.name + suffix for suffix in suffixes)
+    return names
+
+
+def test_dashboard_is_well_formed_and_shows_the_four_hits_side_by_side():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = dashboard_panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
+    # the first row: lookup hits, bytes transferred, served and verified, physical disk reads
+    first_row = []
+    for panel in dashboard["panels"][1:]:
+        if panel["type"] == "row":
+            break
+        first_row.append(" ".join(t["expr"] for t in panel["targets"]))
+    row_text = "\n".join(first_row)
+    for metric in (
+        "kvtier_master_lookup_hits_total",
+        "kvtier_segment_served_bytes_total",
+        "kvtier_client_transferred_bytes_total",
+        "kvtier_client_served_objects_total",
+        "kvtier_segment_disk_read_bytes_total",
+        "kvtier_segment_offloaded_bytes_total",
+    ):
+        assert metric in row_text, f"{metric} is not in the first row"
+    assert "tier" in row_text and "transport" in row_text
+
+
+def test_every_metric_on_the_dashboard_is_exported_by_a_running_cluster(bare_cluster, tmp_path: Path):
+    bare_cluster.start_master("--metrics", "127.0.0.1:0")
+    seg = bare_cluster.start_segment(
+        "seg0", "64MiB", "--metrics", "127.0.0.1:0", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "64MiB"
+    )
+    namespace = f"dash{os.getpid()}"
+    client = bare_cluster.client(namespace=namespace, metrics=True, transport="tcp", instance="dash", rank=0)
+    client.register_instance(tp_size=2, pp_size=1, budget=32 << 20)
+    keys = [f"d/{i}" for i in range(20)]
+    values = [os.urandom(4096) for _ in keys]
+    assert not any(client.batch_put(keys, values))
+    assert client.batch_get(keys + ["d/absent"]) == values + [None]
+    assert client.batch_exists(keys[:3]) == [True] * 3
+
+    exported = set()
+    for address in (bare_cluster.master.info["metrics"], seg.info["metrics"]):
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+            exported |= exported_names(response.read().decode())
+    exported |= exported_names(generate_latest(REGISTRY).decode())  # the client's, in this process
+
+    wanted = dashboard_metric_names(json.loads(DASHBOARD.read_text()))
+    assert len(wanted) > 30
+    missing = {name: panel for name, panel in wanted.items() if name not in exported}
+    assert not missing, f"dashboard metrics no process exports: {missing}"
