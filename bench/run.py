@@ -10,6 +10,8 @@ Puts always write fresh keys (a put of an existing key is a no-op) and remove
 them, untimed, before they are ever read, so their space is freed at once;
 gets re-read one set of keys written beforehand. Peak DRAM use is therefore
 about two batches per size. Each figure is the median of `--repeat` runs.
+A line per phase (size and workload) goes to stderr as it starts, so a long
+run shows where it is; stdout carries only the results (`--json` stays parseable).
 """
 
 from __future__ import annotations
@@ -92,8 +94,17 @@ def _percentile(values: list[float], q: float) -> float:
 class Bench:
     """Runs each workload `repeat` times from `threads` client threads sharing one client."""
 
-    def __init__(self, client, batch: int, bytes_per_run: int, repeat: int, threads: int = 1) -> None:
+    def __init__(
+        self,
+        client,
+        batch: int,
+        bytes_per_run: int,
+        repeat: int,
+        threads: int = 1,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.client = client
+        self.progress = progress
         self.batch = batch
         self.bytes_per_run = bytes_per_run
         self.repeat = repeat
@@ -230,9 +241,14 @@ class Bench:
                 None,
             ),
         ]
-        for name, keys_per_op, ops, op, cleanup in workloads:
-            if want(name):
-                results.append(self.measure(name, size, keys_per_op, ops, op, cleanup))
+        chosen = [w for w in workloads if want(w[0])]
+        for step, (name, keys_per_op, ops, op, cleanup) in enumerate(chosen, 1):
+            if self.progress is not None:
+                self.progress(
+                    f"{format_size(size)} {name} ({step}/{len(chosen)}): {self.repeat} x {ops} ops "
+                    f"of {keys_per_op} key(s) from {threads} thread(s)"
+                )
+            results.append(self.measure(name, size, keys_per_op, ops, op, cleanup))
         if (want("get_into") or want("batch_get_into")) and bytes(buffers[0][0]) != bytes(values[0]):
             raise RuntimeError("benchmark read back different bytes")
         client.remove_prefix(self.prefix)
@@ -292,7 +308,9 @@ def run(opts: argparse.Namespace) -> int:
         master = local.master_address
     try:
         with Client(master, namespace="bench", timeout=30.0, transport=opts.transport) as client:
-            results = run_driver(client, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads)
+            results = run_driver(
+                client, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads, _progress("kvtier")
+            )
     finally:
         if local is not None:
             local.stop()
@@ -308,7 +326,9 @@ def run(opts: argparse.Namespace) -> int:
             return 1
         peer_name = f"Redis {peer.version} (redis-py, {peer.parser} parser)"
         try:
-            peer_results = run_driver(peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads)
+            peer_results = run_driver(
+                peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads, _progress("redis")
+            )
         finally:
             peer.close()
     machine = machine_description()
@@ -331,10 +351,27 @@ def run(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(target: str) -> Callable[[str], None]:
+    """Phase lines on stderr, with the time since the run started."""
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"kvtier bench [{time.monotonic() - started:6.1f}s] {target}: {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_driver(
-    driver, sizes: list[int], selected: set[str], batch: int, bytes_per_run: int, repeat: int, threads: int = 1
+    driver,
+    sizes: list[int],
+    selected: set[str],
+    batch: int,
+    bytes_per_run: int,
+    repeat: int,
+    threads: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> list:
-    bench = Bench(driver, batch, bytes_per_run, repeat, threads)
+    bench = Bench(driver, batch, bytes_per_run, repeat, threads, progress)
     results = []
     for size in sizes:
         results.extend(bench.run_size(size, selected))

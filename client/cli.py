@@ -1,29 +1,38 @@
-"""`kvtier`: the operator's and developer's command line.
+"""`kvtier`: the operator's and developer's command line (this module parses and dispatches).
 
     kvtier up [--listen ADDR] [--dram SIZE] [--segments N]   local cluster in the foreground
-    kvtier status [--master ADDR] [--json]                   segments, capacity, used, objects
-    kvtier quotas [--master ADDR] [--json]                   per-rank quota, used, objects
-    kvtier drain SEGMENT [--master ADDR] [--json]            move a segment's objects away, unmount it
+    kvtier status [--json]                                   cluster summary and segments
+    kvtier segments [--json]                                 per segment: DRAM, SSD, heartbeat, bytes served
+    kvtier quotas [--json]                                   per instance and rank: quota, used, objects
+    kvtier keys [--prefix P] [--limit N] [--start-after K] [--namespace NS] [--json]
+                                                             keys in key order, size, state, tiers, pin
+    kvtier stat KEY [--namespace NS] [--json]                one object: replicas, size, tiers, lease, pin
+    kvtier drain SEGMENT [--json]                            move a segment's objects away, unmount it
+    kvtier evict --prefix P [--namespace NS] [--include-pinned] [--dry-run] [--json]
+                                                             remove the objects under a prefix, page by page
+    kvtier top [--interval S] [--iterations N] [--json]      live throughput, hit ratios per tier, capacity
     kvtier put KEY FILE|-                                    store a file (or stdin)
     kvtier get KEY [-o FILE]                                 fetch to a file (or stdout)
     kvtier bench [--master ADDR] ...                         throughput and latency
 
-The master address comes from `--master`, else `KVTIER_MASTER`, else
-127.0.0.1:50051. Invalid arguments print one line and exit with status 2;
-a miss or a failed operation exits with status 1.
+Every command but `up` takes `--master`: from the flag, else `KVTIER_MASTER`,
+else 127.0.0.1:50051. The ops commands live in kvtier.client.ops_cli and
+kvtier.client.top; README.md, "Operating with the kvtier CLI", documents
+their flags and JSON fields. `--json` output goes to stdout alone; progress
+of drain, evict and bench goes to stderr. Invalid arguments print one line
+and exit with status 2; a miss or a failed operation exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
 
 from kvtier.proto.errors import KvtierError
-from kvtier.proto.units import format_size, parse_hostport, parse_size
+from kvtier.proto.units import parse_hostport, parse_size
 
 DEFAULT_MASTER = "127.0.0.1:50051"
 
@@ -59,13 +68,39 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_master(parser: argparse.ArgumentParser) -> None:
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0.1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be at least 0.1, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _add_master(parser: argparse.ArgumentParser, json_help: str = "machine-readable output") -> None:
     parser.add_argument(
         "--master",
         type=_address,
         default=os.environ.get("KVTIER_MASTER", DEFAULT_MASTER),
         help=f"master address (default: $KVTIER_MASTER or {DEFAULT_MASTER})",
     )
+    if json_help:
+        parser.add_argument("--json", action="store_true", help=json_help)
+
+
+def _add_namespace(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", default="default", help="the keys' namespace (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,31 +118,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssd-dir", default=".kvtier/ssd", help="where SSD tiers keep their bucket files (default: %(default)s)"
     )
 
-    status = sub.add_parser("status", help="segments, capacity, usage and object count")
-    _add_master(status)
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_master(sub.add_parser("status", help="cluster summary: role, capacity, objects, segments"))
+    _add_master(sub.add_parser("segments", help="per segment: DRAM and SSD capacity and use, heartbeat, bytes served"))
+    _add_master(sub.add_parser("quotas", help="per instance and rank: quota, used, objects"))
 
-    quotas = sub.add_parser("quotas", help="per instance and rank: quota, used, objects")
-    _add_master(quotas)
-    quotas.add_argument("--json", action="store_true", help="machine-readable output")
+    keys = sub.add_parser("keys", help="list keys under a prefix, in key order, with size, state, tiers and pin")
+    _add_master(keys)
+    _add_namespace(keys)
+    keys.add_argument("--prefix", default="", help="only keys starting with this (default: every key)")
+    keys.add_argument("--limit", type=_count, default=1000, help="at most this many keys, 0 = all (default: 1000)")
+    keys.add_argument("--start-after", default="", help="only keys after this one: resume an earlier listing")
+    keys.add_argument("--page-size", type=_positive_int, default=1000, help="keys per request (at most 10000)")
+    keys.add_argument("--pending", action="store_true", help="also list puts not finished yet")
+
+    stat = sub.add_parser("stat", help="one object: size, checksum, replicas and tiers, lease, pin, owner")
+    _add_master(stat)
+    _add_namespace(stat)
+    stat.add_argument("key")
 
     drain = sub.add_parser("drain", help="move a segment's objects elsewhere, then unmount it")
-    _add_master(drain)
-    drain.add_argument("segment", help="segment name (see kvtier status)")
+    _add_master(drain, json_help="machine-readable summary")
+    drain.add_argument("segment", help="segment name (see kvtier segments)")
     drain.add_argument("--batch", type=_positive_int, default=256, help="objects per migration batch")
     drain.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up on the rest")
-    drain.add_argument("--json", action="store_true", help="machine-readable summary")
+    drain.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+    evict = sub.add_parser("evict", help="remove the objects under a prefix from the cache, page by page")
+    _add_master(evict, json_help="machine-readable summary")
+    _add_namespace(evict)
+    evict.add_argument("--prefix", required=True, help="keys starting with this ('' = the whole namespace)")
+    evict.add_argument("--page-size", type=_positive_int, default=10000, help="keys per page (at most 10000)")
+    evict.add_argument("--include-pinned", action="store_true", help="remove hard- and soft-pinned objects too")
+    evict.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
+    evict.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+    top = sub.add_parser("top", help="live view: throughput, hit ratios per tier, capacity")
+    _add_master(top, json_help="one JSON object per refresh (JSON lines)")
+    top.add_argument("--interval", type=_interval, default=2.0, help="seconds between refreshes (default: 2)")
+    top.add_argument("--iterations", type=_count, default=0, help="stop after N refreshes (default: 0 = Ctrl-C)")
 
     put = sub.add_parser("put", help="store a file's bytes (or stdin with '-') under KEY")
-    _add_master(put)
-    put.add_argument("--namespace", default="default")
+    _add_master(put, json_help="")
+    _add_namespace(put)
     put.add_argument("--replicas", type=_positive_int, default=1)
     put.add_argument("key")
     put.add_argument("file", help="path, or - for standard input")
 
     get = sub.add_parser("get", help="fetch KEY's bytes to a file or standard output")
-    _add_master(get)
-    get.add_argument("--namespace", default="default")
+    _add_master(get, json_help="")
+    _add_namespace(get)
     get.add_argument("key")
     get.add_argument("-o", "--output", default="-", help="path, or - for standard output (default)")
 
@@ -116,158 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     return parser
-
-
-def _status_dict(reply: Any) -> dict[str, Any]:
-    from kvtier.client.client import quota_dict
-
-    return {
-        "cluster_id": reply.cluster_id,
-        "master_epoch": reply.master_epoch,
-        "epoch": reply.epoch,
-        "role": reply.role,
-        "leader": reply.leader,
-        "recovery": dict(reply.recovery),
-        "uptime_s": round(reply.uptime_s, 3),
-        "objects": reply.objects,
-        "pending_puts": reply.pending_puts,
-        "rpc_requests": dict(reply.rpc_requests),
-        "quotas": [quota_dict(q) for q in reply.quotas],
-        "evictions": {e.reason: {"objects": e.objects, "bytes": e.bytes} for e in reply.evictions},
-        "capacity": reply.capacity,
-        "used": reply.used,
-        "tiering": dict(reply.tiering),
-        "segments": [
-            {
-                "segment_id": s.segment_id,
-                "name": s.name,
-                "endpoints": list(s.endpoints),
-                "state": s.state,
-                "dram_capacity": s.dram_capacity,
-                "dram_used": s.dram_used,
-                "objects": s.objects,
-                "heartbeat_age_ms": s.heartbeat_age_ms,
-                "ssd_capacity": s.ssd_capacity,
-                "ssd_used": s.ssd_used,
-                "ssd_objects": s.ssd_objects,
-                "disk_engine": s.disk_engine,
-                "offload": s.offload,
-                "dram_bytes_served": s.dram_bytes_served,
-                "ssd_bytes_served": s.ssd_bytes_served,
-                "disk_bytes_read": s.disk_bytes_read,
-                "ssd_bytes_offloaded": s.ssd_bytes_offloaded,
-            }
-            for s in reply.segments
-        ],
-    }
-
-
-def _print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-
-
-def cmd_status(opts: argparse.Namespace) -> int:
-    from kvtier.client import Client
-
-    with Client(opts.master, timeout=5.0) as client:
-        data = _status_dict(client.cluster_status())
-    if opts.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    used_pct = 100 * data["used"] / data["capacity"] if data["capacity"] else 0.0
-    print(
-        f"cluster {data['cluster_id']}  master {opts.master}  epoch {data['master_epoch']}  "
-        f"objects {data['objects']}  used {format_size(data['used'])} / {format_size(data['capacity'])} "
-        f"({used_pct:.1f}%)"
-    )
-    recovery = data["recovery"]
-    if data["role"] != "leader" or recovery.get("segments_expected"):
-        leader = f"  leader {data['leader']}" if data["leader"] else ""
-        print(
-            f"role {data['role']}{leader}  recovery: {int(recovery.get('segments_reported', 0))} of "
-            f"{int(recovery.get('segments_expected', 0))} expected segments, "
-            f"{int(recovery.get('objects', 0))} objects rebuilt in {recovery.get('seconds', 0.0):.2f}s"
-        )
-    rows = [
-        ["ID", "NAME", "STATE", "CAPACITY", "USED", "OBJECTS", "SSD", "SSD USED", "SSD OBJ", "HEARTBEAT", "ENDPOINTS"]
-    ]
-    for s in data["segments"]:
-        ssd = s.get("ssd_capacity", 0)
-        rows.append(
-            [
-                str(s["segment_id"]),
-                s["name"],
-                s["state"],
-                format_size(s["dram_capacity"]),
-                format_size(s["dram_used"]),
-                str(s["objects"]),
-                f"{format_size(ssd)} ({s.get('disk_engine', '')})" if ssd else "-",
-                format_size(s.get("ssd_used", 0)) if ssd else "-",
-                str(s.get("ssd_objects", 0)) if ssd else "-",
-                f"{s['heartbeat_age_ms']}ms",
-                ",".join(s["endpoints"]),
-            ]
-        )
-    _print_table(rows)
-    return 0
-
-
-def cmd_quotas(opts: argparse.Namespace) -> int:
-    from kvtier.client import Client
-
-    with Client(opts.master, timeout=5.0) as client:
-        quotas = client.quotas()
-    if opts.json:
-        print(json.dumps(quotas, indent=2))
-        return 0
-    rows = [["INSTANCE", "RANK", "TPxPP", "QUOTA", "USED", "USED%", "OBJECTS"]]
-    for q in quotas:
-        share = f"{100 * q['used'] / q['quota']:.1f}%" if q["quota"] else "-"
-        rows.append(
-            [
-                q["instance"],
-                str(q["rank"]),
-                f"{q['tp_size']}x{q['pp_size']}" if q["tp_size"] else "-",
-                format_size(q["quota"]) if q["quota"] else "none",
-                format_size(q["used"]),
-                share,
-                str(q["objects"]),
-            ]
-        )
-    if len(rows) == 1:
-        print("no instance has stored objects or registered")
-        return 0
-    _print_table(rows)
-    return 0
-
-
-def cmd_drain(opts: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from kvtier.client import Client
-    from kvtier.client.drain import drain_segment
-
-    def progress(report, left: int) -> None:
-        if not opts.json:
-            print(
-                f"drain {opts.segment}: moved {report.moved} ({format_size(report.moved_bytes)}), "
-                f"{left} left, {report.failed} failed, {report.no_space} without room",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    with Client(opts.master, timeout=30.0) as client:
-        report = drain_segment(client, opts.segment, batch=opts.batch, timeout=opts.timeout, progress=progress)
-    if opts.json:
-        print(json.dumps(asdict(report), indent=2))
-    else:
-        print(
-            f"segment {opts.segment} {report.state.lower()}: moved {report.moved} objects "
-            f"({format_size(report.moved_bytes)}), dropped {report.dropped}"
-        )
-    return 0
 
 
 def cmd_put(opts: argparse.Namespace) -> int:
@@ -345,22 +252,33 @@ def cmd_up(opts: argparse.Namespace) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
-    commands = {
+def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
+    from kvtier.client import ops_cli
+    from kvtier.client.top import run_top
+
+    return {
         "up": cmd_up,
-        "status": cmd_status,
-        "quotas": cmd_quotas,
-        "drain": cmd_drain,
+        "status": ops_cli.cmd_status,
+        "segments": ops_cli.cmd_segments,
+        "quotas": ops_cli.cmd_quotas,
+        "keys": ops_cli.cmd_keys,
+        "stat": ops_cli.cmd_stat,
+        "drain": ops_cli.cmd_drain,
+        "evict": ops_cli.cmd_evict,
+        "top": run_top,
         "put": cmd_put,
         "get": cmd_get,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     try:
         if opts.command == "bench":
             from kvtier.bench.run import run
 
             return run(opts)
-        return commands[opts.command](opts)
+        return _commands()[opts.command](opts)
     except KvtierError as exc:
         print(f"kvtier {opts.command}: {exc}", file=sys.stderr)
         return 2 if exc.status.name == "INVALID_KEY" else 1

@@ -19,19 +19,22 @@ Contracts every method keeps:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
 from kvtier.client.master import MasterClient
+from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect
 from kvtier.client.transport.base import Connector
 from kvtier.client.transport.shm import local_host_id
@@ -39,6 +42,7 @@ from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import ConnectError, KvtierError, TransportError
 from kvtier.proto.keys import check_key
+from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)
@@ -133,11 +137,13 @@ class Client:
         if rank < 0:
             raise ValueError(f"rank must not be negative, got {rank}")
         self._master = MasterClient(master, timeout)
+        self._request_ids = RequestIds()
         # by segment name: (endpoints, connector, last used)
         self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
         self._next_prune = 0.0
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
+        self._latency: dict[str, LatencyHistogram] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
@@ -177,6 +183,18 @@ class Client:
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._stats.update(deltas)
+
+    def _observe_latency(self, method: str, seconds: float) -> None:
+        with self._lock:
+            histogram = self._latency.get(method)
+            if histogram is None:
+                histogram = self._latency[method] = LatencyHistogram()
+            histogram.observe(seconds)
+
+    def latency(self) -> dict[str, LatencyHistogram]:
+        """Per public method (outermost calls only): a copy of its latency histogram."""
+        with self._lock:
+            return {m: LatencyHistogram(list(h.counts), h.total) for m, h in self._latency.items()}
 
     def _connector(self, segment: pb.SegmentEndpoint, disk: bool = False) -> Connector:
         """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one.
@@ -220,6 +238,7 @@ class Client:
 
     # ------------------------------------------------------------------ writes
 
+    @traced
     def put(self, key: str, value: Any, *, replicas: int = 1, **placement: Any) -> None:
         """Store `value` (any bytes-like buffer) under `key`. Raises KvtierError on failure.
 
@@ -232,6 +251,7 @@ class Client:
 
     put_from = put  # zero-copy already: the value's buffer is sent as is
 
+    @traced
     def batch_put(
         self,
         keys: Sequence[str],
@@ -351,7 +371,8 @@ class Client:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-io")
             pool = self._pool
-        futures = [pool.submit(fn, *args) for fn, *args in jobs]
+        # Each job in a copy of this call's context: its frames carry the call's request id.
+        futures = [pool.submit(contextvars.copy_context().run, fn, *args) for fn, *args in jobs]
         return [f.result() for f in futures]
 
     def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> tuple[list[int], list]:
@@ -373,6 +394,7 @@ class Client:
 
     # ------------------------------------------------------------------ reads
 
+    @traced
     def get(self, key: str, *, with_source: bool = False) -> Any:
         """The value of `key`, or None on a miss (absent, unreachable or failing verification).
 
@@ -380,6 +402,7 @@ class Client:
         """
         return self.batch_get([key], with_source=with_source)[0]
 
+    @traced
     def batch_get(self, keys: Sequence[str], *, with_source: bool = False) -> list[Any]:
         """Values of many keys (None per miss), with one GetReplicas round trip.
 
@@ -392,6 +415,7 @@ class Client:
         values = [r if isinstance(r, bytes) else None for r in results]
         return list(zip(values, sources, strict=True)) if sources is not None else values
 
+    @traced
     def get_into(self, key: str, buffer: Any, *, with_source: bool = False) -> Any:
         """Read `key` into `buffer`: bytes written, or a negative Status (NOT_FOUND, BUFFER_TOO_SMALL, ...).
 
@@ -399,6 +423,7 @@ class Client:
         """
         return self.batch_get_into([key], [buffer], with_source=with_source)[0]
 
+    @traced
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, with_source: bool = False) -> list[Any]:
         """Read many keys into caller-owned writable buffers; per key bytes written or a negative Status.
 
@@ -556,13 +581,16 @@ class Client:
 
     # ------------------------------------------------------------------ presence
 
+    @traced
     def exists(self, key: str) -> bool:
         """Whether a complete object is stored under `key`. Grants no lease."""
         return self.batch_exists([key])[0]
 
+    @traced
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self._exists(keys).exists)
 
+    @traced
     def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are all present: what an engine may load instead of recomputing."""
         return self._exists(keys).prefix_count
@@ -575,10 +603,12 @@ class Client:
 
     # ------------------------------------------------------------------ removal and inspection
 
+    @traced
     def remove(self, key: str) -> bool:
         """Remove `key`; True if an object was removed. Readers holding a lease finish first."""
         return self.batch_remove([key])[0] == Status.OK
 
+    @traced
     def batch_remove(self, keys: Sequence[str]) -> list[Status]:
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -586,11 +616,13 @@ class Client:
         reply = self._master.call("Remove", pb.KeysRequest(namespace=self.namespace, keys=keys))
         return [to_status(s) for s in reply.statuses]
 
+    @traced
     def remove_prefix(self, prefix: str) -> int:
         """Remove every object of this namespace whose key starts with `prefix`; the count removed."""
         reply = self._master.call("RemovePrefix", pb.RemovePrefixRequest(namespace=self.namespace, prefix=prefix))
         return reply.removed
 
+    @traced
     def locate(self, key: str) -> list[dict[str, Any]]:
         """Where `key`'s replicas live (segment, endpoints, offset, size, tier, checksum); [] on a miss."""
         reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=[check_key(key)]))
@@ -613,6 +645,7 @@ class Client:
             )
         return out
 
+    @traced
     def register_instance(self, tp_size: int, pp_size: int, budget: int) -> int:
         """Register this client's engine deployment (`instance`); returns the quota of each of its ranks.
 
@@ -629,10 +662,59 @@ class Client:
         )
         return self._master.call("RegisterInstance", request).quota_per_rank
 
+    @traced
     def quotas(self) -> list[dict[str, Any]]:
         """Per instance and rank: quota (0 = none), used bytes, objects, TP and PP sizes."""
         return [quota_dict(q) for q in self._master.call("Quotas", pb.QuotasRequest()).quotas]
 
+    @traced
     def cluster_status(self) -> pb.StatusResponse:
         """The master's view of the cluster (segments, capacity, objects)."""
         return self._master.call("Status", pb.StatusRequest())
+
+    # ------------------------------------------------------------------ ops inspection (kvtier.client.keys)
+
+    def list_keys(
+        self, prefix: str = "", *, start_after: str = "", limit: int = DEFAULT_PAGE, include_pending: bool = False
+    ) -> KeyPage:
+        """One page of this namespace's keys that start with `prefix`, after `start_after`, in code
+        point order: at most `limit` (the master caps a page at 10,000). Pass the page's
+        `next_start_after` back as `start_after` until it is "": every key present throughout is
+        listed exactly once. Read-only: no lease, no recency refresh."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        request = pb.ListKeysRequest(
+            namespace=self.namespace,
+            prefix=prefix,
+            start_after=start_after,
+            limit=limit,
+            include_pending=include_pending,
+        )
+        reply = self._master.call("ListKeys", request)
+        return KeyPage([KeyInfo.from_pb(e) for e in reply.entries], reply.next_start_after)
+
+    def iter_keys(
+        self, prefix: str = "", *, start_after: str = "", page_size: int = DEFAULT_PAGE, include_pending: bool = False
+    ) -> Iterator[KeyInfo]:
+        """Every key under `prefix` after `start_after`, one `list_keys` page at a time."""
+        while True:
+            page = self.list_keys(prefix, start_after=start_after, limit=page_size, include_pending=include_pending)
+            yield from page.keys
+            if not page.next_start_after:
+                return
+            start_after = page.next_start_after
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """`key`'s whole record (size, checksum, state, replicas with tier and location, lease, pin,
+        owner), pending objects included; None when the master has none. Read-only."""
+        return self.batch_stat([key])[0]
+
+    def batch_stat(self, keys: Sequence[str]) -> list[ObjectInfo | None]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        reply = self._master.call("StatKeys", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        return [
+            ObjectInfo.from_pb(self.namespace, info) if status == _OK else None
+            for status, info in zip(reply.statuses, reply.objects, strict=True)
+        ]

@@ -46,10 +46,22 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc, rpcframe
 from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.errors import ConnectError, KvtierError, ProtocolError, TransportError
+from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, to_status
 from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
+# Requests that carry the client call's request id (kvtier.proto.logs).
+_TRACED = frozenset(
+    (
+        pb.KeysRequest,
+        pb.PutStartRequest,
+        pb.PutEndRequest,
+        pb.PutRevokeRequest,
+        pb.RemovePrefixRequest,
+        pb.RegisterInstanceRequest,
+    )
+)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _UNAVAILABLE = int(Status.UNAVAILABLE)
@@ -78,6 +90,8 @@ class MasterClient:
 
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Invoke `method`; raise KvtierError on failure (see the module docstring)."""
+        if (number := current_request_id.get()) and type(request) in _TRACED:
+            request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
         backoff = 0.05
         while True:

@@ -19,8 +19,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvtier.proto.latency import LatencyHistogram
 
 if TYPE_CHECKING:
     from kvtier.client.client import Client
@@ -53,10 +55,15 @@ def track(client: Client) -> None:
 class _ClientCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         totals: dict[str, Counter] = {}
+        latency: dict[tuple[str, str], LatencyHistogram] = {}
         with _lock:
             clients = list(_clients)
         for client in clients:
             totals.setdefault(client.namespace, Counter()).update(client.stats())
+            for method, histogram in client.latency().items():
+                into = latency.setdefault((client.namespace, method), LatencyHistogram())
+                into.counts = [a + b for a, b in zip(into.counts, histogram.counts, strict=True)]
+                into.total += histogram.total
         for stat, name, documentation in _SIMPLE:
             family = CounterMetricFamily(name, documentation, labels=["namespace"])
             for namespace, stats in sorted(totals.items()):
@@ -82,3 +89,11 @@ class _ClientCollector(Collector):
                     served.add_metric([namespace, tier, transport], count)
         yield served
         yield served_bytes
+        family = HistogramMetricFamily(
+            "kvtier_client_op_latency_seconds",
+            "Latency of client calls by method (outermost call: put -> batch_put counts as put).",
+            labels=["namespace", "op"],
+        )
+        for (namespace, method), histogram in sorted(latency.items()):
+            family.add_metric([namespace, method], histogram.buckets(), histogram.total)
+        yield family

@@ -7,7 +7,8 @@ outer one); the master requests and data-plane frames the call sends read it
 from the context, the I/O pool's jobs run in a copy of it, and a `KvtierError`
 leaving the call names it (`exc.request_id`, and in its text), as do the
 client's log lines (RequestIdFilter), so a failed call can be found in the
-master's and segment servers' logs.
+master's and segment servers' logs. The outermost call is also timed, per
+method name (`Client.latency()`, `kvtier_client_op_latency_seconds`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,18 +48,22 @@ class RequestIds:
 def traced(method: F) -> F:
     """Run a public `Client` method under a request id of its own (see the module docstring)."""
 
+    name = method.__name__
+
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if request_id.get():
             return method(self, *args, **kwargs)
         number = self._request_ids.next()
         token = request_id.set(number)
+        started = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         except KvtierError as exc:
             exc.request_id = exc.request_id or format_request_id(number)
             raise
         finally:
+            self._observe_latency(name, time.perf_counter() - started)
             request_id.reset(token)
 
     return wrapper  # type: ignore[return-value]

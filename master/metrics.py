@@ -36,6 +36,7 @@ class _Snapshot:
     latency: dict[str, LatencyHistogram]
     lookup_keys: dict[str, int]
     lookup_hits: dict[str, int]
+    lookup_hits_disk_only: int
     objects: int
     pending: int
     segments: list[tuple]  # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age)
@@ -66,6 +67,7 @@ class MasterCollector(Collector):
             latency={name: LatencyHistogram(list(hist.counts), hist.total) for name, hist in h.latency.items()},
             lookup_keys=dict(h.lookup_keys),
             lookup_hits=dict(h.lookup_hits),
+            lookup_hits_disk_only=h.lookup_hits_disk_only,
             objects=snap.objects,
             pending=snap.pending_puts,
             segments=[
@@ -129,6 +131,11 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "Lookup hits: keys found complete by Exists and GetReplicas (not bytes served).",
         "rpc",
         s.lookup_hits,
+    )
+    yield CounterMetricFamily(
+        "kvtier_master_lookup_hits_disk_only",
+        "GetReplicas hits on objects without a DRAM copy: the reader goes to an SSD tier.",
+        value=s.lookup_hits_disk_only,
     )
     objects = GaugeMetricFamily("kvtier_master_objects", "Objects by state.", labels=["state"])
     objects.add_metric(["complete"], s.objects)

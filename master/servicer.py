@@ -22,7 +22,9 @@ from typing import Any
 
 import grpc
 
+from kvtier.master import inspection_rpc
 from kvtier.master.commits import notice_pin
+from kvtier.master.inspection import disk_only_hits
 from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState, PutOptions
@@ -31,8 +33,9 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.errors import InvalidKeyError
 from kvtier.proto.keys import check_namespace
-from kvtier.proto.metrics import LatencyHistogram
-from kvtier.proto.status import Status
+from kvtier.proto.latency import LatencyHistogram
+from kvtier.proto.logs import request_id as current_request_id
+from kvtier.proto.status import Status, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,8 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
         def wrapper(self: MasterHandlers, request: Any) -> Any:
             started = time.perf_counter()
             self.requests[name] += 1
+            # The client call's id on every line logged while handling it (0: none, or not traced).
+            token = current_request_id.set(getattr(request, "request_id", 0))
             try:
                 if gate is not INFO and (refusal := self._refusal(gate)):
                     self.refused[name] += 1
@@ -82,9 +87,16 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
                         status=Status.SEGMENT_NOT_FOUND,
                         error=f"mounted under master epoch {request.epoch}, this is {self.epoch}: mount again",
                     )
-                return handler(self, request)
+                reply = handler(self, request)
+                if reply.error and current_request_id.get():  # a client call refused: findable by its id
+                    fields = {"status": status_name(reply.status)} if reply.status else {}
+                    logger.info("request refused method=%s", name, extra={"fields": {**fields, "error": reply.error}})
+                return reply
             except InvalidKeyError as exc:
                 self.failures[name] += 1
+                if current_request_id.get():
+                    fields = {"status": "INVALID_KEY", "error": exc.message}
+                    logger.info("request refused method=%s", name, extra={"fields": fields})
                 return response_type(status=Status.INVALID_KEY, error=exc.message)
             except Exception:
                 self.failures[name] += 1
@@ -98,6 +110,7 @@ def _rpc(response_type: type) -> Callable[[Handler], Handler]:
                 histogram.observe(elapsed)
                 if elapsed > 0.5:
                     logger.warning("slow rpc method=%s seconds=%.3f", name, elapsed)
+                current_request_id.reset(token)
 
         return wrapper
 
@@ -127,6 +140,7 @@ class MasterHandlers:
         self.latency: dict[str, LatencyHistogram] = {}  # handler time per RPC (kvtier_master_rpc_latency_seconds)
         self.lookup_keys: Counter[str] = Counter()  # keys asked by Exists / GetReplicas
         self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
+        self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
 
     def _refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
@@ -281,6 +295,7 @@ class MasterHandlers:
         r = self.state.get_replicas(namespace, request.keys)
         self.lookup_keys["GetReplicas"] += len(request.keys)
         self.lookup_hits["GetReplicas"] += r.statuses.count(0)
+        self.lookup_hits_disk_only += disk_only_hits(r.replica_counts, r.replica_tiers)
         return pb.GetReplicasResponse(
             status=Status.OK,
             statuses=r.statuses,
@@ -432,6 +447,9 @@ class MasterHandlers:
                 for reason, (objects, size) in sorted(self.state.evictions.items())
             ],
             tiering=dict(self.state.tiering.counters) | dict(self.state.commits.counters),
+            lookup_keys=dict(self.lookup_keys),
+            lookup_hits=dict(self.lookup_hits),
+            lookup_hits_disk_only=self.lookup_hits_disk_only,
         )
 
     # -------------------------------------------------------------- tiering
@@ -573,6 +591,10 @@ class MasterHandlers:
             inventory_done(self.state, request.segment_id)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
+
+# The read-only inspection handlers (ListKeys, StatKeys) live in kvtier.master.inspection_rpc.
+for _name, (_response_type, _handler) in inspection_rpc.HANDLERS.items():
+    setattr(MasterHandlers, _name, _rpc(_response_type)(_handler))
 
 RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
 

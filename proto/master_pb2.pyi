@@ -170,7 +170,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host")
+    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class PutStartRequest(_message.Message):
     PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -191,7 +192,8 @@ class PutStartRequest(_message.Message):
     pin_ttl_ms: int
     preferred_segment: str
     client_host: str
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ...) -> None: ...
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id")
@@ -214,34 +216,40 @@ class PutStartResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "checksums", "put_id")
+    __slots__ = ("namespace", "keys", "checksums", "put_id", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     put_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PutRevokeRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "put_id")
+    __slots__ = ("namespace", "keys", "put_id", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     put_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class KeyStatusResponse(_message.Message):
     __slots__ = ("status", "error", "statuses")
@@ -292,12 +300,14 @@ class ExistsResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., exists: _Optional[_Iterable[bool]] = ..., prefix_count: _Optional[int] = ...) -> None: ...
 
 class RemovePrefixRequest(_message.Message):
-    __slots__ = ("namespace", "prefix")
+    __slots__ = ("namespace", "prefix", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prefix: str
-    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "removed")
@@ -384,16 +394,18 @@ class MigrateEndRequest(_message.Message):
     def __init__(self, migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., moved: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RegisterInstanceRequest(_message.Message):
-    __slots__ = ("instance", "tp_size", "pp_size", "budget_bytes")
+    __slots__ = ("instance", "tp_size", "pp_size", "budget_bytes", "request_id")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     instance: str
     tp_size: int
     pp_size: int
     budget_bytes: int
-    def __init__(self, instance: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+    request_id: int
+    def __init__(self, instance: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class RegisterInstanceResponse(_message.Message):
     __slots__ = ("status", "error", "quota_per_rank")
@@ -492,7 +504,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery")
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only")
     class RpcRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -521,6 +533,20 @@ class StatusResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LookupKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LookupHitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +566,9 @@ class StatusResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     master_epoch: str
     objects: int
@@ -559,7 +588,106 @@ class StatusResponse(_message.Message):
     role: str
     leader: str
     recovery: _containers.ScalarMap[str, float]
-    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., recovery: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    lookup_keys: _containers.ScalarMap[str, int]
+    lookup_hits: _containers.ScalarMap[str, int]
+    lookup_hits_disk_only: int
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., recovery: _Optional[_Mapping[str, float]] = ..., lookup_keys: _Optional[_Mapping[str, int]] = ..., lookup_hits: _Optional[_Mapping[str, int]] = ..., lookup_hits_disk_only: _Optional[int] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("namespace", "prefix", "start_after", "limit", "include_pending")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prefix: str
+    start_after: str
+    limit: int
+    include_pending: bool
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ..., start_after: _Optional[str] = ..., limit: _Optional[int] = ..., include_pending: _Optional[bool] = ...) -> None: ...
+
+class KeyEntry(_message.Message):
+    __slots__ = ("key", "size", "pending", "dram_replicas", "ssd_replicas", "pin")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    DRAM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SSD_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    pending: bool
+    dram_replicas: int
+    ssd_replicas: int
+    pin: Pin
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., pending: _Optional[bool] = ..., dram_replicas: _Optional[int] = ..., ssd_replicas: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ...) -> None: ...
+
+class ListKeysResponse(_message.Message):
+    __slots__ = ("status", "error", "entries", "next_start_after")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_START_AFTER_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    entries: _containers.RepeatedCompositeFieldContainer[KeyEntry]
+    next_start_after: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KeyEntry, _Mapping]]] = ..., next_start_after: _Optional[str] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("segment_id", "segment", "tier", "location", "task")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    segment: str
+    tier: Tier
+    location: int
+    task: str
+    def __init__(self, segment_id: _Optional[int] = ..., segment: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., location: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
+
+class ObjectInfo(_message.Message):
+    __slots__ = ("key", "size", "checksum", "pending", "replicas", "lease_ms", "pin", "pin_ttl_ms", "instance", "rank", "age_ms", "disk_reads")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    checksum: int
+    pending: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    lease_ms: int
+    pin: Pin
+    pin_ttl_ms: int
+    instance: str
+    rank: int
+    age_ms: int
+    disk_reads: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., pending: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., age_ms: _Optional[int] = ..., disk_reads: _Optional[int] = ...) -> None: ...
+
+class StatKeysResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses", "objects")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ...) -> None: ...
 
 class PollTierTasksRequest(_message.Message):
     __slots__ = ("segment_id", "max_tasks", "wait_ms", "epoch")

@@ -119,6 +119,16 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/kvtier.v1.Master/ListKeys',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.ListKeysResponse.FromString,
+                _registered_method=True)
+        self.StatKeys = channel.unary_unary(
+                '/kvtier.v1.Master/StatKeys',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.StatKeysResponse.FromString,
+                _registered_method=True)
         self.PollTierTasks = channel.unary_unary(
                 '/kvtier.v1.Master/PollTierTasks',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.PollTierTasksRequest.SerializeToString,
@@ -265,6 +275,22 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListKeys(self, request, context):
+        """Ops inspection (`kvtier keys`, `kvtier stat`): read-only; they grant no lease, refresh no
+        recency and count no lookup. Keys of one namespace under a prefix, in key order, one bounded
+        page per call: resume with `start_after`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StatKeys(self, request, context):
+        """One object's whole record per key: size, checksum, state, replicas, lease, pin, owner.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PollTierTasks(self, request, context):
         """Tiering (segment servers with an SSD tier). The master never moves bytes: it hands a
         segment work on its own bytes (offload a DRAM range to SSD, promote a disk copy back to
@@ -403,6 +429,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.StatusRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.StatusResponse.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.ListKeysRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.ListKeysResponse.SerializeToString,
+            ),
+            'StatKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.StatKeys,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.KeysRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.StatKeysResponse.SerializeToString,
             ),
             'PollTierTasks': grpc.unary_unary_rpc_method_handler(
                     servicer.PollTierTasks,
@@ -894,6 +930,60 @@ class Master:
             '/kvtier.v1.Master/Status',
             kvtier_dot_proto_dot_master__pb2.StatusRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/ListKeys',
+            kvtier_dot_proto_dot_master__pb2.ListKeysRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.ListKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/StatKeys',
+            kvtier_dot_proto_dot_master__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.StatKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,

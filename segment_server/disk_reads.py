@@ -179,7 +179,8 @@ class DiskReader:
             try:
                 payload = store.payload_of(buf, plan, namespace, key, store.cluster_id)
             except RecordError as exc:
-                logger.warning("disk record refused location=%#x key=%.80s: %s", location, key, exc)
+                fields = {"location": hex(location), "key": key[:80], "error": exc}
+                logger.warning("disk record refused", extra={"fields": fields})
                 return int(Status.CHECKSUM_MISMATCH), None, None, got
             kept, buf = buf, None  # handed to the caller
             return _OK, payload, kept, got

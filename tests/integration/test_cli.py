@@ -79,6 +79,14 @@ def test_invalid_arguments_exit_2_with_one_line(args):
     assert len(lines) == 1 and "error" in lines[0], lines
 
 
+def test_help_lists_every_command_and_each_ops_command_takes_json():
+    text = kvtier("--help").stdout.decode()
+    commands = "up status segments quotas keys stat drain evict top put get bench".split()
+    assert "{" + ",".join(commands) + "}" in text
+    for command in ("status", "segments", "quotas", "keys", "stat", "drain", "evict", "top", "bench"):
+        assert "--json" in kvtier(command, "--help").stdout.decode(), command
+
+
 def test_invalid_key_exits_2(cluster):
     result = kvtier("put", "--master", cluster.master_address, "", "-", stdin=b"x", check=False)
     assert result.returncode == 2
