@@ -46,6 +46,10 @@ _GRPC_BY_NAME = {
     "NO_REPLICA": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "SEGMENT_DRAINED": grpc.StatusCode.FAILED_PRECONDITION,
     "LEASE_EXPIRED": grpc.StatusCode.ABORTED,
+    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
+    "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
+    "CAPABILITY_DENIED": grpc.StatusCode.PERMISSION_DENIED,
+    "TOO_MANY_CONNECTIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}

@@ -30,6 +30,10 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_REPLICA: _ClassVar[Status]
     SEGMENT_DRAINED: _ClassVar[Status]
     LEASE_EXPIRED: _ClassVar[Status]
+    UNAUTHENTICATED: _ClassVar[Status]
+    PERMISSION_DENIED: _ClassVar[Status]
+    CAPABILITY_DENIED: _ClassVar[Status]
+    TOO_MANY_CONNECTIONS: _ClassVar[Status]
 OK: Status
 INTERNAL: Status
 INVALID_ARGUMENT: Status
@@ -54,3 +58,7 @@ TRANSFER_FAILED: Status
 NO_REPLICA: Status
 SEGMENT_DRAINED: Status
 LEASE_EXPIRED: Status
+UNAUTHENTICATED: Status
+PERMISSION_DENIED: Status
+CAPABILITY_DENIED: Status
+TOO_MANY_CONNECTIONS: Status
