@@ -36,7 +36,7 @@ from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
 from kvtier.client.master import MasterClient
 from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect
-from kvtier.client.transport.base import Connector
+from kvtier.client.transport.base import Caps, Connector
 from kvtier.client.transport.shm import local_host_id
 from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto import master_pb2 as pb
@@ -55,6 +55,17 @@ _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 # Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
 LEASE_SAFETY = 0.9
+
+
+# Why the last batch_put of this thread (or task) failed as a whole: put() names it in its error.
+_put_failure: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_put_failure", default="")
+
+
+def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int]) -> Caps:
+    """The capabilities of the replicas at `positions` of a reply (None: the cluster mints none)."""
+    if not tags:
+        return None
+    return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions]
 
 
 def quota_dict(q: pb.QuotaInfo) -> dict[str, Any]:
@@ -121,6 +132,12 @@ class Client:
         instance: str = "",
         rank: int = 0,
         metrics: bool | None = None,
+        secret: bytes | None = None,
+        secret_file: str = "",
+        principal: str = "",
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
     ) -> None:
         self.config = ClientConfig(
             master=master,
@@ -129,6 +146,11 @@ class Client:
             connections_per_segment=connections_per_segment,
             io_threads=io_threads,
             transport=(transport or ClientConfig.transport_override()).strip().lower(),
+            secret_file=secret_file,
+            principal=principal,
+            tls_ca_file=tls_ca_file,
+            tls_cert_file=tls_cert_file,
+            tls_key_file=tls_key_file,
         ).validate()
         check_transport(self.config.transport)
         self.namespace = namespace
@@ -136,7 +158,7 @@ class Client:
         self.rank = rank
         if rank < 0:
             raise ValueError(f"rank must not be negative, got {rank}")
-        self._master = MasterClient(master, timeout)
+        self._master = MasterClient(master, timeout, credentials=self.config.credentials(secret))
         self._request_ids = RequestIds()
         # by segment name: (endpoints, connector, last used)
         self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
@@ -245,9 +267,11 @@ class Client:
         Idempotent: putting a key that is already complete succeeds without
         rewriting it. `placement` as for `batch_put` (pin, pin_ttl, preferred_segment).
         """
+        _put_failure.set("")
         status = self.batch_put([key], [value], replicas=replicas, **placement)[0]
         if status != Status.OK:
-            raise KvtierError(status, f"put of {key!r:.80} failed")
+            reason = _put_failure.get()
+            raise KvtierError(status, f"put of {key!r:.80} failed" + (f": {reason}" if reason else ""))
 
     put_from = put  # zero-copy already: the value's buffer is sent as is
 
@@ -303,24 +327,31 @@ class Client:
             )
         except KvtierError as exc:
             logger.warning("batch_put failed: %s", exc)
+            _put_failure.set(exc.message)
             return [exc.status] * len(keys)
         statuses = list(reply.statuses)
         counts = reply.replica_counts
         if reply.error:
             logger.debug("PutStart: %s", reply.error)
+            _put_failure.set(reply.error)
         segments = {s.segment_id: s for s in reply.segments}
-        per_segment: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        per_segment: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # (key index, offset, replica)
         pos = 0
         for i, count in enumerate(counts):
             for j in range(pos, pos + count):
-                per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j]))
+                per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j], j))
             pos += count
         jobs = [
-            (self._write_segment, segments.get(segment_id), [(off, views[i]) for i, off in items])
+            (
+                self._write_segment,
+                segments.get(segment_id),
+                [(off, views[i]) for i, off, _ in items],
+                _caps(reply.replica_tags, reply.tag_expiry_ms, [j for _, _, j in items]),
+            )
             for segment_id, items in per_segment.items()
         ]
         for items, (results, crcs) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
-            for (i, _), result, crc in zip(items, results, crcs, strict=True):
+            for (i, _, _), result, crc in zip(items, results, crcs, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
                 if checksums[i] is None:
@@ -375,13 +406,15 @@ class Client:
         futures = [pool.submit(contextvars.copy_context().run, fn, *args) for fn, *args in jobs]
         return [f.result() for f in futures]
 
-    def _write_segment(self, segment: pb.SegmentEndpoint | None, ranges: list) -> tuple[list[int], list]:
+    def _write_segment(
+        self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None
+    ) -> tuple[list[int], list]:
         """Per-range statuses, and CRCs where the connector computed them while copying."""
         crcs: list[int | None] = [None] * len(ranges)
         if segment is None:
             return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs
         try:
-            return self._connector(segment).write(ranges, crcs), crcs
+            return self._connector(segment).write(ranges, crcs, caps=caps), crcs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
             return [int(exc.status)] * len(ranges), crcs
@@ -559,7 +592,9 @@ class Client:
         crcs: list[int | None] = [None] * len(indices)
         if segment is None:
             return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs, ""
-        offsets = [reply.replica_offsets[replicas[i][attempt]] for i in indices]
+        positions = [replicas[i][attempt] for i in indices]
+        offsets = [reply.replica_offsets[j] for j in positions]
+        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
         try:
             if tier == pb.SSD:  # the segment reads its own files; only its TCP endpoint serves them
                 connector = self._connector(segment, disk=True)
@@ -568,13 +603,14 @@ class Client:
                     (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
                 ]
                 into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
-                return connector.read_disk(items, into, crcs), crcs, connector.scheme  # type: ignore[attr-defined]
+                results = connector.read_disk(items, into, crcs, caps=caps)  # type: ignore[attr-defined]
+                return results, crcs, connector.scheme
             connector = self._connector(segment)
             if views is None:
                 ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
-                return connector.read(ranges), crcs, connector.scheme
+                return connector.read(ranges, caps=caps), crcs, connector.scheme
             ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
-            return connector.read_into(ranges, crcs), crcs, connector.scheme  # type: ignore[return-value]
+            return connector.read_into(ranges, crcs, caps=caps), crcs, connector.scheme  # type: ignore[return-value]
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
             return [int(exc.status)] * len(indices), crcs, ""

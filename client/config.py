@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvtier.proto.auth import CLUSTER_PRINCIPAL
+from kvtier.proto.channels import Credentials
 from kvtier.proto.keys import check_namespace
 from kvtier.proto.units import check_master_spec
 
@@ -19,6 +21,14 @@ class ClientConfig:
     connector_idle_s: float = 60.0  # a segment connection (socket pool, mapping) unused this long is closed
     frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)
     transport: str = ""  # force a scheme ("tcp"); default from KVTIER_TRANSPORT, else best available
+    # Credentials (docs/security.md); each defaults to its KVTIER_* variable: the cluster's or a
+    # tenant's secret (a file, or KVTIER_SECRET itself), the principal it proves ("cluster", or the
+    # tenant's name), and TLS to the master (the CA of its certificate; a client certificate for mTLS).
+    secret_file: str = ""  # KVTIER_SECRET_FILE
+    principal: str = ""  # KVTIER_PRINCIPAL; "" = cluster
+    tls_ca_file: str = ""  # KVTIER_TLS_CA_FILE
+    tls_cert_file: str = ""  # KVTIER_TLS_CERT_FILE
+    tls_key_file: str = ""  # KVTIER_TLS_KEY_FILE
 
     def validate(self) -> ClientConfig:
         check_namespace(self.namespace)
@@ -36,6 +46,18 @@ class ClientConfig:
         if self.io_threads < 1:
             raise ValueError("io_threads must be at least 1")
         return self
+
+    def credentials(self, secret: bytes | None = None) -> Credentials:
+        """The credentials this client presents; ValueError with one line when they cannot be read."""
+        env = os.environ.get
+        return Credentials.load(
+            secret=secret,
+            secret_file=self.secret_file or env("KVTIER_SECRET_FILE", ""),
+            principal=self.principal or env("KVTIER_PRINCIPAL", "") or CLUSTER_PRINCIPAL,
+            tls_ca_file=self.tls_ca_file or env("KVTIER_TLS_CA_FILE", ""),
+            tls_cert_file=self.tls_cert_file or env("KVTIER_TLS_CERT_FILE", ""),
+            tls_key_file=self.tls_key_file or env("KVTIER_TLS_KEY_FILE", ""),
+        )
 
     @staticmethod
     def metrics_override() -> bool:

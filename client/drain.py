@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import crc32c
 
 from kvtier.client.client import Client
+from kvtier.client.transport.base import Caps
 from kvtier.proto import master_pb2 as pb
 
 _OK = 0
@@ -83,7 +84,14 @@ def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainRep
     todo = [i for i, status in enumerate(start.statuses) if status == _OK]
     report.no_space += len(start.keys) - len(todo)
     buffers = {i: bytearray(start.sizes[i]) for i in todo}
-    reads = client._connector(source).read_into([(start.source_offsets[i], memoryview(buffers[i])) for i in todo], None)
+    rank = {i: n for n, i in enumerate(todo)}  # capabilities come for the movable objects, in order
+
+    def caps(tags: bytes, indices: list[int]) -> Caps:
+        return (start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices]) if tags else None
+
+    reads = client._connector(source).read_into(
+        [(start.source_offsets[i], memoryview(buffers[i])) for i in todo], None, caps=caps(start.source_tags, todo)
+    )
     verified = [
         i
         for i, status in zip(todo, reads, strict=True)
@@ -99,7 +107,9 @@ def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainRep
             report.failed += len(indices)
             continue
         results = client._connector(target).write(
-            [(start.target_offsets[i], memoryview(buffers[i])) for i in indices], None
+            [(start.target_offsets[i], memoryview(buffers[i])) for i in indices],
+            None,
+            caps=caps(start.target_tags, indices),
         )
         for i, status in zip(indices, results, strict=True):
             if status == _OK:

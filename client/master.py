@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -44,6 +45,7 @@ import grpc
 from kvtier.client.sockpool import SocketPool, recv_exact, send_all
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc, rpcframe
+from kvtier.proto.channels import Credentials, open_channel
 from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.errors import ConnectError, KvtierError, ProtocolError, TransportError
 from kvtier.proto.logs import request_id as current_request_id
@@ -64,6 +66,10 @@ _TRACED = frozenset(
 )
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+_DENIED = {
+    grpc.StatusCode.UNAUTHENTICATED: Status.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: Status.PERMISSION_DENIED,
+}
 _UNAVAILABLE = int(Status.UNAVAILABLE)
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
@@ -71,9 +77,20 @@ ATTEMPT_S = 2.0  # longest single attempt when the master can move (a list of ma
 
 
 class MasterClient:
-    def __init__(self, address: str, timeout: float, *, fast_path: bool = True, connections: int = 4) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        *,
+        fast_path: bool = True,
+        connections: int = 4,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.spec = address
         self.timeout = timeout
+        self.credentials = credentials or Credentials()
+        # The fast path has no TLS: with TLS every call goes over gRPC.
+        fast_path = fast_path and not self.credentials.tls
         self._locator = MasterLocator(address, timeout=min(timeout, 2.0))
         self._attempt_s = min(timeout, ATTEMPT_S) if self._locator.is_multi else timeout
         self.address = ""
@@ -157,13 +174,7 @@ class MasterClient:
         with self._lock:
             if address != self.address or self.stub is None:
                 old = self._channel
-                self._channel = grpc.insecure_channel(
-                    address,
-                    options=[
-                        ("grpc.max_receive_message_length", rpcframe.MESSAGE_LIMIT),
-                        ("grpc.max_send_message_length", rpcframe.MESSAGE_LIMIT),
-                    ],
-                )
+                self._channel = open_channel(address, self.credentials)
                 self.stub = master_pb2_grpc.MasterStub(self._channel)
                 self.address = address
                 if old is not None:
@@ -203,7 +214,13 @@ class MasterClient:
         if not hello.fast_endpoint:
             return None
         address = parse_hostport(hello.fast_endpoint.split("://", 1)[-1])
-        new = SocketPool(address, self._attempt_s, self._connections, f"master fast path {hello.fast_endpoint}")
+        new = SocketPool(
+            address,
+            self._attempt_s,
+            self._connections,
+            f"master fast path {hello.fast_endpoint}",
+            on_connect=self._authenticate if self.credentials.token else None,
+        )
         with self._lock:
             if self._fast is None and self._want_fast:
                 self._fast = new
@@ -211,6 +228,15 @@ class MasterClient:
                 return new
         new.close()
         return self._fast
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """A new fast-path connection's AUTH exchange (kvtier.proto.rpcframe)."""
+        token = self.credentials.token.encode()
+        send_all(sock, [rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.AUTH_METHOD, 0, len(token)), token])
+        magic, method, _reply_id, size = rpcframe.HEADER.unpack(recv_exact(sock, rpcframe.HEADER.size))
+        body = recv_exact(sock, min(size, 4096)) if size else b""
+        if magic != rpcframe.MAGIC or method != rpcframe.AUTH_METHOD:
+            raise ProtocolError(f"master fast path refused the credentials: {body.decode(errors='replace')}")
 
     def _drop_fast(self, pool: SocketPool, exc: Exception) -> None:
         logger.warning("master fast path failed (%s); using gRPC and asking Hello again later", exc)
@@ -263,6 +289,8 @@ class MasterClient:
                 details = exc.details() if isinstance(exc, grpc.RpcError) else exc.message
                 if code == grpc.StatusCode.UNAVAILABLE:
                     raise ConnectError(f"{method}: master {self.address or self.spec} unavailable: {details}") from None
+                if code in _DENIED:
+                    raise KvtierError(_DENIED[code], f"{method}: {details}") from None
                 raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {details}") from None
 
     @staticmethod

@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvtier.proto.errors import ConnectError, ReadError
@@ -25,8 +25,16 @@ _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg
 
 
 class SocketPool:
-    def __init__(self, address: tuple[str, int], timeout: float, limit: int, what: str) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        timeout: float,
+        limit: int,
+        what: str,
+        on_connect: Callable[[socket.socket], None] | None = None,
+    ) -> None:
         self.address = address
+        self._on_connect = on_connect  # e.g. an authentication exchange; raises to refuse the socket
         self.timeout = timeout
         self.limit = limit
         self.what = what  # for error messages, e.g. "segment tcp://127.0.0.1:4000"
@@ -45,6 +53,12 @@ class SocketPool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._on_connect is not None:
+            try:
+                self._on_connect(sock)
+            except BaseException:
+                sock.close()
+                raise
         return sock
 
     @contextmanager

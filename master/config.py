@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.master.auth import load_tenants
+from kvtier.proto.auth import read_secret
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem
-from kvtier.proto.units import check_field, check_master_spec, is_wildcard, parse_hostport
+from kvtier.proto.units import check_field, check_master_spec, is_loopback, is_wildcard, parse_hostport
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,17 @@ class MasterConfig:
     advertise: str = ""
     ready_file: str = ""  # if set, JSON with the bound address is written here once serving
     metrics: str = ""  # HOST:PORT for Prometheus /metrics (port 0 = any); empty = off
+    # Security (docs/security.md). The cluster secret: a file only its owner can read, else the
+    # KVTIER_SECRET environment variable; never the value on a command line. Without one nobody is
+    # authenticated, which only a loopback listener (or allow_insecure) accepts.
+    secret_file: str = ""
+    tenants_file: str = ""  # TOML: tenants, their secret files and namespace patterns (kvtier.master.auth)
+    allow_insecure: bool = False  # serve a non-loopback address without a secret (a trusted network)
+    # gRPC over TLS: this master's certificate chain and key (PEM); with tls_client_ca_file, clients
+    # must present a certificate signed by it (mTLS). The fast path has no TLS: "auto" turns it off.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     log_level: str = "INFO"
 
     def validate(self) -> MasterConfig:
@@ -98,8 +111,29 @@ class MasterConfig:
             check_field("etcd", check_master_spec, self.etcd)
         if self.etcd and self.state_dir:
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if self.tls_cert_file and self.fast_listen not in ("auto", "off"):
+            raise ValueError("the fast path has no TLS: with tls_cert_file, fast_listen must be auto (= off) or off")
+        secret = check_field("secret_file", read_secret, self.secret_file)
+        if self.tenants_file:
+            if secret is None:
+                raise ValueError("tenants_file needs a cluster secret (secret_file or KVTIER_SECRET)")
+            check_field("tenants_file", load_tenants, self.tenants_file)
+        if secret is None and not self.allow_insecure and not is_loopback(host):
+            raise ValueError(
+                f"listen {self.listen!r} is reachable from other machines and no cluster secret is set: set "
+                "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"
+            )
         check_log_level(self.log_level)
         return self
+
+    @property
+    def fast_path_listen(self) -> str:
+        """The fast path's setting in effect: "off" under TLS (its frames would travel in the clear)."""
+        return "off" if self.tls_cert_file and self.fast_listen == "auto" else self.fast_listen
 
 
 def parse_args(argv: list[str] | None = None) -> MasterConfig:

@@ -20,8 +20,10 @@ import socket
 
 from google.protobuf.message import DecodeError
 
+from kvtier.master.auth import current_principal
 from kvtier.master.servicer import WAITING_CALLS, CommitWaiter, MasterHandlers
 from kvtier.proto import rpcframe
+from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ _WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcfr
 class FastPathProtocol(asyncio.Protocol):
     def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter) -> None:
         self._handlers = handlers
+        # Who this connection speaks for: nobody until its AUTH frame when credentials are required.
+        self._principal = "" if handlers.auth.enabled else CLUSTER_PRINCIPAL
         self._waiter = waiter
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
@@ -78,6 +82,19 @@ class FastPathProtocol(asyncio.Protocol):
         consumed = 0
         while len(buffer) - consumed >= _HEADER_SIZE:
             magic, method, request_id, size = _HEADER.unpack_from(buffer, consumed)
+            if not self._principal:
+                if magic != rpcframe.MAGIC or method != rpcframe.AUTH_METHOD or size > rpcframe.MAX_TOKEN:
+                    return self._fatal(request_id, "unauthenticated: this master needs an AUTH frame first")
+                end = consumed + _HEADER_SIZE + size
+                if len(buffer) < end:
+                    break
+                token = bytes(buffer[consumed + _HEADER_SIZE : end]).decode(errors="replace")
+                consumed = end
+                self._principal = self._handlers.auth.principal(token)
+                if not self._principal:
+                    return self._fatal(request_id, "unauthenticated: wrong credentials for this cluster")
+                self._transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.AUTH_METHOD, request_id, 0))
+                continue
             entry = self._dispatch.get(method)
             if magic != rpcframe.MAGIC or entry is None or size > rpcframe.MAX_PAYLOAD:
                 return self._fatal(request_id, f"bad frame: magic={magic:#x} method={method} size={size}")
@@ -90,7 +107,11 @@ class FastPathProtocol(asyncio.Protocol):
             except DecodeError:
                 return self._fatal(request_id, f"undecodable {request_type.__name__}")
             consumed = end
-            response = handler(request)
+            principal = current_principal.set(self._principal)
+            try:
+                response = handler(request)
+            finally:
+                current_principal.reset(principal)
             if method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
                 del buffer[:consumed]
                 self._waiting = True

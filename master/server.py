@@ -23,6 +23,8 @@ import signal
 
 import grpc
 
+from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
+from kvtier.master.capabilities import Minter
 from kvtier.master.config import MasterConfig
 from kvtier.master.fastpath import start_fast_path
 from kvtier.master.persist import (
@@ -36,6 +38,8 @@ from kvtier.master.persist import (
 from kvtier.master.servicer import CommitWaiter, MasterHandlers, MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
+from kvtier.proto.auth import read_secret
+from kvtier.proto.channels import read_file
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
 from kvtier.proto.units import parse_hostport
@@ -128,6 +132,24 @@ class Roles:
                 state.saved_state_stale = True
 
 
+def _authenticator(config: MasterConfig) -> Authenticator:
+    """The configured credentials (validated at start: kvtier.master.config)."""
+    secret = read_secret(config.secret_file)
+    tenants = load_tenants(config.tenants_file) if config.tenants_file else {}
+    if secret is not None:
+        logger.info("authentication on principals=%s", ",".join(["cluster", *sorted(tenants)]))
+    return Authenticator(secret, tenants)
+
+
+def _tls_credentials(config: MasterConfig) -> grpc.ServerCredentials:
+    client_ca = read_file(config.tls_client_ca_file, "TLS client CA file") if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(read_file(config.tls_key_file, "TLS key"), read_file(config.tls_cert_file, "TLS certificate"))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def _readiness(handlers: MasterHandlers) -> str:
     """`/readyz`: ready only while this master answers data RPCs, so a Service routes to the leader."""
     role = handlers.role
@@ -146,9 +168,15 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     waiter = CommitWaiter(handlers, config.segment_ttl_s + 2 * config.tick_interval_s + 1.0)
     servicer = MasterServicer(handlers, waiter)
     roles = Roles(config, handlers, servicer)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    handlers.auth = _authenticator(config)
+    handlers.minter = Minter(handlers.auth.cluster_secret)
+    interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
-    port = server.add_insecure_port(config.listen)
+    if config.tls_cert_file:
+        port = server.add_secure_port(config.listen, _tls_credentials(config))
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise SystemExit(f"kvtier-master: cannot bind {config.listen}")
     host = config.listen.rpartition(":")[0]
@@ -174,8 +202,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         roles.lead(next_standalone_epoch(saved), saved, loaded)
     await server.start()
     fast_server = None
-    if config.fast_listen != "off":
-        fast_listen = f"{host}:0" if config.fast_listen == "auto" else config.fast_listen
+    if config.fast_path_listen != "off":
+        fast_listen = f"{host}:0" if config.fast_path_listen == "auto" else config.fast_path_listen
         try:
             advertise_host = parse_hostport(config.advertise)[0] if config.advertise else ""
             fast_server = await start_fast_path(fast_listen, handlers, waiter, advertise_host)

@@ -4,7 +4,7 @@
 `master.proto`, taking a request message and returning a response message.
 Two transports call them: the gRPC servicer (`MasterServicer`, the API) and
 the framed fast path (`kvtier.master.fastpath`) for the hot per-batch calls.
-Every handler goes through `_rpc`, which counts requests and failures, times
+Every handler goes through `rpc` (kvtier.master.gates), which counts requests and failures, times
 the call, logs slow or failing ones and turns an unexpected exception into an
 INTERNAL response. Handlers contain no logic beyond wire-form validation.
 """
@@ -12,9 +12,7 @@ INTERNAL response. Handlers contain no logic beyond wire-form validation.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -23,7 +21,10 @@ from typing import Any
 import grpc
 
 from kvtier.master import inspection_rpc
+from kvtier.master.auth import Authenticator
+from kvtier.master.capabilities import Minter
 from kvtier.master.commits import notice_pin
+from kvtier.master.gates import DATA, rpc
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
@@ -31,90 +32,15 @@ from kvtier.master.state import MasterState, PutOptions
 from kvtier.master.tiering import TierTask
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
-from kvtier.proto.errors import InvalidKeyError
+from kvtier.proto.frames import Op
 from kvtier.proto.keys import check_namespace
 from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.logs import request_id as current_request_id
-from kvtier.proto.status import Status, status_name
+from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Any], Any]
-# Which RPCs a master answers in which role (see `MasterHandlers._refusal`): INFO always; SEGMENT
-# (segment servers' control plane) only as the leader; DATA only as a leader done recovering.
-INFO, SEGMENT, DATA = "info", "segment", "data"
-_GATES = {
-    "Hello": INFO,
-    "Status": INFO,
-    **dict.fromkeys(
-        (
-            "MountSegment",
-            "UnmountSegment",
-            "Heartbeat",
-            "PollTierTasks",
-            "TierTasksDone",
-            "ReportDiskObjects",
-            "DropDiskReplicas",
-            "PollCommits",
-            "ReportDramObjects",
-        ),
-        SEGMENT,
-    ),
-}
 # Per-segment byte counters a heartbeat carries and Status repeats (see HeartbeatRequest).
 _IO_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
-
-
-def _rpc(response_type: type) -> Callable[[Handler], Handler]:
-    def decorate(handler: Handler) -> Handler:
-        name = handler.__name__
-
-        gate = _GATES.get(name, DATA)
-        check_epoch = gate is SEGMENT and name != "MountSegment"
-
-        @functools.wraps(handler)
-        def wrapper(self: MasterHandlers, request: Any) -> Any:
-            started = time.perf_counter()
-            self.requests[name] += 1
-            # The client call's id on every line logged while handling it (0: none, or not traced).
-            token = current_request_id.set(getattr(request, "request_id", 0))
-            try:
-                if gate is not INFO and (refusal := self._refusal(gate)):
-                    self.refused[name] += 1
-                    return response_type(status=Status.UNAVAILABLE, error=refusal)
-                if check_epoch and request.epoch != self.epoch:
-                    return response_type(
-                        status=Status.SEGMENT_NOT_FOUND,
-                        error=f"mounted under master epoch {request.epoch}, this is {self.epoch}: mount again",
-                    )
-                reply = handler(self, request)
-                if reply.error and current_request_id.get():  # a client call refused: findable by its id
-                    fields = {"status": status_name(reply.status)} if reply.status else {}
-                    logger.info("request refused method=%s", name, extra={"fields": {**fields, "error": reply.error}})
-                return reply
-            except InvalidKeyError as exc:
-                self.failures[name] += 1
-                if current_request_id.get():
-                    fields = {"status": "INVALID_KEY", "error": exc.message}
-                    logger.info("request refused method=%s", name, extra={"fields": fields})
-                return response_type(status=Status.INVALID_KEY, error=exc.message)
-            except Exception:
-                self.failures[name] += 1
-                logger.exception("rpc failed method=%s", name)
-                return response_type(status=Status.INTERNAL, error=f"internal error in {name}")
-            finally:
-                elapsed = time.perf_counter() - started
-                histogram = self.latency.get(name)
-                if histogram is None:
-                    histogram = self.latency[name] = LatencyHistogram()
-                histogram.observe(elapsed)
-                if elapsed > 0.5:
-                    logger.warning("slow rpc method=%s seconds=%.3f", name, elapsed)
-                current_request_id.reset(token)
-
-        return wrapper
-
-    return decorate
 
 
 class Leadership:
@@ -133,6 +59,9 @@ class MasterHandlers:
         self.state = state
         self.epoch = epoch
         self.leadership = leadership or Leadership()
+        self.auth = Authenticator(None)  # the server installs the configured one (kvtier.master.auth)
+        self.minter = Minter(None)  # data-plane capabilities (kvtier.master.capabilities), with a secret
+        self.denied: Counter[str] = Counter()  # calls refused PERMISSION_DENIED, per RPC
         self.fast_endpoint = ""  # set by the server once the fast path listens
         self.requests: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
@@ -183,7 +112,7 @@ class MasterHandlers:
 
     # -------------------------------------------------------------- segments
 
-    @_rpc(pb.HelloResponse)
+    @rpc(pb.HelloResponse)
     def Hello(self, request):
         config = self.state.config
         return pb.HelloResponse(
@@ -198,7 +127,7 @@ class MasterHandlers:
             leader=self.leadership.leader(),
         )
 
-    @_rpc(pb.MountSegmentResponse)
+    @rpc(pb.MountSegmentResponse)
     def MountSegment(self, request):
         result = self.state.mount_segment(
             request.cluster_id,
@@ -226,11 +155,11 @@ class MasterHandlers:
             discard_index=result.discard_index,
         )
 
-    @_rpc(pb.UnmountSegmentResponse)
+    @rpc(pb.UnmountSegmentResponse)
     def UnmountSegment(self, request):
         return pb.UnmountSegmentResponse(status=self.state.unmount_segment(request.segment_id))
 
-    @_rpc(pb.HeartbeatResponse)
+    @rpc(pb.HeartbeatResponse)
     def Heartbeat(self, request):
         counters = {name: getattr(request, name) for name in _IO_COUNTERS}
         status = self.state.heartbeat(request.segment_id, request.ssd_used, counters)
@@ -238,7 +167,7 @@ class MasterHandlers:
 
     # -------------------------------------------------------------- objects
 
-    @_rpc(pb.PutStartResponse)
+    @rpc(pb.PutStartResponse)
     def PutStart(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.PutStartResponse):
@@ -258,7 +187,7 @@ class MasterHandlers:
             client_host=request.client_host,
         )
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
-        return pb.PutStartResponse(
+        reply = pb.PutStartResponse(
             status=Status.OK,
             error=result.first_error,
             statuses=result.statuses,
@@ -268,8 +197,15 @@ class MasterHandlers:
             segments=self._endpoints(result.replica_segments),
             put_id=result.put_id,
         )
+        if self.minter.enabled and result.replica_segments:  # writable until the put is reclaimed
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.put_timeout_s)
+            reply.replica_tags = self.minter.replica_tags(
+                self._segment_name, self.epoch, result.replica_counts, result.replica_segments,
+                result.replica_offsets, request.sizes, reply.tag_expiry_ms, op=Op.WRITE,
+            )  # fmt: skip
+        return reply
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def PutEnd(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
@@ -279,7 +215,7 @@ class MasterHandlers:
         statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def PutRevoke(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
@@ -287,7 +223,7 @@ class MasterHandlers:
         statuses = self.state.put_revoke(namespace, request.keys, request.put_id)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
-    @_rpc(pb.GetReplicasResponse)
+    @rpc(pb.GetReplicasResponse)
     def GetReplicas(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
@@ -296,7 +232,7 @@ class MasterHandlers:
         self.lookup_keys["GetReplicas"] += len(request.keys)
         self.lookup_hits["GetReplicas"] += r.statuses.count(0)
         self.lookup_hits_disk_only += disk_only_hits(r.replica_counts, r.replica_tiers)
-        return pb.GetReplicasResponse(
+        reply = pb.GetReplicasResponse(
             status=Status.OK,
             statuses=r.statuses,
             sizes=r.sizes,
@@ -308,8 +244,15 @@ class MasterHandlers:
             segments=self._endpoints(r.replica_segments),
             lease_ms=r.lease_ms,
         )
+        if self.minter.enabled:  # the lease is what keeps the bytes in place: the tags end with it
+            reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
+            reply.replica_tags = self.minter.replica_tags(
+                self._segment_name, self.epoch, r.replica_counts, r.replica_segments, r.replica_offsets, r.sizes,
+                reply.tag_expiry_ms, tiers=r.replica_tiers,
+            )  # fmt: skip
+        return reply
 
-    @_rpc(pb.ExistsResponse)
+    @rpc(pb.ExistsResponse)
     def Exists(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.ExistsResponse):
@@ -319,7 +262,7 @@ class MasterHandlers:
         self.lookup_hits["Exists"] += found.count(True)
         return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)
 
-    @_rpc(pb.RemoveResponse)
+    @rpc(pb.RemoveResponse)
     def Remove(self, request):
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
@@ -327,12 +270,12 @@ class MasterHandlers:
         statuses = self.state.remove(namespace, request.keys)
         return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
 
-    @_rpc(pb.RemoveResponse)
+    @rpc(pb.RemoveResponse)
     def RemovePrefix(self, request):
         namespace = check_namespace(request.namespace)
         return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
 
-    @_rpc(pb.DrainSegmentResponse)
+    @rpc(pb.DrainSegmentResponse)
     def DrainSegment(self, request):
         status, objects_left, bytes_left, state = self.state.drainer.drain(request.segment, request.finish)
         error = "" if status == Status.OK else f"no segment named {request.segment!r}"
@@ -340,7 +283,7 @@ class MasterHandlers:
             status=status, error=error, objects_left=objects_left, bytes_left=bytes_left, state=state
         )
 
-    @_rpc(pb.MigrateStartResponse)
+    @rpc(pb.MigrateStartResponse)
     def MigrateStart(self, request):
         status, batch = self.state.drainer.migrate_start(request.segment, request.max_objects or 256)
         if batch is None:
@@ -362,9 +305,26 @@ class MasterHandlers:
             reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
         segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
         reply.segments.extend(self._endpoints(segment_ids))
+        if self.minter.enabled:  # read the source, write the target; until the migration expires
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.put_timeout_s)
+            moving = [i for i, status in enumerate(reply.statuses) if status == 0]
+            source = self.minter.key(self._segment_name(batch.source_segment), self.epoch)
+            reply.source_tags = b"".join(
+                source.tag(Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]) for i in moving
+            )
+            reply.target_tags = b"".join(
+                self.minter.key(self._segment_name(reply.target_segments[i]), self.epoch).tag(
+                    Op.WRITE, reply.tag_expiry_ms, reply.target_offsets[i], reply.sizes[i]
+                )
+                for i in moving
+            )
         return reply
 
-    @_rpc(pb.KeyStatusResponse)
+    def _segment_name(self, segment_id: int) -> str:
+        segment = self.state.segments.get(segment_id)
+        return segment.name if segment is not None else ""
+
+    @rpc(pb.KeyStatusResponse)
     def MigrateEnd(self, request):
         if len(request.keys) != len(request.namespaces) or len(request.moved) != len(request.keys):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="namespaces, keys and moved differ")
@@ -374,7 +334,7 @@ class MasterHandlers:
             return pb.KeyStatusResponse(status=status, error=f"no migration {request.migration_id} in flight")
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
-    @_rpc(pb.RegisterInstanceResponse)
+    @rpc(pb.RegisterInstanceResponse)
     def RegisterInstance(self, request):
         try:
             quota = self.state.register_instance(
@@ -398,11 +358,11 @@ class MasterHandlers:
             for o in self.state.quotas.snapshot()
         ]
 
-    @_rpc(pb.QuotasResponse)
+    @rpc(pb.QuotasResponse)
     def Quotas(self, request):
         return pb.QuotasResponse(status=Status.OK, quotas=self._quota_infos())
 
-    @_rpc(pb.StatusResponse)
+    @rpc(pb.StatusResponse)
     def Status(self, request):
         snap = self.state.snapshot()
         now = self.state.clock()
@@ -454,7 +414,7 @@ class MasterHandlers:
 
     # -------------------------------------------------------------- tiering
 
-    @_rpc(pb.PollTierTasksResponse)
+    @rpc(pb.PollTierTasksResponse)
     def PollTierTasks(self, request):
         """Non-blocking: the tasks queued now (the gRPC servicer adds the long poll)."""
         if request.segment_id not in self.state.segments:
@@ -472,7 +432,7 @@ class MasterHandlers:
             reply.disk_locations.append(task.disk_location)
         return reply
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def TierTasksDone(self, request):
         if request.segment_id not in self.state.segments:
             return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
@@ -499,7 +459,7 @@ class MasterHandlers:
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
         return self._too_many(request.keys, pb.KeyStatusResponse)
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def ReportDiskObjects(self, request):
         if problem := self._disk_objects_problem(request):
             return problem
@@ -513,7 +473,7 @@ class MasterHandlers:
         )
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def DropDiskReplicas(self, request):
         if problem := self._disk_objects_problem(request):
             return problem
@@ -524,7 +484,7 @@ class MasterHandlers:
 
     # -------------------------------------------------------------- commit log and recovery
 
-    @_rpc(pb.PollCommitsResponse)
+    @rpc(pb.PollCommitsResponse)
     def PollCommits(self, request):
         """Non-blocking: acknowledge, then the notices queued now (the gRPC servicer adds the long poll)."""
         notices = self.state.commits.poll(request.segment_id, request.acked_seq, request.max_notices or 4096)
@@ -553,7 +513,7 @@ class MasterHandlers:
             reply.pin_ttl_ms.extend([ttl for _, ttl in pins])
         return reply
 
-    @_rpc(pb.KeyStatusResponse)
+    @rpc(pb.KeyStatusResponse)
     def ReportDramObjects(self, request):
         segment = self.state.segments.get(request.segment_id)
         if segment is None:
@@ -594,7 +554,7 @@ class MasterHandlers:
 
 # The read-only inspection handlers (ListKeys, StatKeys) live in kvtier.master.inspection_rpc.
 for _name, (_response_type, _handler) in inspection_rpc.HANDLERS.items():
-    setattr(MasterHandlers, _name, _rpc(_response_type)(_handler))
+    setattr(MasterHandlers, _name, rpc(_response_type)(_handler))
 
 RPC_NAMES = tuple(name for name in pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
 

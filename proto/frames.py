@@ -14,6 +14,12 @@ the first entry of its range table, (request id, 0), counted in `nranges`;
 the ranges follow it. The server logs it with anything it reports about the
 request.
 
+A request whose flags have FLAG_CAPS set carries a capability for each of its
+ranges (kvtier.proto.auth): after the trace entry (if any) comes (expiry_ms, 0),
+then the n ranges, then n 16-byte tags, one per range in order, all counted in
+`nranges` (1 + 2n entries). A segment server with a cluster secret serves READ,
+WRITE and READ_DISK only with valid capabilities (CAPABILITY_DENIED otherwise).
+
     request   magic:u16 version:u8 op:u8 request_id:u32 nranges:u32 flags:u32 payload_len:u64
     range     offset:u64 length:u64
     response  magic:u16 version:u8 op:u8 request_id:u32 status:i32 flags:u32 payload_len:u64
@@ -57,6 +63,7 @@ MAX_DISK_NAME = 2 + 256 + 1 + 1024  # namespace (<= 256 bytes), NUL, key (<= 102
 DISK_STATUS = struct.Struct("<i")
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
+FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
 
 
 class Op(enum.IntEnum):
@@ -66,15 +73,31 @@ class Op(enum.IntEnum):
     READ_DISK = 4  # (location, size) ranges + object names -> per range: status, size bytes
 
 
-def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0, trace: int = 0) -> bytes:
+def pack_request(
+    op: Op,
+    request_id: int,
+    ranges: list[tuple[int, int]],
+    payload_len: int = 0,
+    trace: int = 0,
+    caps: tuple[int, bytes] | None = None,
+) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
-    client's request id, nonzero) the table starts with its trace entry."""
+    client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
+    the ranges' tags concatenated), it carries their capabilities."""
     flat = [v for pair in ranges for v in pair]
+    flags = 0
+    if caps is not None:
+        flat[:0] = (caps[0], 0)
+        flags |= FLAG_CAPS
     if trace:
         flat[:0] = (trace, 0)
-    return REQUEST.pack(
-        MAGIC, VERSION, op, request_id, len(flat) // 2, FLAG_TRACED if trace else 0, payload_len
-    ) + struct.pack(f"<{len(flat)}Q", *flat)
+        flags |= FLAG_TRACED
+    tags = caps[1] if caps is not None else b""
+    return (
+        REQUEST.pack(MAGIC, VERSION, op, request_id, len(flat) // 2 + len(tags) // 16, flags, payload_len)
+        + struct.pack(f"<{len(flat)}Q", *flat)
+        + tags
+    )
 
 
 def pack_response(op: int, request_id: int, status: int, payload_len: int = 0) -> bytes:

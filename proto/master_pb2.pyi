@@ -196,7 +196,7 @@ class PutStartRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id")
+    __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id", "replica_tags", "tag_expiry_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class PutStartResponse(_message.Message):
     REPLICA_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TAGS_FIELD_NUMBER: _ClassVar[int]
+    TAG_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
@@ -213,7 +215,9 @@ class PutStartResponse(_message.Message):
     replica_offsets: _containers.RepeatedScalarFieldContainer[int]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
     put_id: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ...) -> None: ...
+    replica_tags: bytes
+    tag_expiry_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
     __slots__ = ("namespace", "keys", "checksums", "put_id", "request_id")
@@ -262,7 +266,7 @@ class KeyStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms")
+    __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms", "replica_tags", "tag_expiry_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +278,8 @@ class GetReplicasResponse(_message.Message):
     REPLICA_TIERS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TAGS_FIELD_NUMBER: _ClassVar[int]
+    TAG_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
@@ -285,7 +291,9 @@ class GetReplicasResponse(_message.Message):
     replica_tiers: _containers.RepeatedScalarFieldContainer[Tier]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
     lease_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    replica_tags: bytes
+    tag_expiry_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class ExistsResponse(_message.Message):
     __slots__ = ("status", "error", "exists", "prefix_count")
@@ -352,7 +360,7 @@ class MigrateStartRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., max_objects: _Optional[int] = ...) -> None: ...
 
 class MigrateStartResponse(_message.Message):
-    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment")
+    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment", "source_tags", "target_tags", "tag_expiry_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +374,9 @@ class MigrateStartResponse(_message.Message):
     TARGET_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TAGS_FIELD_NUMBER: _ClassVar[int]
+    TAG_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     migration_id: int
@@ -379,7 +390,10 @@ class MigrateStartResponse(_message.Message):
     target_offsets: _containers.RepeatedScalarFieldContainer[int]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentEndpoint]
     source_segment: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ...) -> None: ...
+    source_tags: bytes
+    target_tags: bytes
+    tag_expiry_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ..., source_tags: _Optional[bytes] = ..., target_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class MigrateEndRequest(_message.Message):
     __slots__ = ("migration_id", "namespaces", "keys", "moved")

@@ -15,6 +15,11 @@ All integers little-endian. Responses come in request order. A frame the
 master cannot trust (bad magic, unknown method, payload over MAX_PAYLOAD, an
 undecodable message) gets a response with method 0 and a UTF-8 reason, and
 the connection is closed.
+
+When the master requires credentials (kvtier.master.auth), a connection's
+first frame is AUTH_METHOD with the client's token (UTF-8) as payload; it is
+answered with AUTH_METHOD and an empty payload, and a wrong token, or any
+other frame first, gets the method-0 error and the close.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ HEADER = struct.Struct("<HHII")
 MESSAGE_LIMIT = 256 << 20
 MAX_PAYLOAD = MESSAGE_LIMIT
 ERROR_METHOD = 0
+AUTH_METHOD = 0xFFFE
+MAX_TOKEN = 512
 
 # method id -> (RPC name, request type, response type). Ids are wire contract: never reuse one.
 METHODS: dict[int, tuple[str, type, type]] = {

@@ -85,3 +85,16 @@ def check_field(name: str, check, value):
         return check(value)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`): reachable from this machine only."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere

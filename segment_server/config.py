@@ -12,9 +12,20 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
+from kvtier.proto.auth import read_secret
+from kvtier.proto.channels import Credentials
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem, segment_name_problem
-from kvtier.proto.units import check_field, check_master_spec, is_wildcard, parse_hostport, parse_size
+from kvtier.proto.units import (
+    check_field,
+    check_master_spec,
+    is_loopback,
+    is_wildcard,
+    parse_hostport,
+    parse_size,
+)
+from kvtier.segment_server.region import MAX_SOCKET_PATH, grant_socket_path
+from kvtier.segment_server.shm_grant import parse_uids
 
 MIN_DRAM = 1 << 20
 MIN_SSD = 16 << 20
@@ -30,7 +41,10 @@ class SegmentConfig:
     dram: str = "1GiB"  # DRAM region size
     name: str = ""  # stable segment name; default: <hostname>-<random>
     cluster_id: str = "default"
-    shm_dir: str = "/dev/shm"  # where region files live
+    shm_dir: str = "/dev/shm"  # where region files (0600) and their grant sockets live
+    # Users besides the service's own uid whose processes are granted the region over the grant
+    # socket (the shm transport): comma-separated uids and/or user names. Empty = the service's uid only.
+    shm_allowed_uids: str = ""
     ready_file: str = ""  # if set, JSON with endpoints is written here once mounted
     metrics: str = ""  # HOST:PORT for Prometheus /metrics (port 0 = any); empty = off
     # SSD tier (off unless ssd_dir and ssd_size are set): bucket files in ssd_dir, at most ssd_size bytes.
@@ -48,6 +62,22 @@ class SegmentConfig:
     ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
+    # Data-plane connection limits: a client beyond max_connections is refused with a clear
+    # error; a connection idle this long, or a request (or its response) stalled this long, is cut.
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0
+    request_timeout_s: float = 60.0
+    # Security (docs/security.md): the cluster secret (a file only its owner can read, else
+    # KVTIER_SECRET), which this server presents to the master and from which it derives the key
+    # of the data plane's capabilities. Without one, any peer that reaches the data plane may read
+    # and write the region: only a loopback listener (or allow_insecure) accepts that.
+    secret_file: str = ""
+    allow_insecure: bool = False
+    # TLS to the master (when the master serves TLS): the CA of its certificate, and this server's
+    # certificate and key when the master requires client certificates (mTLS).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     log_level: str = "INFO"
 
     @property
@@ -81,6 +111,14 @@ class SegmentConfig:
             raise ValueError(problem)
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"shm_dir {self.shm_dir!r} is not a directory")
+        # the longest grant socket path a name can give (a long name is replaced by a hash of it)
+        longest = grant_socket_path(self.shm_dir, self.cluster_id, "x" * 120)
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"shm_dir {self.shm_dir!r} is too long for the grant socket's path (a Unix socket path is at most "
+                f"{MAX_SOCKET_PATH} bytes): use a shorter directory"
+            )
+        check_field("shm_allowed_uids", parse_uids, self.shm_allowed_uids)
         if self.ssd_dir and self.ssd_bytes < MIN_SSD:
             raise ValueError(f"--ssd-size must be at least 16MiB with --ssd-dir, got {self.ssd_size!r}")
         if not self.ssd_dir and parse_size(self.ssd_size):
@@ -100,8 +138,31 @@ class SegmentConfig:
             raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:
             raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        for name in ("idle_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        credentials = check_field("credentials", lambda _: self.credentials(), None)
+        if not credentials.token and not self.allow_insecure and not is_loopback(self.advertise or host):
+            raise ValueError(
+                f"listen {self.listen!r} is reachable from other machines and no cluster secret is set: set "
+                "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"
+            )
         check_log_level(self.log_level)
         return self
+
+    def credentials(self) -> Credentials:
+        """What this server presents to the master (ValueError when a file cannot be used)."""
+        return Credentials.load(
+            secret_file=self.secret_file,
+            tls_ca_file=self.tls_ca_file,
+            tls_cert_file=self.tls_cert_file,
+            tls_key_file=self.tls_key_file,
+        )
+
+    def secret(self) -> bytes | None:
+        return read_secret(self.secret_file)
 
     def with_defaults(self) -> SegmentConfig:
         """Fill in values that depend on the machine (the default name)."""

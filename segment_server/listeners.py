@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Protocol
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from kvtier.proto.units import parse_hostport
 from kvtier.segment_server.disk_reads import DiskReader
-from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
+from kvtier.segment_server.protocol import (
+    CapabilityCheck,
+    ConnectionLimits,
+    Connections,
+    DataPlaneStats,
+    DataProtocol,
+)
+from kvtier.segment_server.shm_grant import MAX_CONNECTIONS, TIMEOUT_S, GrantServer, GrantStats, reopen
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,12 @@ class TcpListener:
         stats: DataPlaneStats,
         disk: DiskReader | None = None,
         advertise: str = "",
+        limits: ConnectionLimits | None = None,
+        caps: CapabilityCheck | None = None,
     ) -> None:
         self._host, self._port = parse_hostport(listen)
+        self._caps = caps
+        self._connections = Connections(limits or ConnectionLimits(), stats)
         self._advertise = advertise  # the host put in the endpoint URL (default: the bound one)
         self._region = region
         self._stats = stats
@@ -52,7 +64,7 @@ class TcpListener:
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: DataProtocol(self._region, self._stats, self._disk),
+            lambda: DataProtocol(self._region, self._stats, self._disk, self._connections, self._caps),
             host=self._host,
             port=self._port,
             reuse_address=True,
@@ -62,9 +74,11 @@ class TcpListener:
         host = self._advertise or host
         endpoint = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
         logger.info("listening endpoint=%s", endpoint)
+        self._connections.start()
         return endpoint
 
     async def stop(self) -> None:
+        self._connections.stop()
         if self._server is not None:
             self._server.close()
             try:
@@ -74,23 +88,71 @@ class TcpListener:
 
 
 class ShmListener:
-    """Advertises the region file for same-host clients, who map it and copy directly.
+    """Grants the region to same-host clients of allowed uids, who map it and copy directly.
 
-    Nothing is served: the URL carries the path, this host's id and the
-    region's nonce, which a client checks against the mapped file's header
-    before trusting it (see kvtier.client.transport.shm).
+    Serves the grant socket (kvtier.segment_server.shm_grant) and advertises
+    `shm://<socket path>?host=<host id>&nonce=<hex>&uid=<service uid>`: a client
+    checks the host id before connecting, the server's uid on the socket and the
+    fd, and the nonce in the mapped header (kvtier.client.transport.shm).
+    Allowed: this process's uid and `allowed_uids`. `region_fd` is reopened
+    (a second open file description, without the region's lock) and that one
+    is what clients receive; it is closed at stop.
     """
 
     scheme = "shm"
 
-    def __init__(self, region_path: str, host_id: str, nonce: bytes) -> None:
-        self._endpoint = f"shm://{region_path}?{urlencode({'host': host_id, 'nonce': nonce.hex()})}"
+    def __init__(
+        self,
+        socket_path: str,
+        region_fd: int,
+        host_id: str,
+        nonce: bytes,
+        allowed_uids: frozenset[int] = frozenset(),
+        stats: GrantStats | None = None,
+        *,
+        timeout_s: float = TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.socket_path = socket_path
+        self.stats = stats if stats is not None else GrantStats()
+        self._region_fd = region_fd
+        self._nonce = nonce
+        self._allowed = frozenset({os.geteuid(), *allowed_uids})
+        self._timeout_s = timeout_s
+        self._max_connections = max_connections
+        query = urlencode({"host": host_id, "nonce": nonce.hex(), "uid": os.geteuid()})
+        self._endpoint = f"shm://{quote(socket_path)}?{query}"
+        self._fd = -1
+        self._server: GrantServer | None = None
 
     async def start(self) -> str:
+        self._fd = reopen(self._region_fd)
+        server = GrantServer(
+            self.socket_path,
+            self._fd,
+            self._nonce,
+            self._allowed,
+            self.stats,
+            timeout_s=self._timeout_s,
+            max_connections=self._max_connections,
+        )
+        try:
+            await server.start()
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        self._server = server
+        logger.info("listening endpoint=%s", self._endpoint)
         return self._endpoint
 
     async def stop(self) -> None:
-        return None
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 LISTENERS: dict[str, type] = {"tcp": TcpListener, "shm": ShmListener}

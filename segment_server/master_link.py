@@ -32,8 +32,8 @@ import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
+from kvtier.proto.channels import Credentials, open_channel
 from kvtier.proto.discovery import MasterLocator, leader_hint
-from kvtier.proto.rpcframe import MESSAGE_LIMIT
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 
@@ -42,14 +42,16 @@ logger = logging.getLogger(__name__)
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 0.5
 _RPC_TIMEOUT_S = 2.0
+_CREDENTIALS_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _READY_SILENCE_S = 5.0  # unanswered heartbeats for this long: not ready (the master expels later)
 
 
 class MasterChannels:
     """One gRPC channel to the current master, shared by the segment's threads; follows the leader."""
 
-    def __init__(self, locator: MasterLocator) -> None:
+    def __init__(self, locator: MasterLocator, credentials: Credentials | None = None) -> None:
         self._locator = locator
+        self._credentials = credentials or Credentials()
         self._lock = threading.Lock()
         self._address = ""
         self._channel: grpc.Channel | None = None
@@ -63,13 +65,7 @@ class MasterChannels:
             if address != self._address or self._stub is None:
                 if self._channel is not None:
                     self._channel.close()
-                self._channel = grpc.insecure_channel(
-                    address,
-                    options=[
-                        ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                        ("grpc.max_send_message_length", MESSAGE_LIMIT),
-                    ],
-                )
+                self._channel = open_channel(address, self._credentials)
                 self._stub = master_pb2_grpc.MasterStub(self._channel)
                 self._address = address
                 logger.info("master link target=%s", address)
@@ -192,6 +188,11 @@ class MasterLink:
                 backoff = _BACKOFF_MIN_S
                 self._stop.wait(self._interval_s)
             except (grpc.RpcError, InventoryRefused, _Retry) as exc:
+                if isinstance(exc, grpc.RpcError) and exc.code() in _CREDENTIALS_REFUSED:
+                    # Wrong or missing credentials do not fix themselves: stop with the reason (exit 2,
+                    # a configuration error, which systemd units do not restart).
+                    self._on_fatal(f"the master refused this segment's credentials: {exc.details()}", 2)
+                    return
                 detail = exc.code() if isinstance(exc, grpc.RpcError) else exc
                 logger.warning("master unreachable (%s); retrying in %.2fs", detail, backoff)
                 if not isinstance(exc, _Retry):  # a refusal already named where to go

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.dram_index import CommitFeed
 from kvtier.segment_server.protocol import DataPlaneStats
+from kvtier.segment_server.shm_grant import GrantStats
 from kvtier.segment_server.tier_worker import TierWorker
 
 
@@ -34,6 +35,7 @@ class SegmentCollector(Collector):
         store: BucketStore | None,
         worker: Callable[[], TierWorker | None],
         feed: Callable[[], CommitFeed | None],
+        grants: GrantStats | None = None,
     ) -> None:
         self._name = name
         self._stats = stats
@@ -42,6 +44,7 @@ class SegmentCollector(Collector):
         self._store = store
         self._worker = worker
         self._feed = feed
+        self._grants = grants
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats
@@ -92,6 +95,15 @@ class SegmentCollector(Collector):
         yield _one(
             CounterMetricFamily, "kvtier_segment_requests", "Data-plane requests handled.", self._name, s.requests
         )
+        if self._grants is not None:
+            grants = CounterMetricFamily(
+                "kvtier_segment_shm_grants",
+                "Requests for the region on the shm grant socket, by result (granted, refused_uid, busy, ...).",
+                labels=["segment", "result"],
+            )
+            for result, count in self._grants.results.items():
+                grants.add_metric([self._name, result], count)
+            yield grants
         yield _one(
             CounterMetricFamily,
             "kvtier_segment_range_errors",
@@ -108,6 +120,28 @@ class SegmentCollector(Collector):
         )
         yield _one(
             GaugeMetricFamily, "kvtier_segment_connections", "Open data-plane connections.", self._name, s.connections
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_capability_denials",
+            "Requests refused CAPABILITY_DENIED: no valid capability from the master for their ranges.",
+            self._name,
+            s.capability_denials,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_refused_connections",
+            "Data-plane connections refused at the max_connections limit.",
+            self._name,
+            s.refused_connections,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_timed_out_connections",
+            "Data-plane connections cut: idle past idle_timeout_s, or a request or response stalled past "
+            "request_timeout_s.",
+            self._name,
+            s.timed_out_connections,
         )
         yield _one(
             GaugeMetricFamily,

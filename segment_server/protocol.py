@@ -31,9 +31,11 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.proto import frames
+from kvtier.proto.auth import CapabilityKey, capability_key
 from kvtier.proto.frames import Op
 from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.logs import format_request_id
@@ -60,6 +62,9 @@ class DataPlaneStats:
     ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
     range_errors: int = 0
     protocol_errors: int = 0
+    capability_denials: int = 0  # requests without valid capabilities (CAPABILITY_DENIED)
+    refused_connections: int = 0  # over max_connections
+    timed_out_connections: int = 0  # idle, or a request (or its response) stalled past the limit
     # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
     # the region; READ_DISK: the last record queued). Completed requests only.
     latency: dict[str, LatencyHistogram] = field(
@@ -67,11 +72,86 @@ class DataPlaneStats:
     )
 
 
+class CapabilityCheck:
+    """This segment's capability key: from the cluster secret, its name and the epoch of the master
+    it is mounted on (kvtier.proto.auth); None while it is not mounted."""
+
+    def __init__(self, secret: bytes, name: str, epoch: Callable[[], int]) -> None:
+        self._secret = secret
+        self._name = name
+        self._epoch = epoch
+        self._key: CapabilityKey | None = None
+        self._key_epoch = 0
+
+    def key(self) -> CapabilityKey | None:
+        epoch = self._epoch()
+        if not epoch:
+            return None
+        if epoch != self._key_epoch:
+            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch))
+            self._key_epoch = epoch
+        return self._key
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one client connection may hold (kvtier.segment_server.config)."""
+
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0  # between requests
+    request_timeout_s: float = 60.0  # from a request's first byte to its response handed to the kernel
+
+
+class Connections:
+    """The live connections of one listener, their limit, and a sweep that closes stalled ones.
+
+    A sweep every second (one timer per listener, none per connection) aborts a
+    connection idle past `idle_timeout_s`, one whose request has been arriving
+    for longer than `request_timeout_s` (a slow sender holds no more than that),
+    and one whose responses the peer has not read for as long (backpressure
+    keeps what is queued bounded; this bounds how long).
+    """
+
+    def __init__(self, limits: ConnectionLimits, stats: DataPlaneStats) -> None:
+        self.limits = limits
+        self.stats = stats
+        self.live: set[DataProtocol] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(1.0, self._sweep)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for connection in list(self.live):
+            if reason := connection.stalled(now, self.limits):
+                self.stats.timed_out_connections += 1
+                connection.abort(reason)
+        self._timer = asyncio.get_running_loop().call_later(1.0, self._sweep)
+
+
 class DataProtocol(asyncio.BufferedProtocol):
     """One client connection. Created per connection by the TCP listener."""
 
-    def __init__(self, region: memoryview, stats: DataPlaneStats, disk: DiskReader | None = None) -> None:
+    def __init__(
+        self,
+        region: memoryview,
+        stats: DataPlaneStats,
+        disk: DiskReader | None = None,
+        connections: Connections | None = None,
+        caps: CapabilityCheck | None = None,
+    ) -> None:
         self._region = region
+        self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
+        self._cap_tags: bytes | None = None  # of the current request
+        self._cap_expiry = 0
+        self._connections = connections
+        self._request_start = time.monotonic()  # first byte of the current (or last) request
+        self._paused_since = 0.0  # when writes backed up (0: they flow)
         self._disk = disk
         self._write_paused = False
         self._drained: asyncio.Event | None = None  # set while the transport accepts writes (READ_DISK waits on it)
@@ -103,20 +183,61 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self._transport = transport
+        connections = self._connections
+        if connections is not None:
+            if len(connections.live) >= connections.limits.max_connections:
+                self._stats.refused_connections += 1
+                self._state = _CLOSED
+                message = f"too many connections: this segment serves {connections.limits.max_connections} at most"
+                data = message.encode()
+                transport.write(frames.pack_response(0, 0, Status.TOO_MANY_CONNECTIONS, len(data)) + data)
+                transport.close()
+                return
+            connections.live.add(self)
         self._stats.connections += 1
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc) -> None:
+        if self._connections is not None and self in self._connections.live:
+            self._connections.live.discard(self)
+        elif self._connections is not None:  # refused at connection_made: never counted
+            self._transport = None
+            return
         self._state = _CLOSED
         self._stats.connections -= 1
         self._transport = None
         if self._drained is not None:
             self._drained.set()  # wake a disk request so it notices the connection is gone
 
+    def stalled(self, now: float, limits: ConnectionLimits) -> str:
+        """Why this connection should be cut now ("" = it is fine)."""
+        if self._transport is None or self._state == _CLOSED:
+            return ""
+        if self._write_paused and now - self._paused_since > limits.request_timeout_s:
+            return f"the peer has read no response for {limits.request_timeout_s:.0f}s"
+        if self._state == _BUSY:  # a disk response: its sender has its own send timeout
+            return ""
+        waited = now - self._request_start
+        if self._state == _HEADER and self._filled == 0:
+            return f"idle for {limits.idle_timeout_s:.0f}s" if waited > limits.idle_timeout_s else ""
+        if waited > limits.request_timeout_s:
+            return f"a request still incomplete after {limits.request_timeout_s:.0f}s"
+        return ""
+
+    def abort(self, reason: str) -> None:
+        logger.info(
+            "connection closed",
+            extra={"rid": format_request_id(self._trace), "fields": {"peer": self._peer(), "reason": reason}},
+        )
+        self._state = _CLOSED
+        if self._transport is not None:
+            self._transport.abort()
+
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._paused_since = time.monotonic()
         if self._drained is not None:
             self._drained.clear()
         if self._transport is not None:
@@ -149,6 +270,8 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         state = self._state
+        if state == _HEADER and self._filled == 0:
+            self._request_start = time.monotonic()
         if state == _DRAIN:
             self._drain_left -= nbytes
             if self._drain_left == 0:
@@ -165,9 +288,19 @@ class DataProtocol(asyncio.BufferedProtocol):
             self._on_header()
         elif state == _RANGES:
             ranges = frames.unpack_ranges(self._table, self._nranges)
-            if self._flags & frames.FLAG_TRACED:
+            traced = self._flags & frames.FLAG_TRACED
+            if traced:
                 self._trace, ranges = ranges[0], ranges[2:]
                 self._nranges -= 1
+            if self._flags & frames.FLAG_CAPS:  # (expiry, 0), n ranges, n tags: 1 + 2n entries
+                if self._nranges % 2 == 0:
+                    return self._fatal(f"capability block of {self._nranges} entries (expected 1 + 2 per range)")
+                count = self._nranges // 2
+                first_tag = (1 if traced else 0) + 1 + count  # table entry where the tags start
+                self._cap_expiry = ranges[0]
+                self._cap_tags = bytes(self._table[16 * first_tag : 16 * (first_tag + count)])
+                ranges = ranges[2 : 2 + 2 * count]
+                self._nranges = count
             self._ranges = ranges
             self._on_request()
         elif state == _NAMES:
@@ -183,6 +316,7 @@ class DataProtocol(asyncio.BufferedProtocol):
     def _on_header(self) -> None:
         magic, version, op, request_id, nranges, flags, payload_len = frames.REQUEST.unpack(self._header)
         self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
+        self._cap_tags = None
         self._started = time.perf_counter()
         if magic != frames.MAGIC or version != frames.VERSION:
             return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
@@ -194,6 +328,8 @@ class DataProtocol(asyncio.BufferedProtocol):
             return self._fatal(f"write payload of {payload_len} bytes exceeds the region ({self._capacity})")
         if flags & frames.FLAG_TRACED and nranges == 0:
             return self._fatal("a traced frame without its trace entry")
+        if flags & frames.FLAG_CAPS and nranges == 0:
+            return self._fatal("a frame with capabilities but no capability block")
         if op == Op.READ_DISK:
             if payload_len > nranges * frames.MAX_DISK_NAME:
                 return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
@@ -214,6 +350,12 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def _on_request(self) -> None:
         op, ranges, capacity = self._op, self._ranges, self._capacity
+        if self._caps is not None and op in (Op.READ, Op.WRITE) and (denied := self._capability_problem(op)):
+            self._stats.capability_denials += 1
+            if op == Op.WRITE:
+                return self._drain(Status.CAPABILITY_DENIED, denied)
+            self._send_error(Status.CAPABILITY_DENIED, denied)
+            return self._start_header()
         if op == Op.READ_DISK:
             if self._payload_len == 0:
                 return self._on_disk_request()
@@ -301,6 +443,15 @@ class DataProtocol(asyncio.BufferedProtocol):
         data = message.encode()[: frames.MAX_ERROR_MESSAGE]
         self._transport.write(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
 
+    def _capability_problem(self, op: int) -> str:
+        """Why this request's ranges may not be served ("" = every range has its valid capability)."""
+        key = self._caps.key()
+        if key is None:
+            return "this segment is not mounted on a master: no capability is valid yet"
+        if self._cap_tags is None:
+            return "this segment serves only ranges with capabilities from the master (the cluster has a secret)"
+        return key.check(op, self._cap_expiry, self._ranges, self._cap_tags)
+
     def _peer(self) -> str:
         peer = self._transport.get_extra_info("peername")
         return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
@@ -324,6 +475,10 @@ class DataProtocol(asyncio.BufferedProtocol):
             names = frames.unpack_disk_names(self._names if self._payload_len else b"", self._nranges)
         except (ValueError, UnicodeDecodeError) as exc:
             return self._fatal(f"malformed READ_DISK names: {exc}")
+        if self._caps is not None and (denied := self._capability_problem(Op.READ_DISK)):
+            self._stats.capability_denials += 1
+            self._send_error(Status.CAPABILITY_DENIED, denied)
+            return self._start_header()
         total = sum(ranges[1::2])
         if self._disk is None:
             self._send_error(Status.NOT_FOUND, "this segment has no SSD tier")

@@ -6,9 +6,11 @@ shm connector that reads it), then the data area the master allocates from
 
 Ownership: the live owner holds an exclusive `flock` on the file. A file of
 our cluster whose lock can be taken has no live owner (the process died
-without cleaning up) and is removed at start; a file whose lock is held
-belongs to a live process and is never touched. Files without our magic are
-never deleted. The file is created 0600, space is reserved with
+without cleaning up) and is removed at start, with the segment's grant socket
+next to it (`grant_socket_path`, kvtier.segment_server.shm_grant); a file whose
+lock is held belongs to a live process and is never touched. Files without our
+magic are never deleted. The file is created 0600 (only the service's uid opens
+it; other users get it only through the grant socket), space is reserved with
 `posix_fallocate` so a full /dev/shm is an error at start instead of a
 SIGBUS on first write, and the mapping is populated up front.
 """
@@ -16,10 +18,13 @@ SIGBUS on first write, and the mapping is populated up front.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
 import secrets
+import socket
+import stat
 
 from kvtier.proto.region import FORMAT, HEADER, HEADER_SIZE, MAGIC, boot_id
 
@@ -30,8 +35,26 @@ SHM_DIR = "/dev/shm"
 _FILE_PREFIX = "kvtier."
 
 
+# A Unix socket path is at most 107 bytes (sun_path, NUL included).
+MAX_SOCKET_PATH = 107
+
+
 def region_path(directory: str, cluster_id: str, segment_name: str) -> str:
     return os.path.join(directory, f"{_FILE_PREFIX}{cluster_id}.{segment_name}.region")
+
+
+def grant_socket_path(directory: str, cluster_id: str, segment_name: str) -> str:
+    """The segment's shm grant socket, next to its region: `kvtier.<cluster>.<segment>.sock`.
+
+    A name that would not fit a Unix socket path is replaced by a hash of it
+    (`kvtier.<cluster>.h<16 hex>.sock`); whether even that fits depends on the
+    directory only (SegmentConfig.validate checks it).
+    """
+    path = os.path.join(directory, f"{_FILE_PREFIX}{cluster_id}.{segment_name}.sock")
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    digest = hashlib.sha256(segment_name.encode()).hexdigest()[:16]
+    return os.path.join(directory, f"{_FILE_PREFIX}{cluster_id}.h{digest}.sock")
 
 
 class DramRegion:
@@ -77,6 +100,12 @@ class DramRegion:
         self.view = memoryview(self._map)[HEADER_SIZE:]
         logger.info("region created path=%s capacity=%d", self.path, self.capacity)
         return self
+
+    def fileno(self) -> int:
+        """The open region file (the one holding the ownership lock: never hand it out, reopen it)."""
+        if self._fd < 0:
+            raise ValueError(f"region {self.path} is not open")
+        return self._fd
 
     def close(self) -> None:
         """Unmap and delete the file. Safe to call twice."""
@@ -131,31 +160,95 @@ def remove_if_orphaned(path: str) -> bool:
             raise FileExistsError(
                 f"{path} is held by a live process: is another segment server using this name?"
             ) from None
-        if read_header(path) is None:
+        header = read_header(path)
+        if header is None:
             raise FileExistsError(f"{path} exists and is not a kvtier region file; not touching it")
         os.unlink(path)
         logger.warning("removed stale region file left by a dead process path=%s", path)
+        # Its grant socket died with the same process (a live server removes its socket before
+        # its region); still, only a socket nobody listens on is removed.
+        sock = grant_socket_path(os.path.dirname(path), header["cluster_id"], header["segment_name"])
+        try:
+            remove_stale_socket(sock)
+        except OSError as exc:
+            logger.warning("grant socket of a stale region kept path=%s reason=%s", sock, exc)
         return True
     finally:
         os.close(fd)
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def socket_is_live(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket `path` (a refused connect: nobody does).
+
+    A live grant server sees the probe as a peer that hung up without asking (counted as an error).
+    """
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # EAGAIN (a live listener's full backlog), a timeout, EACCES...: assume live, touch nothing
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def remove_stale_socket(path: str) -> bool:
+    """Delete the Unix socket `path` if nobody listens on it; True if removed.
+
+    FileExistsError when a live process listens there or the path is not a socket: never ours to delete.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; not touching it")
+    if socket_is_live(path):
+        raise FileExistsError(f"{path} is served by a live process: is another segment server using this name?")
+    _unlink_quietly(path)
+    logger.warning("removed stale grant socket path=%s", path)
+    return True
+
+
 def remove_orphans(directory: str, cluster_id: str) -> int:
-    """Remove every orphaned region file of `cluster_id` in `directory`; live ones stay."""
+    """Remove every orphaned region file of `cluster_id` in `directory`, and their grant sockets;
+    live ones stay. Returns the number of region files removed.
+
+    A grant socket whose region file is gone (deleted by hand) is removed when nobody listens on it.
+    """
     removed = 0
     prefix = f"{_FILE_PREFIX}{cluster_id}."
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
+    paired: set[str] = set()  # grant sockets of region files still present (their lock decides)
     for name in names:
         if name.startswith(prefix) and name.endswith(".region"):
             path = os.path.join(directory, name)
             header = read_header(path)
             if header is None or header["cluster_id"] != cluster_id:
                 continue  # not a region, or one of a cluster whose id merely starts with ours
+            paired.add(grant_socket_path(directory, cluster_id, header["segment_name"]))
             try:
                 removed += remove_if_orphaned(path)
             except (FileExistsError, OSError):
+                continue
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.startswith(prefix) and name.endswith(".sock") and path not in paired:
+            try:
+                remove_stale_socket(path)
+            except OSError:  # FileExistsError included: live, or not a socket
                 continue
     return removed

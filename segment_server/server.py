@@ -20,8 +20,9 @@ from kvtier.segment_server.diskio import BufferPool, open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
-from kvtier.segment_server.protocol import DataPlaneStats
-from kvtier.segment_server.region import DramRegion, region_path, remove_orphans
+from kvtier.segment_server.protocol import CapabilityCheck, ConnectionLimits, DataPlaneStats
+from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path, remove_orphans
+from kvtier.segment_server.shm_grant import GrantStats, parse_uids
 from kvtier.segment_server.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
@@ -48,15 +49,36 @@ async def serve(config: SegmentConfig) -> int:
         region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
     ).open()
     stats = DataPlaneStats()
+    grants = GrantStats()
     store = engine = disk = worker = feed = None
     link = channels = None
     listeners: list = []
     try:
         if config.ssd_dir:
             store, engine, disk = _open_ssd_tier(config)
+        index = DramIndex(region.view)
+        secret = config.secret()
+        # With a cluster secret the data plane serves only ranges the master granted (capabilities),
+        # keyed by the epoch of the current mount (the index's session).
+        caps = CapabilityCheck(secret, config.name, lambda: index.session[1]) if secret else None
         listeners = [
-            TcpListener(config.listen, region.view, stats, disk, config.advertise),
-            ShmListener(region.path, host_id(), region.nonce),
+            TcpListener(
+                config.listen,
+                region.view,
+                stats,
+                disk,
+                config.advertise,
+                ConnectionLimits(config.max_connections, config.idle_timeout_s, config.request_timeout_s),
+                caps,
+            ),
+            ShmListener(
+                grant_socket_path(config.shm_dir, config.cluster_id, config.name),
+                region.fileno(),
+                host_id(),
+                region.nonce,
+                parse_uids(config.shm_allowed_uids),
+                grants,
+            ),
         ]
         endpoints = [await listener.start() for listener in listeners]
         mounted = asyncio.Event()
@@ -68,8 +90,7 @@ async def serve(config: SegmentConfig) -> int:
             fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
-        channels = MasterChannels(MasterLocator(config.master))
-        index = DramIndex(region.view)
+        channels = MasterChannels(MasterLocator(config.master), config.credentials())
         link = MasterLink(
             channels,
             pb.MountSegmentRequest(
@@ -104,7 +125,7 @@ async def serve(config: SegmentConfig) -> int:
             from kvtier.segment_server.metrics import SegmentCollector
 
             collector = SegmentCollector(
-                config.name, stats, _disk_bytes_read, region.capacity, store, lambda: worker, lambda: feed
+                config.name, stats, _disk_bytes_read, region.capacity, store, lambda: worker, lambda: feed, grants
             )
             try:
                 metrics_address = serve_metrics(config.metrics, collector, readiness=link.readiness)

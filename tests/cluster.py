@@ -54,6 +54,7 @@ class Cluster:
         self.master: Proc | None = None
         self.masters: dict[str, Proc] = {}  # HA: every master started with start_master(name=...)
         self.master_spec = ""  # what segments and clients are given as --master; default the master's address
+        self.secret_file = ""  # set: every process started from here on, and every client, uses it
         self.segments: dict[str, Proc] = {}
         self._clients: list[Client] = []
 
@@ -93,6 +94,7 @@ class Cluster:
                 "--cluster-id", self.cluster_id,
                 "--segment-ttl-s", str(self.segment_ttl_s),
                 "--heartbeat-interval-s", str(self.heartbeat_interval_s),
+                *self._secret_args(),
                 *extra,
             ],
         )  # fmt: skip
@@ -124,6 +126,7 @@ class Cluster:
                 "--cluster-id", self.cluster_id,
                 "--name", name,
                 "--dram", dram,
+                *self._secret_args(),
                 *extra,
             ],
         )  # fmt: skip
@@ -153,8 +156,13 @@ class Cluster:
 
     # ------------------------------------------------------------ clients
 
+    def _secret_args(self) -> list[str]:
+        return ["--secret-file", self.secret_file] if self.secret_file else []
+
     def client(self, **kwargs) -> Client:
         kwargs.setdefault("timeout", 5.0)
+        if self.secret_file and "secret" not in kwargs:
+            kwargs.setdefault("secret_file", self.secret_file)
         client = Client(self.master_address, **kwargs)
         self._clients.append(client)
         return client

@@ -13,25 +13,33 @@ from collections.abc import Sequence
 from typing import Protocol
 
 Buffer = memoryview  # a flat, byte-formatted view ("B", contiguous)
+# Capabilities for a call's ranges, from the master (kvtier.proto.auth): (expiry_ms, one 16-byte tag
+# per range, in order), or None when the cluster has no secret. Connectors that go through the
+# segment server (tcp) send them; those that map the region (shm) have no use for them.
+Caps = tuple[int, Sequence[bytes]] | None
 
 
 class Connector(Protocol):
     scheme: str
 
-    def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+    def write(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
         """Copy each buffer into the region at its offset. OK only once the bytes are in place.
 
         A connector that can checksum while it copies (shm) fills `checksums[i]`
         with the CRC32C of range i's stored bytes; others leave it None.
         """
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+    def read_into(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
         """Fill each (writable) buffer from the region at its offset; its length is the range length.
 
         `checksums` as for `write`: the CRC32C of the bytes delivered, when computed on the way.
         """
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+    def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         """The bytes of each (offset, length) range, or a negative status."""
 
     def close(self) -> None: ...

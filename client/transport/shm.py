@@ -1,15 +1,26 @@
 """The `shm` connector: same-host copies straight between caller memory and the segment's region.
 
-A segment server advertises `shm://<region path>?host=<host id>&nonce=<hex>`.
-The client uses it only when it is proven to be the same region: the host id
-(machine id + boot id, never a hostname) must equal this machine's, and the
-file it maps must carry the same random 16-byte nonce in its header, which
-the segment server wrote at creation. Anything else (another host, a stale
-or foreign file, no permission to open it) raises ConnectError and the
-client falls back to the next transport (TCP).
+A segment server advertises `shm://<grant socket path>?host=<host id>&nonce=<hex>&uid=<uid>`.
+The region file is 0600 and owned by the service's uid: the client does not
+open it by path, it asks the segment's grant socket for it, and the server
+sends the file descriptor (SCM_RIGHTS) only if this process's uid is the
+service's or one it allows (kvtier.segment_server.shm_grant):
+
+    client -> server   b"KVTSHM1 <nonce hex>\n"
+    server -> client   b"OK <nonce hex>\n" + the fd, or b"ERR <reason>\n"
+
+It is used only when it is proven to be the same region: the host id
+(machine id + boot id, never a hostname) must equal this machine's before
+anything is asked; the process serving the socket and the file received must
+belong to the uid the segment advertised (no other local user can stand in
+for it); and the mapped file must carry the same random 16-byte nonce in its
+header, which the segment server wrote at creation. Anything else (another
+host, no socket, a refusal, a stale or foreign file) raises ConnectError and
+the client falls back to the next transport (TCP).
 
 The region is mapped once (MAP_SHARED | MAP_POPULATE: first-touch page faults
-would cost more than the copies) and kept for the connector's life. Copies
+would cost more than the copies) and kept for the connector's life; the fd is
+closed right after mapping. Copies
 are memcpy (ctypes.memmove, GIL released) in L2-sized chunks, each checksummed
 right after it is copied, so the connector returns the CRC32C of what it
 copied at little extra memory traffic. Payload bytes never touch a
@@ -19,18 +30,22 @@ visibility still comes only from the master's PutEnd after the copy returns.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import mmap
 import os
+import socket
+import stat
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import crc32c
 
 from kvtier.client.config import ClientConfig
-from kvtier.client.transport.base import Buffer
+from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import HEADER, MAGIC
 from kvtier.proto.region import host_id as local_host_id
@@ -38,6 +53,13 @@ from kvtier.proto.status import Status
 
 _OK = 0
 _BAD_RANGE = int(Status.INVALID_RANGE)
+
+# The grant protocol (kvtier.segment_server.shm_grant, whose unit tests pair it with this side).
+_GRANT_REQUEST = b"KVTSHM1"
+_GRANT_REPLY_MAX = 512
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_NONCE_SIZE = 16  # bytes, as in the region header
+_FD_SPACE = socket.CMSG_LEN(4)  # room for exactly one fd: more are cut off (MSG_CTRUNC) and closed by the kernel
 
 
 # Copies run in chunks that fit in L2, each checksummed right after it is copied while it
@@ -75,35 +97,93 @@ def _copy(dst: memoryview, dst_addr: int | None, src: memoryview, src_addr: int 
     return crc
 
 
+def _peer_uid(sock: socket.socket) -> int:
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
+
+
+def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
+    """Ask the grant socket at `path` for the region with `nonce`: its fd (the caller closes it).
+
+    ConnectError when there is no such socket, its server is not uid `owner`, it
+    refuses (with the server's reason), or it answers anything but one fd and `OK <nonce>`.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
+    try:
+        sock.settimeout(timeout)
+        reply = b""
+        try:
+            sock.connect(path)
+            if (server_uid := _peer_uid(sock)) != owner:
+                raise ConnectError(f"grant socket {path} is served by uid {server_uid}, not the segment's uid {owner}")
+            try:
+                sock.sendall(_GRANT_REQUEST + b" " + nonce.hex().encode() + b"\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused at once (busy): the reason is waiting to be read
+            while b"\n" not in reply and len(reply) < _GRANT_REPLY_MAX:
+                # recvmsg, not socket.recv_fds: that one drops its flags before 3.12, and the fd must be
+                # close-on-exec from the start (another thread may fork and exec meanwhile).
+                data, ancillary, flags, _ = sock.recvmsg(_GRANT_REPLY_MAX, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+                for level, kind, payload in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+                if flags & socket.MSG_CTRUNC:
+                    raise ConnectError(f"grant socket {path} sent more than one file descriptor")
+                if not data:
+                    break
+                reply += data
+        except TimeoutError:
+            raise ConnectError(f"no answer from the grant socket {path} within {timeout}s") from None
+        except OSError as exc:
+            raise ConnectError(f"cannot get the region from {path}: {exc.strerror or exc}") from None
+        line = reply.partition(b"\n")[0].decode(errors="replace")
+        if line.startswith("ERR "):
+            raise ConnectError(f"the segment refused to grant its region: {line[4:]}")
+        if line != f"OK {nonce.hex()}" or len(fds) != 1:
+            raise ConnectError(f"unexpected answer from the grant socket {path}: {line[:80]!r} with {len(fds)} fds")
+        return fds.pop()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+
+
 class ShmConnector:
     scheme = "shm"
 
     def __init__(self, endpoint: str, config: ClientConfig) -> None:
         self.endpoint = endpoint
         url = urlsplit(endpoint)
+        path = unquote(url.path)
         query = parse_qs(url.query)
         host = query.get("host", [""])[0]
         if not host or host != local_host_id():
-            raise ConnectError(f"segment region {url.path} is on another host")
+            raise ConnectError(f"segment region {path} is on another host")
         try:
             nonce = bytes.fromhex(query.get("nonce", [""])[0])
+            owner = int(query.get("uid", [""])[0])
+            if len(nonce) != _NONCE_SIZE:
+                raise ValueError
         except ValueError:
-            raise ConnectError(f"malformed nonce in the endpoint of region {url.path}") from None
+            raise ConnectError(f"malformed nonce or uid in the shm endpoint {endpoint}") from None
+        fd = request_region(path, nonce, owner, config.timeout)
         try:
-            fd = os.open(url.path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ConnectError(f"cannot open region {url.path}: {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
+                raise ConnectError(f"{path} granted a file that is not a region owned by uid {owner}")
+            size = info.st_size
             if size < HEADER.size:
-                raise ConnectError(f"{url.path} is not a kvtier region")
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                raise ConnectError(f"{path} granted a file that is not a kvtier region")
+            try:
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            except OSError as exc:
+                raise ConnectError(f"cannot map the region granted by {path}: {exc.strerror}") from None
         finally:
             os.close(fd)
         magic, _fmt, data_offset, capacity, file_nonce, *_ = HEADER.unpack_from(self._map)
         if magic != MAGIC or file_nonce != nonce or data_offset + capacity > size:
             self._map.close()
-            raise ConnectError(f"{url.path} is not the advertised region (nonce mismatch)")
+            raise ConnectError(f"{path} granted a file that is not the advertised region (nonce mismatch)")
         self._view = memoryview(self._map)[data_offset : data_offset + capacity]
         self._capacity = capacity
         self._anchor = ctypes.c_char.from_buffer(self._map)
@@ -128,17 +208,22 @@ class ShmConnector:
             if unmap:
                 self._unmap()
 
-    def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+    # `caps` are for connectors that go through the segment server: a mapped region needs none.
+    def write(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
             return self._transfer(ranges, checksums, into_region=True)
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
+    def read_into(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
             return self._transfer(ranges, checksums, into_region=False)
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
+    def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         with self._in_use():
             region, capacity = self._view, self._capacity
             return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]

@@ -20,7 +20,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, send_all
-from kvtier.client.transport.base import Buffer
+from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto import frames
 from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
 from kvtier.proto.frames import Op
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 _OK = 0
 _CHUNK = 512 << 10  # per socket call when checksumming on the way: fits in L2 with room to spare
 _FAILED = int(Status.TRANSFER_FAILED)
+_TOO_MANY = int(Status.TOO_MANY_CONNECTIONS)
 _MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the trace (request id)
 
 
@@ -51,12 +52,14 @@ class TcpConnector:
 
     # ------------------------------------------------------------- framing
 
-    def _frames(self, sizes: Sequence[int], frame_bytes: int = 0) -> Iterator[tuple[int, int]]:
-        """Split ranges into frames: [start, end) index pairs within the payload and range limits."""
+    def _frames(self, sizes: Sequence[int], frame_bytes: int = 0, caps: bool = False) -> Iterator[tuple[int, int]]:
+        """Split ranges into frames: [start, end) index pairs within the payload and range limits
+        (with capabilities a range takes two table entries, and their expiry one)."""
         frame_bytes = frame_bytes or self._frame_bytes
+        max_ranges = (_MAX_RANGES - 1) // 2 if caps else _MAX_RANGES
         start, payload = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (payload + size > frame_bytes or i - start >= _MAX_RANGES):
+            if i > start and (payload + size > frame_bytes or i - start >= max_ranges):
                 yield start, i
                 start, payload = i, 0
             payload += size
@@ -66,6 +69,8 @@ class TcpConnector:
     def _read_response(self, sock: socket.socket, request_id: int, header: bytearray) -> tuple[int, int]:
         recv_exact_into(sock, memoryview(header))
         magic, version, _op, rid, status, _flags, payload_len = frames.RESPONSE.unpack(header)
+        if magic == frames.MAGIC and rid == 0 and status == _TOO_MANY:  # refused at connect
+            raise ConnectError(f"segment {self.endpoint}: {self._error_message(sock, payload_len)}")
         if magic != frames.MAGIC or version != frames.VERSION or rid != request_id:
             raise ProtocolError(f"bad response from {self.endpoint}: magic={magic:#x} request={rid}/{request_id}")
         return status, payload_len
@@ -76,7 +81,12 @@ class TcpConnector:
         return recv_exact(sock, payload_len).decode(errors="replace") if payload_len else ""
 
     def _run(
-        self, op: Op, ranges: Sequence[tuple[int, Buffer | int]], into: bool, checksums: list[int | None] | None = None
+        self,
+        op: Op,
+        ranges: Sequence[tuple[int, Buffer | int]],
+        into: bool,
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
     ) -> list:
         """Send every frame, then read every response; per-range results.
 
@@ -91,11 +101,12 @@ class TcpConnector:
         try:
             with self._pool.socket() as sock:
                 sent = []
-                for start, end in self._frames(sizes):
+                for start, end in self._frames(sizes, caps=caps is not None):
                     request_id = next(self._request_ids)
                     table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
                     payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
-                    buffers: list = [frames.pack_request(op, request_id, table, payload_len, trace)]
+                    frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
+                    buffers: list = [frames.pack_request(op, request_id, table, payload_len, trace, frame_caps)]
                     if op == Op.WRITE and checksums is not None:
                         for i in range(start, end):
                             view = ranges[i][1]
@@ -150,14 +161,18 @@ class TcpConnector:
 
     # ------------------------------------------------------------- Connector API
 
-    def write(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
-        return self._run(Op.WRITE, ranges, into=False, checksums=checksums)
+    def write(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
+        return self._run(Op.WRITE, ranges, into=False, checksums=checksums, caps=caps)
 
-    def read_into(self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None) -> list[int]:
-        return self._run(Op.READ, ranges, into=True, checksums=checksums)
+    def read_into(
+        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+    ) -> list[int]:
+        return self._run(Op.READ, ranges, into=True, checksums=checksums, caps=caps)
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes | int]:
-        return self._run(Op.READ, ranges, into=False)
+    def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
+        return self._run(Op.READ, ranges, into=False, caps=caps)
 
     # ------------------------------------------------------------- the SSD tier
 
@@ -166,6 +181,7 @@ class TcpConnector:
         items: Sequence[tuple[int, int, bytes]],
         views: Sequence[Buffer] | None = None,
         checksums: list[int | None] | None = None,
+        caps: Caps = None,
     ) -> list:
         """Objects on the segment's SSD tier: items are (disk location, size, b"namespace\\0key").
 
@@ -184,11 +200,14 @@ class TcpConnector:
                 # disk request, so a second large request sent before reading the first response
                 # could fill both directions of the socket and stall both sides.
                 header = bytearray(frames.RESPONSE.size)
-                for start, end in self._frames(sizes, min(self._frame_bytes, frames.MAX_DISK_FRAME_BYTES)):
+                frame_bytes = min(self._frame_bytes, frames.MAX_DISK_FRAME_BYTES)
+                for start, end in self._frames(sizes, frame_bytes, caps=caps is not None):
                     request_id = next(self._request_ids)
                     names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
                     table = [(items[i][0], sizes[i]) for i in range(start, end)]
-                    send_all(sock, [frames.pack_request(Op.READ_DISK, request_id, table, len(names), trace), names])
+                    frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
+                    request = frames.pack_request(Op.READ_DISK, request_id, table, len(names), trace, frame_caps)
+                    send_all(sock, [request, names])
                     status, payload_len = self._read_response(sock, request_id, header)
                     if status != _OK:
                         message = self._error_message(sock, payload_len)

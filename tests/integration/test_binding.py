@@ -91,9 +91,10 @@ def test_every_listener_of_a_cluster_binds_exactly_the_given_address(bare_cluste
 
 
 def test_a_wildcard_listener_is_advertised_under_the_given_host(bare_cluster):
-    bare_cluster.start_master("--listen", "0.0.0.0:0", "--advertise", "127.0.0.1:1")  # fast path: that host
+    insecure = ("--allow-insecure", "true")  # every interface, no secret: only on a trusted network
+    bare_cluster.start_master("--listen", "0.0.0.0:0", "--advertise", "127.0.0.1:1", *insecure)  # fast path: that host
     assert bare_cluster.master.info["fast_endpoint"].startswith("tcp://127.0.0.1:")
-    seg = bare_cluster.start_segment("seg0", "16MiB", "--listen", "0.0.0.0:0", "--advertise", "127.0.0.1")
+    seg = bare_cluster.start_segment("seg0", "16MiB", "--listen", "0.0.0.0:0", "--advertise", "127.0.0.1", *insecure)
     tcp = [e for e in seg.info["endpoints"] if e.startswith("tcp://")]
     assert len(tcp) == 1 and tcp[0].startswith("tcp://127.0.0.1:")
     assert ("0.0.0.0", int(tcp[0].rsplit(":", 1)[1])) in listening_addresses(seg.popen.pid)

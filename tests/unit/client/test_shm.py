@@ -1,16 +1,17 @@
 """ShmConnector against a real DramRegion in a tmp directory: copies, checksums, refusals and close.
 
-No processes: the test maps the region file the way a same-host client maps a
-segment server's, through the URL `ShmListener` advertises.
+No processes: the test maps the region the way a same-host client maps a
+segment server's, through the URL and the grant socket of a real `ShmListener`
+(on an event loop in a thread, tests/grants.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import threading
 from pathlib import Path
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import crc32c
 import numpy as np
@@ -23,8 +24,8 @@ from kvtier.client.transport.shm import ShmConnector
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import HEADER_SIZE, host_id
 from kvtier.proto.status import Status
-from kvtier.segment_server.listeners import ShmListener
-from kvtier.segment_server.region import DramRegion, region_path
+from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
+from tests.grants import GrantLoop, open_fd, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
 CAPACITY = 16 * MiB
@@ -33,9 +34,13 @@ CONFIG = ClientConfig(master="127.0.0.1:1")
 TIMEOUT_S = 10.0
 
 
-def shm_url(path: str, host: str, nonce: bytes) -> str:
-    """The endpoint URL exactly as a segment server advertises it."""
-    return asyncio.run(ShmListener(path, host, nonce).start())
+def with_query(url: str, **changes: str | None) -> str:
+    """`url` with some of its query parameters replaced (None: removed)."""
+    parts = urlsplit(url)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    query.update(changes)
+    query = {k: v for k, v in query.items() if v is not None}
+    return f"{parts.scheme}://{parts.path}?{urlencode(query)}"
 
 
 @pytest.fixture
@@ -46,12 +51,26 @@ def region(tmp_path: Path):
 
 
 @pytest.fixture
-def connectors(region: DramRegion):
-    """Opens connectors to `region` (or to a given URL); closes them at teardown."""
+def grants():
+    loop = GrantLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def region_url(region: DramRegion, grants: GrantLoop, tmp_path: Path) -> str:
+    """The endpoint URL exactly as a segment server advertises it, its grant socket served."""
+    url, _ = grants.serve(grant_socket_path(str(tmp_path), "tunit", "seg0"), region.fileno(), region.nonce)
+    return url
+
+
+@pytest.fixture
+def connectors(region_url: str):
+    """Opens connectors to the region (or to a given URL); closes them at teardown."""
     opened: list[ShmConnector] = []
 
     def open_connector(url: str | None = None) -> ShmConnector:
-        connector = ShmConnector(url or shm_url(region.path, host_id(), region.nonce), CONFIG)
+        connector = ShmConnector(url or region_url, CONFIG)
         opened.append(connector)
         return connector
 
@@ -263,61 +282,96 @@ def test_a_range_ending_exactly_at_the_capacity_is_fine(region, connectors):
 # ------------------------------------------------------------------ refusals: not the advertised region
 
 
-def test_a_region_on_another_host_is_refused(region):
+def test_a_region_on_another_host_is_refused_before_asking(region_url, grants):
+    (listener,) = grants.listeners
     for host in ("another-machine:another-boot", host_id() + "x", ""):
         with pytest.raises(ConnectError, match="another host"):
-            ShmConnector(shm_url(region.path, host, region.nonce), CONFIG)
+            ShmConnector(with_query(region_url, host=host), CONFIG)
     with pytest.raises(ConnectError, match="another host"):
-        ShmConnector(f"shm://{region.path}?nonce={region.nonce.hex()}", CONFIG)
+        ShmConnector(with_query(region_url, host=None), CONFIG)
+    assert sum(listener.stats.results.values()) == 0, "the grant socket was never asked"
 
 
-def test_a_nonce_mismatch_is_refused(region, tmp_path):
-    for nonce in (bytes(16), region.nonce[::-1], region.nonce[:8], b""):
-        with pytest.raises(ConnectError, match="nonce mismatch"):
-            ShmConnector(shm_url(region.path, host_id(), nonce), CONFIG)
-    # The right nonce on another live region is refused too: the URL names one file.
+def test_a_nonce_mismatch_is_refused(region, region_url, grants, tmp_path):
+    (listener,) = grants.listeners
+    for nonce in (bytes(16), region.nonce[::-1]):
+        with pytest.raises(ConnectError, match="refused .*nonce mismatch"):
+            ShmConnector(with_query(region_url, nonce=nonce.hex()), CONFIG)
+    assert listener.stats.results["refused_nonce"] == 2, "refused by the server, before any fd was sent"
+    assert listener.stats.results["granted"] == 0
+    # A server granting another live region under this one's nonce: the client reads the header.
     other = DramRegion(region_path(str(tmp_path), "tunit", "seg1"), MiB, "tunit", "seg1").open()
     try:
-        with pytest.raises(ConnectError, match="nonce mismatch"):
-            ShmConnector(shm_url(other.path, host_id(), region.nonce), CONFIG)
+        url, _ = grants.serve(str(tmp_path / "other.sock"), other.fileno(), region.nonce)
+        with pytest.raises(ConnectError, match="not the advertised region \\(nonce mismatch\\)"):
+            ShmConnector(url, CONFIG)
     finally:
         other.close()
 
 
-def test_a_malformed_nonce_is_a_connect_error_not_a_crash(region):
-    for nonce in ("zz", "abc", "not hex at all"):
-        url = f"shm://{region.path}?host={host_id()}&nonce={nonce}"
-        with pytest.raises(ConnectError):
-            ShmConnector(url, CONFIG)
+MALFORMED = [{"nonce": "zz"}, {"nonce": "abc"}, {"nonce": "not hex"}, {"nonce": "ab" * 8}, {"nonce": ""}]
+MALFORMED += [{"nonce": None}, {"uid": "x"}, {"uid": ""}, {"uid": None}]
 
 
-def test_missing_and_foreign_files_are_refused(region, tmp_path):
-    host, nonce = host_id(), region.nonce
-    with pytest.raises(ConnectError, match="cannot open"):
-        ShmConnector(shm_url(str(tmp_path / "absent.region"), host, nonce), CONFIG)
-    with pytest.raises(ConnectError, match="cannot open"):
-        ShmConnector(shm_url(str(tmp_path), host, nonce), CONFIG)  # a directory
+@pytest.mark.parametrize("query", MALFORMED)
+def test_a_malformed_nonce_or_uid_is_a_connect_error_not_a_crash(region_url, grants, query):
+    with pytest.raises(ConnectError, match="malformed"):
+        ShmConnector(with_query(region_url, **query), CONFIG)
+    assert sum(grants.listeners[0].stats.results.values()) == 0, "refused before asking"
 
+
+def test_a_grant_socket_of_another_uid_is_refused(region_url, grants):
+    """The URL names the segment's uid: a socket served by anyone else is not trusted with our bytes."""
+    (listener,) = grants.listeners
+    with pytest.raises(ConnectError, match=f"served by uid {os.geteuid()}, not the segment's uid 4242"):
+        ShmConnector(with_query(region_url, uid="4242"), CONFIG)
+    assert wait_until(lambda: listener.stats.results["error"] == 1), "hung up without asking"
+    assert sum(listener.stats.results.values()) == 1
+
+
+def test_missing_sockets_are_refused(region, tmp_path):
+    base = f"host={host_id()}&nonce={region.nonce.hex()}&uid={os.geteuid()}"
+    for path in (tmp_path / "absent.sock", tmp_path, Path(region.path)):  # nothing, a directory, a plain file
+        with pytest.raises(ConnectError, match="cannot get the region"):
+            ShmConnector(f"shm://{path}?{base}", CONFIG)
+
+
+def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
+    """A grant server handing out the wrong file (a bug, a stale fd): the client checks what it got."""
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     short = tmp_path / "short"
     short.write_bytes(b"KVTREGN1" + bytes(20))
-    with pytest.raises(ConnectError, match="not a kvtier region"):
-        ShmConnector(shm_url(str(empty), host, nonce), CONFIG)
-    with pytest.raises(ConnectError, match="not a kvtier region"):
-        ShmConnector(shm_url(str(short), host, nonce), CONFIG)
-
     foreign = tmp_path / "foreign"
     foreign.write_bytes(os.urandom(2 * HEADER_SIZE))
-    with pytest.raises(ConnectError, match="not the advertised region"):
-        ShmConnector(shm_url(str(foreign), host, nonce), CONFIG)
-
-    # The real header (magic and nonce right) on a file too short for the capacity it claims.
-    truncated = tmp_path / "truncated"
+    truncated = tmp_path / "truncated"  # the real header (magic and nonce) on a file too short for its capacity
     with open(region.path, "rb") as f:
         truncated.write_bytes(f.read(HEADER_SIZE + 100))
-    with pytest.raises(ConnectError, match="not the advertised region"):
-        ShmConnector(shm_url(str(truncated), host, nonce), CONFIG)
+    cases = [(empty, "not a kvtier region"), (short, "not a kvtier region")]
+    cases += [(foreign, "not the advertised region"), (truncated, "not the advertised region")]
+    for i, (path, reason) in enumerate(cases):
+        fd = open_fd(str(path))
+        try:
+            url, _ = grants.serve(str(tmp_path / f"g{i}.sock"), fd, region.nonce)
+        finally:
+            os.close(fd)  # the listener keeps its own
+        with pytest.raises(ConnectError, match=reason):
+            ShmConnector(url, CONFIG)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_file_owned_by_another_uid_is_refused(region, grants, tmp_path):
+    copy = tmp_path / "copy.region"
+    with open(region.path, "rb") as f:
+        copy.write_bytes(f.read())
+    os.chown(copy, 65534, 65534)
+    fd = open_fd(str(copy))
+    try:
+        url, _ = grants.serve(str(tmp_path / "copy.sock"), fd, region.nonce)
+    finally:
+        os.close(fd)
+    with pytest.raises(ConnectError, match="not a region owned by uid 0"):
+        ShmConnector(url, CONFIG)
 
 
 # ------------------------------------------------------------------ close

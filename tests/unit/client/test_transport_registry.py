@@ -1,13 +1,14 @@
 """`connect()`: which connector a segment's endpoints get, and why not when none fits.
 
 TCP connectors connect lazily, so a tcp endpoint to a closed port is enough;
-the shm cases map a real DramRegion in a tmp directory.
+the shm cases map a real DramRegion in a tmp directory, granted by a real
+ShmListener (tests/grants.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -18,9 +19,8 @@ from kvtier.client.transport import CONNECTORS, PREFERENCE, UNAVAILABLE, connect
 from kvtier.client.transport.shm import ShmConnector
 from kvtier.client.transport.tcp import TcpConnector
 from kvtier.proto.errors import ConnectError
-from kvtier.proto.region import host_id
-from kvtier.segment_server.listeners import ShmListener
-from kvtier.segment_server.region import DramRegion, region_path
+from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
+from tests.grants import GrantLoop
 
 
 def closed_port() -> int:
@@ -44,13 +44,21 @@ def region(tmp_path: Path):
 
 
 @pytest.fixture
-def shm_url(region: DramRegion) -> str:
-    return asyncio.run(ShmListener(region.path, host_id(), region.nonce).start())
+def grants():
+    loop = GrantLoop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture
-def foreign_shm_url(region: DramRegion) -> str:
-    return asyncio.run(ShmListener(region.path, "other-machine:other-boot", region.nonce).start())
+def shm_url(region: DramRegion, grants: GrantLoop, tmp_path: Path) -> str:
+    return grants.serve(grant_socket_path(str(tmp_path), "treg", "seg0"), region.fileno(), region.nonce)[0]
+
+
+@pytest.fixture
+def foreign_shm_url(region: DramRegion, grants: GrantLoop, tmp_path: Path) -> str:
+    socket_path = str(tmp_path / "foreign.sock")
+    return grants.serve(socket_path, region.fileno(), region.nonce, host="other-machine:other-boot")[0]
 
 
 @pytest.fixture
@@ -95,11 +103,14 @@ def test_shm_on_another_host_falls_back_to_tcp(connected, foreign_shm_url, caplo
     assert "transport shm not usable" in caplog.text
 
 
-def test_an_unusable_shm_region_falls_back_to_tcp(connected, region, tmp_path):
-    stale = asyncio.run(ShmListener(str(tmp_path / "gone.region"), host_id(), region.nonce).start())
-    wrong_nonce = asyncio.run(ShmListener(region.path, host_id(), bytes(16)).start())
-    malformed = f"shm://{region.path}?host={host_id()}&nonce=zz"
-    for url in (stale, wrong_nonce, malformed):
+def test_an_unusable_shm_region_falls_back_to_tcp(connected, region, grants, shm_url, tmp_path):
+    stopped, listener = grants.serve(str(tmp_path / "stopped.sock"), region.fileno(), region.nonce)
+    grants.stop(listener)  # its socket is gone
+    wrong_nonce = shm_url.replace(region.nonce.hex(), bytes(16).hex())
+    other_uid, _ = grants.serve(str(tmp_path / "other-uid.sock"), region.fileno(), region.nonce)
+    other_uid = other_uid.replace(f"&uid={os.geteuid()}", f"&uid={os.geteuid() + 1}")  # not the server's uid
+    malformed = shm_url.replace(region.nonce.hex(), "zz")
+    for url in (stopped, wrong_nonce, other_uid, malformed):
         assert isinstance(connected([url, TCP], config()), TcpConnector), url
 
 

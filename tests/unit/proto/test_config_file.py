@@ -120,7 +120,10 @@ def test_bad_segment_values_name_their_key(tmp_path, capsys, text, expected):
 
 
 def test_a_wildcard_listener_advertises_the_given_host(tmp_path):
-    config = segment_args(["--shm-dir", str(tmp_path), "--listen", "0.0.0.0:0", "--advertise", "node-1.example"])
+    insecure = ["--allow-insecure", "true"]  # reachable from other machines: a secret, or this
+    config = segment_args(
+        ["--shm-dir", str(tmp_path), "--listen", "0.0.0.0:0", "--advertise", "node-1.example", *insecure]
+    )
     assert config.advertise == "node-1.example"
-    master = master_args(["--listen", "[::]:7000", "--advertise", "master-0.kvtier:7000"])
+    master = master_args(["--listen", "[::]:7000", "--advertise", "master-0.kvtier:7000", *insecure])
     assert master.advertise == "master-0.kvtier:7000"

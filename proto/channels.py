@@ -1,0 +1,93 @@
+"""gRPC channels to the master, with this process's credentials: a token, and TLS when configured.
+
+Clients and segment servers build their master channels here, so both present
+the same credentials the same way: the bearer token (kvtier.proto.auth) in the
+`authorization` metadata of every call, and, with `tls_ca_file`, a TLS channel
+that verifies the master's certificate (plus a client certificate for mTLS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvtier.proto.auth import AUTH_METADATA, CLUSTER_PRINCIPAL, make_token, principal_problem, read_secret
+from kvtier.proto.rpcframe import MESSAGE_LIMIT
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+]
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    token: str = ""  # "" = present none (a master without a secret accepts that)
+    tls_ca: bytes | None = None  # PEM roots that sign the master's certificate; None = plain TCP
+    tls_cert: bytes | None = None  # client certificate chain (mTLS), PEM
+    tls_key: bytes | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        secret: bytes | None = None,
+        secret_file: str = "",
+        principal: str = CLUSTER_PRINCIPAL,
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+    ) -> Credentials:
+        """Read the secret (`secret`, else `secret_file`, else $KVTIER_SECRET) and the TLS files;
+        ValueError (SecretError) with one line when something is wrong."""
+        if problem := principal_problem(principal):
+            raise ValueError(problem)
+        if secret is None:
+            secret = read_secret(secret_file)
+        if bool(tls_cert_file) != bool(tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together (a client certificate and its key)")
+        if tls_cert_file and not tls_ca_file:
+            raise ValueError("a client certificate (tls_cert_file) needs tls_ca_file, the roots of the master's")
+        return cls(
+            token=make_token(secret, principal) if secret else "",
+            tls_ca=read_file(tls_ca_file, "TLS CA file") if tls_ca_file else None,
+            tls_cert=read_file(tls_cert_file, "TLS certificate") if tls_cert_file else None,
+            tls_key=read_file(tls_key_file, "TLS key") if tls_key_file else None,
+        )
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = ((AUTH_METADATA, token),)
+
+    def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        # gRPC's call details are a namedtuple: a copy with the token added
+        metadata = tuple(details.metadata or ()) + self._metadata
+        return continuation(details._replace(metadata=metadata), request)
+
+
+def open_channel(address: str, credentials: Credentials) -> grpc.Channel:
+    """A channel to the master at `address` presenting `credentials` on every call."""
+    if credentials.tls:
+        ssl = grpc.ssl_channel_credentials(credentials.tls_ca, credentials.tls_key, credentials.tls_cert)
+        channel = grpc.secure_channel(address, ssl, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    if credentials.token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(credentials.token))
+    return channel
