@@ -1,14 +1,21 @@
 # kvtier: two commands on a fresh machine.
 #   make run    create .venv, install, start a local cluster (master + 1 GiB segment) in the foreground
 #   make test   create .venv, install with test extras, run the default suite (< 10 minutes)
-# Others: make test-slow (soak/slow tests), make lint, make proto, make bench.
+# Others: make test-slow (soak/slow tests), make test-engines (engine adapters, own venv), make lint,
+# make proto, make bench.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow lint proto proto-check bench clean
+.PHONY: run test test-slow test-engines lint proto proto-check bench clean
+
+# The engine adapters' tests run in a venv of their own: torch's CPU build (pinned: otherwise pip
+# fetches a CUDA build) and the engines without their dependency trees (tests/engines/*.txt).
+ENGINES_VENV  := .venv-engines
+ENGINES_STAMP := $(ENGINES_VENV)/.installed
+ENGINES_PIP   := $(ENGINES_VENV)/bin/python -m pip install --quiet -c tests/engines/constraints.txt
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +29,19 @@ run: $(STAMP)
 	$(BIN)/kvtier up
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/engines
+
+$(ENGINES_STAMP): pyproject.toml tests/engines/constraints.txt tests/engines/requirements.txt
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ENGINES_PIP) torch==2.13.0
+	$(ENGINES_PIP) -e '.[test]'
+	$(ENGINES_PIP) --no-deps sglang lmcache vllm
+	$(ENGINES_PIP) -r tests/engines/requirements.txt
+	touch $@
+
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	$(ENGINES_VENV)/bin/python -m pytest -q tests/engines
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q || [ $$? -eq 5 ]  # 5: no test is marked slow yet
@@ -41,4 +60,4 @@ bench: $(STAMP)
 	$(BIN)/kvtier bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES_VENV) build *.egg-info .pytest_cache .ruff_cache
