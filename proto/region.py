@@ -20,6 +20,8 @@ MAGIC = b"KVTREGN1"
 FORMAT = 1
 HEADER_SIZE = 4096  # the data area starts here: page-aligned
 HEADER = struct.Struct("<8sIQQ16s64s128s64s")
+# The grant socket's request word and version (segment_server/shm_grant.py, client/transport/shm.py).
+GRANT_REQUEST = b"KVTSHM1"
 
 _MACHINE_ID = "/etc/machine-id"
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"

@@ -37,11 +37,12 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.proto.region import GRANT_REQUEST
 from kvtier.segment_server.region import remove_stale_socket
 
 logger = logging.getLogger(__name__)
 
-REQUEST = b"KVTSHM1"  # protocol name and version, first word of the request line
+REQUEST = GRANT_REQUEST  # protocol name and version, first word of the request line
 MAX_REQUEST = 128  # bytes; a longer line is malformed
 TIMEOUT_S = 2.0  # a peer must send its whole request within this
 MAX_CONNECTIONS = 64  # conversations at once; a grant takes microseconds, so only stalled peers pile up

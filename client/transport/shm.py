@@ -47,7 +47,7 @@ import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.errors import ConnectError
-from kvtier.proto.region import HEADER, MAGIC
+from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC
 from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
@@ -55,7 +55,6 @@ _OK = 0
 _BAD_RANGE = int(Status.INVALID_RANGE)
 
 # The grant protocol (kvtier.segment_server.shm_grant, whose unit tests pair it with this side).
-_GRANT_REQUEST = b"KVTSHM1"
 _GRANT_REPLY_MAX = 512
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _NONCE_SIZE = 16  # bytes, as in the region header
@@ -117,7 +116,7 @@ def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
             if (server_uid := _peer_uid(sock)) != owner:
                 raise ConnectError(f"grant socket {path} is served by uid {server_uid}, not the segment's uid {owner}")
             try:
-                sock.sendall(_GRANT_REQUEST + b" " + nonce.hex().encode() + b"\n")
+                sock.sendall(GRANT_REQUEST + b" " + nonce.hex().encode() + b"\n")
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused at once (busy): the reason is waiting to be read
             while b"\n" not in reply and len(reply) < _GRANT_REPLY_MAX:
