@@ -25,7 +25,6 @@ own objects first. Victim rules are in `kvtier.master.eviction`.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import logging
@@ -33,7 +32,6 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.commits import CommitLog
@@ -46,7 +44,6 @@ from kvtier.master.records import (
     MAX_SEGMENT_CAPACITY,
     OFFSET_MASK,
     PIN_HARD,
-    PIN_NONE,
     PIN_SOFT,
     SEGMENT_SHIFT,
     TIER_DRAM,
@@ -61,6 +58,16 @@ from kvtier.master.records import (
     replica_segment,
 )
 from kvtier.master.recovery import Recovery
+from kvtier.master.state_types import (
+    ClusterSnapshot,
+    GetResult,
+    MountResult,
+    PutOptions,
+    PutStartResult,
+    SegmentRecord,
+    SegmentState,
+    master_key_problem,
+)
 from kvtier.master.tiering import Tiering, dram_key, is_dram, ssd_key
 from kvtier.proto.status import Status
 
@@ -71,106 +78,11 @@ _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
 
 
+_DEFAULT_PUT = PutOptions()  # frozen: safe to share as a default
+
 HEARTBEAT_EXPIRED = "heartbeat ttl expired"
 FEED_SILENT = "commit feed silent"
 EXPULSIONS = (HEARTBEAT_EXPIRED, FEED_SILENT)  # drops after which the segment's index is stale
-
-
-class SegmentState(enum.Enum):
-    ACTIVE = 1  # mounted and heartbeating: takes allocations and serves reads
-    DRAINING = 2  # takes no new allocations; serves reads until its objects have moved away
-    RECOVERING = 3  # mounted, still reporting its inventory (kvtier.master.recovery): no allocations
-
-
-@dataclass(slots=True, eq=False)
-class SegmentRecord:
-    segment_id: int
-    name: str
-    host_id: str
-    endpoints: tuple[str, ...]
-    allocator: OffsetAllocator
-    last_heartbeat: float
-    mounted_at: float
-    state: SegmentState = SegmentState.ACTIVE
-    objects: int = 0  # replicas (pending or complete) held by this segment
-    incarnation: str = ""  # the segment process's region nonce: tells a restart from a re-mount
-    ssd_capacity: int = 0  # bytes of its SSD tier; 0 = none
-    offload: bool = False  # evicted DRAM copies go to its SSD tier instead of being dropped
-    disk_engine: str = ""
-    ssd_max_object: int = 0  # larger objects are not offloaded there; 0 = any
-    ssd_used: int = 0  # as last reported by its heartbeat, like the counters below
-    io_counters: dict[str, int] = field(default_factory=dict)
-    ssd_objects: int = 0  # disk replicas on it
-    inventory_accepted: bool = False  # RECOVERING: its DRAM inventory is taken (else it discards its index)
-    # Its name is in the durably saved state (kvtier.master.persist): only then does it take
-    # allocations, so a restart right after still waits for it and takes its inventory.
-    saved: bool = True
-
-    @property
-    def capacity(self) -> int:
-        return self.allocator.capacity
-
-    @property
-    def used(self) -> int:
-        return self.allocator.used
-
-
-@dataclass(slots=True, frozen=True)
-class PutOptions:
-    """Who puts, and how the objects are placed and protected."""
-
-    instance: str = ""  # engine deployment (quota owner); empty = no quota
-    rank: int = 0
-    pin: int = PIN_NONE
-    pin_ttl_s: float = 0.0  # PIN_SOFT lifetime; 0 = config.soft_pin_ttl_s
-    preferred_segment: str = ""
-    client_host: str = ""  # host id of the writer: same-host segments are preferred
-
-
-@dataclass(slots=True)
-class PutStartResult:
-    put_id: int
-    statuses: list[int]
-    replica_counts: list[int]
-    replica_segments: list[int]
-    replica_offsets: list[int]
-    first_error: str = ""
-
-
-@dataclass(slots=True)
-class GetResult:
-    statuses: list[int]
-    sizes: list[int]
-    checksums: list[int]
-    replica_counts: list[int]
-    replica_segments: list[int]
-    replica_offsets: list[int]
-    replica_tiers: list[int]
-    lease_ms: int
-
-
-@dataclass(slots=True)
-class MountResult:
-    status: Status
-    segment: SegmentRecord | None = None
-    error: str = ""
-    discard_index: bool = False  # the segment must empty its DRAM index before reporting it
-
-
-@dataclass(slots=True)
-class ClusterSnapshot:
-    objects: int
-    pending_puts: int
-    segments: list[SegmentRecord] = field(default_factory=list)
-
-
-def master_key_problem(key: str) -> bool:
-    """True when a key received by the master is invalid (see kvtier.proto.keys).
-
-    protobuf already guarantees valid UTF-8; a key of <= 256 characters is at
-    most 1024 bytes, so only longer ones pay for an encode.
-    """
-    return not key or "\x00" in key or (len(key) > 256 and len(key.encode()) > 1024)
 
 
 class MasterState:
@@ -371,7 +283,7 @@ class MasterState:
         keys: Sequence[str],
         sizes: Sequence[int],
         replicas: int,
-        options: PutOptions = PutOptions(),
+        options: PutOptions = _DEFAULT_PUT,
     ) -> PutStartResult:
         """Allocate `replicas` ranges on distinct segments for each key.
 
