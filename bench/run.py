@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
     parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help="the local cluster runs with a fresh cluster secret: authentication and data-plane capabilities",
+    )
     parser.add_argument("--tier", choices=["dram", "ssd"], default="dram", help="ssd: reads from the SSD tier vs dd")
     parser.add_argument("--ssd-bytes", default="1GiB", help="--tier ssd: bytes put on the SSD tier")
     parser.add_argument("--ssd-dir", default="", help="--tier ssd: a directory on the disk to measure (.kvtier)")
@@ -280,6 +285,13 @@ def run(opts: argparse.Namespace) -> int:
     if opts.batch < 1 or opts.repeat < 1 or opts.threads < 1 or not sizes:
         print("kvtier bench: --batch, --repeat, --threads and --sizes must be positive", file=sys.stderr)
         return 2
+    if opts.secure and opts.master:
+        print("kvtier bench: --secure is for the local cluster; for yours, set KVTIER_SECRET_FILE", file=sys.stderr)
+        return 2
+    if opts.secure:  # the local cluster's processes inherit it; this process's clients read it too
+        import secrets
+
+        os.environ["KVTIER_SECRET"] = secrets.token_hex(32)
     if opts.master_only:
         from kvtier.bench.master_bench import print_master_result, run_master_bench
 

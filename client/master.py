@@ -249,7 +249,7 @@ class MasterClient:
     def _call_fast(self, pool: SocketPool, method_id: int, request: Any, sent: list[bool]) -> Any:
         name, _, response_type = rpcframe.METHODS[method_id]
         payload = request.SerializeToString()
-        request_id = next(self._request_ids) & 0xFFFFFFFF
+        request_id = next(self._request_ids) % 0xFFFFFFFF + 1  # never 0: that id marks a refusal at accept
         with pool.socket() as sock:
             send_all(sock, [rpcframe.HEADER.pack(rpcframe.MAGIC, method_id, request_id, len(payload)), payload])
             sent[0] = True
@@ -257,6 +257,11 @@ class MasterClient:
             if magic != rpcframe.MAGIC or size > rpcframe.MAX_PAYLOAD:
                 raise ProtocolError(f"bad fast-path frame from the master: magic={magic:#x} size={size}")
             body = recv_exact(sock, size) if size else b""
+            if method == rpcframe.ERROR_METHOD and reply_id == 0:
+                # Refused at accept (the connection limit), before our request was read: it was
+                # never executed, so even a PutStart may go again over gRPC.
+                sent[0] = False
+                raise ConnectError(f"master fast path refused the connection: {body.decode(errors='replace')}")
             if method == rpcframe.ERROR_METHOD:
                 raise ProtocolError(f"master refused {name}: {body.decode(errors='replace')}")
             if method != method_id or reply_id != request_id:

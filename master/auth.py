@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from kvtier.proto.auth import AUTH_METADATA, CLUSTER_PRINCIPAL, principal_problem, read_secret, verify_token
+from kvtier.proto.logs import LogBudget
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: Authenticator) -> None:
         self._auth = authenticator
         self.refused = 0
+        self._log = LogBudget(logger, "unauthenticated call")
 
     async def intercept_service(
         self,
@@ -146,7 +148,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self._auth.principal(token)
         if not principal:
             self.refused += 1
-            logger.warning(
+            self._log.log(
+                logging.WARNING,
                 "unauthenticated call refused",
                 extra={"fields": {"method": details.method, "credentials": "missing" if not token else "wrong"}},
             )

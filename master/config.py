@@ -12,7 +12,15 @@ from kvtier.master.auth import load_tenants
 from kvtier.proto.auth import read_secret
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem
-from kvtier.proto.units import check_field, check_master_spec, is_loopback, is_wildcard, parse_hostport
+from kvtier.proto.rpcframe import MESSAGE_LIMIT
+from kvtier.proto.units import (
+    check_field,
+    check_master_spec,
+    is_loopback,
+    is_wildcard,
+    parse_hostport,
+    parse_size,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,19 @@ class MasterConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+    # Resource limits (docs/security.md). The fast path refuses a connection beyond max_connections
+    # with an error frame naming the limit, and cuts one idle for idle_timeout_s (gRPC: closes a
+    # connection without calls that long), or whose request has been arriving, or whose answers
+    # have gone unread, for request_timeout_s (a slow sender holds no more than that).
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0
+    request_timeout_s: float = 60.0
+    max_message_size: str = "256MiB"  # largest request on either door (gRPC, fast path); at most 256MiB
+    # Fast path: request bytes all connections may buffer beyond a small buffer each; a connection
+    # whose next request does not fit waits, unread, until others are answered (backpressure).
+    max_buffered_size: str = "1GiB"
+    max_concurrent_rpcs: int = 10000  # gRPC calls in progress (long polls included); more: RESOURCE_EXHAUSTED
+    max_concurrent_streams: int = 1000  # gRPC calls in progress on one connection (HTTP/2 streams)
     log_level: str = "INFO"
 
     def validate(self) -> MasterConfig:
@@ -127,8 +148,31 @@ class MasterConfig:
                 f"listen {self.listen!r} is reachable from other machines and no cluster secret is set: set "
                 "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"
             )
+        for name in ("max_connections", "max_concurrent_rpcs", "max_concurrent_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        message = check_field("max_message_size", parse_size, self.max_message_size)
+        if not 64 << 10 <= message <= MESSAGE_LIMIT:
+            raise ValueError(f"max_message_size must be between 64KiB and 256MiB, got {self.max_message_size!r}")
+        if check_field("max_buffered_size", parse_size, self.max_buffered_size) < message:
+            raise ValueError(
+                f"max_buffered_size ({self.max_buffered_size}) must hold at least one message (max_message_size)"
+            )
         check_log_level(self.log_level)
         return self
+
+    @property
+    def message_limit(self) -> int:
+        """max_message_size in bytes."""
+        return parse_size(self.max_message_size)
+
+    @property
+    def buffered_limit(self) -> int:
+        """max_buffered_size in bytes."""
+        return parse_size(self.max_buffered_size)
 
     @property
     def fast_path_listen(self) -> str:

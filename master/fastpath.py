@@ -1,15 +1,35 @@
 """The master's framed fast-path listener (see kvtier.proto.rpcframe).
 
-Each connection parses frames from a receive buffer and answers each with the
-same `MasterHandlers` method gRPC would call. Handlers are synchronous and
-never block, so answering inline on the event loop keeps responses in order
-and costs no task per request. While the transport's send buffer is above
-its high-water mark the connection stops reading (backpressure).
+Each connection reads frames into its own receive buffer (an
+`asyncio.BufferedProtocol`: the event loop reads straight into it) and answers
+each with the same `MasterHandlers` method gRPC would call. Handlers are
+synchronous and never block, so answering inline on the event loop keeps
+responses in order and costs no task per request. While the transport's send
+buffer is above its high-water mark the connection stops reading
+(backpressure).
 
 PutEnd and Remove are the exception: their answers wait for the segments to
 acknowledge the commit log (`CommitWaiter`). The connection then stops
 reading and parsing until that answer is written, so answers stay in
 request order.
+
+Limits (`FastPathLimits`, from the master's config), as on the segments' data
+plane (kvtier.segment_server.protocol.Connections):
+- at most `max_connections` at once: one more gets an ERROR_METHOD frame that
+  names the limit, then the close;
+- a connection's buffer is `BASE_BUFFER` bytes, or exactly one frame (header
+  and message) when its next frame is larger; a header announcing more than
+  `max_message_bytes` gets the error frame and the close. The bytes beyond
+  `BASE_BUFFER` come from one budget shared by the listener's connections
+  (`max_buffered_bytes`): a connection whose next frame does not fit waits
+  with reading paused, first come first served, until others give theirs
+  back. So the master buffers at most `max_buffered_bytes` plus `BASE_BUFFER`
+  per connection, whatever its peers announce;
+- one sweep a second per listener (no timer per connection) cuts a
+  connection idle for `idle_timeout_s`, one whose frame has been arriving for
+  `request_timeout_s` since its first byte (a slowloris), one that has not
+  authenticated within `request_timeout_s`, and one whose answers the peer
+  has left unread that long.
 """
 
 from __future__ import annotations
@@ -17,6 +37,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
+from collections import deque
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
@@ -24,104 +47,359 @@ from kvtier.master.auth import current_principal
 from kvtier.master.servicer import WAITING_CALLS, CommitWaiter, MasterHandlers
 from kvtier.proto import rpcframe
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
+from kvtier.proto.logs import LogBudget
 from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 _HEADER = rpcframe.HEADER
 _HEADER_SIZE = _HEADER.size
-
+# Every connection's own buffer: many small pipelined frames per read; larger frames borrow from
+# the listener's budget. 16 KiB x 4096 connections = 64 MiB at the connection limit.
+BASE_BUFFER = 16 << 10
+SWEEP_INTERVAL_S = 1.0
+_SCRATCH = memoryview(bytearray(BASE_BUFFER))  # shared by closed connections: what they read is dropped
+_LOG_LINES_PER_S = 20  # refusals and cuts logged per second per listener; the rest counted
 
 _WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcframe.METHOD_IDS}
 
 
-class FastPathProtocol(asyncio.Protocol):
-    def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter) -> None:
+@dataclass(frozen=True, slots=True)
+class FastPathLimits:
+    """What the fast path's connections may hold (kvtier.master.config)."""
+
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0  # between requests
+    request_timeout_s: float = 60.0  # a frame's first byte to its last; an answer left unread; AUTH
+    max_message_bytes: int = rpcframe.MAX_PAYLOAD  # one request message
+    max_buffered_bytes: int = 1 << 30  # beyond BASE_BUFFER per connection, over all connections
+
+
+@dataclass(slots=True)
+class FastPathStats:
+    """Counters of one listener (event loop thread; kvtier_master_fast_path_*)."""
+
+    connections: int = 0  # open now
+    refused_connections: int = 0  # over max_connections
+    timed_out_connections: int = 0  # idle, a slow request, unread answers, no AUTH in time
+    protocol_errors: int = 0  # frames that could not be trusted: error frame and close
+    buffer_waits: int = 0  # a frame waited for room in the shared budget (backpressure)
+    buffered_bytes: int = 0  # of the shared budget, held now
+
+
+class Connections:
+    """The live connections of one listener, their limit, the shared buffer budget and the sweep."""
+
+    def __init__(self, limits: FastPathLimits, stats: FastPathStats | None = None) -> None:
+        if limits.max_buffered_bytes < limits.max_message_bytes:
+            raise ValueError("max_buffered_bytes must hold at least one message of max_message_bytes")
+        self.limits = limits
+        self.stats = stats or FastPathStats()
+        self.live: set[FastPathProtocol] = set()
+        self._waiters: deque[FastPathProtocol] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._log_budget = LogBudget(logger, "fast path", _LOG_LINES_PER_S)
+
+    def start(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for connection in list(self.live):
+            if reason := connection.stalled(now, self.limits):
+                self.stats.timed_out_connections += 1
+                connection.abort(reason)
+        self._timer = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
+
+    # ------------------------------------------------------------ the shared budget
+
+    def reserve(self, connection: FastPathProtocol, nbytes: int) -> bool:
+        """Take `nbytes` of the budget for `connection` now (True), or queue it (False): it is then
+        called back with `granted()` once the bytes are free, in arrival order."""
+        stats = self.stats
+        if not self._waiters and stats.buffered_bytes + nbytes <= self.limits.max_buffered_bytes:
+            stats.buffered_bytes += nbytes
+            return True
+        stats.buffer_waits += 1
+        self._waiters.append(connection)
+        return False
+
+    def release(self, nbytes: int) -> None:
+        self.stats.buffered_bytes -= nbytes
+        self._grant()
+
+    def forget(self, connection: FastPathProtocol) -> None:
+        """A closed connection leaves the queue (its own bytes it released itself)."""
+        if connection in self._waiters:
+            self._waiters.remove(connection)
+            self._grant()
+
+    def _grant(self) -> None:
+        limit = self.limits.max_buffered_bytes
+        while self._waiters:
+            head = self._waiters[0]
+            wanted = head.wanted_bytes
+            if self.stats.buffered_bytes + wanted > limit:
+                return
+            self._waiters.popleft()
+            self.stats.buffered_bytes += wanted
+            head.granted()
+
+    # ------------------------------------------------------------ logging
+
+    def log(self, message: str, fields: dict) -> bool:
+        """Log one warning within the listener's budget (kvtier.proto.logs.LogBudget)."""
+        return self._log_budget.log(logging.WARNING, message, extra={"fields": fields})
+
+
+class FastPathProtocol(asyncio.BufferedProtocol):
+    """One client connection. Its receive buffer holds `self._buf[self._start:self._end]`."""
+
+    def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter, connections: Connections | None = None) -> None:
         self._handlers = handlers
         # Who this connection speaks for: nobody until its AUTH frame when credentials are required.
         self._principal = "" if handlers.auth.enabled else CLUSTER_PRINCIPAL
         self._waiter = waiter
-        self._buffer = bytearray()
+        self._connections = connections if connections is not None else Connections(FastPathLimits())
+        self._max_message = self._connections.limits.max_message_bytes
+        self._buf = bytearray(BASE_BUFFER)
+        self._start = 0  # first byte not parsed yet
+        self._end = 0  # end of the bytes received
+        self._reserved = 0  # bytes of the shared budget this connection's buffer holds
+        self.wanted_bytes = 0  # while queued for the budget: how many more it needs
+        self._wanted_size = 0  # ... for a buffer of this size
         self._transport: asyncio.Transport | None = None
+        self._refused = False
         self._closing = False
         self._waiting = False  # a PutEnd answer is waiting for acknowledgements
+        self._budget_wait = False  # queued for the shared budget
         self._write_paused = False
+        self._reading = True
+        now = time.monotonic()
+        self._since = now  # idle: since the last byte; a frame pending: since its first byte
+        self._connected_at = now
+        self._paused_since = 0.0  # when answers backed up
         self._dispatch = {
             method: (getattr(handlers, name), request_type)
             for method, (name, request_type, _) in rpcframe.METHODS.items()
         }
 
+    # ----------------------------------------------------------- asyncio hooks
+
     def connection_made(self, transport) -> None:
         self._transport = transport
+        connections = self._connections
+        if len(connections.live) >= connections.limits.max_connections:
+            connections.stats.refused_connections += 1
+            self._refused = True
+            self._closing = True
+            limit = connections.limits.max_connections
+            connections.log("fast path connection refused", {"peer": self._peer(), "reason": "too many connections"})
+            message = f"too many connections: this master's fast path serves {limit} at most; retry later".encode()
+            transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, 0, len(message)) + message)
+            transport.close()
+            return
+        connections.live.add(self)
+        connections.stats.connections += 1
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc) -> None:
         self._transport = None
-        self._buffer = bytearray()
+        self._closing = True
+        if self._refused:
+            return
+        connections = self._connections
+        connections.live.discard(self)
+        connections.stats.connections -= 1
+        if self._budget_wait:
+            self._budget_wait = False
+            connections.forget(self)
+        self._drop_buffer()
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        if self._transport is not None:
-            self._transport.pause_reading()
+        self._paused_since = time.monotonic()
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._transport is not None and not self._closing and not self._waiting:
-            self._transport.resume_reading()
+        self._update_reading()
 
-    def data_received(self, data: bytes) -> None:
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._closing:
+            return _SCRATCH  # closed: swallow what is still in flight
+        start, end = self._start, self._end
+        if start:  # move the unparsed tail (less than one frame) to the front
+            self._buf[: end - start] = self._buf[start:end]
+            self._start, self._end = 0, end - start
+        if self._end == len(self._buf):
+            # Full, yet asked for more: reading should be paused (a PutEnd or the budget waits).
+            # Never hand out an empty buffer (uvloop closes the connection on one): room for one more read.
+            grown = bytearray(len(self._buf) + BASE_BUFFER)
+            grown[: self._end] = self._buf[: self._end]
+            self._buf = grown
+        return memoryview(self._buf)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
             return
-        self._buffer += data
+        now = time.monotonic()
+        if self._start == self._end:
+            self._since = now  # the first byte of a frame
+        self._end += nbytes
         if not self._waiting:
-            self._process()
+            self._process(now)
 
-    def _process(self) -> None:
-        buffer = self._buffer
-        consumed = 0
-        while len(buffer) - consumed >= _HEADER_SIZE:
+    # ----------------------------------------------------------- limits
+
+    def stalled(self, now: float, limits: FastPathLimits) -> str:
+        """Why this connection should be cut now ("" = it is fine)."""
+        if self._transport is None or self._closing:
+            return ""
+        if self._write_paused and now - self._paused_since > limits.request_timeout_s:
+            return f"the peer has read no answer for {limits.request_timeout_s:g}s"
+        if self._waiting or self._budget_wait:  # the master is the one late (CommitWaiter has its own timeout)
+            return ""
+        if not self._principal and now - self._connected_at > limits.request_timeout_s:
+            return f"no AUTH frame within {limits.request_timeout_s:g}s"
+        waited = now - self._since
+        if self._start == self._end:
+            return f"idle for {limits.idle_timeout_s:g}s" if waited > limits.idle_timeout_s else ""
+        if waited > limits.request_timeout_s:
+            return f"a request still incomplete after {limits.request_timeout_s:g}s"
+        return ""
+
+    def abort(self, reason: str) -> None:
+        self._connections.log("fast path connection cut", {"peer": self._peer(), "reason": reason})
+        self._closing = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    def granted(self) -> None:
+        """The budget this connection queued for is its own now: take the larger buffer, read on."""
+        self._budget_wait = False
+        self._resize(self._wanted_size, self._reserved + self.wanted_bytes)
+        self.wanted_bytes = self._wanted_size = 0
+        self._since = time.monotonic()  # its sender was not the one late
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        reading = not (self._closing or self._waiting or self._budget_wait or self._write_paused)
+        if reading != self._reading:
+            self._reading = reading
+            if reading:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
+
+    def _fit(self) -> None:
+        """After parsing: size the buffer for the next frame (whose header, when complete, is valid)."""
+        start, end = self._start, self._end
+        need = BASE_BUFFER
+        if end - start >= _HEADER_SIZE:
+            need = max(need, _HEADER_SIZE + _HEADER.unpack_from(self._buf, start)[3])
+        size = len(self._buf)
+        if need <= BASE_BUFFER:
+            if size > BASE_BUFFER:  # a large frame is done: give its bytes back
+                self._resize(BASE_BUFFER, 0)
+        elif need > size:
+            more = need - BASE_BUFFER - self._reserved
+            if self._connections.reserve(self, more):
+                self._resize(need, self._reserved + more)
+            else:
+                self._budget_wait = True
+                self.wanted_bytes, self._wanted_size = more, need
+                self._update_reading()
+
+    def _resize(self, size: int, reserved: int) -> None:
+        """A new buffer of `size` bytes holding the unparsed bytes; `reserved` of the budget held."""
+        start, end = self._start, self._end
+        buf = bytearray(size)
+        buf[: end - start] = self._buf[start:end]
+        self._buf, self._start, self._end = buf, 0, end - start
+        if reserved < self._reserved:
+            released, self._reserved = self._reserved - reserved, reserved
+            self._connections.release(released)
+        else:
+            self._reserved = reserved
+
+    def _drop_buffer(self) -> None:
+        self._buf = bytearray(0)
+        self._start = self._end = 0
+        if self._reserved:
+            released, self._reserved = self._reserved, 0
+            self._connections.release(released)
+
+    # ----------------------------------------------------------- frames
+
+    def _process(self, now: float) -> None:
+        buffer = self._buf
+        consumed = self._start
+        end = self._end
+        while end - consumed >= _HEADER_SIZE:
             magic, method, request_id, size = _HEADER.unpack_from(buffer, consumed)
             if not self._principal:
                 if magic != rpcframe.MAGIC or method != rpcframe.AUTH_METHOD or size > rpcframe.MAX_TOKEN:
                     return self._fatal(request_id, "unauthenticated: this master needs an AUTH frame first")
-                end = consumed + _HEADER_SIZE + size
-                if len(buffer) < end:
+                frame_end = consumed + _HEADER_SIZE + size
+                if end < frame_end:
                     break
-                token = bytes(buffer[consumed + _HEADER_SIZE : end]).decode(errors="replace")
-                consumed = end
+                token = bytes(buffer[consumed + _HEADER_SIZE : frame_end]).decode(errors="replace")
+                consumed = frame_end
                 self._principal = self._handlers.auth.principal(token)
                 if not self._principal:
                     return self._fatal(request_id, "unauthenticated: wrong credentials for this cluster")
                 self._transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.AUTH_METHOD, request_id, 0))
+                self._since = now
                 continue
             entry = self._dispatch.get(method)
-            if magic != rpcframe.MAGIC or entry is None or size > rpcframe.MAX_PAYLOAD:
+            if magic != rpcframe.MAGIC or entry is None:
                 return self._fatal(request_id, f"bad frame: magic={magic:#x} method={method} size={size}")
-            end = consumed + _HEADER_SIZE + size
-            if len(buffer) < end:
+            if size > self._max_message:
+                return self._fatal(
+                    request_id,
+                    f"bad frame: magic={magic:#x} method={method} size={size} over the limit of {self._max_message}",
+                )
+            frame_end = consumed + _HEADER_SIZE + size
+            if end < frame_end:
                 break
             handler, request_type = entry
             try:
-                request = request_type.FromString(memoryview(buffer)[consumed + _HEADER_SIZE : end])
+                request = request_type.FromString(memoryview(buffer)[consumed + _HEADER_SIZE : frame_end])
             except DecodeError:
                 return self._fatal(request_id, f"undecodable {request_type.__name__}")
-            consumed = end
+            consumed = frame_end
+            self._since = now  # the next frame's first byte, if any, came with this read
             principal = current_principal.set(self._principal)
             try:
                 response = handler(request)
             finally:
                 current_principal.reset(principal)
             if method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
-                del buffer[:consumed]
+                self._start = consumed
                 self._waiting = True
-                self._transport.pause_reading()
+                self._update_reading()
                 asyncio.get_running_loop().create_task(self._answer_later(method, request_id, response, barrier))
                 return
             reply = response.SerializeToString()
             self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
-        if consumed:
-            del buffer[:consumed]
+        if consumed == end:
+            self._start = self._end = 0
+        else:
+            self._start = consumed
+        self._fit()
 
     async def _answer_later(self, method: int, request_id: int, response, barrier) -> None:
         try:
@@ -135,32 +413,58 @@ class FastPathProtocol(asyncio.Protocol):
         reply = response.SerializeToString()
         transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
         self._waiting = False
-        if not self._write_paused:
-            transport.resume_reading()
-        self._process()
+        self._since = time.monotonic()
+        self._process(self._since)
+        self._update_reading()
 
     def _fatal(self, request_id: int, reason: str) -> None:
-        peer = self._transport.get_extra_info("peername")
-        logger.warning("fast path protocol error peer=%s: %s; closing", peer, reason)
+        self._connections.stats.protocol_errors += 1
+        self._connections.log("fast path protocol error, closing", {"peer": self._peer(), "detail": reason})
         message = reason.encode()
         self._transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, request_id, len(message)) + message)
         self._closing = True
-        self._buffer = bytearray()
+        self._drop_buffer()
         self._transport.close()
+
+    def _peer(self) -> str:
+        peer = self._transport.get_extra_info("peername") if self._transport is not None else None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+class FastPathListener:
+    """A bound fast path: its server, its connections and their counters."""
+
+    def __init__(self, server: asyncio.AbstractServer, connections: Connections) -> None:
+        self.server = server
+        self.connections = connections
+
+    @property
+    def stats(self) -> FastPathStats:
+        return self.connections.stats
+
+    def close(self) -> None:
+        self.connections.stop()
+        self.server.close()
 
 
 async def start_fast_path(
-    listen: str, handlers: MasterHandlers, waiter: CommitWaiter, advertise_host: str = ""
-) -> asyncio.AbstractServer:
+    listen: str,
+    handlers: MasterHandlers,
+    waiter: CommitWaiter,
+    advertise_host: str = "",
+    limits: FastPathLimits | None = None,
+) -> FastPathListener:
     """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint` (with
     `advertise_host` in place of the bound host when given)."""
     host, port = parse_hostport(listen)
     loop = asyncio.get_running_loop()
+    connections = Connections(limits or FastPathLimits())
     server = await loop.create_server(
-        lambda: FastPathProtocol(handlers, waiter), host=host, port=port, reuse_address=True, backlog=512
+        lambda: FastPathProtocol(handlers, waiter, connections), host=host, port=port, reuse_address=True, backlog=512
     )
+    connections.start()
     bound_host, bound_port = server.sockets[0].getsockname()[:2]
     bound_host = advertise_host or bound_host
     handlers.fast_endpoint = f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
     logger.info("fast path listening endpoint=%s", handlers.fast_endpoint)
-    return server
+    return FastPathListener(server, connections)

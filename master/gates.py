@@ -21,10 +21,14 @@ from kvtier.master.auth import current_principal
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.errors import InvalidKeyError
 from kvtier.proto.latency import LatencyHistogram
+from kvtier.proto.logs import LogBudget
 from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, status_name
 
 logger = logging.getLogger("kvtier.master.servicer")
+# Refused and denied calls are logged (findable by request id) within a budget: a client looping on
+# a refused call must not flood the log.
+_refusals = LogBudget(logger, "refused request")
 
 Handler = Callable[[Any, Any], Any]
 # Which RPCs a master answers in which role (see `MasterHandlers._refusal`): INFO always; SEGMENT
@@ -67,8 +71,12 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
                 principal = current_principal.get()
                 if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, name, request)):
                     self.denied[name] += 1
-                    logger.info(
-                        "request denied method=%s principal=%s", name, principal, extra={"fields": {"reason": denied}}
+                    _refusals.log(
+                        logging.INFO,
+                        "request denied method=%s principal=%s",
+                        name,
+                        principal,
+                        extra={"fields": {"reason": denied}},
                     )
                     return response_type(status=Status.PERMISSION_DENIED, error=denied)
                 if gate is not INFO and (refusal := self._refusal(gate)):
@@ -82,13 +90,14 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
                 reply = handler(self, request)
                 if reply.error and current_request_id.get():  # a client call refused: findable by its id
                     fields = {"status": status_name(reply.status)} if reply.status else {}
-                    logger.info("request refused method=%s", name, extra={"fields": {**fields, "error": reply.error}})
+                    fields["error"] = reply.error
+                    _refusals.log(logging.INFO, "request refused method=%s", name, extra={"fields": fields})
                 return reply
             except InvalidKeyError as exc:
                 self.failures[name] += 1
                 if current_request_id.get():
                     fields = {"status": "INVALID_KEY", "error": exc.message}
-                    logger.info("request refused method=%s", name, extra={"fields": fields})
+                    _refusals.log(logging.INFO, "request refused method=%s", name, extra={"fields": fields})
                 return response_type(status=Status.INVALID_KEY, error=exc.message)
             except Exception:
                 self.failures[name] += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.master.fastpath import FastPathStats
 from kvtier.master.servicer import MasterHandlers
 from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.metrics import histogram_family
@@ -47,12 +49,16 @@ class _Snapshot:
     epoch: int
     role: str
     recovering: bool
+    fast_path: FastPathStats | None  # a copy; None when the fast path is off
 
 
 class MasterCollector(Collector):
-    def __init__(self, handlers: MasterHandlers, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, handlers: MasterHandlers, loop: asyncio.AbstractEventLoop, fast_path: FastPathStats | None = None
+    ) -> None:
         self._handlers = handlers
         self._loop = loop
+        self._fast_path = fast_path
 
     def _snapshot(self) -> _Snapshot:
         """On the event loop."""
@@ -91,6 +97,7 @@ class MasterCollector(Collector):
             epoch=h.epoch,
             role=h.role,
             recovering=not state.serving,
+            fast_path=dataclasses.replace(self._fast_path) if self._fast_path is not None else None,
         )
 
     def collect(self) -> Iterable[Metric]:
@@ -192,3 +199,32 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     role.add_metric([s.role], 1)
     yield role
     yield GaugeMetricFamily("kvtier_master_epoch", "This master incarnation's epoch.", value=s.epoch)
+    if (fast := s.fast_path) is not None:
+        yield GaugeMetricFamily(
+            "kvtier_master_fast_path_connections", "Fast-path connections open.", value=fast.connections
+        )
+        yield CounterMetricFamily(
+            "kvtier_master_fast_path_refused_connections",
+            "Fast-path connections refused over max_connections (an error frame, then the close).",
+            value=fast.refused_connections,
+        )
+        yield CounterMetricFamily(
+            "kvtier_master_fast_path_timed_out_connections",
+            "Fast-path connections cut: idle, a request or AUTH slower than request_timeout_s, answers unread.",
+            value=fast.timed_out_connections,
+        )
+        yield CounterMetricFamily(
+            "kvtier_master_fast_path_protocol_errors",
+            "Fast-path frames the master could not trust (an error frame, then the close).",
+            value=fast.protocol_errors,
+        )
+        yield CounterMetricFamily(
+            "kvtier_master_fast_path_buffer_waits",
+            "Fast-path requests that waited for room in max_buffered_size (backpressure).",
+            value=fast.buffer_waits,
+        )
+        yield GaugeMetricFamily(
+            "kvtier_master_fast_path_buffered_bytes",
+            "Bytes of max_buffered_size held by fast-path connections for large requests.",
+            value=fast.buffered_bytes,
+        )

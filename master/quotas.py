@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Ranks of one deployment (TP x PP): far above any real one (8 x 64 = 512), and low enough that the
+# accounts registration creates stay small: a request for 2^32 x 2^32 must not allocate them all.
+MAX_RANKS = 1 << 16
+
 
 @dataclass(slots=True, eq=False)
 class Owner:
@@ -50,6 +54,8 @@ class QuotaTable:
         if tp_size < 1 or pp_size < 1:
             raise ValueError(f"tp_size and pp_size must be at least 1, got {tp_size} x {pp_size}")
         ranks = tp_size * pp_size
+        if ranks > MAX_RANKS:
+            raise ValueError(f"tp_size x pp_size = {ranks} ranks; at most {MAX_RANKS} are allowed")
         if budget < ranks:
             raise ValueError(f"budget of {budget} bytes is less than one byte per rank ({ranks} ranks)")
         quota = budget // ranks

@@ -19,14 +19,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
 from kvtier.master.capabilities import Minter
 from kvtier.master.config import MasterConfig
-from kvtier.master.fastpath import start_fast_path
+from kvtier.master.fastpath import FastPathLimits, start_fast_path
 from kvtier.master.persist import (
     FileStateStore,
     NoStateStore,
@@ -46,11 +50,97 @@ from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-    ("grpc.max_send_message_length", MESSAGE_LIMIT),
-    ("grpc.so_reuseport", 0),  # a second master on the same port must fail, not share it
-]
+# A call in progress keeps its connection checked: a ping every minute, and a peer that does not
+# answer one within 20 s is gone (its calls are cancelled). Connections without calls are closed
+# after idle_timeout_s instead (the client reconnects on its next call).
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+# Pings a client may send without data between them: one per 10 s at most; the third one faster is
+# answered with GOAWAY (gRPC's ping strikes).
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+
+def grpc_options(config: MasterConfig) -> list[tuple[str, int]]:
+    """The gRPC server's limits from the config: message size, streams per connection, keepalive."""
+    return [
+        ("grpc.max_receive_message_length", config.message_limit),
+        ("grpc.max_send_message_length", MESSAGE_LIMIT),  # what clients accept (kvtier.proto.channels)
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000)),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.so_reuseport", 0),  # a second master on the same port must fail, not share it
+    ]
+
+
+class DecodeCheck(grpc.aio.ServerInterceptor):
+    """A request that does not parse as its method's message is INVALID_ARGUMENT, naming the method.
+
+    Without this grpc.aio answers UNKNOWN ("Unexpected DecodeError") and logs a traceback at ERROR
+    for every such call: an unclear error for the caller and a log line per garbage request.
+    """
+
+    def __init__(self) -> None:
+        self._checked: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        checked = self._checked.get(details.method)
+        if checked is not None:
+            return checked
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler  # unknown methods stay UNIMPLEMENTED
+        parse, behavior, method = handler.request_deserializer, handler.unary_unary, details.method
+
+        async def parse_first(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                request = parse(raw)
+            except DecodeError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request for {method}")
+            return await behavior(request, context)
+
+        checked = self._checked[method] = grpc.unary_unary_rpc_method_handler(
+            parse_first, request_deserializer=None, response_serializer=handler.response_serializer
+        )
+        return checked
+
+
+FD_RESERVE = 1024  # gRPC connections, the state file, etcd, metrics: besides the fast path's
+
+
+def raise_fd_limit(config: MasterConfig) -> None:
+    """Raise the soft RLIMIT_NOFILE to max_connections + FD_RESERVE where the hard limit allows, so
+    the fast path refuses connections at its own limit, with a reason, not at EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = config.max_connections + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning(
+            "open file limit below max_connections soft=%d needed=%d: raise the hard limit (ulimit -Hn, "
+            "systemd LimitNOFILE=) or lower max_connections",
+            target,
+            needed,
+        )
+
+
+def fast_path_limits(config: MasterConfig) -> FastPathLimits:
+    return FastPathLimits(
+        max_connections=config.max_connections,
+        idle_timeout_s=config.idle_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+        max_message_bytes=config.message_limit,
+        max_buffered_bytes=config.buffered_limit,
+    )
 
 
 class Roles:
@@ -162,6 +252,7 @@ def _readiness(handlers: MasterHandlers) -> str:
 
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
+    raise_fd_limit(config)
     state = MasterState(config)
     handlers = MasterHandlers(state, 0)
     # Expulsion of a silent segment (tick, at segment_ttl_s) ends every wait before this.
@@ -170,8 +261,14 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     roles = Roles(config, handlers, servicer)
     handlers.auth = _authenticator(config)
     handlers.minter = Minter(handlers.auth.cluster_secret)
+    # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    interceptors.append(DecodeCheck())
+    server = grpc.aio.server(
+        options=grpc_options(config),
+        interceptors=interceptors,
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,  # beyond: RESOURCE_EXHAUSTED, shed at once
+    )
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     if config.tls_cert_file:
         port = server.add_secure_port(config.listen, _tls_credentials(config))
@@ -206,7 +303,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         fast_listen = f"{host}:0" if config.fast_path_listen == "auto" else config.fast_path_listen
         try:
             advertise_host = parse_hostport(config.advertise)[0] if config.advertise else ""
-            fast_server = await start_fast_path(fast_listen, handlers, waiter, advertise_host)
+            fast_server = await start_fast_path(fast_listen, handlers, waiter, advertise_host, fast_path_limits(config))
         except OSError as exc:
             await server.stop(grace=None)
             raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None
@@ -217,7 +314,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
 
         try:
             metrics_address = serve_metrics(
-                config.metrics, MasterCollector(handlers, loop), readiness=lambda: _readiness(handlers)
+                config.metrics,
+                MasterCollector(handlers, loop, fast_server.stats if fast_server is not None else None),
+                readiness=lambda: _readiness(handlers),
             )
         except OSError as exc:
             await server.stop(grace=None)

@@ -97,6 +97,34 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class LogBudget:
+    """At most `per_second` lines a second through one budget; the rest are counted and reported in
+    one line when the next second starts. For events a flood of bad peers can cause (refusals,
+    protocol errors): they must not become a flood of log lines. Single-threaded (an event loop)."""
+
+    def __init__(self, logger: logging.Logger, what: str, per_second: int = 20) -> None:
+        self._logger = logger
+        self._what = what
+        self._per_second = per_second
+        self._second = 0
+        self._lines = 0
+        self._dropped = 0
+
+    def log(self, level: int, message: str, *args: object, **kwargs: object) -> bool:
+        """Log unless this second's budget is spent; False when the line was dropped (counted)."""
+        second = int(time.monotonic())
+        if second != self._second:
+            if self._dropped:
+                self._logger.warning("%s log lines dropped count=%d", self._what, self._dropped)
+            self._second, self._lines, self._dropped = second, 0, 0
+        if self._lines >= self._per_second:
+            self._dropped += 1
+            return False
+        self._lines += 1
+        self._logger.log(level, message, *args, **kwargs)  # type: ignore[arg-type]
+        return True
+
+
 def setup_logging(component: str, level: str) -> None:
     """Every record of this process as one key=value line on stderr (journald and containers keep it)."""
     handler = logging.StreamHandler(sys.stderr)

@@ -12,9 +12,11 @@ endpoint from `Hello` and fall back to gRPC when it is off or unreachable.
     response  magic:u16 method:u16 request_id:u32 payload_len:u32  + serialized response message
 
 All integers little-endian. Responses come in request order. A frame the
-master cannot trust (bad magic, unknown method, payload over MAX_PAYLOAD, an
-undecodable message) gets a response with method 0 and a UTF-8 reason, and
-the connection is closed.
+master cannot trust (bad magic, unknown method, a payload over the master's
+`max_message_size`, an undecodable message) gets a response with method 0 and
+a UTF-8 reason, and the connection is closed. A connection refused at accept
+(the master's `max_connections`) gets that response with request id 0 before
+any request is read; clients never use request id 0.
 
 When the master requires credentials (kvtier.master.auth), a connection's
 first frame is AUTH_METHOD with the client's token (UTF-8) as payload; it is

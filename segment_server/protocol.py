@@ -38,11 +38,12 @@ from kvtier.proto import frames
 from kvtier.proto.auth import CapabilityKey, capability_key
 from kvtier.proto.frames import Op
 from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.logs import format_request_id
+from kvtier.proto.logs import LogBudget, format_request_id
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
 
 logger = logging.getLogger(__name__)
+_log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peers is no flood of lines
 
 _HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED, _NAMES, _BUSY = range(7)
 _SCRATCH_SIZE = 256 << 10
@@ -227,7 +228,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         return ""
 
     def abort(self, reason: str) -> None:
-        logger.info(
+        _log.log(
+            logging.INFO,
             "connection closed",
             extra={"rid": format_request_id(self._trace), "fields": {"peer": self._peer(), "reason": reason}},
         )
@@ -428,7 +430,8 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     def _send_error(self, status: int, message: str) -> None:
         if status != Status.PROTOCOL_ERROR:  # _fatal logged those
-            logger.warning(
+            _log.log(
+                logging.WARNING,
                 "request refused",
                 extra={
                     "rid": format_request_id(self._trace),
@@ -459,7 +462,8 @@ class DataProtocol(asyncio.BufferedProtocol):
     def _fatal(self, message: str) -> None:
         self._stats.protocol_errors += 1
         peer = self._peer()
-        logger.warning(
+        _log.log(
+            logging.WARNING,
             "protocol error, closing the connection",
             extra={"rid": format_request_id(self._trace), "fields": {"peer": peer, "detail": message}},
         )

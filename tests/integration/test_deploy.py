@@ -41,12 +41,42 @@ HEADROOM = 512 * MiB  # deploy/README.md: a segment's memory = dram + ssd_read_b
 # ------------------------------------------------------------------ helpers
 
 
+# What a deployment gives a service as its cluster secret, stood in for on this machine: a secret
+# file path that exists only on a real host (/etc/kvtier/cluster.secret, a mounted Kubernetes
+# Secret) is replaced by this one, and compose's ${KVTIER_SECRET...} by its contents.
+TEST_SECRET = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _secret_file(tmp_path_factory):
+    global TEST_SECRET_FILE
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    path.write_text(TEST_SECRET)
+    path.chmod(0o600)
+    TEST_SECRET_FILE = str(path)
+
+
+TEST_SECRET_FILE = ""
+
+
+def _missing_secret_file(service: str, config: Path | None, env: dict[str, str]) -> bool:
+    name = env.get(f"{SERVICES[service][1]}SECRET_FILE")
+    if name is None and config is not None:
+        name = tomllib.loads(config.read_text()).get("secret_file")
+    return bool(name) and not os.path.exists(name)
+
+
 def print_config(
     service: str, config: Path | None, env: dict[str, str] | None = None, *flags: str
 ) -> subprocess.CompletedProcess:
     """`<service> --config F --print-config` as a subprocess, with no KVTIER_* variable of ours leaking in."""
     prefix = SERVICES[service][1]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefix)}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(prefix) and k != "KVTIER_SECRET"}
+    env = dict(env or {})
+    if env.get("KVTIER_SECRET", "").startswith("${KVTIER_SECRET"):  # compose: from the host's environment
+        env["KVTIER_SECRET"] = TEST_SECRET
+    if _missing_secret_file(service, config, env) and "--secret-file" not in flags:
+        flags = (*flags, "--secret-file", TEST_SECRET_FILE)
     args = [str(BIN / service), *(["--config", str(config)] if config else []), *flags, "--print-config"]
     return subprocess.run(args, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=60)
 
@@ -57,7 +87,10 @@ def effective(service: str, config: Path | None, env: dict[str, str] | None = No
     The service ignores environment variables that name no option, so a misspelt one is caught here."""
     cls, prefix = SERVICES[service]
     options = {f.name for f in dataclasses.fields(cls)} | {"config"}
-    for name in env or {}:
+    for name, value in (env or {}).items():
+        if name == "KVTIER_SECRET":  # every service's; never written into a deployment file
+            assert value.startswith("${KVTIER_SECRET"), "the secret must come from the host's environment"
+            continue
         assert name.startswith(prefix) and name[len(prefix) :].lower() in options, f"{service} has no {name}"
     result = print_config(service, config, env, *flags)
     assert result.returncode == 0, f"{service} rejected {config} env={env}: {result.stderr.strip()}"
@@ -104,8 +137,12 @@ def test_every_example_config_is_accepted_as_written(path: Path):
     """Each TOML file in deploy/ loads, and every key it sets is in the effective config unchanged."""
     written = tomllib.loads(path.read_text())
     assert written, f"{path} sets nothing"
-    cfg = effective(service_of(path), path)
+    # compose services get the secret from the host's environment (compose.yaml), the others name a file
+    env = {"KVTIER_SECRET": "${KVTIER_SECRET}"} if "compose" in path.parts else None
+    cfg = effective(service_of(path), path, env)
     for key, value in written.items():
+        if key == "secret_file" and not os.path.exists(value):
+            continue  # a path on the real host, stood in for here (print_config)
         assert cfg[key] == value, f"{path}: {key} = {value!r} became {cfg[key]!r}"
 
 
@@ -464,6 +501,11 @@ def kube_container_config(pod: dict, container: dict, configmaps: dict, tmp_path
     text = configmaps[volume["configMap"]["name"]][filename]
     path = tmp_path / f"{container['name']}-{filename}"
     path.write_text(text)
+    # The cluster secret comes from a Secret volume that only the pod's group can read.
+    secret_dir = tomllib.loads(text)["secret_file"].rpartition("/")[0]
+    secret = next(v for v in pod["volumes"] if v["name"] == mounts[secret_dir])["secret"]
+    assert secret["secretName"] == "kvtier-cluster-secret" and secret["defaultMode"] & 0o007 == 0
+    assert pod["securityContext"]["fsGroup"] == 10001, "the Secret's group must be the service's"
     return command[0], effective(command[0], path, container_env(container), *command[3:])
 
 

@@ -39,6 +39,15 @@ def test_defaults_are_valid():
         ({"cluster_id": "a/b"}, "cluster_id"),
         ({"cluster_id": "a.b"}, "cluster_id"),
         ({"cluster_id": "x" * 65}, "cluster_id"),
+        ({"max_connections": 0}, "max_connections must be at least 1"),
+        ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs must be at least 1"),
+        ({"max_concurrent_streams": 0}, "max_concurrent_streams must be at least 1"),
+        ({"idle_timeout_s": 0.0}, "idle_timeout_s must be positive"),
+        ({"request_timeout_s": -1.0}, "request_timeout_s must be positive"),
+        ({"max_message_size": "lots"}, "max_message_size: invalid size"),
+        ({"max_message_size": "512MiB"}, "between 64KiB and 256MiB"),
+        ({"max_message_size": "1KiB"}, "between 64KiB and 256MiB"),
+        ({"max_message_size": "64MiB", "max_buffered_size": "32MiB"}, "at least one message"),
     ],
 )
 def test_validate_rejects_bad_values(changes, message):
@@ -56,6 +65,8 @@ def test_validate_rejects_bad_values(changes, message):
         {"listen": "[::1]:0"},
         {"listen": ":50051"},
         {"max_batch_keys": 1},
+        {"max_message_size": "64KiB", "max_buffered_size": "64KiB"},
+        {"max_message_size": "256MiB", "max_buffered_size": "256MiB"},
     ],
 )
 def test_validate_accepts_boundary_values(changes):

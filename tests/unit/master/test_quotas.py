@@ -87,6 +87,10 @@ def test_register_gives_each_rank_budget_floor_divided_by_tp_times_pp(tp, pp, bu
         ("llm", -2, -1, 100, "at least 1"),
         ("llm", 2, 2, 3, "less than one byte per rank"),
         ("llm", 1, 1, 0, "less than one byte per rank"),
+        # Found by tests/unit/master/test_handlers_fuzz.py: one RegisterInstance of 2^32 x 2^32 ranks
+        # made the master allocate an account per rank until it ran out of memory.
+        ("llm", (1 << 32) - 1, (1 << 32) - 1, (1 << 64) - 1, "at most 65536"),
+        ("llm", 257, 256, 1 << 40, "at most 65536"),
     ],
 )
 def test_invalid_registrations_raise_value_error_and_register_nothing(instance, tp, pp, budget, message):
