@@ -2,14 +2,14 @@
 #   make run    create .venv, install, start a local cluster (master + 1 GiB segment) in the foreground
 #   make test   create .venv, install with test extras, run the default suite (< 10 minutes)
 # Others: make test-slow (soak/slow tests), make test-engines (engine adapters, own venv), make lint,
-# make proto, make bench.
+# make fuzz (atheris + long hypothesis runs), make proto, make bench.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-engines lint proto proto-check bench clean
+.PHONY: run test test-slow test-engines fuzz lint proto proto-check bench clean
 
 # The engine adapters' tests run in a venv of their own: torch's CPU build (pinned: otherwise pip
 # fetches a CUDA build) and the engines without their dependency trees (tests/engines/*.txt).
