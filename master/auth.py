@@ -158,12 +158,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 if not token
                 else "wrong credentials: the token does not match this cluster's secret or a tenant's"
             )
+        if principal != CLUSTER_PRINCIPAL and details.method.rpartition("/")[2] not in TENANT_RPCS:
+            # Refused before any servicer code runs (a long poll must not hold a slot, or a
+            # segment's wake-up event, for a caller who may not make it); the handler checks again.
+            return _deny(f"{principal!r} may not call {details.method} (cluster credentials only)", denied=True)
         current_principal.set(principal)  # same task as the handler: it sees this
         return await continuation(details)
 
 
-def _deny(message: str) -> grpc.RpcMethodHandler:
+def _deny(message: str, denied: bool = False) -> grpc.RpcMethodHandler:
+    code = grpc.StatusCode.PERMISSION_DENIED if denied else grpc.StatusCode.UNAUTHENTICATED
+
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     return grpc.unary_unary_rpc_method_handler(abort)

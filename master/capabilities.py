@@ -7,17 +7,21 @@ read lease's end for reads, the put deadline for writes (kvtier.proto.auth). A
 segment server performs nothing without one. Without a secret nothing is minted
 and segments check nothing (a loopback-only or explicitly insecure cluster).
 
-Keys are per segment and master epoch, derived, never sent: a new master
-incarnation, or a segment remounting under another name, voids every earlier
-tag. Minting costs ~1 us per range (measured in docs/benchmarks.md).
+Keys are per segment name, master epoch and segment incarnation, derived, never
+sent: a new master incarnation or a restarted segment voids every earlier tag.
+Tags live no longer than their ranges stay reserved: read tags until the read
+lease ends, write tags `ttl_s` after their PutStart, and the master frees no
+range before (MasterState._reuse_at). Minting costs ~1 us per range (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvtier.master.config import MasterConfig
 from kvtier.master.records import TIER_SSD
-from kvtier.proto.auth import CapabilityKey, capability_key, wall_ms
+from kvtier.master.state_types import SegmentRecord
+from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
 from kvtier.proto.frames import Op
 
 
@@ -25,19 +29,23 @@ class Minter:
     def __init__(self, secret: bytes | None) -> None:
         self.enabled = secret is not None
         self._secret = secret
-        self._keys: dict[tuple[str, int], CapabilityKey] = {}
+        self._keys: dict[tuple[str, str, int], CapabilityKey] = {}
 
-    def key(self, segment_name: str, epoch: int) -> CapabilityKey:
-        found = self._keys.get((segment_name, epoch))
+    def key(self, segment: SegmentRecord | None, epoch: int) -> CapabilityKey:
+        """The key of a mounted segment (a segment gone since gets a key nothing verifies)."""
+        name, incarnation = (segment.name, segment.incarnation) if segment is not None else ("", "gone")
+        found = self._keys.get((name, incarnation, epoch))
         if found is None:
-            if len(self._keys) > 4096:  # names of segments long gone, or older epochs
+            if len(self._keys) > 4096:  # segments long gone, or older epochs
                 self._keys.clear()
-            found = self._keys[(segment_name, epoch)] = CapabilityKey(capability_key(self._secret, segment_name, epoch))
+            found = self._keys[(name, incarnation, epoch)] = CapabilityKey(
+                capability_key(self._secret, name, epoch, incarnation)
+            )
         return found
 
     def replica_tags(
         self,
-        name_of: Callable[[int], str],
+        segment_of: Callable[[int], SegmentRecord | None],
         epoch: int,
         counts: Sequence[int],
         segments: Sequence[int],
@@ -55,11 +63,18 @@ class Minter:
             size = sizes[i]
             for j in range(position, position + count):
                 this_op = Op.READ_DISK if tiers is not None and tiers[j] == TIER_SSD else op
-                key = self.key(name_of(segments[j]), epoch)
+                key = self.key(segment_of(segments[j]), epoch)
                 out.append(key.tag(this_op, expiry_ms, offsets[j], size))
             position += count
         return b"".join(out)
 
+    def ttl_s(self, config: MasterConfig) -> float:
+        """How long a write tag lives after its PutStart (0 without capabilities): the read lease's
+        length, at most the put deadline. The master frees no range sooner (MasterState._reuse_at)."""
+        return min(config.put_timeout_s, config.lease_s) if self.enabled else 0.0
+
     @staticmethod
     def expiry_in(seconds: float) -> int:
-        return wall_ms() + int(seconds * 1000)
+        """The expiry to mint for a tag whose range stays reserved `seconds` from now: the segment
+        accepts a tag until expiry + CLOCK_SKEW_MS, so that is when it must stop verifying."""
+        return wall_ms() + int(seconds * 1000) - CLOCK_SKEW_MS

@@ -143,9 +143,12 @@ class MasterConfig:
             if secret is None:
                 raise ValueError("tenants_file needs a cluster secret (secret_file or KVTIER_SECRET)")
             check_field("tenants_file", load_tenants, self.tenants_file)
-        if secret is None and not self.allow_insecure and not is_loopback(host):
+        exposed = [self.listen] if not is_loopback(host) else []
+        if self.fast_listen not in ("auto", "off") and not is_loopback(parse_hostport(self.fast_listen)[0]):
+            exposed.append(self.fast_listen)
+        if secret is None and not self.allow_insecure and exposed:
             raise ValueError(
-                f"listen {self.listen!r} is reachable from other machines and no cluster secret is set: set "
+                f"listen {exposed[0]!r} is reachable from other machines and no cluster secret is set: set "
                 "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"
             )
         for name in ("max_connections", "max_concurrent_rpcs", "max_concurrent_streams"):

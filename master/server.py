@@ -161,6 +161,7 @@ class Roles:
         could not be read): take no inventories and save nothing this epoch, so the saved state
         (whom to expect, whom we expelled, registrations) is never overwritten by ignorance."""
         state = MasterState(self.config)
+        state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
                 try:
@@ -187,6 +188,7 @@ class Roles:
         """Drop the tables (a new leader rebuilds them from the segments) and refuse everything."""
         logger.warning("no longer leading epoch=%d: %s", self.handlers.epoch, reason)
         state = MasterState(self.config)
+        state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         self.servicer.attach(state)
         self.handlers.state = state
 
@@ -261,6 +263,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     roles = Roles(config, handlers, servicer)
     handlers.auth = _authenticator(config)
     handlers.minter = Minter(handlers.auth.cluster_secret)
+    state.capability_ttl_s = handlers.minter.ttl_s(config)
     # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
     interceptors.append(DecodeCheck())

@@ -197,10 +197,10 @@ class MasterHandlers:
             segments=self._endpoints(result.replica_segments),
             put_id=result.put_id,
         )
-        if self.minter.enabled and result.replica_segments:  # writable until the put is reclaimed
-            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.put_timeout_s)
+        if self.minter.enabled and result.replica_segments:  # writable for capability_ttl_s (_reuse_at)
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s)
             reply.replica_tags = self.minter.replica_tags(
-                self._segment_name, self.epoch, result.replica_counts, result.replica_segments,
+                self.state.segments.get, self.epoch, result.replica_counts, result.replica_segments,
                 result.replica_offsets, request.sizes, reply.tag_expiry_ms, op=Op.WRITE,
             )  # fmt: skip
         return reply
@@ -247,7 +247,7 @@ class MasterHandlers:
         if self.minter.enabled:  # the lease is what keeps the bytes in place: the tags end with it
             reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
             reply.replica_tags = self.minter.replica_tags(
-                self._segment_name, self.epoch, r.replica_counts, r.replica_segments, r.replica_offsets, r.sizes,
+                self.state.segments.get, self.epoch, r.replica_counts, r.replica_segments, r.replica_offsets, r.sizes,
                 reply.tag_expiry_ms, tiers=r.replica_tiers,
             )  # fmt: skip
         return reply
@@ -305,24 +305,20 @@ class MasterHandlers:
             reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
         segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
         reply.segments.extend(self._endpoints(segment_ids))
-        if self.minter.enabled:  # read the source, write the target; until the migration expires
-            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.put_timeout_s)
+        if self.minter.enabled:  # read the source, write the target; while the migration's lease holds
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.lease_s)
             moving = [i for i, status in enumerate(reply.statuses) if status == 0]
-            source = self.minter.key(self._segment_name(batch.source_segment), self.epoch)
+            source = self.minter.key(self.state.segments.get(batch.source_segment), self.epoch)
             reply.source_tags = b"".join(
                 source.tag(Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]) for i in moving
             )
             reply.target_tags = b"".join(
-                self.minter.key(self._segment_name(reply.target_segments[i]), self.epoch).tag(
+                self.minter.key(self.state.segments.get(reply.target_segments[i]), self.epoch).tag(
                     Op.WRITE, reply.tag_expiry_ms, reply.target_offsets[i], reply.sizes[i]
                 )
                 for i in moving
             )
         return reply
-
-    def _segment_name(self, segment_id: int) -> str:
-        segment = self.state.segments.get(segment_id)
-        return segment.name if segment is not None else ""
 
     @rpc(pb.KeyStatusResponse)
     def MigrateEnd(self, request):

@@ -122,6 +122,9 @@ class MasterState:
         # With a state store, a new segment takes allocations only once its name is saved.
         self.save_mounts = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
+        # With data-plane capabilities (the server sets it): how long a write tag lives after its
+        # PutStart; freed ranges wait that long before reuse (`_reuse_at`). 0 = no capabilities.
+        self.capability_ttl_s = 0.0
         # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
         self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)
@@ -541,16 +544,25 @@ class MasterState:
             record.owner.used -= self._record_bytes(record)
             record.owner.objects -= 1
         now = self.clock()
-        if record.lease_until > now:
+        reuse_at = self._reuse_at(record)
+        if reuse_at > now:
             for packed in record.replicas:
                 segment_id = packed >> SEGMENT_SHIFT
                 segment = self.segments.get(segment_id)
                 if segment is not None:
                     segment.objects -= 1
                     if record.size:
-                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, record.lease_until)
+                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at)
         else:
             self._release_replicas(record.replicas, record.size)
+
+    def _reuse_at(self, record: ObjectRecord) -> float:
+        """When the record's ranges may go to another object: after its read leases, and, with data-plane
+        capabilities, after every tag minted for them can no longer verify (its write tags live
+        `capability_ttl_s` from its PutStart: kvtier.master.capabilities)."""
+        if self.capability_ttl_s:
+            return max(record.lease_until, record.started_at + self.capability_ttl_s)
+        return record.lease_until
 
     def _free_later(self, segment_id: int, offset: int, size: int, until: float) -> None:
         """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it."""
@@ -631,12 +643,13 @@ class MasterState:
             record.owner.used -= self._aligned(record.size) * len(dropped)
         if not any(is_dram(r) for r in record.replicas) and self._objects.get(record.name) is record:
             self._disk_only[record.name] = self._objects.pop(record.name)  # out of the eviction order
-        if record.lease_until > self.clock() and record.size:
+        reuse_at = self._reuse_at(record)
+        if reuse_at > self.clock() and record.size:
             segment = self.segments.get(segment_id)
             if segment is not None:
                 for packed in dropped:
                     segment.objects -= 1
-                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, record.lease_until)
+                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at)
             return
         self._release_replicas(dropped, record.size)
 

@@ -116,9 +116,11 @@ def verify_token(token: str, secrets_by_principal: dict[str, bytes]) -> str:
 # ------------------------------------------------------------------ capabilities
 
 
-def capability_key(secret: bytes, segment_name: str, epoch: int) -> bytes:
-    """The per-segment, per-master-incarnation key of data-plane capability tags."""
-    return hmac.new(secret, f"kvtier-cap|{segment_name}|{epoch}".encode(), hashlib.sha256).digest()
+def capability_key(secret: bytes, segment_name: str, epoch: int, incarnation: str = "") -> bytes:
+    """The key of a segment's data-plane capability tags: per segment name, master epoch and segment
+    incarnation (its region's nonce), so neither a new master nor a restarted segment under the same
+    name accepts a tag minted before."""
+    return hmac.new(secret, f"kvtier-cap|{segment_name}|{epoch}|{incarnation}".encode(), hashlib.sha256).digest()
 
 
 class CapabilityKey:

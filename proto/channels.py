@@ -9,7 +9,7 @@ that verifies the master's certificate (plus a client certificate for mTLS).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -33,10 +33,11 @@ def read_file(path: str, what: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Credentials:
-    token: str = ""  # "" = present none (a master without a secret accepts that)
+    # Never in a repr (a debug log or a traceback's locals): the token is a bearer credential.
+    token: str = field(default="", repr=False)  # "" = present none (a master without a secret accepts that)
     tls_ca: bytes | None = None  # PEM roots that sign the master's certificate; None = plain TCP
-    tls_cert: bytes | None = None  # client certificate chain (mTLS), PEM
-    tls_key: bytes | None = None
+    tls_cert: bytes | None = field(default=None, repr=False)  # client certificate chain (mTLS), PEM
+    tls_key: bytes | None = field(default=None, repr=False)
 
     @property
     def tls(self) -> bool:

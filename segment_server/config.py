@@ -144,7 +144,9 @@ class SegmentConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         credentials = check_field("credentials", lambda _: self.credentials(), None)
-        if not credentials.token and not self.allow_insecure and not is_loopback(self.advertise or host):
+        if (
+            not credentials.token and not self.allow_insecure and not is_loopback(host)
+        ):  # what is bound, not what is advertised
             raise ValueError(
                 f"listen {self.listen!r} is reachable from other machines and no cluster secret is set: set "
                 "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"

@@ -47,6 +47,11 @@ _log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peer
 
 _HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED, _NAMES, _BUSY = range(7)
 _SCRATCH_SIZE = 256 << 10
+# Where bytes to discard land (a refused WRITE's payload, input after a close): one buffer for every
+# connection of the process (one event loop thread), so an idle connection costs no scratch space.
+_SCRATCH = memoryview(bytearray(_SCRATCH_SIZE))
+# A range table larger than this is dropped after its request instead of kept for the next one.
+_TABLE_KEEP = 64 << 10
 _OPS = {int(op) for op in Op}
 
 
@@ -74,13 +79,14 @@ class DataPlaneStats:
 
 
 class CapabilityCheck:
-    """This segment's capability key: from the cluster secret, its name and the epoch of the master
-    it is mounted on (kvtier.proto.auth); None while it is not mounted."""
+    """This segment's capability key: from the cluster secret, its name, its incarnation and the epoch
+    of the master it is mounted on (kvtier.proto.auth); None while it is not mounted."""
 
-    def __init__(self, secret: bytes, name: str, epoch: Callable[[], int]) -> None:
+    def __init__(self, secret: bytes, name: str, epoch: Callable[[], int], incarnation: str = "") -> None:
         self._secret = secret
         self._name = name
         self._epoch = epoch
+        self._incarnation = incarnation  # the region's nonce, as the mount request names it
         self._key: CapabilityKey | None = None
         self._key_epoch = 0
 
@@ -89,7 +95,7 @@ class CapabilityCheck:
         if not epoch:
             return None
         if epoch != self._key_epoch:
-            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch))
+            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch, self._incarnation))
             self._key_epoch = epoch
         return self._key
 
@@ -163,7 +169,6 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._header_view = memoryview(self._header)
         self._table = bytearray(0)
         self._names = bytearray(0)  # READ_DISK object names
-        self._scratch = memoryview(bytearray(_SCRATCH_SIZE))
         self._state = _HEADER
         self._filled = 0  # bytes received into the current buffer
         self._need = frames.REQUEST.size  # size of the current buffer
@@ -265,10 +270,10 @@ class DataProtocol(asyncio.BufferedProtocol):
         if state == _RANGES:
             return memoryview(self._table)[self._filled : self._need]
         if state == _DRAIN:
-            return self._scratch[: min(self._drain_left, _SCRATCH_SIZE)]
+            return _SCRATCH[: min(self._drain_left, _SCRATCH_SIZE)]
         if state == _NAMES:
             return memoryview(self._names)[self._filled : self._need]
-        return self._scratch  # closed: swallow whatever is still in flight
+        return _SCRATCH  # closed: swallow whatever is still in flight
 
     def buffer_updated(self, nbytes: int) -> None:
         state = self._state
@@ -304,6 +309,8 @@ class DataProtocol(asyncio.BufferedProtocol):
                 ranges = ranges[2 : 2 + 2 * count]
                 self._nranges = count
             self._ranges = ranges
+            if len(self._table) > _TABLE_KEEP:  # a huge table was needed once: do not keep it
+                self._table = bytearray(0)
             self._on_request()
         elif state == _NAMES:
             self._on_disk_request()
@@ -361,6 +368,12 @@ class DataProtocol(asyncio.BufferedProtocol):
         if op == Op.READ_DISK:
             if self._payload_len == 0:
                 return self._on_disk_request()
+            # Refuse before buffering the names (up to ~80 MiB): the ranges and their tags are in.
+            if self._disk is None:
+                return self._drain(Status.NOT_FOUND, "this segment has no SSD tier")
+            if self._caps is not None and (denied := self._capability_problem(Op.READ_DISK)):
+                self._stats.capability_denials += 1
+                return self._drain(Status.CAPABILITY_DENIED, denied)
             self._names = bytearray(self._payload_len)
             self._state = _NAMES
             self._filled = 0
@@ -479,6 +492,8 @@ class DataProtocol(asyncio.BufferedProtocol):
             names = frames.unpack_disk_names(self._names if self._payload_len else b"", self._nranges)
         except (ValueError, UnicodeDecodeError) as exc:
             return self._fatal(f"malformed READ_DISK names: {exc}")
+        finally:
+            self._names = bytearray(0)  # parsed: the buffer is not kept for the connection's life
         if self._caps is not None and (denied := self._capability_problem(Op.READ_DISK)):
             self._stats.capability_denials += 1
             self._send_error(Status.CAPABILITY_DENIED, denied)

@@ -60,7 +60,7 @@ async def serve(config: SegmentConfig) -> int:
         secret = config.secret()
         # With a cluster secret the data plane serves only ranges the master granted (capabilities),
         # keyed by the epoch of the current mount (the index's session).
-        caps = CapabilityCheck(secret, config.name, lambda: index.session[1]) if secret else None
+        caps = CapabilityCheck(secret, config.name, lambda: index.session[1], region.nonce.hex()) if secret else None
         listeners = [
             TcpListener(
                 config.listen,

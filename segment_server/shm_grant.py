@@ -37,6 +37,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvtier.proto.logs import LogBudget
 from kvtier.proto.region import GRANT_REQUEST
 from kvtier.segment_server.region import remove_stale_socket
 
@@ -129,6 +130,7 @@ class GrantServer:
         self._granted_reply = b"OK " + nonce.hex().encode() + b"\n"
         self._allowed = allowed_uids
         self._stats = stats
+        self._log = LogBudget(logger, "shm grant")
         self._timeout_s = timeout_s
         self._max = max_connections
         self._sock: socket.socket | None = None
@@ -267,7 +269,7 @@ class GrantServer:
         if outcome is Outcome.BUSY:
             conn.close()
         refused = outcome in (Outcome.REFUSED_UID, Outcome.REFUSED_NONCE)
-        logger.log(
+        self._log.log(  # within a budget: a local user looping connect() must not flood the log
             logging.WARNING if refused else logging.INFO,
             "shm grant result=%s peer_pid=%d peer_uid=%d path=%s%s",
             outcome.value,

@@ -172,7 +172,7 @@ def test_the_data_plane_serves_only_ranges_the_master_granted(secure):
     reply, endpoint = _granted(secure)
     offset, size = reply.replica_offsets[0], reply.sizes[0]
     tag, expiry = reply.replica_tags[:16], reply.tag_expiry_ms
-    assert len(reply.replica_tags) == 16 and expiry > auth.wall_ms()
+    assert len(reply.replica_tags) == 16 and expiry + auth.CLOCK_SKEW_MS > auth.wall_ms()  # the lease's end
 
     def read(ranges, caps) -> tuple[int, bytes]:
         with connect(endpoint) as sock:
@@ -221,3 +221,40 @@ def is_closed_by_peer_quick(endpoint: str) -> bool:
             return is_closed_by_peer(sock)
         except TimeoutError:
             return False
+
+
+def test_a_refused_disk_read_is_answered_before_its_names_are_buffered(secure):
+    endpoint = tcp_endpoint(secure.segments["seg0"])
+    names = b"\xff" * 1000  # not even names: a refusal must come before they are parsed (or held)
+    with connect(endpoint) as sock:
+        sock.sendall(frames.pack_request(Op.READ_DISK, 1, [(0, 4096)], len(names)) + names)
+        op, _rid, status, _message = recv_response(sock)
+        assert (op, status) != (Op.READ_DISK, 0) and status != Status.PROTOCOL_ERROR
+        sock.sendall(frames.pack_request(Op.PING, 2, []))  # drained: the stream is still in sync
+        assert recv_response(sock)[:3] == (Op.PING, 2, 0)
+
+
+def test_a_tenant_is_refused_segment_rpcs_before_any_of_them_runs(secure):
+    channel, stub, _ = stub_with(secure.master.info["address"])
+    token = auth.make_token(b"a" * 32, "alice")
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as excinfo:  # a long poll: refused at once, not after it
+            stub.PollTierTasks(
+                pb.PollTierTasksRequest(segment_id=1, wait_ms=5000), metadata=((auth.AUTH_METADATA, token),)
+            )
+        assert excinfo.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert time.monotonic() - started < 2.0
+    finally:
+        channel.close()
+
+
+def test_a_client_with_a_secret_keeps_the_fast_path_of_a_master_without_one(bare_cluster, tmp_path):
+    from kvtier.client import Client
+
+    bare_cluster.start_master()
+    bare_cluster.start_segment("seg0", "16MiB")
+    with Client(bare_cluster.master.info["address"], secret=SECRET, timeout=5.0) as client:
+        client.put("k", b"v")
+        assert client.get("k") == b"v"
+        assert client._master.fast_path_active

@@ -104,6 +104,17 @@ def test_a_non_loopback_master_needs_a_secret_or_allow_insecure(tmp_path, capsys
     assert master_args(["--listen", "10.1.2.3:50051"]).listen == "10.1.2.3:50051"
 
 
+def test_every_exposed_listener_counts_not_what_is_advertised(tmp_path, capsys):
+    from kvtier.segment_server.config import parse_args as segment_args
+
+    with pytest.raises(SystemExit):  # a loopback gRPC port, but the fast path on every interface
+        master_args(["--listen", "127.0.0.1:50051", "--fast-listen", "0.0.0.0:7000"])
+    assert "'0.0.0.0:7000' is reachable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # bound to every interface, merely advertised as loopback
+        segment_args(["--shm-dir", str(tmp_path), "--listen", "0.0.0.0:7000", "--advertise", "127.0.0.1"])
+    assert "no cluster secret is set" in capsys.readouterr().err
+
+
 def test_capability_tags_bind_segment_epoch_range_operation_and_expiry():
     key = auth.CapabilityKey(auth.capability_key(SECRET, "seg0", 7))
     flat = (0, 4096, 8192, 100)
@@ -121,3 +132,11 @@ def test_capability_tags_bind_segment_epoch_range_operation_and_expiry():
     late = now + 5000 + auth.CLOCK_SKEW_MS + 1
     assert "expired" in key.check(Op.READ, now + 5000, flat, tags, late)
     assert "bytes of tags" in key.check(Op.READ, now + 5000, flat, tags[:16], now)
+
+
+def test_credentials_never_show_their_secrets_in_a_repr():
+    from kvtier.proto.channels import Credentials
+
+    credentials = Credentials.load(secret=SECRET)
+    assert credentials.token and credentials.token not in repr(credentials)
+    assert "tls_key" not in repr(Credentials(token="t", tls_key=b"KEY"))

@@ -478,14 +478,12 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         flat = struct.unpack_from(f"<{2 * nranges}Q", data, pos)
         pos += 16 * nranges
         ranges = list(zip(flat[::2], flat[1::2], strict=True))[1 if traced else 0 :]  # the trace entry
-        if op == Op.READ_DISK:  # this segment has no SSD tier: well-formed names get NOT_FOUND
-            if len(data) - pos < payload_len:
-                break
-            try:
-                frames.unpack_disk_names(data[pos : pos + payload_len], len(ranges))
-            except (ValueError, UnicodeDecodeError):
+        if op == Op.READ_DISK:  # this segment has no SSD tier: NOT_FOUND, its names drained unread
+            if payload_len == 0 and ranges:  # no names for its ranges: malformed
                 out.append((op, rid, Status.PROTOCOL_ERROR, None))
                 return region, out, True
+            if len(data) - pos < payload_len:
+                break
             pos += payload_len
             out.append((op, rid, Status.NOT_FOUND, None))
             continue
