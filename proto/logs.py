@@ -129,6 +129,9 @@ def setup_logging(component: str, level: str) -> None:
     """Every record of this process as one key=value line on stderr (journald and containers keep it)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(KeyValueFormatter(component))
+    handler.kvtier = True  # type: ignore[attr-defined]
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    # Replace only an earlier handler of ours: handlers someone else installed (a test runner's
+    # capture, an embedding application's) stay.
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "kvtier", False)] + [handler]
     root.setLevel(level.upper())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 from pathlib import Path
 
@@ -13,6 +14,16 @@ from kvtier.segment_server.server import FD_RESERVE, FdLimitError, fd_budget, ma
 
 GiB, MiB = 1 << 30, 1 << 20
 UNLIMITED = resource.RLIM_INFINITY
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """main() installs the service's log handler on this test's (captured, soon closed) stderr."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def test_max_buckets_is_capacity_over_bucket_size_plus_open_and_slack():
