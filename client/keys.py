@@ -125,6 +125,9 @@ class EvictReport:
     dry_run: bool = False
 
 
+_REMOVE_BATCH = 1000  # keys per Remove: well under any sensible --max-batch-keys
+
+
 def evict_prefix(
     client: Client,
     prefix: str,
@@ -164,7 +167,10 @@ def evict_prefix(
             report.removed += len(doomed)
             report.removed_bytes += sum(info.size for info in doomed)
         elif doomed:
-            statuses = client.batch_remove([info.key for info in doomed])
+            # Removed in sub-batches: a master may allow fewer keys per request than a page holds.
+            statuses = []
+            for lo in range(0, len(doomed), _REMOVE_BATCH):
+                statuses += client.batch_remove([info.key for info in doomed[lo : lo + _REMOVE_BATCH]])
             for info, status in zip(doomed, statuses, strict=True):
                 if status == Status.OK:
                     report.removed += 1

@@ -32,6 +32,7 @@ from kvtier.client.ops_cli import percent, print_table, status_dict
 from kvtier.proto.units import format_size
 
 SEGMENT_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
+_MASTER_COUNTER_MAPS = ("lookup_keys", "lookup_hits", "rpc_requests", "rpc_failures", "evictions")
 
 
 def _delta(current: float, previous: float) -> float:
@@ -45,6 +46,10 @@ def _ratio(part: float, whole: float) -> float | None:
 def frame(previous: dict[str, Any], current: dict[str, Any], seconds: float) -> dict[str, Any]:
     """One refresh: rates over `seconds` between two `status_dict` snapshots, and the current capacity."""
     seconds = max(seconds, 1e-6)
+    if current.get("uptime_s", 0) < previous.get("uptime_s", 0):
+        # Another master incarnation: all of its counters started again together (judging each on
+        # its own would mix old and new counts in one ratio).
+        previous = {**previous, **{name: {} for name in _MASTER_COUNTER_MAPS}, "lookup_hits_disk_only": 0}
 
     def rate(now: float, before: float) -> float:
         return round(_delta(now, before) / seconds, 3)

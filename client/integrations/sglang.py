@@ -243,6 +243,11 @@ def sglang_identity(storage_config: HiCacheStorageConfig, pool: Any, extra: dict
         f"v1={page_map.signature() if page_map else 'none'}",
         f"flat={flat.numel() * flat.element_size()}",
     ]
+    # The served model name is an alias the operator picks (two checkpoints may share it): the
+    # weights' path and quantization, where SGLang publishes them, tell such deployments apart.
+    for name, key in (("model_path", "path"), ("quantization", "quant")):
+        if value := _engine_model_setting(name):
+            parts.append(f"{key}={value}")
     cp_size = getattr(storage_config, "attn_cp_size", 1)
     if cp_size > 1:
         parts.append(f"cp={storage_config.attn_cp_rank}/{cp_size}")

@@ -300,7 +300,9 @@ class KvtierOffloadingManager(OffloadingManager):
     def __init__(self, spec: KvtierOffloadingSpec) -> None:
         self._spec = spec
         self._guard = spec.guard
-        self._identity = spec.identity
+        # Lookups ask worker rank 0's namespace (the scheduler's parallel config has rank 0), with
+        # the same per-rank fields a worker adds (e.g. its PCP rank), or they would never hit.
+        self._identity = rank_identity(spec.identity, spec.config.parallel) if spec.identity is not None else None
         self._window_groups = frozenset(
             g.group_id for g in spec.config.groups if g.sliding_window_size_in_chunks is not None
         )
@@ -422,8 +424,10 @@ class KvtierOffloadingManager(OffloadingManager):
             table.pop(req, None)
 
     def reset_cache(self) -> None:
-        """Forget lookup verdicts; kvtier's contents are shared with other instances and stay."""
+        """Forget lookup verdicts and stores in flight (vLLM drops those jobs without complete_store);
+        kvtier's contents are shared with other instances and stay."""
         self._verdicts.clear()
+        self._storing.clear()
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -487,6 +491,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._expedited = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-sync")
         self._lock = threading.Lock()
         self._jobs: dict[int, concurrent.futures.Future] = {}
+        self._store_jobs: set[int] = set()  # staged already: wait() need not wait for them
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
 
@@ -509,6 +514,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._guard.count("stores_dropped", len(dst_spec.keys) if isinstance(dst_spec, KvtierLoadStoreSpec) else 1)
             self._finish(job_id, True, 0, start)
             return True
+        with self._lock:
+            self._store_jobs.add(job_id)
         self._submit(self._pool, job_id, self._store, job_id, dst_spec.identity, staged, start)
         return True
 
@@ -542,8 +549,11 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 return results
 
     def wait(self, job_ids: set[int]) -> None:
+        """vLLM waits here before it reuses the GPU blocks of these jobs. A store read its blocks in
+        submit_store (a synchronous copy to staging): only loads still touch GPU memory, so only
+        they are waited for; a slow or absent kvtier never stalls the engine on a store."""
         with self._lock:
-            futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+            futures = [self._jobs[j] for j in job_ids if j in self._jobs and j not in self._store_jobs]
         concurrent.futures.wait(futures)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -570,6 +580,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self._done.put(TransferResult(job_id, success, transfer_size=size, transfer_time=time.perf_counter() - start))
         with self._lock:
             self._jobs.pop(job_id, None)
+            self._store_jobs.discard(job_id)
 
     def _fail_blocks(self, block_ids: Sequence[int]) -> None:
         with self._lock:

@@ -7,8 +7,10 @@ with CPU tensors as the KV cache.
 
 from __future__ import annotations
 
+import pickle
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -159,6 +161,23 @@ def test_kvtier_down_fails_loads_per_block_and_nothing_raises(cluster, engines, 
     read, written = reader.spec.stats(), writer.spec.stats()
     assert read["load_failed_blocks"] == 4 and read["errors"] >= 1, read  # the load, the lookup
     assert written["stores_dropped"] == 2, written
+
+
+def test_the_engine_never_waits_on_kvtier_for_a_store(cluster, engines):
+    """vLLM calls wait() before reusing a stored job's GPU blocks, on its engine thread: the blocks
+    were copied out at submit, so a store to a kvtier that hangs or is down must not stall it."""
+    writer = engines(cluster, {"timeout": 3.0})
+    writer.fill([0, 1], seed=9)
+    cluster.kill(cluster.master)  # every kvtier call now takes its whole timeout before failing
+    context = writer.new_request()
+    output = writer.manager.prepare_store(prefix_keys(2, salt=b"stall"), context)
+    src = GPULoadStoreSpec([0, 1], [2], [0])
+    assert writer.worker.submit_store(9001, src, pickle.loads(pickle.dumps(output.store_spec)))
+    started = time.monotonic()
+    writer.worker.wait({9001})
+    assert time.monotonic() - started < 1.0, "wait() waited for kvtier, not for the GPU blocks"
+    result = writer.finished(9001)  # the store itself still ends, dropped, and is reported done
+    assert result.success and writer.spec.stats()["stores_dropped"] == 2
 
 
 @pytest.mark.parametrize("switch", ["config", "env"])

@@ -224,9 +224,16 @@ class Engine:
         self.manager.on_request_finished(context)
         return result, errors
 
-    def finished(self, job: int) -> TransferResult:
+    def finished(self, job: int, timeout: float = 60.0) -> TransferResult:
+        """The job's result, polled as vLLM does (`wait` returns at once for stores: their GPU blocks
+        were read when they were submitted)."""
         self.worker.wait({job})
-        results = self.worker.get_finished()
+        deadline = time.monotonic() + timeout
+        results: list[TransferResult] = []
+        while not results and time.monotonic() < deadline:
+            results = self.worker.get_finished()
+            if not results:
+                time.sleep(0.005)
         assert [r.job_id for r in results] == [job], results
         return results[0]
 

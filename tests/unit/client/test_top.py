@@ -124,3 +124,18 @@ def test_tables_and_progress_write_where_they_should():
     quiet = io.StringIO()
     Progress(quiet=True, stream=quiet).update("nothing")
     assert quiet.getvalue() == ""
+
+
+def test_a_new_master_incarnation_restarts_every_master_counter_together():
+    before = snapshot(uptime_s=500.0)
+    # The new master has served fewer lookups than the old one had hits, but more than its
+    # GetReplicas hits: judged counter by counter, keys would look restarted and hits would not.
+    after = snapshot(
+        uptime_s=2.0,
+        lookup_keys={"GetReplicas": 950},
+        lookup_hits={"GetReplicas": 940},
+        lookup_hits_disk_only=40,
+    )
+    hits = frame(before, after, 1.0)["hit_ratio"]
+    assert hits == {"lookup": round(940 / 950, 4), "dram": round(900 / 950, 4), "ssd": round(40 / 950, 4)}
+    assert all(0 <= ratio <= 1 for ratio in hits.values())
