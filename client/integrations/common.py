@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,23 +86,46 @@ class KvtierSettings:
         )
 
 
-class Guard:
-    """Runs kvtier calls for an adapter: failures are logged, counted and answered with a fallback."""
+def _unreachable(exc: Exception) -> bool:
+    """Whether `exc` says kvtier cannot be reached now (rather than: this one call was refused)."""
+    from kvtier.proto.errors import ConnectError, KvtierError
+    from kvtier.proto.status import Status
 
-    def __init__(self, adapter: str) -> None:
+    if isinstance(exc, ConnectError | OSError):
+        return True
+    return isinstance(exc, KvtierError) and exc.status in (Status.UNAVAILABLE, Status.TIMEOUT)
+
+
+class Guard:
+    """Runs kvtier calls for an adapter: failures are logged, counted and answered with a fallback.
+
+    A circuit breaker: after a call fails because kvtier is unreachable (the master down or not
+    answering in time), calls are answered with their fallback at once for `cooldown_s`, counted
+    as `short_circuited`, instead of each waiting its whole timeout: an engine with kvtier gone
+    recomputes at full speed, and tries kvtier again a moment later.
+    """
+
+    def __init__(self, adapter: str, cooldown_s: float = 2.0) -> None:
         self.adapter = adapter
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self.cooldown_s = cooldown_s
+        self._open_until = 0.0
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counts[name] += n
 
     def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
+        if self._open_until and time.monotonic() < self._open_until:
+            self.count("short_circuited")
+            return fallback
         try:
             return fn()
         except Exception as exc:  # never into the engine: its thread must live on
             self.count("errors")
+            if _unreachable(exc):
+                self._open_until = time.monotonic() + self.cooldown_s
             rid = getattr(exc, "request_id", "")
             logger.warning(
                 "kvtier %s %s failed, treated as a miss: %s%s",

@@ -374,7 +374,9 @@ def test_kvtier_down_gives_misses_and_never_raises(cluster, engines):
     assert time.monotonic() - started < 60
     assert engine.free_bytes() == free_at_start
     stats = engine.connector.stats()
-    assert stats["errors"] >= 5 and stats["put_failures"] == 2
+    # The first failure opens the adapter's circuit breaker: later calls are answered at once.
+    assert stats["errors"] + stats.get("short_circuited", 0) >= 5, stats
+    assert stats["puts"] == 4, "the put while kvtier was down stored nothing (failed or short-circuited)"
 
 
 def test_a_hung_master_never_blocks_lmcaches_event_loop(bare_cluster, engines):
@@ -399,6 +401,7 @@ def test_a_hung_master_never_blocks_lmcaches_event_loop(bare_cluster, engines):
         assert pending.result() == 0  # timed out: a miss
     finally:
         os.kill(master.pid, signal.SIGCONT)
+    time.sleep(engine.connector.guard.cooldown_s)  # the timed-out lookup opened the circuit breaker
     assert engine.lookup(keys) == 3
 
 

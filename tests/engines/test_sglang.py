@@ -232,7 +232,9 @@ def test_kvtier_down_gives_misses_and_failures_and_never_raises(cluster, attach)
     assert backend.set(keys[0], pool.get_data_page(0)) is False
     assert backend.clear() is False
     stats = backend.get_stats().kvtier
-    assert stats["errors"] >= 3 and stats["pages_not_loaded"] >= 4 and stats["pages_not_stored"] >= 2
+    # The first failure opens the adapter's circuit breaker: later calls are answered at once.
+    failures = stats["errors"] + stats.get("short_circuited", 0)
+    assert failures >= 3 and stats["pages_not_loaded"] >= 4 and stats["pages_not_stored"] >= 2
 
 
 @pytest.mark.parametrize("how", ["extra-config", "env"])

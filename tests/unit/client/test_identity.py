@@ -95,3 +95,26 @@ def test_guard_turns_failures_into_fallbacks_and_counts_them():
     assert guard.call("get", lambda: 1 / 0, fallback=None) is None
     assert guard.call("get", lambda: 7, fallback=None) == 7
     assert guard.stats() == {"errors": 1}
+
+
+def test_guard_stops_calling_an_unreachable_kvtier_for_a_moment():
+    import time
+
+    from kvtier.proto.errors import ConnectError
+
+    guard = Guard("test", cooldown_s=0.3)
+    calls = []
+
+    def unreachable():
+        calls.append(1)
+        raise ConnectError("master down")
+
+    assert guard.call("lookup", unreachable, fallback=0) == 0
+    assert guard.call("lookup", unreachable, fallback=0) == 0  # answered at once: not called
+    assert len(calls) == 1 and guard.stats() == {"errors": 1, "short_circuited": 1}
+    time.sleep(0.35)
+    assert guard.call("lookup", lambda: 5, fallback=0) == 5, "tried again after the cooldown"
+    # A call refused for its own reasons does not stop the others.
+    other = Guard("test", cooldown_s=10)
+    assert other.call("put", lambda: 1 / 0, fallback=None) is None
+    assert other.call("put", lambda: 7, fallback=None) == 7
