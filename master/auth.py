@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import fnmatch
 import logging
-import tomllib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import grpc
 
 from kvtier.proto.auth import AUTH_METADATA, CLUSTER_PRINCIPAL, principal_problem, read_secret, verify_token
+from kvtier.proto.config import read_toml
 from kvtier.proto.logs import LogBudget
 
 logger = logging.getLogger(__name__)
@@ -96,13 +96,7 @@ class Authenticator:
 
 def load_tenants(path: str) -> dict[str, tuple[bytes, Tenant]]:
     """The tenants file (see the module docstring); ValueError with one line naming the problem."""
-    try:
-        with open(path, "rb") as f:
-            document = tomllib.load(f)
-    except OSError as exc:
-        raise ValueError(f"cannot read tenants file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"tenants file {path} is not valid TOML: {exc}") from None
+    document = read_toml(path, "tenants file")
     unknown = set(document) - {"tenants"}
     if unknown:
         raise ValueError(f"tenants file {path}: unknown key {sorted(unknown)[0]!r} (expected [tenants.NAME] tables)")

@@ -84,15 +84,21 @@ def _converter(kind: type, name: str):
     return convert
 
 
-def _read_file(path: str, kinds: dict[str, type]) -> dict[str, Any]:
-    """The config file's values by field name; ValueError with one line naming the problem."""
+def read_toml(path: str, what: str) -> dict[str, Any]:
+    """A TOML document (`what`: "config file", "tenants file", ...); ValueError with one line when it
+    cannot be read or parsed."""
     try:
         with open(path, "rb") as f:
-            document = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+        raise ValueError(f"{what} {path} is not valid TOML: {exc}") from None
+
+
+def _read_file(path: str, kinds: dict[str, type]) -> dict[str, Any]:
+    """The config file's values by field name; ValueError with one line naming the problem."""
+    document = read_toml(path, "config file")
     values: dict[str, Any] = {}
     for key, value in document.items():
         if key not in kinds:
