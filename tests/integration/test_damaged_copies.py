@@ -9,11 +9,17 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import subprocess
+import sys
+import textwrap
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
-from kvtier.client.transport.shm import ShmConnector
+from kvtier.client.transport.shm import ShmConnector, request_region
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from tests.integration.test_metrics import scrape, value
@@ -142,3 +148,83 @@ def test_a_stale_report_drops_nothing(metered):
     report.offsets[0] = new["offset"] + 4096
     assert list(client._master.call("ReportCorrupt", report).statuses) == [Status.NOT_FOUND]
     assert client.get("s") == b"second value " * 100
+
+
+# ------------------------------------------------------------------ observation 8
+
+OBJECTS = 48
+
+# An engine process: maps both regions (shm), reads every object, says so, waits, then reads them all
+# again. Exit 0: every object read back exactly over shm; 3: a wrong or missing value; a signal:
+# negative (SIGBUS is -7).
+READER = textwrap.dedent(
+    """
+    import hashlib, sys
+    from kvtier.client import Client
+
+    keys = [f"o/{i:02d}" for i in range({objects})]
+    values = [hashlib.sha256(k.encode()).digest() * 512 for k in keys]
+    with Client(sys.argv[1], transport="shm", timeout=10) as client:
+        def all_read():
+            return client.batch_get(keys, with_source=True) == [(v, "dram/shm") for v in values]
+        if not all_read():
+            sys.exit(3)
+        print("mapped", flush=True)
+        sys.stdin.readline()
+        sys.exit(0 if all_read() else 3)
+    """
+).replace("{objects}", str(OBJECTS))
+
+
+def object_value(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest() * 512  # 16 KiB
+
+
+def granted_fd(cluster, segment: str) -> int:
+    """The region's fd exactly as the segment grants it to any same-host engine (the caller closes it)."""
+    url = urlsplit(shm_endpoint(cluster, segment))
+    query = {k: v[0] for k, v in parse_qs(url.query).items()}
+    return request_region(unquote(url.path), bytes.fromhex(query["nonce"]), int(query["uid"]), 5.0)
+
+
+def test_a_granted_process_cannot_resize_the_region_and_its_neighbours_keep_reading(cluster):
+    client = cluster.client(transport="shm")
+    keys = [f"o/{i:02d}" for i in range(OBJECTS)]
+    assert client.batch_put(keys, [object_value(k) for k in keys]) == [Status.OK] * OBJECTS
+    assert {r["segment"] for k in keys for r in client.locate(k)} == {"seg0", "seg1"}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, cluster.master_address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdout.readline() == "mapped\n", "the reader maps both regions and reads everything"
+
+        for segment in ("seg0", "seg1"):
+            fd = granted_fd(cluster, segment)
+            try:
+                size = os.fstat(fd).st_size
+                for new_size in (0, 4096, size // 2, size - 1, size + 1, size + (64 << 20)):
+                    with pytest.raises(PermissionError):  # EPERM: the seals forbid shrinking and growing
+                        os.ftruncate(fd, new_size)
+                with pytest.raises(PermissionError):  # and the seals cannot be changed
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+                assert os.fstat(fd).st_size == size
+            finally:
+                os.close(fd)
+
+        out, _ = reader.communicate("go\n", timeout=30)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+    assert reader.returncode == 0, f"the neighbour reader ended with {reader.returncode}: {out!r}"
+
+    # The segments are untouched: they keep serving puts and reads, over both transports.
+    assert all(cluster.segments[s].alive for s in ("seg0", "seg1"))
+    more = [f"after/{i}" for i in range(OBJECTS)]
+    assert client.batch_put(more, [object_value(k) for k in more]) == [Status.OK] * OBJECTS
+    tcp = cluster.client(transport="tcp")
+    assert tcp.batch_get(keys + more) == [object_value(k) for k in keys + more]
+    assert client.batch_get(keys + more) == [object_value(k) for k in keys + more]
