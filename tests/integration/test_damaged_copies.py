@@ -19,10 +19,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
+from kvtier.client import Client, KvtierError
 from kvtier.client.transport.shm import ShmConnector, request_region
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from tests.integration.test_metrics import scrape, value
+from tests.integration.test_security import secure  # noqa: F401 - the fixture
 
 KiB = 1024
 
@@ -228,3 +230,29 @@ def test_a_granted_process_cannot_resize_the_region_and_its_neighbours_keep_read
     tcp = cluster.client(transport="tcp")
     assert tcp.batch_get(keys + more) == [object_value(k) for k in keys + more]
     assert client.batch_get(keys + more) == [object_value(k) for k in keys + more]
+
+
+def test_a_tenant_can_report_corrupt_copies_only_in_its_own_namespaces(secure):  # noqa: F811
+    """ReportCorrupt goes through the namespace gate like Remove: alice cannot drop bob's objects."""
+
+    master, files = secure.master.info["address"], secure.tenant_secrets
+    with (
+        Client(master, namespace="bob-llama", principal="bob", secret_file=files["bob"]) as bob,
+        Client(master, namespace="bob-llama", principal="alice", secret_file=files["alice"]) as alice_in_bob,
+    ):
+        bob.put("k", b"bob's bytes" * 100)
+        (replica,) = bob.locate("k")
+        report = pb.ReportCorruptRequest(
+            namespace="bob-llama",
+            keys=["k"],
+            segment_ids=[replica["segment_id"]],
+            tiers=[pb.DRAM],
+            offsets=[replica["offset"]],
+            checksums=[replica["checksum"]],
+        )
+        with pytest.raises(KvtierError) as denied:
+            alice_in_bob._master.call("ReportCorrupt", report)
+        assert denied.value.status == Status.PERMISSION_DENIED
+        assert bob.get("k") == b"bob's bytes" * 100, "nothing dropped"
+        assert list(bob._master.call("ReportCorrupt", report).statuses) == [Status.OK], "bob may"
+        assert not bob.exists("k")
