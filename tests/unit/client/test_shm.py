@@ -362,7 +362,7 @@ def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
 
 
 @pytest.mark.parametrize("seals", [0, fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, None])
-def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path, seals):
+def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path, seals, caplog):
     """Anyone granted an unsealed region could shrink it under every mapping (SIGBUS): refused."""
     full = bytes(region._map[: HEADER_SIZE + CAPACITY])  # the real region's bytes, header and nonce
     if seals is None:  # a plain file, as regions were before memfds
@@ -378,8 +378,10 @@ def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path
         url, listener = grants.serve(str(tmp_path / "unsealed.sock"), fd, region.nonce)
     finally:
         os.close(fd)
-    with pytest.raises(ConnectError, match="not sealed against resizing"):
-        ShmConnector(url, CONFIG)
+    with caplog.at_level("WARNING", logger="kvtier.client.transport.shm"):
+        with pytest.raises(ConnectError, match="not sealed against resizing"):
+            ShmConnector(url, CONFIG)
+    assert "not mapping it; using the next transport" in caplog.text, "the fallback to TCP is logged"
     assert wait_until(lambda: listener.stats.results["granted"] == 1), "granted, then refused by the client"
 
 
