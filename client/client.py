@@ -588,6 +588,7 @@ class Client:
         """Tell the master which copies failed verification, so it drops them (kvtier.master.corrupt)
         and the next put of the key writes it anew. Best effort: one call, bounded by the client's
         timeout, never raising; the reads stay misses (or the other replica's bytes) either way."""
+        names = {s.segment_id: s.name for s in reply.segments}
         request = pb.ReportCorruptRequest(
             namespace=self.namespace,
             keys=[keys[i] for i, _ in corrupt],
@@ -595,6 +596,7 @@ class Client:
             tiers=[reply.replica_tiers[j] for _, j in corrupt],
             offsets=[reply.replica_offsets[j] for _, j in corrupt],
             checksums=[reply.checksums[i] for i, _ in corrupt],
+            segment_names=[names.get(reply.replica_segments[j], "") for _, j in corrupt],
         )
         try:
             statuses = self._master.call("ReportCorrupt", request).statuses

@@ -6,9 +6,10 @@ when it was the last, so `exists` stops answering True and the next put of
 the key writes it anew (a complete object's put is otherwise idempotent and
 would never rewrite the bad bytes).
 
-A report names the replica as GetReplicas returned it (segment, tier, offset)
-and the checksum the reader verified against. It drops something only when
-the object still has that checksum and that replica: a late or repeated
+A report names the replica as GetReplicas returned it (segment id and name,
+tier, offset) and the checksum the reader verified against. It drops something
+only when the object still has that checksum and that replica, on a segment of
+that name (segment ids are reassigned when the master restarts): a late or repeated
 report, or one about a copy that drained, was evicted or was re-put
 elsewhere meanwhile, drops nothing (NOT_FOUND). Freed DRAM ranges wait for
 their read leases as for any removal, disk copies are forgotten through the
@@ -48,6 +49,7 @@ class CorruptReport:
     tier: int
     offset: int
     checksum: int  # the object's checksum the reader verified against
+    segment_name: str = ""  # the segment's name as the reader saw it ("" = not checked)
 
 
 @dataclass(slots=True)
@@ -67,8 +69,11 @@ class CorruptReplicas:
         for r in reports:
             record = state.record(namespace, r.key) if r.tier in _TIER_NAMES else None
             packed = replica(r.segment_id, r.offset, r.tier) if r.tier in _TIER_NAMES else -1
+            segment = state.segments.get(r.segment_id)
             if (
-                record is None
+                segment is None
+                or (r.segment_name and segment.name != r.segment_name)  # an id of an earlier master
+                or record is None
                 or record.state is not ObjectState.COMPLETE
                 or record.checksum != r.checksum
                 or packed not in record.replicas
@@ -86,13 +91,12 @@ class CorruptReplicas:
                 state.tiering._remove_disk_copy(record, packed, forget=True)
             tier = _TIER_NAMES[r.tier]
             self.dropped[tier] += 1
-            segment = state.segments.get(r.segment_id)
             _log.log(
                 logging.WARNING,
                 "corrupt replica dropped namespace=%s key=%.80s segment=%s tier=%s offset=%d object_%s",
                 namespace,
                 r.key,
-                segment.name if segment is not None else r.segment_id,
+                segment.name,
                 tier,
                 r.offset,
                 "removed" if last else "kept",

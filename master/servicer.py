@@ -279,9 +279,12 @@ class MasterHandlers:
         columns = (request.segment_ids, request.tiers, request.offsets, request.checksums)
         if any(len(column) != len(request.keys) for column in columns):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        names = request.segment_names
+        if names and len(names) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
         reports = [
-            CorruptReport(key, segment_id, tier, offset, checksum)
-            for key, segment_id, tier, offset, checksum in zip(request.keys, *columns, strict=True)
+            CorruptReport(key, segment_id, tier, offset, checksum, names[i] if names else "")
+            for i, (key, segment_id, tier, offset, checksum) in enumerate(zip(request.keys, *columns, strict=True))
         ]
         return pb.KeyStatusResponse(status=Status.OK, statuses=self.state.corrupt.report(namespace, reports))
 
