@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.master.records import TIER_DRAM, TIER_SSD, ObjectState, name_prefix, replica
+from kvtier.master.records import OFFSET_MASK, TIER_DRAM, TIER_SSD, ObjectState, name_prefix, replica
 from kvtier.proto.logs import LogBudget
 from kvtier.proto.status import Status
 
@@ -67,8 +67,10 @@ class CorruptReplicas:
         prefix = name_prefix(namespace)
         out = []
         for r in reports:
-            record = state.record(namespace, r.key) if r.tier in _TIER_NAMES else None
-            packed = replica(r.segment_id, r.offset, r.tier) if r.tier in _TIER_NAMES else -1
+            # An offset past OFFSET_MASK would spill into the packed tier and segment bits.
+            valid = r.tier in _TIER_NAMES and 0 <= r.offset <= OFFSET_MASK
+            record = state.record(namespace, r.key) if valid else None
+            packed = replica(r.segment_id, r.offset, r.tier) if valid else -1
             segment = state.segments.get(r.segment_id)
             if (
                 segment is None

@@ -7,7 +7,7 @@ import pytest
 from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.records import TIER_DRAM, TIER_SSD
-from kvtier.master.state import MasterState
+from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_state import NS, OK, FakeClock, advance_alive, mount, put, used, visible
@@ -98,3 +98,15 @@ def test_a_pending_object_is_never_dropped(state):
     assert state.corrupt.report(NS, [report]) == [NOT_FOUND]
     assert state.put_end(NS, ["p"], [7], started.put_id) == [OK]
     assert visible(state, "p")
+
+
+def test_an_offset_past_48_bits_never_names_another_segments_replica(state):
+    """Replicas pack segment << 50 | tier << 48 | offset: segment 1 with offset bit 51 set would be segment 3."""
+    ids = [mount(state, name) for name in ("a", "b", "c")]
+    assert ids == [1, 2, 3]
+    started = state.put_start(NS, ["k"], [1000], 1, PutOptions(preferred_segment="c"))
+    assert started.replica_segments == [3]
+    assert state.put_end(NS, ["k"], [7], started.put_id) == [OK]
+    forged = CorruptReport("k", 1, TIER_DRAM, started.replica_offsets[0] | 1 << 51, 7)
+    assert state.corrupt.report(NS, [forged]) == [NOT_FOUND]
+    assert visible(state, "k")
