@@ -515,6 +515,7 @@ class Client:
         attempt = 0
         transferred: Counter[str] = Counter()  # bytes per tier
         verified: Counter[str] = Counter()  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
+        corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
         while replicas:
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
             for i, positions in replicas.items():
@@ -538,6 +539,8 @@ class Client:
                 for i, result, crc in zip(indices, results, crcs, strict=True):
                     if isinstance(result, int) and result != _OK:
                         status = result
+                        if status == _MISMATCH:  # the segment found its own copy damaged (a disk record)
+                            corrupt.append((i, replicas[i][attempt]))
                     elif expired:  # the bytes may have been reused after the lease: never trust them
                         status = int(Status.LEASE_EXPIRED)
                     else:
@@ -553,6 +556,7 @@ class Client:
                             verified[f"served_bytes_{tier_name}_{path}"] += size
                             continue
                         status = _MISMATCH
+                        corrupt.append((i, replicas[i][attempt]))
                         self._count(checksum_mismatches=1)
                         logger.warning(
                             "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
@@ -565,6 +569,8 @@ class Client:
                         retry[i] = replicas[i]
             replicas = retry
             attempt += 1
+        if corrupt:
+            self._report_corrupt(keys, reply, corrupt)
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
         self._count(
             gets=len(keys),
@@ -575,6 +581,30 @@ class Client:
             **verified,
         )
         return out
+
+    def _report_corrupt(
+        self, keys: Sequence[str], reply: pb.GetReplicasResponse, corrupt: list[tuple[int, int]]
+    ) -> None:
+        """Tell the master which copies failed verification, so it drops them (kvtier.master.corrupt)
+        and the next put of the key writes it anew. Best effort: one call, bounded by the client's
+        timeout, never raising; the reads stay misses (or the other replica's bytes) either way."""
+        names = {s.segment_id: s.name for s in reply.segments}
+        request = pb.ReportCorruptRequest(
+            namespace=self.namespace,
+            keys=[keys[i] for i, _ in corrupt],
+            segment_ids=[reply.replica_segments[j] for _, j in corrupt],
+            tiers=[reply.replica_tiers[j] for _, j in corrupt],
+            offsets=[reply.replica_offsets[j] for _, j in corrupt],
+            checksums=[reply.checksums[i] for i, _ in corrupt],
+            segment_names=[names.get(reply.replica_segments[j], "") for _, j in corrupt],
+        )
+        try:
+            statuses = self._master.call("ReportCorrupt", request).statuses
+        except Exception as exc:  # noqa: BLE001 - a report must never turn a miss into an error
+            logger.warning("reporting %d corrupt copies to the master failed: %s", len(corrupt), exc)
+            self._count(corrupt_reports_failed=len(corrupt))
+            return
+        self._count(corrupt_reported=len(corrupt), corrupt_dropped=sum(1 for st in statuses if st == _OK))
 
     def _read_segment(
         self,

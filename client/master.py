@@ -62,6 +62,7 @@ _TRACED = frozenset(
         pb.PutRevokeRequest,
         pb.RemovePrefixRequest,
         pb.RegisterInstanceRequest,
+        pb.ReportCorruptRequest,
     )
 )
 

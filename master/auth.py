@@ -41,7 +41,7 @@ current_principal: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_
 
 # What a tenant may call; each of these names its namespace(s) in the request.
 TENANT_RPCS = frozenset(
-    ("Hello", "PutStart", "PutEnd", "PutRevoke", "GetReplicas", "Exists", "Remove", "RemovePrefix")
+    ("Hello", "PutStart", "PutEnd", "PutRevoke", "GetReplicas", "Exists", "Remove", "RemovePrefix", "ReportCorrupt")
     + ("ListKeys", "StatKeys")
 )
 

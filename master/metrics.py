@@ -43,6 +43,8 @@ class _Snapshot:
     pending: int
     segments: list[tuple]  # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age)
     evictions: dict[str, tuple[int, int]]
+    corrupt: dict[str, int]  # replicas dropped on readers' reports, by tier
+    corrupt_stale: int
     lease_expiries: dict[str, int]
     tiering: dict[str, int]
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
@@ -91,6 +93,8 @@ class MasterCollector(Collector):
                 for s in snap.segments
             ],
             evictions={reason: (objects, size) for reason, (objects, size) in state.evictions.items()},
+            corrupt=dict(state.corrupt.dropped),
+            corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             tiering=dict(state.tiering.counters) | dict(state.commits.counters),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
@@ -177,6 +181,18 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         evicted_bytes.add_metric([reason], size)
     yield evicted
     yield evicted_bytes
+    yield counter(
+        "kvtier_master_corrupt_replicas",
+        "Replicas dropped because a reader reported bytes that fail the object's checksum (ReportCorrupt).",
+        "tier",
+        s.corrupt,
+    )
+    stale = CounterMetricFamily(
+        "kvtier_master_corrupt_reports_stale",
+        "ReportCorrupt entries that matched no current replica (late, repeated, or about a moved copy).",
+    )
+    stale.add_metric([], s.corrupt_stale)
+    yield stale
     yield counter(
         "kvtier_master_lease_expiries",
         "Leases that ran out: put (PutStart never ended, reclaimed), segment (expelled for silence), "

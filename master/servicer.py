@@ -24,6 +24,7 @@ from kvtier.master import inspection_rpc
 from kvtier.master.auth import Authenticator
 from kvtier.master.capabilities import Minter
 from kvtier.master.commits import notice_pin
+from kvtier.master.corrupt import CorruptReport
 from kvtier.master.gates import DATA, rpc
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.records import replica_offset, replica_segment
@@ -269,6 +270,23 @@ class MasterHandlers:
             return rejected
         statuses = self.state.remove(namespace, request.keys)
         return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
+
+    @rpc(pb.KeyStatusResponse)
+    def ReportCorrupt(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        columns = (request.segment_ids, request.tiers, request.offsets, request.checksums)
+        if any(len(column) != len(request.keys) for column in columns):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        names = request.segment_names
+        if names and len(names) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        reports = [
+            CorruptReport(key, segment_id, tier, offset, checksum, names[i] if names else "")
+            for i, (key, segment_id, tier, offset, checksum) in enumerate(zip(request.keys, *columns, strict=True))
+        ]
+        return pb.KeyStatusResponse(status=Status.OK, statuses=self.state.corrupt.report(namespace, reports))
 
     @rpc(pb.RemoveResponse)
     def RemovePrefix(self, request):

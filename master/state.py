@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
+from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
 from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
@@ -107,6 +108,7 @@ class MasterState:
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
         self.tiering = Tiering(self)
+        self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)

@@ -317,6 +317,26 @@ class RemovePrefixRequest(_message.Message):
     request_id: int
     def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
 
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "segment_ids", "tiers", "offsets", "checksums", "segment_names", "request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    segment_ids: _containers.RepeatedScalarFieldContainer[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    segment_names: _containers.RepeatedScalarFieldContainer[str]
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., segment_ids: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., segment_names: _Optional[_Iterable[str]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
 class RemoveResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "removed")
     STATUS_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,11 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kvtier.v1.Master/ReportCorrupt',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
         self.DrainSegment = channel.unary_unary(
                 '/kvtier.v1.Master/DrainSegment',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.DrainSegmentRequest.SerializeToString,
@@ -231,6 +236,15 @@ class MasterServicer:
 
     def RemovePrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCorrupt(self, request, context):
+        """A reader found replicas whose bytes fail their object's checksum. Per key the master drops
+        that replica (the object with its last one) only if the object still has that checksum and
+        that replica: a late report never drops a newer copy. OK (dropped) or NOT_FOUND per key.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -399,6 +413,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.RemovePrefix,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.RemoveResponse.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
             ),
             'DrainSegment': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainSegment,
@@ -768,6 +787,33 @@ class Master:
             '/kvtier.v1.Master/RemovePrefix',
             kvtier_dot_proto_dot_master__pb2.RemovePrefixRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/ReportCorrupt',
+            kvtier_dot_proto_dot_master__pb2.ReportCorruptRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

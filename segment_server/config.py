@@ -41,7 +41,7 @@ class SegmentConfig:
     dram: str = "1GiB"  # DRAM region size
     name: str = ""  # stable segment name; default: <hostname>-<random>
     cluster_id: str = "default"
-    shm_dir: str = "/dev/shm"  # where region files (0600) and their grant sockets live
+    shm_dir: str = "/dev/shm"  # where region lock files (0600; the region is a sealed memfd) and grant sockets live
     # Users besides the service's own uid whose processes are granted the region over the grant
     # socket (the shm transport): comma-separated uids and/or user names. Empty = the service's uid only.
     shm_allowed_uids: str = ""

@@ -1,18 +1,28 @@
-"""A segment's DRAM region: one shared-memory file, mapped for the process's life.
+"""A segment's DRAM region: a sealed memfd, mapped for the process's life, plus a lock file naming it.
 
-File layout: a 4 KiB header (format in `kvtier.proto.region`, shared with the
+Region layout: a 4 KiB header (format in `kvtier.proto.region`, shared with the
 shm connector that reads it), then the data area the master allocates from
 (offsets on the wire are relative to the data area).
 
-Ownership: the live owner holds an exclusive `flock` on the file. A file of
-our cluster whose lock can be taken has no live owner (the process died
-without cleaning up) and is removed at start, with the segment's grant socket
-next to it (`grant_socket_path`, kvtier.segment_server.shm_grant); a file whose
-lock is held belongs to a live process and is never touched. Files without our
-magic are never deleted. The file is created 0600 (only the service's uid opens
-it; other users get it only through the grant socket), space is reserved with
-`posix_fallocate` so a full /dev/shm is an error at start instead of a
-SIGBUS on first write, and the mapping is populated up front.
+The bytes live in an anonymous memfd (`memfd_create`, MFD_ALLOW_SEALING),
+sized once and sealed with F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL before
+anyone sees it. Same-host clients get it only through the grant socket
+(kvtier.segment_server.shm_grant); the seals are on the file itself, so no
+process holding it, granted or not, can shrink it (which would SIGBUS every
+process mapping it, this one included) or grow it, and nobody can remove the
+seals. The client refuses a region without them (kvtier.client.transport.shm).
+
+The name: `<shm_dir>/kvtier.<cluster>.<segment>.region` is a small lock file
+(0600) holding a copy of the header, no data. Ownership: the live owner holds
+an exclusive `flock` on it. A lock file of our cluster whose lock can be taken
+has no live owner (the process died without cleaning up; its memfd died with
+it, or with the last client mapping it) and is removed at start, with the
+segment's grant socket next to it (`grant_socket_path`); a file whose lock is
+held belongs to a live process and is never touched. Files without our magic
+are never deleted. Space is reserved with `posix_fallocate` on the memfd, so
+memory the host cannot give is an error at start, and the mapping is populated
+up front. The region's memory is shmem charged to the segment's memory cgroup;
+it is no longer in /dev/shm (nothing there counts against that mount's size).
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ SHM_DIR = "/dev/shm"
 # `kvtier.<cluster>.<segment>.region`: cluster ids contain no '.', so names never collide.
 _FILE_PREFIX = "kvtier."
 
+
+# What a region's memfd is sealed with: its size is fixed for good, and the seals too.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # A Unix socket path is at most 107 bytes (sun_path, NUL included).
 MAX_SOCKET_PATH = 107
@@ -66,28 +79,14 @@ class DramRegion:
         self.cluster_id = cluster_id
         self.segment_name = segment_name
         self.nonce = secrets.token_bytes(16)
-        self._fd = -1
+        self._fd = -1  # the memfd
+        self._lock = -1  # the lock file, flocked
         self._map: mmap.mmap | None = None
         self.view: memoryview  # the data area, writable
 
     def open(self) -> DramRegion:
         remove_if_orphaned(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            size = HEADER_SIZE + self.capacity
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise OSError(exc.errno, f"cannot reserve {size} bytes for {self.path}: {exc.strerror}") from None
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        self._fd = fd
-        self._map[: HEADER.size] = HEADER.pack(
+        header = HEADER.pack(
             MAGIC,
             FORMAT,
             HEADER_SIZE,
@@ -97,18 +96,41 @@ class DramRegion:
             self.segment_name.encode(),
             boot_id().encode(),
         )
+        lock = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        memfd = -1
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(lock, header)  # operators' tooling and orphan cleanup read the header by name
+            memfd = os.memfd_create(os.path.basename(self.path), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            size = HEADER_SIZE + self.capacity
+            try:
+                os.posix_fallocate(memfd, 0, size)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot reserve {size} bytes for {self.path}: {exc.strerror}") from None
+            fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, SEALS)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(memfd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if memfd >= 0:
+                os.close(memfd)
+            os.close(lock)
+            os.unlink(self.path)
+            raise
+        self._lock = lock
+        self._fd = memfd
+        self._map[: HEADER.size] = header
         self.view = memoryview(self._map)[HEADER_SIZE:]
         logger.info("region created path=%s capacity=%d", self.path, self.capacity)
         return self
 
     def fileno(self) -> int:
-        """The open region file (the one holding the ownership lock: never hand it out, reopen it)."""
+        """The region's sealed memfd (what the grant socket hands out, reopened)."""
         if self._fd < 0:
             raise ValueError(f"region {self.path} is not open")
         return self._fd
 
     def close(self) -> None:
-        """Unmap and delete the file. Safe to call twice."""
+        """Unmap, close the memfd and delete the lock file. Safe to call twice."""
         if self._fd < 0:
             return
         assert self._map is not None
@@ -117,12 +139,13 @@ class DramRegion:
             self._map.close()
         except BufferError:  # a transport still holds a slice; the mapping dies with the process
             logger.warning("region still referenced at close path=%s", self.path)
+        os.close(self._fd)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-        os.close(self._fd)  # drops the lock last: nobody may take over a file we still use
-        self._fd = -1
+        os.close(self._lock)  # drops the lock last: nobody may take over a name we still use
+        self._fd = self._lock = -1
         logger.info("region removed path=%s", self.path)
 
 

@@ -1,7 +1,7 @@
 """Granting the DRAM region to same-host clients: its fd over a Unix socket, to allowed uids only.
 
-The region file is 0600 and owned by the service's uid, so no other user can
-open it by path. A same-host client maps it only after this server hands it
+The region is a sealed memfd (kvtier.segment_server.region): it has no path
+anyone could open. A same-host client maps it only after this server hands it
 the file descriptor, on the segment's grant socket (`grant_socket_path`:
 `<shm_dir>/kvtier.<cluster>.<segment>.sock`, mode 0666: who gets the region is
 decided here from the peer's kernel-reported credentials, not by file modes):
@@ -13,9 +13,10 @@ decided here from the peer's kernel-reported credentials, not by file modes):
 Granted when the peer's uid (SO_PEERCRED, taken by the kernel at connect) is
 in `allowed_uids` (the service's own uid plus `shm_allowed_uids`) and the nonce
 is this region's (a stale endpoint of an earlier incarnation is refused).
-The fd sent is a second open file description of the region, never the one
-holding the region's ownership flock: a client's mapping keeps a reference to
-the file it mapped, and must not make a dead server's region look alive.
+The fd sent is a second open file description of the region's memfd (sealed:
+no granted process can resize it), never the name's lock file holding the
+ownership flock: a client's mapping keeps a reference to the file it mapped,
+and must not make a dead server's region look alive.
 
 Bounded: at most `max_connections` conversations at once (more are refused at
 once with `busy`), each answered or cut off within `timeout_s`, so a silent or

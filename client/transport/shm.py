@@ -9,12 +9,15 @@ service's or one it allows (kvtier.segment_server.shm_grant):
     client -> server   b"KVTSHM1 <nonce hex>\n"
     server -> client   b"OK <nonce hex>\n" + the fd, or b"ERR <reason>\n"
 
-It is used only when it is proven to be the same region: the host id
+It is used only when it is proven to be the same region, and one nobody can resize: the host id
 (machine id + boot id, never a hostname) must equal this machine's before
 anything is asked; the process serving the socket and the file received must
 belong to the uid the segment advertised (no other local user can stand in
 for it); and the mapped file must carry the same random 16-byte nonce in its
-header, which the segment server wrote at creation. Anything else (another
+header, which the segment server wrote at creation. The fd received must be
+sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW, checked
+with F_GET_SEALS before mapping): any process granted the region could
+otherwise truncate it and kill every process mapping it with SIGBUS. Anything else (another
 host, no socket, a refusal, a stale or foreign file) raises ConnectError and
 the client falls back to the next transport (TCP).
 
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import array
 import ctypes
+import fcntl
+import logging
 import mmap
 import os
 import socket
@@ -51,6 +56,8 @@ from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC
 from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
+logger = logging.getLogger(__name__)
+
 _OK = 0
 _BAD_RANGE = int(Status.INVALID_RANGE)
 
@@ -58,6 +65,8 @@ _BAD_RANGE = int(Status.INVALID_RANGE)
 _GRANT_REPLY_MAX = 512
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _NONCE_SIZE = 16  # bytes, as in the region header
+# Seals a region must carry before it is mapped: nobody can change its size (and so unmap pages under us).
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _FD_SPACE = socket.CMSG_LEN(4)  # room for exactly one fd: more are cut off (MSG_CTRUNC) and closed by the kernel
 
 
@@ -147,6 +156,22 @@ def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
         sock.close()
 
 
+def check_sealed(fd: int, path: str) -> None:
+    """ConnectError unless the file can be neither shrunk nor grown by anyone (memfd seals).
+
+    A mapping of a file that another process shrinks faults (SIGBUS) on its next touch of the lost
+    pages: the whole engine process dies. Only a region whose size is sealed is ever mapped.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: not a file that supports seals (a plain file, a /dev/shm file)
+        seals = 0
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        reason = f"{path} granted a region that is not sealed against resizing (seals {seals:#x}): not mapping it"
+        logger.warning("%s; using the next transport", reason)  # a segment of an older release, or a fake
+        raise ConnectError(reason)
+
+
 class ShmConnector:
     scheme = "shm"
 
@@ -167,6 +192,7 @@ class ShmConnector:
             raise ConnectError(f"malformed nonce or uid in the shm endpoint {endpoint}") from None
         fd = request_region(path, nonce, owner, config.timeout)
         try:
+            check_sealed(fd, path)
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != owner:
                 raise ConnectError(f"{path} granted a file that is not a region owned by uid {owner}")

@@ -184,6 +184,9 @@ def test_corrupt_byte_in_a_bucket_is_a_miss_and_the_rest_still_hit(ssd_cluster, 
         assert got[0] is None
         assert got[1:] == [value_for(k) for k in on_disk[1:]]
         assert client.stats()["checksum_mismatches"] >= 1
+        # The reader reported the damaged disk copy: the master dropped it (and told the segment to forget it).
+        assert not any(r["tier"] == "ssd" for r in client.locate(victim))
+        assert client.stats()["corrupt_dropped"] >= 1
 
 
 def test_bucket_truncated_mid_record_drops_the_torn_record_only(ssd_cluster, ssd_dir):

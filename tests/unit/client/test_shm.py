@@ -8,6 +8,7 @@ segment server's, through the URL and the grant socket of a real `ShmListener`
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -24,7 +25,7 @@ from kvtier.client.transport.shm import ShmConnector
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import HEADER_SIZE, host_id
 from kvtier.proto.status import Status
-from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
+from kvtier.segment_server.region import SEALS, DramRegion, grant_socket_path, region_path
 from tests.grants import GrantLoop, open_fd, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -263,8 +264,7 @@ def test_out_of_range_is_invalid_range_and_nothing_is_copied(region, connectors,
     assert statuses == [Status.INVALID_RANGE, Status.OK], "a bad range fails alone"
     assert checksums == [None, crc32c.crc32c(good)]
     assert bytes(region.view[CAPACITY - 64 * KiB :]) == b"\xee" * (64 * KiB), "nothing written at the end"
-    with open(region.path, "rb") as f:
-        assert os.fstat(f.fileno()).st_size == HEADER_SIZE + CAPACITY, "the file did not grow"
+    assert os.fstat(region.fileno()).st_size == HEADER_SIZE + CAPACITY, "the region did not grow"
 
     guard = bytearray(b"\x5a" * size)
     assert connector.read_into([(offset, memoryview(guard))], [None]) == [Status.INVALID_RANGE]
@@ -336,21 +336,23 @@ def test_missing_sockets_are_refused(region, tmp_path):
             ShmConnector(f"shm://{path}?{base}", CONFIG)
 
 
+def sealed_file(content: bytes) -> int:
+    """A memfd holding `content`, sealed like a region (the caller closes it)."""
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, content)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    return fd
+
+
 def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
     """A grant server handing out the wrong file (a bug, a stale fd): the client checks what it got."""
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"")
-    short = tmp_path / "short"
-    short.write_bytes(b"KVTREGN1" + bytes(20))
-    foreign = tmp_path / "foreign"
-    foreign.write_bytes(os.urandom(2 * HEADER_SIZE))
-    truncated = tmp_path / "truncated"  # the real header (magic and nonce) on a file too short for its capacity
-    with open(region.path, "rb") as f:
-        truncated.write_bytes(f.read(HEADER_SIZE + 100))
-    cases = [(empty, "not a kvtier region"), (short, "not a kvtier region")]
-    cases += [(foreign, "not the advertised region"), (truncated, "not the advertised region")]
-    for i, (path, reason) in enumerate(cases):
-        fd = open_fd(str(path))
+    header = bytes(region._map[:HEADER_SIZE])
+    cases = [(b"", "not a kvtier region"), (b"KVTREGN1" + bytes(20), "not a kvtier region")]
+    cases += [(os.urandom(2 * HEADER_SIZE), "not the advertised region")]
+    # The real header (magic and nonce) on a file too short for its capacity.
+    cases += [(header + bytes(100), "not the advertised region")]
+    for i, (content, reason) in enumerate(cases):
+        fd = sealed_file(content)
         try:
             url, _ = grants.serve(str(tmp_path / f"g{i}.sock"), fd, region.nonce)
         finally:
@@ -359,13 +361,34 @@ def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
             ShmConnector(url, CONFIG)
 
 
+@pytest.mark.parametrize("seals", [0, fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, None])
+def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path, seals, caplog):
+    """Anyone granted an unsealed region could shrink it under every mapping (SIGBUS): refused."""
+    full = bytes(region._map[: HEADER_SIZE + CAPACITY])  # the real region's bytes, header and nonce
+    if seals is None:  # a plain file, as regions were before memfds
+        path = tmp_path / "plain.region"
+        path.write_bytes(full)
+        fd = open_fd(str(path))
+    else:
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.write(fd, full)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    try:
+        url, listener = grants.serve(str(tmp_path / "unsealed.sock"), fd, region.nonce)
+    finally:
+        os.close(fd)
+    with caplog.at_level("WARNING", logger="kvtier.client.transport.shm"):
+        with pytest.raises(ConnectError, match="not sealed against resizing"):
+            ShmConnector(url, CONFIG)
+    assert "not mapping it; using the next transport" in caplog.text, "the fallback to TCP is logged"
+    assert wait_until(lambda: listener.stats.results["granted"] == 1), "granted, then refused by the client"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
 def test_a_file_owned_by_another_uid_is_refused(region, grants, tmp_path):
-    copy = tmp_path / "copy.region"
-    with open(region.path, "rb") as f:
-        copy.write_bytes(f.read())
-    os.chown(copy, 65534, 65534)
-    fd = open_fd(str(copy))
+    fd = sealed_file(bytes(region._map[: HEADER_SIZE + CAPACITY]))
+    os.fchown(fd, 65534, 65534)
     try:
         url, _ = grants.serve(str(tmp_path / "copy.sock"), fd, region.nonce)
     finally:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.proto.region import HEADER_SIZE
+from kvtier.proto.region import HEADER, HEADER_SIZE
 from kvtier.segment_server.region import (
+    SEALS,
     DramRegion,
     read_header,
     region_path,
@@ -78,7 +79,15 @@ def test_create_maps_a_private_file_with_a_readable_header(shm, regions):
     assert path.parent == shm
     info = path.stat()
     assert stat.S_IMODE(info.st_mode) == 0o600
-    assert info.st_size == HEADER_SIZE + CAPACITY
+    assert info.st_size == HEADER.size, "a lock file naming the region: the header, no data"
+    region_info = os.fstat(region.fileno())
+    assert region_info.st_size == HEADER_SIZE + CAPACITY and region_info.st_ino != info.st_ino
+    assert fcntl.fcntl(region.fileno(), fcntl.F_GET_SEALS) == SEALS
+    for size in (0, HEADER_SIZE, HEADER_SIZE + CAPACITY + 4096):  # nobody holding it can resize it
+        with pytest.raises(PermissionError):
+            os.ftruncate(region.fileno(), size)
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(region.fileno(), fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor change its seals
     header = read_header(region.path)
     assert header is not None
     assert header["cluster_id"] == "c1"
@@ -96,7 +105,7 @@ def test_view_is_the_writable_data_area_after_the_header(shm, regions):
     assert not region.view.readonly
     region.view[0:5] = b"hello"
     region.view[CAPACITY - 3 :] = b"end"
-    with open(region.path, "rb") as f:
+    with open(f"/proc/self/fd/{region.fileno()}", "rb") as f:  # the memfd, reopened as a granted peer would
         f.seek(HEADER_SIZE)
         assert f.read(5) == b"hello"
         f.seek(HEADER_SIZE + CAPACITY - 3)

@@ -29,6 +29,7 @@ from kvtier.proto.region import host_id
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.region import (
     MAX_SOCKET_PATH,
+    SEALS,
     DramRegion,
     grant_socket_path,
     region_path,
@@ -121,10 +122,12 @@ def test_a_peer_of_the_service_uid_gets_the_region_and_maps_it(region, grants, s
         got, mine = os.fstat(fd), os.fstat(region.fileno())
         assert (got.st_dev, got.st_ino) == (mine.st_dev, mine.st_ino), "the region file itself"
         assert os.get_inheritable(fd) is False
-        # A second open file description: the region's ownership lock does not travel with it, so a
-        # client's mapping cannot make a dead server's region look alive to its successor.
-        with pytest.raises(BlockingIOError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # The sealed memfd, never the lock file: the region's ownership lock does not travel with
+        # it, so a client's mapping cannot make a dead server's region look alive to its successor.
+        assert (got.st_dev, got.st_ino) != (os.stat(region.path).st_dev, os.stat(region.path).st_ino)
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS, "nobody it is granted to can resize it"
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)
     finally:
         os.close(fd)
 
@@ -254,7 +257,7 @@ def test_stop_removes_the_socket_file_and_closes_the_granted_fd(region, grants, 
     _, listener = grants.serve(sock_path, region.fileno(), region.nonce)
     assert listener._server is not None and listener._server._sock is not None
     mine = {listener._fd, listener._server._sock.fileno()}
-    assert os.readlink(f"/proc/self/fd/{listener._fd}") == region.path
+    assert os.readlink(f"/proc/self/fd/{listener._fd}") == os.readlink(f"/proc/self/fd/{region.fileno()}")
     before = open_fds()
     grants.stop(listener)
     after = open_fds()
@@ -407,7 +410,8 @@ def test_the_client_closes_the_granted_descriptor(region, grants, sock_path):
         extra = open_fds() - before
         assert len(extra) <= 1 and open_fds() >= before, extra
         for fd in extra:
-            assert os.readlink(f"/proc/self/fd/{fd}") == region.path and not os.get_inheritable(fd)
+            assert os.readlink(f"/proc/self/fd/{fd}") == os.readlink(f"/proc/self/fd/{region.fileno()}")
+            assert not os.get_inheritable(fd)
         assert connector.read([(0, 4)]) == [bytes(region.view[:4])]
     finally:
         connector.close()
