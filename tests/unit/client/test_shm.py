@@ -25,6 +25,7 @@ from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import HEADER_SIZE, host_id
 from kvtier.proto.status import Status
 from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
+from tests.capability import require
 from tests.grants import GrantLoop, open_fd, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -359,8 +360,8 @@ def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
             ShmConnector(url, CONFIG)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
 def test_a_file_owned_by_another_uid_is_refused(region, grants, tmp_path):
+    require("root", os.geteuid() == 0, "needs root to give a file to another uid (CI runs as root)")
     copy = tmp_path / "copy.region"
     with open(region.path, "rb") as f:
         copy.write_bytes(f.read())
