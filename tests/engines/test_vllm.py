@@ -168,7 +168,8 @@ def test_kvtier_down_fails_loads_per_block_and_nothing_raises(cluster, engines, 
 def test_the_engine_never_waits_on_kvtier_for_a_store(cluster, engines):
     """vLLM calls wait() before reusing a stored job's GPU blocks, on its engine thread: the blocks
     were copied out at submit, so a store to a kvtier that hangs or is down must not stall it."""
-    writer = engines(cluster, {"timeout": 3.0})
+    timeout = 3.0
+    writer = engines(cluster, {"timeout": timeout})
     writer.fill([0, 1], seed=9)
     cluster.kill(cluster.master)  # every kvtier call now takes its whole timeout before failing
     context = writer.new_request()
@@ -177,7 +178,7 @@ def test_the_engine_never_waits_on_kvtier_for_a_store(cluster, engines):
     assert writer.worker.submit_store(9001, src, pickle.loads(pickle.dumps(output.store_spec)))
     started = time.monotonic()
     writer.worker.wait({9001})
-    assert time.monotonic() - started < 1.0, "wait() waited for kvtier, not for the GPU blocks"
+    assert time.monotonic() - started < timeout / 3, "wait() waited for kvtier, not for the GPU blocks"
     result = writer.finished(9001)  # the store itself still ends, dropped, and is reported done
     assert result.success and writer.spec.stats()["stores_dropped"] == 2
 
