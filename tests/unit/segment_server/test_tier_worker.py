@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 from pathlib import Path
 
 import crc32c
@@ -110,7 +111,7 @@ def tasks(*items: tuple, ttl_ms: int = 60_000) -> pb.PollTierTasksResponse:
 
 
 def blob(seed: int, size: int) -> bytes:
-    return bytes((seed * 31 + i) % 251 for i in range(size))
+    return random.Random(seed).randbytes(size)
 
 
 def restarted(worker: TierWorker, store: BucketStore, directory: Path) -> dict[int, str]:
