@@ -17,6 +17,7 @@ import pytest
 import uvloop
 
 from kvtier.segment_server.diskio import (
+    _CLOSE_DRAIN_SECONDS,
     ALIGN,
     BufferPool,
     DiskEngine,
@@ -126,6 +127,15 @@ async def sample_while(
         seen.add(sample())
         await asyncio.sleep(0)
     return task.result(), seen
+
+
+async def submitted(engine: DiskEngine, count: int) -> None:
+    """Until `count` requests are in flight and handed to the kernel (io_uring submits on the loop's
+    next turn, see IoUringEngine): a parked request, without sleeping for a guessed time."""
+    while engine.in_flight < count:
+        await asyncio.sleep(0)
+    for _ in range(3):  # the submission is scheduled with call_soon: let it run
+        await asyncio.sleep(0)
 
 
 # --- engines ---------------------------------------------------------------------------------------
@@ -364,7 +374,7 @@ def test_io_uring_cancels_a_parked_read(uring: None) -> None:
         try:
             buf = bytearray(16)
             task = asyncio.create_task(engine.read_at(r, 0, buf))
-            await asyncio.sleep(0.02)
+            await submitted(engine, 1)
             assert not task.done() and engine.in_flight == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -386,10 +396,10 @@ def test_io_uring_close_cancels_parked_io(uring: None) -> None:
         r, w = os.pipe()
         try:
             task = asyncio.create_task(engine.read_at(r, 0, bytearray(16)))
-            await asyncio.sleep(0.02)
+            await submitted(engine, 1)
             started = time.monotonic()
             engine.close()  # must not sit out its 10 s drain deadline on a request the kernel can cancel
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < _CLOSE_DRAIN_SECONDS / 2
             with pytest.raises(OSError) as info:
                 await task
             assert info.value.errno == errno.ECANCELED
