@@ -7,6 +7,7 @@ with CPU tensors as the KV cache.
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import signal
 import sys
@@ -26,6 +27,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.client.integrations.identity import IdentityError, block_key
 from kvtier.client.integrations.vllm import KvtierOffloadingSpec, forward_engine_config
+from tests.capability import missing
 from tests.cluster import Cluster
 from tests.engines.vllm_harness import Engine, offloading_config, prefix_keys
 from tests.integration.test_ssd_tier import segment_info, start_ssd_segment
@@ -166,7 +168,8 @@ def test_kvtier_down_fails_loads_per_block_and_nothing_raises(cluster, engines, 
 def test_the_engine_never_waits_on_kvtier_for_a_store(cluster, engines):
     """vLLM calls wait() before reusing a stored job's GPU blocks, on its engine thread: the blocks
     were copied out at submit, so a store to a kvtier that hangs or is down must not stall it."""
-    writer = engines(cluster, {"timeout": 3.0})
+    timeout = 3.0
+    writer = engines(cluster, {"timeout": timeout})
     writer.fill([0, 1], seed=9)
     cluster.kill(cluster.master)  # every kvtier call now takes its whole timeout before failing
     context = writer.new_request()
@@ -175,7 +178,7 @@ def test_the_engine_never_waits_on_kvtier_for_a_store(cluster, engines):
     assert writer.worker.submit_store(9001, src, pickle.loads(pickle.dumps(output.store_spec)))
     started = time.monotonic()
     writer.worker.wait({9001})
-    assert time.monotonic() - started < 1.0, "wait() waited for kvtier, not for the GPU blocks"
+    assert time.monotonic() - started < timeout / 3, "wait() waited for kvtier, not for the GPU blocks"
     result = writer.finished(9001)  # the store itself still ends, dropped, and is reported done
     assert result.success and writer.spec.stats()["stores_dropped"] == 2
 
@@ -293,14 +296,18 @@ def test_sharing_survives_a_restart_of_every_kvtier_process(bare_cluster, engine
 
 # ------------------------------------------------------------------ vLLM's connector module
 # These import vLLM's KV-connector package, which imports most of vLLM (pydantic, transformers,
-# openai, xgrammar, ...); where those are not installed they are skipped. They run last: the import
+# openai, xgrammar, ...); where those are not installed they are skipped, and fail under CI
+# (tests/capability.py). They run last: the import
 # stays for the session.
 
 
 def _vllm_connector_modules() -> SimpleNamespace:
     with warnings.catch_warnings():  # torch and others warn on that import (pytest turns warnings into errors)
         warnings.simplefilter("ignore")
-        pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector")
+        try:  # under CI (make test-engines installs what these need) a failed import fails the test
+            importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector")
+        except ImportError as exc:
+            missing("vllm-offloading", f"vLLM's connector package does not import: {exc!r}")
         from vllm.config import CacheConfig, KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common, worker

@@ -1,6 +1,7 @@
 """atheris harness: the master's fast-path parser (kvtier.master.fastpath) on coverage-guided input.
 
-Run by `make fuzz` (not in the default suite): `python -m tests.fuzz.fuzz_fastpath -max_total_time=60`
+Run by `make fuzz`; its seeds run in the default suite (tests/fuzz/test_seeds.py).
+`python -m tests.fuzz.fuzz_fastpath -max_total_time=60`
 (any libFuzzer flag works). Each input is a byte stream and the read sizes it arrives in (tests/fuzz/seeds.py); the
 harness feeds it to a FastPathProtocol with a fake transport and checks what
 tests/unit/master/test_fastpath_fuzz.py checks (its `check`, against its reference reading of
@@ -10,11 +11,15 @@ buffers, the shared budget given back. Any exception is a finding: libFuzzer sav
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
-import atheris
+try:
+    import atheris
+except ImportError:  # the default suite runs the seeds without atheris (tests/fuzz/test_seeds.py)
+    atheris = None
 
-with atheris.instrument_imports(include=["kvtier"]):
+with atheris.instrument_imports(include=["kvtier"]) if atheris else contextlib.nullcontext():
     from kvtier.master import fastpath  # noqa: F401  (instrumented for coverage)
     from tests.unit.master.fastpath_fakes import connect, make_handlers
     from tests.unit.master.test_fastpath_fuzz import LIMITS, SECRET, check

@@ -1,8 +1,9 @@
 """atheris harness: the segment server's data-plane parser (kvtier.segment_server.protocol).
 
-Run by `make fuzz` (not in the default suite): `python -m tests.fuzz.fuzz_segment_protocol
--max_total_time=60`. Each input is a byte stream and the read sizes it arrives in (tests/fuzz/seeds.py), fed to a
-DataProtocol over a 4 KiB region with a fake transport (tests/unit/segment_server/test_protocol.py).
+Run by `make fuzz`; its seeds run in the default suite (tests/fuzz/test_seeds.py).
+`python -m tests.fuzz.fuzz_segment_protocol -max_total_time=60`. Each input is a byte stream and the
+read sizes it arrives in (tests/fuzz/seeds.py), fed to a DataProtocol over a 4 KiB region with a fake
+transport (tests/unit/segment_server/test_protocol.py).
 Checked: nothing raises, get_buffer never hands out an empty buffer, every response is a
 well-formed frame, a PROTOCOL_ERROR is the last response and closes the connection, and
 nothing outside the ranges written changes size (the region stays 4 KiB).
@@ -10,11 +11,15 @@ nothing outside the ranges written changes size (the region stays 4 KiB).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
-import atheris
+try:
+    import atheris
+except ImportError:  # the default suite runs the seeds without atheris (tests/fuzz/test_seeds.py)
+    atheris = None
 
-with atheris.instrument_imports(include=["kvtier"]):
+with atheris.instrument_imports(include=["kvtier"]) if atheris else contextlib.nullcontext():
     from kvtier.proto.frames import Op, pack_disk_names, pack_request
     from kvtier.proto.status import Status
     from tests.unit.segment_server.test_protocol import CAPACITY, make_conn

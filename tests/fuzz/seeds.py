@@ -21,6 +21,11 @@ def split(data: bytes) -> tuple[list[int], bytes]:
     return READS[data[0] % len(READS)], data[1:]
 
 
+def seed_input(i: int, seed: bytes) -> bytes:
+    """Seed `i` as a harness input: read-size selector, then the stream."""
+    return bytes([i % len(READS)]) + seed
+
+
 def corpus_args(harness: str, seeds: list[bytes]) -> list[str]:
     """sys.argv with the seed corpus directory added when no corpus directory was given."""
     argv = list(sys.argv)
@@ -29,5 +34,5 @@ def corpus_args(harness: str, seeds: list[bytes]) -> list[str]:
     directory = Path(".kvtier") / "fuzz" / harness
     directory.mkdir(parents=True, exist_ok=True)
     for i, seed in enumerate(seeds):
-        (directory / f"seed-{i}").write_bytes(bytes([i % len(READS)]) + seed)
+        (directory / f"seed-{i}").write_bytes(seed_input(i, seed))
     return [*argv, str(directory)]

@@ -104,6 +104,7 @@ class Reader(threading.Thread):
 # ------------------------------------------------------------------ (a) + (b): sustained load from several processes
 
 
+@pytest.mark.slow  # a soak: ~300 MiB from three processes; test_concurrency.py covers reads under writes
 def test_sustained_writes_from_several_processes_evict_and_never_serve_wrong_bytes(bare_cluster):
     # given a master with short read leases (the reader's leases must not hold much of the cluster), 2 x 64 MiB
     cluster = bare_cluster

@@ -13,6 +13,7 @@ import contextlib
 import socket
 import struct
 
+import crc32c
 import pytest
 
 from kvtier.proto import master_pb2 as pb
@@ -157,20 +158,38 @@ def test_two_pipelined_requests_get_two_responses_in_order(master):
 
 
 def test_many_pipelined_requests_with_any_ids_are_answered_in_order(master):
+    master.start_segment("seg0", "16MiB")
+    stored = {"k1": b"one" * 100, "k3": b"three" * 7, "g": b"gee" * 1000}
+    with master.client() as client:
+        for key, value in stored.items():
+            client.put(key, value)
     ids = [0, 0xFFFFFFFF, 5, 5, 1, *range(100, 300, 3)]
+
+    def get_keys(n: int) -> list[str]:
+        return ["g", "k1", "nope"][: n % 3 + 1]
+
     requests = b"".join(
         exists_frame(rid, [f"k{j}" for j in range(n % 4 + 1)])
         if n % 2
-        else frame(GET_REPLICAS, rid, pb.KeysRequest(namespace="default", keys=["g"] * (n % 3 + 1)).SerializeToString())
+        else frame(GET_REPLICAS, rid, pb.KeysRequest(namespace="default", keys=get_keys(n)).SerializeToString())
         for n, rid in enumerate(ids)
     )
     with connect(master) as sock:
         sock.sendall(requests)
-        for n, rid in enumerate(ids):
+        for n, rid in enumerate(ids):  # each answer is the one for its own request: ids and values
             if n % 2:
-                assert len(recv_reply(sock, EXISTS, rid).exists) == n % 4 + 1
+                keys = [f"k{j}" for j in range(n % 4 + 1)]
+                reply = recv_reply(sock, EXISTS, rid)
+                assert list(reply.exists) == [key in stored for key in keys], (rid, keys)
+                assert reply.prefix_count == 0  # k0 is never stored
             else:
-                assert len(recv_reply(sock, GET_REPLICAS, rid).statuses) == n % 3 + 1
+                keys = get_keys(n)
+                reply = recv_reply(sock, GET_REPLICAS, rid)
+                found = [key in stored for key in keys]
+                assert list(reply.statuses) == [Status.OK if f else Status.NOT_FOUND for f in found], (rid, keys)
+                assert list(reply.sizes) == [len(stored.get(k, b"")) for k in keys]
+                assert list(reply.checksums) == [crc32c.crc32c(stored[k]) if k in stored else 0 for k in keys]
+                assert list(reply.replica_counts) == [int(f) for f in found] and reply.lease_ms > 0
 
 
 def test_a_request_dribbled_byte_by_byte_is_answered(master):

@@ -154,7 +154,7 @@ def test_etcd_gone_the_leader_serves_its_grace_period_then_steps_down_and_no_one
     try:
         paused_at = time.monotonic()
         client.put("within-grace", b"w")  # the leader keeps serving while its lease surely lives
-        assert time.monotonic() - paused_at < 1.0
+        assert time.monotonic() - paused_at < float(TTL) / 2, "served well within the lease, not after a retry"
         assert ha.wait_for(lambda: "leader" not in _roles(ha).values(), timeout=int(TTL) + 3)
         assert "leader" not in _roles(ha).values()
         time.sleep(1.0)

@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import pytest
-
 from kvtier.segment_server.region import SHM_DIR, remove_orphans
 from kvtier.segment_server.shm_grant import Outcome
+from tests.capability import require
 from tests.integration.test_metrics import scrape
 
 KiB = 1 << 10
@@ -120,8 +119,8 @@ def test_a_same_host_client_maps_the_region_through_the_grant(bare_cluster):
 # ------------------------------------------------------------------ another local user
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a subprocess as other uids (CI runs as root)")
 def test_a_second_local_user_cannot_map_a_region_unless_allowed(bare_cluster):
+    require("root", os.geteuid() == 0, "needs root to run a subprocess as other uids (CI runs as root)")
     cluster = bare_cluster
     cluster.start_master()
     seg = cluster.start_segment("seg0", "64MiB", "--shm-allowed-uids", str(GUEST), "--metrics", "127.0.0.1:0")

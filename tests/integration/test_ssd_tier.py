@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import Client, Status
+from tests.capability import missing
 from tests.cluster import Cluster
 
 MiB = 1 << 20
@@ -246,7 +247,7 @@ def test_segment_thread_count_is_constant_under_a_large_disk_batch_get(bare_clus
     bare_cluster.start_master()
     proc = start_ssd_segment(bare_cluster, ssd_dir, "--ssd-io", engine, "--ssd-threads", "4")
     if engine == "io_uring" and "io_uring" not in proc.tail(200):
-        pytest.skip(f"io_uring unavailable here: {proc.tail(5)}")
+        missing("io_uring", proc.tail(5))
     keys = [f"many/{i:05d}" for i in range(10_000)]
     size = 4 * KiB
     with bare_cluster.client(timeout=60.0) as client:

@@ -70,7 +70,14 @@ def test_validate_rejects_bad_values(changes, message):
     ],
 )
 def test_validate_accepts_boundary_values(changes):
-    MasterConfig(**changes).validate()
+    config = MasterConfig(**changes)
+    config.validate()
+    assert {name: getattr(config, name) for name in changes} == changes, "validate() keeps the values"
+    # and the same values given as flags arrive unchanged in the config the master runs with
+    argv = [arg for name, value in changes.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    parsed = parse_args(argv)
+    assert {name: getattr(parsed, name) for name in changes} == changes
+    assert parsed == dataclasses.replace(MasterConfig(), **changes)
 
 
 def test_parse_args_reads_flags():

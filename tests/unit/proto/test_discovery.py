@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -55,6 +56,15 @@ def test_list_rotates_and_a_hint_wins():
     assert locator.refresh() == "a:1"  # back to the list's start
 
 
+def in_refresh(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "refresh":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_concurrent_refreshes_after_one_failure_rotate_once():
     """Threads that all saw a:1 fail must all land on b:2, not skip it by rotating once each."""
     locator = MasterLocator("a:1,b:2,c:3")
@@ -63,7 +73,11 @@ def test_concurrent_refreshes_after_one_failure_rotate_once():
         threads = [threading.Thread(target=lambda: results.append(locator.refresh())) for _ in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.1)
+        # every thread is inside refresh() (waiting for the lock we hold), seen, not guessed by a sleep
+        deadline = time.monotonic() + 10
+        while not all(in_refresh(t) for t in threads):
+            assert time.monotonic() < deadline, "threads never reached refresh()"
+            time.sleep(0.001)
     for t in threads:
         t.join()
     assert results == ["b:2"] * 8

@@ -1011,7 +1011,13 @@ def test_constructor_rejects_bad_settings(ssd, kwargs, message):
 
 
 def test_largest_bucket_size_is_accepted(stores, ssd):
-    stores(ssd, capacity=16 << 30, bucket_size=4 << 30)
+    store = stores(ssd, capacity=16 << 30, bucket_size=4 << 30)
+    store.recover()
+    location = put(store, "k", blob(1, 5000))
+    assert location >> 20 == store.open_bucket_id  # the record went into the (4 GiB) open bucket
+    assert read(store, location, "k") == blob(1, 5000)
+    with pytest.raises(ValueError, match="bucket_size"):
+        BucketStore(ssd, 16 << 30, CLUSTER, bucket_size=(4 << 30) + ALIGN)
 
 
 def test_open_bucket_filling_the_capacity_is_never_an_eviction_candidate(stores, ssd):
@@ -1073,22 +1079,62 @@ def accepts_o_direct(directory: Path) -> bool:
         probe.unlink()
 
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
-def test_direct_io_falls_back_to_buffered_on_tmpfs(stores, caplog):
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
-        if accepts_o_direct(Path(directory)):
-            pytest.skip("this kernel's tmpfs accepts O_DIRECT")
-        store = stores(Path(directory), direct_io=True)
-        with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
-            store.recover()
-            store.close()
-            store = stores(Path(directory), direct_io=True)
-            store.recover()
-        assert caplog.text.count("O_DIRECT not supported") == 2  # once per store
-        location = put(store, "k", b"tmpfs")
-        assert fcntl.fcntl(store.plan_read(location).fd, fcntl.F_GETFL) & os.O_DIRECT == 0
-        assert _direct_read(store, location, "k") == b"tmpfs"
+@pytest.fixture
+def refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """os.open fails with EINVAL for O_DIRECT, as tmpfs before 6.6 and some FUSE file systems do.
+
+    Forced on any kernel: since 6.6 tmpfs accepts O_DIRECT, so no local file system is left that
+    reliably refuses it. Only the libc call is replaced; BucketStore runs unchanged. Returns the
+    paths refused."""
+    real_open, refused = os.open, []
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    return refused
+
+
+def test_direct_io_falls_back_to_buffered_when_o_direct_is_refused(stores, ssd, refuse_o_direct, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
+        store = stores(ssd, direct_io=True, **SMALL)
+        store.recover()
+        written = fill(store, 5)
         store.close()
+        assert len(refuse_o_direct) == 1  # asked once, then the store stops asking
+        store = stores(ssd, direct_io=True, **SMALL)
+        store.recover()
+        for location, (key, data) in written.items():
+            assert _direct_read(store, location, key) == data
+            assert fcntl.fcntl(store.plan_read(location).fd, fcntl.F_GETFL) & os.O_DIRECT == 0
+    assert caplog.text.count("O_DIRECT not supported") == 2  # once per store
+    assert len(refuse_o_direct) == 2
+    location = put(store, "k", b"buffered")
+    assert _direct_read(store, location, "k") == b"buffered"
+
+
+def test_direct_io_open_errors_other_than_einval_are_raised(stores, ssd, monkeypatch):
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    store = stores(ssd, direct_io=True, **SMALL)
+    store.recover()
+    written = fill(store, 2)
+    monkeypatch.setattr(os, "open", open_)
+    store.close()
+    store = stores(ssd, direct_io=True, **SMALL)
+    with pytest.raises(OSError) as info:
+        store.recover()
+        for location in written:
+            store.plan_read(location)
+    assert info.value.errno == errno.EACCES
 
 
 # --- property --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 import uvloop
 
 from kvtier.segment_server.diskio import (
+    _CLOSE_DRAIN_SECONDS,
     ALIGN,
     BufferPool,
     DiskEngine,
@@ -27,6 +28,7 @@ from kvtier.segment_server.diskio import (
     probe_io_uring,
     read_fully,
 )
+from tests.capability import missing
 
 KINDS = ["threads", "io_uring"]
 
@@ -36,7 +38,7 @@ def kind(request: pytest.FixtureRequest) -> str:
     if request.param == "io_uring":
         probe = io_uring_probe()
         if not probe.ok:
-            pytest.skip(f"io_uring unavailable: {probe.reason}")
+            missing("io_uring", probe.reason)
     return request.param
 
 
@@ -44,7 +46,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 def uring() -> None:
     probe = io_uring_probe()
     if not probe.ok:
-        pytest.skip(f"io_uring unavailable: {probe.reason}")
+        missing("io_uring", probe.reason)
 
 
 def make_engine(kind: str, *, queue_depth: int = 32, threads: int = 4) -> DiskEngine:
@@ -83,9 +85,28 @@ def open_fd(tmp_path: Path):
         os.close(fd)
 
 
-def proc_threads() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+# Thread bounds are asserted on threads the engine owns, never on the whole process: the process
+# also holds gRPC threads left by earlier tests and io-wq workers of rings closed by earlier tests
+# (they outlive their ring by ~15 ms), and either may exit in the middle of a measurement.
+def engine_threads() -> frozenset[int]:
+    """Idents of the thread-pool engine's workers (named kvtier-diskio_N by ThreadPoolEngine)."""
+    return frozenset(t.ident for t in threading.enumerate() if t.name.startswith("kvtier-diskio") and t.ident)
+
+
+def python_threads() -> frozenset[int]:
+    return frozenset(t.ident for t in threading.enumerate() if t.ident)
+
+
+def io_wq_workers() -> int:
+    """This process's io_uring kernel workers (comm "iou-wrk-<pid>"), from /proc/self/task."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("iou-wrk")
+        except FileNotFoundError:  # the thread exited while we listed
+            pass
+    return count
 
 
 def address_of(view: memoryview) -> int:
@@ -106,6 +127,15 @@ async def sample_while(
         seen.add(sample())
         await asyncio.sleep(0)
     return task.result(), seen
+
+
+async def submitted(engine: DiskEngine, count: int) -> None:
+    """Until `count` requests are in flight and handed to the kernel (io_uring submits on the loop's
+    next turn, see IoUringEngine): a parked request, without sleeping for a guessed time."""
+    while engine.in_flight < count:
+        await asyncio.sleep(0)
+    for _ in range(3):  # the submission is scheduled with call_soon: let it run
+        await asyncio.sleep(0)
 
 
 # --- engines ---------------------------------------------------------------------------------------
@@ -172,7 +202,7 @@ def test_o_direct_read_into_pool_buffer(kind: str, tmp_path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as exc:
-        pytest.skip(f"O_DIRECT unsupported in {tmp_path}: {exc}")
+        missing("o_direct", f"O_DIRECT unsupported in {tmp_path}: {exc}")
 
     async def body(engine: DiskEngine) -> None:
         pool = BufferPool(128 * 1024)
@@ -276,7 +306,7 @@ def test_thread_count_is_constant_under_1000_concurrent_reads(kind: str, open_fd
     fd = open_fd("bucket", content)  # written with write(2): no kernel worker was needed so far
 
     async def body(engine: DiskEngine) -> None:
-        before = (threading.active_count(), proc_threads())
+        own_before, python_before, workers_before = engine_threads(), python_threads(), io_wq_workers()
 
         async def read_block(i: int) -> int:
             offset = (i * 4096) % len(content)
@@ -286,27 +316,30 @@ def test_thread_count_is_constant_under_1000_concurrent_reads(kind: str, open_fd
 
         results, seen = await sample_while(
             asyncio.gather(*(read_block(i) for i in range(1000))),
-            lambda: (threading.active_count(), proc_threads()),
+            lambda: (engine_threads(), python_threads(), io_wq_workers()),
         )
         assert sum(results) == 1000
-        assert {python for python, _ in seen} == {before[0]}
-        if kind == "threads":
-            assert {os_threads for _, os_threads in seen} == {before[1]}
+        # No Python thread is started by 1000 reads (threads of earlier tests may exit meanwhile).
+        assert all(python <= python_before for _, python, _ in seen)
+        if kind == "threads":  # exactly the engine's own workers, the same ones throughout
+            assert len(own_before) == engine.threads
+            assert {own for own, _, _ in seen} == {own_before}
         else:  # no userspace thread; io-wq workers only if the kernel could not complete inline
-            assert max(os_threads for _, os_threads in seen) <= before[1] + engine.kernel_workers
+            assert own_before == frozenset() and {own for own, _, _ in seen} == {frozenset()}
+            assert max(workers for _, _, workers in seen) <= workers_before + engine.kernel_workers
 
     run_with_engine(kind, body, queue_depth=32, threads=4)
 
 
 def test_thread_engine_spawns_all_workers_at_construction() -> None:
-    before = threading.active_count()
+    assert engine_threads() == frozenset()  # every earlier engine was closed
     engine = ThreadPoolEngine(threads=3)
     try:
         assert engine.threads == 3
-        assert threading.active_count() == before + 3
+        assert len(engine_threads()) == 3
     finally:
         engine.close()
-    assert threading.active_count() == before
+    assert engine_threads() == frozenset()  # close() joins its workers
 
 
 def test_io_uring_caps_kernel_worker_threads(uring: None, open_fd) -> None:
@@ -316,7 +349,7 @@ def test_io_uring_caps_kernel_worker_threads(uring: None, open_fd) -> None:
     data = os.urandom(256 * 1024)
 
     async def body(engine: DiskEngine) -> None:
-        before = proc_threads()
+        before = io_wq_workers()
 
         async def write_and_sync(fd: int) -> int:
             await engine.write_at(fd, 0, data)
@@ -324,7 +357,7 @@ def test_io_uring_caps_kernel_worker_threads(uring: None, open_fd) -> None:
             return 1
 
         results, seen = await sample_while(
-            asyncio.gather(*(write_and_sync(fd) for fd in fds)), lambda: (proc_threads(),)
+            asyncio.gather(*(write_and_sync(fd) for fd in fds)), lambda: (io_wq_workers(),)
         )
         assert sum(results) == len(fds)
         assert max(n for (n,) in seen) <= before + 2
@@ -341,7 +374,7 @@ def test_io_uring_cancels_a_parked_read(uring: None) -> None:
         try:
             buf = bytearray(16)
             task = asyncio.create_task(engine.read_at(r, 0, buf))
-            await asyncio.sleep(0.02)
+            await submitted(engine, 1)
             assert not task.done() and engine.in_flight == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -363,10 +396,10 @@ def test_io_uring_close_cancels_parked_io(uring: None) -> None:
         r, w = os.pipe()
         try:
             task = asyncio.create_task(engine.read_at(r, 0, bytearray(16)))
-            await asyncio.sleep(0.02)
+            await submitted(engine, 1)
             started = time.monotonic()
             engine.close()  # must not sit out its 10 s drain deadline on a request the kernel can cancel
-            assert time.monotonic() - started < 2
+            assert time.monotonic() - started < _CLOSE_DRAIN_SECONDS / 2
             with pytest.raises(OSError) as info:
                 await task
             assert info.value.errno == errno.ECANCELED

@@ -1,0 +1,183 @@
+"""DiskReader (segment_server/disk_reads.py): READ_DISK answered on a real uvloop transport over a
+socketpair, from a real BucketStore, through the thread-pool engine and a real BufferPool.
+
+Checked: the exact response frame (status and bytes per record, in request order, zeros after an
+error status), the counters, that every pool buffer goes back, that the pool bounds the buffers
+however many records a request names, and that a client that stops reading is cut off after
+send_timeout_s with its buffers given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from pathlib import Path
+
+import crc32c
+import pytest
+import uvloop
+
+from kvtier.proto import frames
+from kvtier.proto.frames import Op
+from kvtier.proto.status import Status
+from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.diskio import BufferPool, ThreadPoolEngine
+from kvtier.segment_server.protocol import DataPlaneStats
+
+CLUSTER = "readtest"
+OK = int(Status.OK)
+
+
+class Sender(asyncio.Protocol):
+    """The server side of a connection as DataProtocol drives it: `writable` follows flow control."""
+
+    def __init__(self) -> None:
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.lost = asyncio.Event()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def connection_lost(self, exc) -> None:
+        self.writable.set()
+        self.lost.set()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    store = BucketStore(tmp_path / "ssd", 256 << 20, CLUSTER, bucket_size=64 << 20)
+    store.recover()
+    yield store
+    store.close()
+
+
+def blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def put(store: BucketStore, key: str, data: bytes) -> int:
+    location = store.append("ns", key, data, crc32c.crc32c(data))
+    store.sync()
+    return location
+
+
+def parse(response: bytes, sizes: list[int]) -> list[tuple[int, bytes]]:
+    """(status, bytes) per record of one READ_DISK response; asserts the frame is whole and exact."""
+    magic, _version, op, request_id, status, _flags, length = frames.RESPONSE.unpack_from(response)
+    assert (magic, op, request_id, status) == (frames.MAGIC, Op.READ_DISK, 42, OK)
+    assert length == 4 * len(sizes) + sum(sizes) == len(response) - frames.RESPONSE.size
+    out, pos = [], frames.RESPONSE.size
+    for size in sizes:
+        (record_status,) = frames.DISK_STATUS.unpack_from(response, pos)
+        out.append((record_status, response[pos + 4 : pos + 4 + size]))
+        pos += 4 + size
+    return out
+
+
+def serve(
+    store: BucketStore,
+    requests: list[tuple[int, int, str]],
+    *,
+    pool_bytes: int = 1 << 20,
+    window: int = 4,
+    send_timeout_s: float = 30.0,
+    read: bool = True,
+) -> tuple[bytes, DataPlaneStats, BufferPool, Sender]:
+    """Serve one READ_DISK of `requests` [(location, size, key)]; returns what the client received."""
+    ranges = [v for location, size, _ in requests for v in (location, size)]
+    names = [("ns", key) for _, _, key in requests]
+    expected = frames.RESPONSE.size + 4 * len(requests) + sum(size for _, size, _ in requests)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server_sock, client_sock = socket.socketpair()
+        client_sock.setblocking(False)
+        engine = ThreadPoolEngine(queue_depth=4, threads=2)
+        pool = BufferPool(pool_bytes)
+        try:
+            _, sender = await loop.create_connection(Sender, sock=server_sock)
+            reader = DiskReader(store, engine, pool, window=window, send_timeout_s=send_timeout_s)
+            received = bytearray()
+
+            async def receive() -> None:
+                while len(received) < expected:
+                    chunk = await loop.sock_recv(client_sock, 1 << 20)
+                    if not chunk:
+                        return
+                    received.extend(chunk)
+
+            receiving = loop.create_task(receive()) if read else None
+            stats = DataPlaneStats()
+            await reader.serve(sender.transport, sender.writable, 42, ranges, names, stats)
+            if receiving is not None:
+                await asyncio.wait_for(receiving, 10)
+            sender.transport.close()
+            return bytes(received), stats, pool, sender
+        finally:
+            client_sock.close()
+            engine.close()
+
+    return uvloop.run(main())
+
+
+def test_records_come_back_in_order_with_a_status_each(store: BucketStore) -> None:
+    data = [blob(i, size) for i, size in enumerate([5000, 1, 70_000, 4096])]
+    locations = [put(store, f"k{i}", d) for i, d in enumerate(data)]
+    requests = [(loc, len(d), f"k{i}") for i, (loc, d) in enumerate(zip(locations, data, strict=True))]
+    requests += [
+        (locations[0], len(data[0]), "k1"),  # another object's record: the header names k0
+        (locations[0], len(data[0]) + 1, "k0"),  # the master's size is not the record's
+        (locations[-1] + 1, 100, "nothing"),  # no record there
+    ]
+    sizes = [size for _, size, _ in requests]
+    response, stats, pool, _ = serve(store, requests)
+    got = parse(response, sizes)
+    assert got[:4] == [(OK, d) for d in data]
+    assert [status for status, _ in got[4:]] == [
+        int(Status.CHECKSUM_MISMATCH),
+        int(Status.INVALID_RANGE),
+        int(Status.NOT_FOUND),
+    ]
+    assert all(body == bytes(len(body)) for _, body in got[4:]), "an error status is followed by zeros"
+    assert stats.ssd_bytes_served == sum(map(len, data)) and stats.ssd_read_errors == 3
+    assert stats.ssd_bytes_read >= sum(map(len, data))  # headers and padding too
+    assert pool.used == 0, "every read buffer went back to the pool"
+
+
+def test_a_record_larger_than_the_whole_pool_is_too_large_and_the_rest_is_served(store: BucketStore) -> None:
+    big, small = blob(1, 1 << 20), blob(2, 3000)
+    requests = [(put(store, "big", big), len(big), "big"), (put(store, "small", small), len(small), "small")]
+    response, stats, pool, _ = serve(store, requests, pool_bytes=1 << 20)  # a record needs its header too
+    assert parse(response, [len(big), len(small)]) == [(int(Status.TOO_LARGE), bytes(len(big))), (OK, small)]
+    assert pool.used == 0
+
+
+def test_the_pool_bounds_read_buffers_whatever_the_request_names(store: BucketStore) -> None:
+    data = [blob(i, 60_000) for i in range(40)]
+    requests = [(put(store, f"k{i}", d), len(d), f"k{i}") for i, d in enumerate(data)]
+    pool_bytes = 3 * 64 * 1024  # three records' buffers for 40 records, a window of 8
+    response, stats, pool, _ = serve(store, requests, pool_bytes=pool_bytes, window=8)
+    assert parse(response, [len(d) for d in data]) == [(OK, d) for d in data]
+    assert 0 < pool.peak_used <= pool_bytes and pool.used == 0
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_buffers_go_back(store: BucketStore) -> None:
+    data = [blob(i, 1 << 20) for i in range(12)]  # 12 MiB: past the socket and the transport's 4 MiB
+    requests = [(put(store, f"k{i}", d), len(d), f"k{i}") for i, d in enumerate(data)]
+    send_timeout_s = 0.3
+    started = time.monotonic()
+    _, stats, pool, sender = serve(store, requests, pool_bytes=4 << 20, send_timeout_s=send_timeout_s, read=False)
+    assert time.monotonic() - started >= send_timeout_s, "cut off only after send_timeout_s without progress"
+    assert sender.lost.is_set(), "the connection was aborted"
+    assert pool.used == 0, "the stalled client's buffers are back in the pool"
+    assert stats.ssd_bytes_served < sum(map(len, data))
