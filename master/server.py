@@ -270,6 +270,8 @@ def check_startup(config: MasterConfig) -> None:
         check_bindable(config.fast_path_listen, "--fast-listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
+    if config.saves_state_to and not config.etcd:  # after the checks: a failed start prints one line only
+        logger.info("master state directory state_dir=%s", config.saves_state_to)
 
 
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
