@@ -27,6 +27,7 @@ from kvtier.segment_server.region import (
     DramRegion,
     grant_socket_path,
     region_path,
+    remove_if_orphaned,
     remove_orphans,
     remove_stale_socket,
 )
@@ -204,21 +205,21 @@ def check_startup(config: SegmentConfig) -> None:
             f"--dram {config.dram} is larger than the free space in {config.shm_dir} ({format_size(free)}): "
             f"lower --dram, or enlarge {config.shm_dir} (docker --shm-size, the tmpfs size) or change --shm-dir"
         )
-    try:  # a stale socket (its server is gone) is removed; a live one or another file is not ours
+    # This name's region file and grant socket: stale ones (their server is gone) are removed; a
+    # live one, or a file that is not ours, is a name in use.
+    try:
+        remove_if_orphaned(region_path(config.shm_dir, config.cluster_id, config.name))
         remove_stale_socket(grant_socket_path(config.shm_dir, config.cluster_id, config.name))
     except FileExistsError as exc:
-        raise StartupError(f"shm grant socket {exc}: change --name or --shm-dir") from None
+        raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
 
 
 def _open_region(config: SegmentConfig) -> DramRegion:
     path = region_path(config.shm_dir, config.cluster_id, config.name)
     try:
         return DramRegion(path, config.dram_bytes, config.cluster_id, config.name).open()
-    except FileExistsError:
-        raise StartupError(
-            f"region file {path} is in use: segment {config.name!r} of cluster {config.cluster_id!r} already "
-            "runs on this host: change --name"
-        ) from None
+    except FileExistsError as exc:  # created since check_startup
+        raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
     except OSError as exc:
         raise StartupError(f"{exc.strerror or exc}: lower --dram or change --shm-dir") from None
 
