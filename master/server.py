@@ -257,21 +257,21 @@ def _readiness(handlers: MasterHandlers) -> str:
 def check_startup(config: MasterConfig) -> None:
     """What would stop this start half-way, checked before anything is bound or saved: the state
     directory and the addresses to listen on (StartupError, one line naming the option)."""
-    if not config.etcd:
-        if config.saves_state_to:
-            check_writable_dir(config.saves_state_to, "--state-dir")
-        elif config.state_dir:  # "none": an explicit opt-out
-            logger.warning(
-                "master state not saved, a restart loses every object in DRAM (set --state-dir DIR, or drop the "
-                "opt-out for the default directory) state_dir=none"
-            )
     check_bindable(config.listen, "--listen")
     if config.fast_path_listen not in ("auto", "off"):
         check_bindable(config.fast_path_listen, "--fast-listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
-    if config.saves_state_to and not config.etcd:  # after the checks: a failed start prints one line only
+    if config.etcd:
+        return
+    if config.saves_state_to:  # last: a start that fails leaves no directory behind, and logs nothing else
+        check_writable_dir(config.saves_state_to, "--state-dir")
         logger.info("master state directory state_dir=%s", config.saves_state_to)
+    elif config.state_dir:  # "none": an explicit opt-out
+        logger.warning(
+            "master state not saved, a restart loses every object in DRAM (set --state-dir DIR, or drop the "
+            "opt-out for the default directory) state_dir=none"
+        )
 
 
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:

@@ -193,8 +193,6 @@ def check_startup(config: SegmentConfig) -> None:
     check_bindable(config.listen, "--listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
-    if config.ssd_dir:
-        check_writable_dir(config.ssd_dir, "--ssd-dir")
     try:
         info = os.statvfs(config.shm_dir)
     except OSError as exc:
@@ -212,6 +210,12 @@ def check_startup(config: SegmentConfig) -> None:
         remove_stale_socket(grant_socket_path(config.shm_dir, config.cluster_id, config.name))
     except FileExistsError as exc:
         raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
+    if config.ssd_dir:
+        check_writable_dir(config.ssd_dir, "--ssd-dir")
+        try:  # last (it logs the limit it set): raise the open file limit for the bucket files
+            _raise_fd_limit(config.ssd_bytes, parse_size(config.ssd_bucket_size), config.ssd_bucket_keys)
+        except FdLimitError as exc:
+            raise StartupError(str(exc)) from None
 
 
 def _open_region(config: SegmentConfig) -> DramRegion:
@@ -226,8 +230,7 @@ def _open_region(config: SegmentConfig) -> DramRegion:
 
 def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskReader]:
     """Recover the bucket files, choose the disk engine, and build the READ_DISK server."""
-    bucket_size = parse_size(config.ssd_bucket_size)
-    _raise_fd_limit(config.ssd_bytes, bucket_size, config.ssd_bucket_keys)
+    bucket_size = parse_size(config.ssd_bucket_size)  # the open file limit: raised in check_startup
     store = BucketStore(
         config.ssd_dir,
         config.ssd_bytes,

@@ -200,3 +200,11 @@ def test_kvtier_up_with_its_port_taken_is_one_line(tmp_path: Path, taken: str):
     args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", taken, "--dram", "16MiB", "--ssd", "0"]
     line = _one_line_failure([*args, "--state-dir", str(tmp_path / "state")], "--listen")
     assert taken in line and "in use" in line
+
+
+def test_kvtier_up_with_a_region_larger_than_shm_is_one_line(tmp_path: Path):
+    info = os.statvfs("/dev/shm")
+    too_big = f"{info.f_bavail * info.f_frsize // (1 << 20) + 1024}MiB"
+    args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", f"127.0.0.1:{free_port()}", "--ssd", "0"]
+    line = _one_line_failure([*args, "--dram", too_big, "--state-dir", str(tmp_path / "state")], "--dram")
+    assert line.startswith("kvtier-segment: ")
