@@ -255,8 +255,9 @@ def _readiness(handlers: MasterHandlers) -> str:
 
 
 def check_startup(config: MasterConfig) -> None:
-    """What would stop this start half-way, checked before anything is bound or saved: the state
-    directory and the addresses to listen on (StartupError, one line naming the option)."""
+    """What would stop this start half-way, checked before anything is bound or saved: the addresses
+    to listen on, then the state directory (StartupError, one line naming the option). Logs which
+    directory keeps the state, or warns that none does (state_dir = "none")."""
     check_bindable(config.listen, "--listen")
     if config.fast_path_listen not in ("auto", "off"):
         check_bindable(config.fast_path_listen, "--fast-listen")
