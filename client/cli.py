@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--ssd-dir", default=".kvtier/ssd", help="where SSD tiers keep their bucket files (default: %(default)s)"
     )
+    up.add_argument(
+        "--state-dir",
+        default="",
+        help="where the master saves its state, so a restart loses nothing; none = save nothing "
+        "(default: .kvtier/state/CLUSTER_ID)",
+    )
 
     _add_master(sub.add_parser("status", help="cluster summary: role, capacity, objects, segments"))
     _add_master(sub.add_parser("segments", help="per segment: DRAM and SSD capacity and use, heartbeat, bytes served"))
@@ -216,8 +222,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _up_state_dir(state_dir: str, cluster_id: str) -> str:
+    if state_dir == "none":
+        return state_dir
+    return os.path.abspath(state_dir or os.path.join(".kvtier", "state", cluster_id))
+
+
 def cmd_up(opts: argparse.Namespace) -> int:
-    from kvtier.client.local_cluster import LocalCluster
+    from kvtier.client.local_cluster import LocalCluster, StartupFailed
 
     # Explicit handlers: SIGINT may be inherited as ignored (background jobs), and
     # service managers stop us with SIGTERM; both must stop the children cleanly.
@@ -232,9 +244,13 @@ def cmd_up(opts: argparse.Namespace) -> int:
         log_level=opts.log_level,
         ssd=opts.ssd,
         ssd_dir=os.path.abspath(opts.ssd_dir),
+        state_dir=_up_state_dir(opts.state_dir, opts.cluster_id),
     )
     try:
         cluster.start()
+    except StartupFailed as exc:  # the server printed its one line (cause and option): add none
+        cluster.stop()
+        return exc.returncode
     except RuntimeError as exc:
         print(f"kvtier up: {exc}", file=sys.stderr)
         cluster.stop()

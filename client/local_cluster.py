@@ -21,6 +21,17 @@ from pathlib import Path
 READY_TIMEOUT_S = 30.0
 
 
+STARTUP_EXIT = 2  # a server's start-up failure (kvtier.proto.startup): it printed one line saying why
+
+
+class StartupFailed(RuntimeError):
+    """A server exited with status 2 during start-up, after printing its one-line reason to stderr."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        super().__init__(f"{name} exited with status {returncode} during start-up")
+        self.returncode = returncode
+
+
 @dataclass
 class Child:
     name: str
@@ -44,9 +55,11 @@ class LocalCluster:
         ssd_dir: str = "",
         segment_args: tuple[str, ...] = (),
         master_args: tuple[str, ...] = (),
+        state_dir: str = "",
     ) -> None:
         """`ssd` > 0 gives each segment an SSD tier of that size in `ssd_dir`/local<i> (default: a
-        temporary directory, removed at stop); `segment_args` go to every segment server."""
+        temporary directory, removed at stop); `segment_args` go to every segment server. The
+        master saves its state in `state_dir` ("none": nowhere; default: the temporary directory)."""
         self.listen = listen
         self.dram = dram
         self.segment_count = segments
@@ -57,6 +70,7 @@ class LocalCluster:
         self.ssd_dir = ssd_dir
         self.segment_args = segment_args
         self.master_args = master_args
+        self.state_dir = state_dir
         self.children: list[Child] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-")
         self.master_address = ""
@@ -75,6 +89,8 @@ class LocalCluster:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if popen.poll() is not None:
+                if popen.returncode == STARTUP_EXIT:
+                    raise StartupFailed(name, popen.returncode)
                 raise RuntimeError(f"{name} exited with status {popen.returncode} during start-up")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not become ready within {READY_TIMEOUT_S:.0f}s")
@@ -86,7 +102,17 @@ class LocalCluster:
         try:
             master = self._spawn(
                 "master",
-                ["-m", "kvtier.master", "--listen", self.listen, "--cluster-id", self.cluster_id, *self.master_args],
+                [
+                    "-m",
+                    "kvtier.master",
+                    "--listen",
+                    self.listen,
+                    "--cluster-id",
+                    self.cluster_id,
+                    "--state-dir",
+                    self.state_dir or str(Path(self._tmp.name) / "state"),
+                    *self.master_args,
+                ],  # fmt: skip
             )
             self.master_address = master.info["address"]
             for i in range(self.segment_count):

@@ -10,6 +10,7 @@ import sys
 from kvtier.master.config import parse_args
 from kvtier.master.server import serve
 from kvtier.proto.logs import setup_logging
+from kvtier.proto.startup import run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         logging.getLogger(__name__).warning("uvloop not installed; using the default asyncio loop")
         loop_factory = None
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config))
-    return 0
+
+    def run() -> int:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config))
+        return 0
+
+    return run_main("kvtier-master", run)  # a start-up failure: one line, exit status 2
 
 
 if __name__ == "__main__":

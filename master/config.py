@@ -6,7 +6,9 @@ and flags (flags win; kvtier.proto.config); nothing deeper in the master reads t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvtier.master.auth import load_tenants
 from kvtier.proto.auth import read_secret
@@ -21,6 +23,30 @@ from kvtier.proto.units import (
     parse_hostport,
     parse_size,
 )
+
+STATE_DIR_NONE = "none"  # state_dir = "none" (--state-dir none): save nothing, explicitly
+SERVICE_STATE_ROOT = "/var/lib/kvtier"  # a service's state (systemd StateDirectory=kvtier, a volume)
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process could create `path`: its nearest existing ancestor is a writable directory."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
+def default_state_dir(cluster_id: str, environ: dict[str, str] | None = None) -> str:
+    """A standalone master's default state directory: /var/lib/kvtier/<cluster> where this process
+    can write it (a service), else $XDG_STATE_HOME/kvtier/<cluster> (default ~/.local/state/...)."""
+    env = os.environ if environ is None else environ
+    service = Path(SERVICE_STATE_ROOT) / cluster_id
+    if _writable(service):
+        return str(service)
+    base = env.get("XDG_STATE_HOME") or ""
+    if not os.path.isabs(base):  # the XDG spec: a relative path is invalid and ignored
+        base = os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "kvtier", cluster_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +71,9 @@ class MasterConfig:
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
     # Restart and HA (docs/architecture.md, "Master restart and HA").
-    state_dir: str = ""  # standalone: where segment names, registrations and the epoch are saved
+    # Standalone: where segment names, registrations and the epoch are saved. Empty: the default
+    # directory (default_state_dir); "none": nothing is saved (a restart loses every DRAM object).
+    state_dir: str = ""
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
@@ -130,7 +158,7 @@ class MasterConfig:
             check_field("metrics", parse_hostport, self.metrics)
         if self.etcd:
             check_field("etcd", check_master_spec, self.etcd)
-        if self.etcd and self.state_dir:
+        if self.etcd and self.state_dir not in ("", STATE_DIR_NONE):
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -167,6 +195,18 @@ class MasterConfig:
         check_log_level(self.log_level)
         return self
 
+    def with_defaults(self) -> MasterConfig:
+        """Fill in what depends on the machine: an empty state_dir of a standalone master becomes
+        default_state_dir(cluster_id). With etcd the state lives there and state_dir stays empty."""
+        if self.etcd or self.state_dir:
+            return self
+        return replace(self, state_dir=default_state_dir(self.cluster_id))
+
+    @property
+    def saves_state_to(self) -> str:
+        """The directory the standalone master saves its state in; empty when it saves none."""
+        return "" if self.state_dir in ("", STATE_DIR_NONE) else self.state_dir
+
     @property
     def message_limit(self) -> int:
         """max_message_size in bytes."""
@@ -192,4 +232,5 @@ def parse_args(argv: list[str] | None = None) -> MasterConfig:
         description="kvtier metadata master (gRPC).",
         env_prefix="KVTIER_MASTER_",
         argv=argv,
+        resolve=MasterConfig.with_defaults,
     )

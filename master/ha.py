@@ -106,6 +106,15 @@ class HaRunner:
         self.store: EtcdStateStore | None = None
 
     def prepare(self) -> None:
+        # etcd unreachable at start is most likely a wrong --etcd: one line now, not a standby that
+        # waits forever (once started, a master rides out etcd outages as before).
+        try:
+            self.etcd.get(leader_key(self._config.cluster_id))
+        except EtcdError as exc:
+            reason = " ".join(str(exc).split())
+            raise ValueError(
+                f"cannot reach etcd at {','.join(self.etcd.endpoints)} ({reason}): change --etcd, or start etcd first"
+            ) from None
         self.election = LeaderElection(
             self.etcd,
             self._config.cluster_id,

@@ -1,7 +1,8 @@
 """Runs the master: a grpc.aio server on uvloop, the fast path, the periodic tick, and its role.
 
 Standalone (no `etcd`): this process is the leader. Its epoch is larger than
-any earlier incarnation's (kvtier.master.persist); with a `state_dir` it
+any earlier incarnation's (kvtier.master.persist); in its `state_dir` (by
+default a directory per cluster: kvtier.master.config.default_state_dir) it
 saves the segments it must wait for after a restart and recovers from their
 inventories (kvtier.master.recovery).
 
@@ -46,6 +47,7 @@ from kvtier.proto.auth import read_secret
 from kvtier.proto.channels import read_file
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
+from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
 from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
@@ -252,8 +254,32 @@ def _readiness(handlers: MasterHandlers) -> str:
     return f"recovering: master epoch {handlers.epoch} is waiting for segment inventories"
 
 
+def check_startup(config: MasterConfig) -> None:
+    """What would stop this start half-way, checked before anything is bound or saved: the addresses
+    to listen on, then the state directory (StartupError, one line naming the option). Logs which
+    directory keeps the state, or warns that none does (state_dir = "none")."""
+    check_bindable(config.listen, "--listen")
+    if config.fast_path_listen not in ("auto", "off"):
+        check_bindable(config.fast_path_listen, "--fast-listen")
+    if config.metrics:
+        check_bindable(config.metrics, "--metrics")
+    if config.etcd:
+        return
+    if config.saves_state_to:  # last: a start that fails leaves no directory behind, and logs nothing else
+        check_writable_dir(config.saves_state_to, "--state-dir")
+        logger.info("master state directory state_dir=%s", config.saves_state_to)
+    elif config.state_dir:  # "none": an explicit opt-out
+        logger.warning(
+            "master state not saved, a restart loses every object in DRAM (set --state-dir DIR, or drop the "
+            "opt-out for the default directory) state_dir=none"
+        )
+
+
 async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` (or SIGINT/SIGTERM); StartupError when the start fails for a reason the
+    user fixes (the caller prints it as one line)."""
     loop = asyncio.get_running_loop()
+    check_startup(config)
     raise_fd_limit(config)
     state = MasterState(config)
     handlers = MasterHandlers(state, 0)
@@ -273,12 +299,15 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,  # beyond: RESOURCE_EXHAUSTED, shed at once
     )
     master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
-    if config.tls_cert_file:
-        port = server.add_secure_port(config.listen, _tls_credentials(config))
-    else:
-        port = server.add_insecure_port(config.listen)
+    try:
+        if config.tls_cert_file:
+            port = server.add_secure_port(config.listen, _tls_credentials(config))
+        else:
+            port = server.add_insecure_port(config.listen)
+    except RuntimeError:  # taken since check_startup; gRPC hides the reason (and logs its own line)
+        port = 0
     if port == 0:
-        raise SystemExit(f"kvtier-master: cannot bind {config.listen}")
+        raise StartupError(f"cannot listen on {config.listen}: change --listen")
     host = config.listen.rpartition(":")[0]
     address = f"{host}:{port}"
     election = None
@@ -291,9 +320,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             )
         except ValueError as exc:
             await server.stop(grace=None)
-            raise SystemExit(f"kvtier-master: {exc}") from None
+            raise StartupError(str(exc)) from None
     else:
-        roles.store = FileStateStore(config.state_dir) if config.state_dir else NoStateStore()
+        roles.store = FileStateStore(config.saves_state_to) if config.saves_state_to else NoStateStore()
         try:
             saved, loaded = roles.store.load(), True
         except StateUnreadable as exc:
@@ -309,7 +338,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             fast_server = await start_fast_path(fast_listen, handlers, waiter, advertise_host, fast_path_limits(config))
         except OSError as exc:
             await server.stop(grace=None)
-            raise SystemExit(f"kvtier-master: cannot bind fast path {fast_listen}: {exc.strerror}") from None
+            raise StartupError(
+                f"cannot listen on {fast_listen} (fast path): {describe_os_error(exc)}: change --fast-listen"
+            ) from None
     metrics_address = ""
     if config.metrics:
         from kvtier.master.metrics import MasterCollector
@@ -323,7 +354,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             )
         except OSError as exc:
             await server.stop(grace=None)
-            raise SystemExit(f"kvtier-master: cannot bind metrics {config.metrics}: {exc.strerror}") from None
+            raise StartupError(
+                f"cannot listen on {config.metrics} (metrics): {describe_os_error(exc)}: change --metrics"
+            ) from None
         logger.info("metrics listening address=%s", metrics_address)
     if election is not None:
         election.start(handlers.fast_endpoint)

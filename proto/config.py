@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tomllib
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -126,7 +127,17 @@ def to_toml(config: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_config(cls: type[T], *, prog: str, description: str, env_prefix: str, argv: list[str] | None) -> T:
+def load_config(
+    cls: type[T],
+    *,
+    prog: str,
+    description: str,
+    env_prefix: str,
+    argv: list[str] | None,
+    resolve: Callable[[T], T] | None = None,
+) -> T:
+    """The validated config; `resolve` fills in values that depend on the machine (a default
+    directory) before `--print-config` shows them."""
     parser = OneLineArgumentParser(prog=prog, description=description)
     defaults = cls()
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -165,6 +176,8 @@ def load_config(cls: type[T], *, prog: str, description: str, env_prefix: str, a
     values = {**file_values, **env_values, **flag_values}
     try:
         config = cls(**values).validate()  # type: ignore[attr-defined]
+        if resolve is not None:
+            config = resolve(config)
     except ValueError as exc:
         parser.error(str(exc))
     if opts.print_config:

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvtier.proto.logs import setup_logging
+from kvtier.proto.startup import StartupError, run_main
 from kvtier.segment_server.config import parse_args
 from kvtier.segment_server.server import FdLimitError, serve
 
@@ -21,12 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         logging.getLogger(__name__).warning("uvloop not installed; using the default asyncio loop")
         loop_factory = None
-    try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(serve(config))
-    except (OSError, FdLimitError) as exc:  # for the user to fix (a directory, the open file limit): one line
-        print(f"kvtier-segment: {exc}", file=sys.stderr)
-        return 1
+
+    def run() -> int:
+        try:
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                return runner.run(serve(config))
+        except FdLimitError as exc:  # the SSD tier's size against the open file limit: a start-up failure
+            raise StartupError(str(exc)) from None
+        except OSError as exc:  # for the user to fix (a directory while serving): one line
+            print(f"kvtier-segment: {exc}", file=sys.stderr)
+            return 1
+
+    return run_main("kvtier-segment", run)  # a start-up failure: one line, exit status 2
 
 
 if __name__ == "__main__":

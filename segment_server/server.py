@@ -12,6 +12,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.region import host_id
+from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
 from kvtier.proto.units import format_size, parse_size
 from kvtier.segment_server.buckets import ALIGN, BucketStore
 from kvtier.segment_server.config import SegmentConfig
@@ -21,7 +22,15 @@ from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
 from kvtier.segment_server.protocol import CapabilityCheck, ConnectionLimits, DataPlaneStats
-from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path, remove_orphans
+from kvtier.segment_server.region import (
+    HEADER_SIZE,
+    DramRegion,
+    grant_socket_path,
+    region_path,
+    remove_if_orphaned,
+    remove_orphans,
+    remove_stale_socket,
+)
 from kvtier.segment_server.shm_grant import GrantStats, parse_uids
 from kvtier.segment_server.tier_worker import TierWorker
 
@@ -42,12 +51,11 @@ async def serve(config: SegmentConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    check_startup(config)
     orphans = remove_orphans(config.shm_dir, config.cluster_id)
     if orphans:
         logger.warning("removed orphaned region files count=%d", orphans)
-    region = DramRegion(
-        region_path(config.shm_dir, config.cluster_id, config.name), config.dram_bytes, config.cluster_id, config.name
-    ).open()
+    region = _open_region(config)
     stats = DataPlaneStats()
     grants = GrantStats()
     store = engine = disk = worker = feed = None
@@ -80,7 +88,12 @@ async def serve(config: SegmentConfig) -> int:
                 grants,
             ),
         ]
-        endpoints = [await listener.start() for listener in listeners]
+        endpoints = []
+        for listener, option in zip(listeners, ("--listen", "--shm-dir or --name"), strict=True):
+            try:
+                endpoints.append(await listener.start())
+            except OSError as exc:  # taken since check_startup, or a grant socket in use
+                raise StartupError(f"{exc.strerror or exc}: change {option}") from None
         mounted = asyncio.Event()
 
         def on_mounted(_segment_id: int) -> None:
@@ -174,10 +187,50 @@ async def serve(config: SegmentConfig) -> int:
     return 0
 
 
+def check_startup(config: SegmentConfig) -> None:
+    """What would stop this start half-way, checked before anything is created (StartupError, one
+    line naming the option): the addresses to listen on, the SSD directory, the region's room."""
+    check_bindable(config.listen, "--listen")
+    if config.metrics:
+        check_bindable(config.metrics, "--metrics")
+    try:
+        info = os.statvfs(config.shm_dir)
+    except OSError as exc:
+        raise StartupError(f"cannot use {config.shm_dir}: {describe_os_error(exc)}: change --shm-dir") from None
+    free = info.f_bavail * info.f_frsize
+    if HEADER_SIZE + config.dram_bytes > free:
+        raise StartupError(
+            f"--dram {config.dram} is larger than the free space in {config.shm_dir} ({format_size(free)}): "
+            f"lower --dram, or enlarge {config.shm_dir} (docker --shm-size, the tmpfs size) or change --shm-dir"
+        )
+    # This name's region file and grant socket: stale ones (their server is gone) are removed; a
+    # live one, or a file that is not ours, is a name in use.
+    try:
+        remove_if_orphaned(region_path(config.shm_dir, config.cluster_id, config.name))
+        remove_stale_socket(grant_socket_path(config.shm_dir, config.cluster_id, config.name))
+    except FileExistsError as exc:
+        raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
+    if config.ssd_dir:
+        check_writable_dir(config.ssd_dir, "--ssd-dir")
+        try:  # last (it logs the limit it set): raise the open file limit for the bucket files
+            _raise_fd_limit(config.ssd_bytes, parse_size(config.ssd_bucket_size), config.ssd_bucket_keys)
+        except FdLimitError as exc:
+            raise StartupError(str(exc)) from None
+
+
+def _open_region(config: SegmentConfig) -> DramRegion:
+    path = region_path(config.shm_dir, config.cluster_id, config.name)
+    try:
+        return DramRegion(path, config.dram_bytes, config.cluster_id, config.name).open()
+    except FileExistsError as exc:  # created since check_startup
+        raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
+    except OSError as exc:
+        raise StartupError(f"{exc.strerror or exc}: lower --dram or change --shm-dir") from None
+
+
 def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskReader]:
     """Recover the bucket files, choose the disk engine, and build the READ_DISK server."""
-    bucket_size = parse_size(config.ssd_bucket_size)
-    _raise_fd_limit(config.ssd_bytes, bucket_size, config.ssd_bucket_keys)
+    bucket_size = parse_size(config.ssd_bucket_size)  # the open file limit: raised in check_startup
     store = BucketStore(
         config.ssd_dir,
         config.ssd_bytes,

@@ -85,7 +85,16 @@ class Cluster:
         proc.info = json.loads(ready.read_text())
         return proc
 
-    def start_master(self, *extra: str, name: str = "master") -> Proc:
+    def state_dir(self, name: str = "master") -> Path:
+        """The per-test state directory master `name` is given (kept across restart_master)."""
+        return self.workdir / f"{name}-state"
+
+    def start_master(self, *extra: str, name: str = "master", default_state_dir: bool = False) -> Proc:
+        # Never the default state directory (/var/lib/kvtier or the home directory): a per-test one,
+        # unless the test chooses (--state-dir DIR or none, or default_state_dir for the test of the
+        # default itself) or the state lives in etcd.
+        chosen = default_state_dir or {"--etcd", "--state-dir"} & set(extra)
+        state = [] if chosen else ["--state-dir", str(self.state_dir(name))]
         proc = self._spawn(
             name,
             [
@@ -95,6 +104,7 @@ class Cluster:
                 "--segment-ttl-s", str(self.segment_ttl_s),
                 "--heartbeat-interval-s", str(self.heartbeat_interval_s),
                 *self._secret_args(),
+                *state,
                 *extra,
             ],
         )  # fmt: skip
@@ -133,7 +143,7 @@ class Cluster:
         self.segments[name] = proc
         return proc
 
-    def restart_master(self, *extra: str, sig: int = signal.SIGKILL) -> Proc:
+    def restart_master(self, *extra: str, sig: int = signal.SIGKILL, default_state_dir: bool = False) -> Proc:
         """Kill the master (SIGKILL by default) and start a new one at the same gRPC address."""
         assert self.master is not None, "start_master() first"
         address = self.master.info["address"]
@@ -141,7 +151,7 @@ class Cluster:
         deadline = time.monotonic() + 10
         while True:
             try:
-                return self.start_master("--listen", address, *extra)
+                return self.start_master("--listen", address, *extra, default_state_dir=default_state_dir)
             except RuntimeError:  # the port may linger for a moment after a kill
                 if time.monotonic() > deadline:
                     raise

@@ -122,7 +122,7 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
     with subprocess.Popen(
         [
             *KVTIER, "up", "--listen", f"127.0.0.1:{port}", "--dram", "32MiB", "--cluster-id", cluster_id,
-            "--ssd", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
+            "--ssd", "32MiB", "--ssd-dir", str(tmp_path / "ssd"), "--state-dir", str(tmp_path / "state"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -142,6 +142,7 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
             segment = json.loads(kvtier("status", "--master", f"127.0.0.1:{port}", "--json").stdout)["segments"][0]
             assert segment["ssd_capacity"] == 32 << 20 and segment["disk_engine"] in ("io_uring", "threads")
             assert list((tmp_path / "ssd" / "local0").glob("bucket-*.kvb")), "the SSD tier lives in --ssd-dir"
+            assert (tmp_path / "state" / "master-state.json").exists(), "the master saves its state in --state-dir"
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 0
             assert b"stopped" in proc.stdout.read()

@@ -26,7 +26,7 @@ import yaml
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.master.config import MasterConfig
+from kvtier.master.config import SERVICE_STATE_ROOT, MasterConfig, default_state_dir
 from kvtier.proto.region import HEADER_SIZE
 from kvtier.proto.units import parse_size
 from kvtier.segment_server.config import SegmentConfig
@@ -179,7 +179,9 @@ def test_reference_configs_document_every_key_and_their_defaults_are_real(name: 
     cfg = effective(service, uncommented)
     real_defaults = cls()
     for key, value in defaults.items():
-        assert cfg[key] == value, f"{name}: commented {key} = {value!r} was not taken"
+        # an empty state_dir of a standalone master is resolved to its default directory
+        resolved = default_state_dir(cfg["cluster_id"]) if key == "state_dir" and not cfg.get("etcd") else value
+        assert cfg[key] == resolved, f"{name}: commented {key} = {value!r} was not taken"
         assert value == getattr(real_defaults, key), (
             f"{name}: '# {key} = {value!r}' claims a default, the real one is {getattr(real_defaults, key)!r}"
         )
@@ -304,12 +306,15 @@ def test_units_are_hardened_and_sized_from_their_configs():
         for key in ("LimitNOFILE", "TasksMax", "MemoryMax"):
             one(unit, key)
 
-    # master: its only writable path is the state directory its config names
-    assert one(master, "StateDirectory") == "kvtier/master"
-    assert one(master, "ReadWritePaths").split() == ["/var/lib/kvtier/master"]
+    # master: its only writable path is the state directory; its config leaves state_dir at the
+    # default, which is /var/lib/kvtier/<cluster_id> where writable (the unit makes it so)
+    assert one(master, "StateDirectory") == "kvtier"
+    assert one(master, "ReadWritePaths").split() == [SERVICE_STATE_ROOT]
     exec_master = one(master, "ExecStart").split()
     assert exec_master == ["/opt/kvtier/bin/kvtier-master", "--config", "/etc/kvtier/master.toml"]
-    assert effective("kvtier-master", DEPLOY / "config" / "master.toml")["state_dir"] == "/var/lib/kvtier/master"
+    assert "state_dir" not in tomllib.loads((DEPLOY / "config" / "master.toml").read_text())
+    cfg = effective("kvtier-master", DEPLOY / "config" / "master.toml")
+    assert cfg["state_dir"] == default_state_dir(cfg["cluster_id"]), "--print-config shows the resolved default"
 
     # segment: host /dev/shm stays shared (same-host clients map the region), the SSD dir is writable
     assert one(segment, "ExecStart").split() == [
@@ -417,10 +422,11 @@ def test_compose_services_run_with_accepted_configs_and_sized_shm():
             for name in masters:
                 assert configs[name]["advertise"] == configs[name]["listen"] == f"{name}:50051"
         else:
+            # state_dir left at its default, /var/lib/kvtier/<cluster_id> (the image's user can
+            # write /var/lib/kvtier), on a named volume mounted there
             assert master_configs[0]["state_dir"], "a standalone master needs its state"
-            state_volumes = [
-                v for v in services["master"]["volumes"] if v.split(":")[1] == master_configs[0]["state_dir"]
-            ]
+            assert "state_dir" not in tomllib.loads((COMPOSE.parent / "master.toml").read_text())
+            state_volumes = [v for v in services["master"]["volumes"] if v.split(":")[1] == SERVICE_STATE_ROOT]
             assert state_volumes and not state_volumes[0].startswith("."), "state_dir must be a named volume"
         spec = master_configs[0]["etcd"] or master_configs[0]["listen"]
         for name in segments:
@@ -561,7 +567,9 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
         assert master_workload["kind"] == "Deployment" and master_workload["spec"]["replicas"] == 1
         assert master_workload["spec"]["strategy"]["type"] == "Recreate"
         mounts = {m["mountPath"]: m["name"] for m in master_container["volumeMounts"]}
-        state = next(v for v in master_pod["volumes"] if v["name"] == mounts[master_cfg["state_dir"]])
+        # state_dir left at its default, /var/lib/kvtier/<cluster_id>, on the PVC mounted there
+        assert master_cfg["state_dir"] and not master_cfg["etcd"]
+        state = next(v for v in master_pod["volumes"] if v["name"] == mounts[SERVICE_STATE_ROOT])
         claim = state["persistentVolumeClaim"]["claimName"]
         assert any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim for o in objects)
         assert segment_cfg["master"] == "kvtier-master:50051"
@@ -657,6 +665,9 @@ def test_dockerfile_runtime_stage_has_no_compiler_and_runs_as_a_fixed_non_root_u
     assert not any(re.search(r"\b(gcc|cc|make|build-essential)\b", line) for line in runtime if line.startswith("RUN"))
     user = [line.split()[1] for line in runtime if line.startswith("USER ")]
     assert user and re.fullmatch(r"[1-9]\d*:[1-9]\d*", user[-1]), "a numeric uid:gid, so runAsNonRoot can check it"
+    uid, gid = user[-1].split(":")
+    owned = f"install -d -o {uid} -g {gid} -m 0700 {SERVICE_STATE_ROOT} "
+    assert any(owned in line for line in runtime if line.startswith("RUN")), "the default state_dir is writable"
     exposed = {int(p) for line in runtime if line.startswith("EXPOSE ") for p in line.split()[1:]}
     assert {50051, 50052, 7000, 9450} <= exposed
     assert any(line.startswith("HEALTHCHECK ") for line in runtime)

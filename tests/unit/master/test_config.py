@@ -125,3 +125,40 @@ def test_parse_args_exits_2_on_invalid_environment(monkeypatch, capsys, name, va
         parse_args([])
     assert excinfo.value.code == 2
     assert "kvtier-master: error:" in capsys.readouterr().err
+
+
+def test_default_state_dir_is_per_cluster_under_var_lib_when_writable_else_xdg(monkeypatch, tmp_path):
+    from kvtier.master import config as master_config
+
+    monkeypatch.setattr(master_config, "_writable", lambda path: True)
+    assert master_config.default_state_dir("prod", {}) == "/var/lib/kvtier/prod"
+    monkeypatch.setattr(master_config, "_writable", lambda path: False)
+    env = {"XDG_STATE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
+    assert master_config.default_state_dir("prod", env) == str(tmp_path / "xdg" / "kvtier" / "prod")
+    for xdg in ("", "relative/path"):  # unset or relative: ~/.local/state (the XDG spec)
+        expected = str(tmp_path / "home" / ".local" / "state" / "kvtier" / "prod")
+        assert master_config.default_state_dir("prod", {**env, "XDG_STATE_HOME": xdg}) == expected
+
+
+def test_writable_looks_at_the_nearest_existing_directory(tmp_path):
+    from kvtier.master.config import _writable
+
+    assert _writable(tmp_path / "a" / "b")
+    (tmp_path / "file").write_text("")
+    assert not _writable(tmp_path / "file" / "b")
+
+
+def test_an_empty_state_dir_resolves_to_the_default_but_none_and_etcd_do_not(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    from kvtier.master.config import default_state_dir
+
+    resolved = MasterConfig(cluster_id="c1").validate().with_defaults()
+    assert resolved.state_dir == default_state_dir("c1") and resolved.saves_state_to == resolved.state_dir
+    opted_out = MasterConfig(state_dir="none").validate().with_defaults()
+    assert opted_out.state_dir == "none" and opted_out.saves_state_to == ""
+    ha = MasterConfig(etcd="127.0.0.1:2379").validate().with_defaults()
+    assert ha.state_dir == "" and ha.saves_state_to == ""
+    assert MasterConfig(etcd="127.0.0.1:2379", state_dir="none").validate().saves_state_to == ""
+    with pytest.raises(ValueError, match="state_dir is for a standalone master"):
+        MasterConfig(etcd="127.0.0.1:2379", state_dir="/x").validate()
+    assert parse_args(["--cluster-id", "c2"]).state_dir == default_state_dir("c2")

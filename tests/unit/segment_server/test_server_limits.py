@@ -81,7 +81,7 @@ def test_raise_fd_limit_refused_by_the_kernel_is_an_fd_limit_error(monkeypatch):
         server._raise_fd_limit(512 * GiB, 4 * MiB, 65536)
 
 
-def test_segment_server_start_fails_with_one_line_and_exit_1(tmp_path: Path, monkeypatch, capsys):
+def test_segment_server_start_fails_with_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
     monkeypatch.setattr(resource, "setrlimit", lambda which, limits: pytest.fail("must not change the limit"))
     code = main(
@@ -94,7 +94,7 @@ def test_segment_server_start_fails_with_one_line_and_exit_1(tmp_path: Path, mon
         ]
     )  # fmt: skip
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2  # a start-up failure (kvtier.proto.startup)
     lines = [line for line in err.splitlines() if line.startswith("kvtier-segment:")]
     assert len(lines) == 1
     assert "--ssd-size 64.0 GiB" in lines[0] and "--ssd-bucket-size 4.0 MiB" in lines[0] and "4096" in lines[0]

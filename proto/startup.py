@@ -1,0 +1,77 @@
+"""Start-up failures a user fixes: one line on stderr naming the cause and the option, exit status 2.
+
+A server's entry point runs its `serve()` under `run_main`; anything that stops a start for a
+reason outside the program (a port in use, a directory it cannot write, a region larger than
+/dev/shm, etcd unreachable) is raised as `StartupError` with that one line. Exit status 2 is also
+what a bad flag or config key gets (kvtier.proto.config), so a service manager that does not
+restart on 2 (systemd RestartPreventExitStatus=2) does not loop on either.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable
+
+STARTUP_EXIT = 2
+
+
+class StartupError(Exception):
+    """The server cannot start; the message is one line naming the cause and the option to change."""
+
+
+def run_main(prog: str, body: Callable[[], int]) -> int:
+    """`body()`, with a StartupError reported as one line on stderr and exit status 2."""
+    try:
+        return body()
+    except StartupError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr, flush=True)
+        return STARTUP_EXIT
+
+
+def describe_os_error(exc: OSError) -> str:
+    """An OSError's reason in a few words ("address already in use"), without errno numbers."""
+    if exc.errno is not None and exc.errno in errno.errorcode:
+        return (exc.strerror or os.strerror(exc.errno)).lower()
+    return str(exc)
+
+
+def check_bindable(address: str, option: str) -> None:
+    """StartupError unless a TCP listener could bind `address` (HOST:PORT) now.
+
+    gRPC reports a bind failure as a C-core log line plus a RuntimeError that hides the reason; a
+    plain socket bound first (with SO_REUSEADDR, as gRPC and asyncio bind) names it. Port 0 always binds.
+    """
+    from kvtier.proto.units import parse_hostport
+
+    host, port = parse_hostport(address)
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {address}: {exc.strerror}: change {option}") from None
+    for family, kind, proto, _name, sockaddr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {address}: {describe_os_error(exc)}: change {option}") from None
+
+
+def check_writable_dir(path: str, option: str) -> None:
+    """Create `path` (and its parents) if missing, and prove it writable by creating and removing a
+    file in it; StartupError naming `option` otherwise (a later write failing would lose state)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        probe = os.path.join(path, f".kvtier-write-check-{uuid.uuid4().hex[:8]}")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        where = exc.filename or path
+        raise StartupError(f"cannot write {where}: {describe_os_error(exc)}: change {option}") from None

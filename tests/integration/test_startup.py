@@ -1,0 +1,210 @@
+"""Start-up with defaults and start-up failures, on real processes.
+
+A standalone master started with defaults saves its state in the default directory, so a kill -9
+loses nothing; opting out (--state-dir none) is a warning. Every start-up failure of kvtier-master,
+kvtier-segment and `kvtier up` is one line on stderr naming the option to change, exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.master.config import SERVICE_STATE_ROOT, default_state_dir
+from kvtier.segment_server.region import grant_socket_path
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def default_dir(bare_cluster, tmp_path: Path, monkeypatch):
+    """The default state directory of this test's (unique) cluster, removed afterwards. As root it is
+    /var/lib/kvtier/<cluster>; otherwise XDG_STATE_HOME, pointed at the test's tmp directory."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    root_existed = os.path.exists(SERVICE_STATE_ROOT)
+    path = Path(default_state_dir(bare_cluster.cluster_id))
+    assert bare_cluster.cluster_id in path.parts and not path.exists()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+    if not root_existed:
+        try:
+            os.rmdir(SERVICE_STATE_ROOT)  # only if this test created it and left it empty
+        except OSError:
+            pass
+
+
+def test_a_master_started_with_defaults_loses_nothing_on_kill_9(bare_cluster, default_dir: Path):
+    bare_cluster.start_master(default_state_dir=True)
+    bare_cluster.start_segment("seg0")
+    client = bare_cluster.client()
+    for i in range(20):
+        client.put(f"k{i}", b"value %d" % i)
+    assert (default_dir / "master-state.json").exists(), "the default state directory holds the state"
+    bare_cluster.restart_master(default_state_dir=True)  # SIGKILL, then the same defaults
+    assert [client.get(f"k{i}") for i in range(20)] == [b"value %d" % i for i in range(20)]
+
+
+def test_print_config_shows_the_resolved_state_dir(bare_cluster, default_dir: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier.master", "--cluster-id", bare_cluster.cluster_id, "--print-config"],
+        capture_output=True,
+        timeout=30,
+    )
+    assert result.returncode == 0
+    assert f'state_dir = "{default_dir}"' in result.stdout.decode().splitlines()
+    with_etcd = subprocess.run(
+        [sys.executable, "-m", "kvtier.master", "--etcd", "127.0.0.1:2379", "--print-config"],
+        capture_output=True,
+        timeout=30,
+    )
+    assert 'state_dir = ""' in with_etcd.stdout.decode().splitlines(), "with etcd the state lives in etcd"
+
+
+def test_opting_out_of_the_state_dir_is_a_warning(bare_cluster):
+    master = bare_cluster.start_master("--state-dir", "none")
+    warnings = [line for line in master.log.read_text().splitlines() if "state_dir=none" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0].upper(), warnings
+
+
+# ------------------------------------------------------------------ start-up failures
+
+
+def _one_line_failure(args: list[str], option: str, timeout: float = 45) -> str:
+    result = subprocess.run(args, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, (result.returncode, stderr)
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert option in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def taken(tmp_path: Path):
+    """A loopback address something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _master(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "kvtier.master", "--state-dir", str(tmp_path / "state"), *args]
+
+
+@pytest.mark.parametrize(
+    ("flags", "option"),
+    [
+        (["--listen", "{taken}"], "--listen"),
+        (["--listen", "127.0.0.1:0", "--fast-listen", "{taken}"], "--fast-listen"),
+        (["--listen", "127.0.0.1:0", "--metrics", "{taken}"], "--metrics"),
+    ],
+)
+def test_master_port_in_use_is_one_line(tmp_path: Path, taken: str, flags: list[str], option: str):
+    line = _one_line_failure(_master(tmp_path, *(f.format(taken=taken) for f in flags)), option)
+    assert line.startswith("kvtier-master: ") and taken in line and "in use" in line
+
+
+def test_master_unwritable_state_dir_is_one_line(tmp_path: Path):
+    (tmp_path / "file").write_text("not a directory")
+    args = [sys.executable, "-m", "kvtier.master", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "file/s")]
+    _one_line_failure(args, "--state-dir")
+
+
+def test_master_secret_file_open_to_everyone_is_one_line(tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    secret.chmod(0o644)
+    line = _one_line_failure(_master(tmp_path, "--listen", "127.0.0.1:0", "--secret-file", str(secret)), "secret")
+    assert "secret_file" in line  # the key; the flag is --secret-file
+
+
+@pytest.mark.parametrize("etcd", ["etcd://127.0.0.1:{port}/{cluster}", "etcd://no-such-host.invalid:2379/{cluster}"])
+def test_master_unreachable_etcd_is_one_line(etcd: str):
+    spec = etcd.format(port=free_port(), cluster="default")
+    args = [sys.executable, "-m", "kvtier.master", "--listen", "127.0.0.1:0", "--etcd", spec]
+    assert "cannot reach etcd" in _one_line_failure(args, "--etcd")
+
+
+def _segment(bare_cluster, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "kvtier.segment_server",
+        "--master", bare_cluster.master_address,
+        "--cluster-id", bare_cluster.cluster_id,
+        "--dram", "8MiB",
+        *args,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def master(bare_cluster):
+    bare_cluster.start_master()
+    return bare_cluster
+
+
+@pytest.mark.parametrize(("flag", "option"), [("--listen", "--listen"), ("--metrics", "--metrics")])
+def test_segment_port_in_use_is_one_line(master, taken: str, flag: str, option: str):
+    line = _one_line_failure(_segment(master, "--name", "s", flag, taken), option)
+    assert line.startswith("kvtier-segment: ") and "in use" in line
+
+
+def test_segment_unwritable_ssd_dir_is_one_line(master, tmp_path: Path):
+    (tmp_path / "file").write_text("not a directory")
+    _one_line_failure(_segment(master, "--ssd-dir", str(tmp_path / "file/ssd"), "--ssd-size", "32MiB"), "--ssd-dir")
+
+
+def test_segment_secret_file_open_to_everyone_is_one_line(master, tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    secret.chmod(0o644)
+    assert "secret_file" in _one_line_failure(_segment(master, "--secret-file", str(secret)), "secret")
+
+
+def test_segment_region_larger_than_shm_is_one_line(master):
+    info = os.statvfs("/dev/shm")
+    too_big = f"{info.f_bavail * info.f_frsize // (1 << 20) + 1024}MiB"
+    line = _one_line_failure(_segment(master, "--dram", too_big), "--dram")
+    assert "/dev/shm" in line
+    assert not list(Path("/dev/shm").glob(f"kvtier.{master.cluster_id}.*")), "nothing is left behind"
+
+
+def test_segment_grant_socket_in_the_way_is_one_line(master):
+    path = Path(grant_socket_path("/dev/shm", master.cluster_id, "blocked"))
+    path.mkdir()  # not a socket: never ours to remove
+    try:
+        _one_line_failure(_segment(master, "--name", "blocked"), "--name")
+        assert not list(Path("/dev/shm").glob(f"kvtier.{master.cluster_id}.*.region")), "no region left behind"
+    finally:
+        path.rmdir()
+
+
+def test_segment_name_in_use_is_one_line(master):
+    master.start_segment("twin")
+    _one_line_failure(_segment(master, "--name", "twin"), "--name")
+
+
+def test_kvtier_up_with_its_port_taken_is_one_line(tmp_path: Path, taken: str):
+    args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", taken, "--dram", "16MiB", "--ssd", "0"]
+    line = _one_line_failure([*args, "--state-dir", str(tmp_path / "state")], "--listen")
+    assert taken in line and "in use" in line
+
+
+def test_kvtier_up_with_a_region_larger_than_shm_is_one_line(tmp_path: Path):
+    info = os.statvfs("/dev/shm")
+    too_big = f"{info.f_bavail * info.f_frsize // (1 << 20) + 1024}MiB"
+    args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", f"127.0.0.1:{free_port()}", "--ssd", "0"]
+    line = _one_line_failure([*args, "--dram", too_big, "--state-dir", str(tmp_path / "state")], "--dram")
+    assert line.startswith("kvtier-segment: ")
