@@ -12,7 +12,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.region import host_id
-from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
+from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir
 from kvtier.proto.units import format_size, parse_size
 from kvtier.segment_server.buckets import ALIGN, BucketStore
 from kvtier.segment_server.config import SegmentConfig
@@ -193,15 +193,15 @@ def check_startup(config: SegmentConfig) -> None:
     check_bindable(config.listen, "--listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
-    try:
-        info = os.statvfs(config.shm_dir)
-    except OSError as exc:
-        raise StartupError(f"cannot use {config.shm_dir}: {describe_os_error(exc)}: change --shm-dir") from None
-    free = info.f_bavail * info.f_frsize
+    if not os.path.isdir(config.shm_dir) or not os.access(config.shm_dir, os.W_OK | os.X_OK):
+        raise StartupError(
+            f"cannot use {config.shm_dir} (lock file, grant socket): not a writable directory: change --shm-dir"
+        )
+    free = available_memory()
     if HEADER_SIZE + config.dram_bytes > free:
         raise StartupError(
-            f"--dram {config.dram} is larger than the free space in {config.shm_dir} ({format_size(free)}): "
-            f"lower --dram, or enlarge {config.shm_dir} (docker --shm-size, the tmpfs size) or change --shm-dir"
+            f"--dram {config.dram} is larger than the memory available to this process ({format_size(free)}): "
+            "lower --dram, or give the service more memory (its cgroup's memory.max)"
         )
     # This name's region file and grant socket: stale ones (their server is gone) are removed; a
     # live one, or a file that is not ours, is a name in use.
@@ -216,6 +216,34 @@ def check_startup(config: SegmentConfig) -> None:
             _raise_fd_limit(config.ssd_bytes, parse_size(config.ssd_bucket_size), config.ssd_bucket_keys)
         except FdLimitError as exc:
             raise StartupError(str(exc)) from None
+
+
+def available_memory() -> int:
+    """Bytes a new region could take: the kernel's MemAvailable, capped by this cgroup's room under
+    memory.max. The region is a memfd (charged to the cgroup, not limited by /dev/shm's size), so
+    reserving more than this would push the host or the container into the OOM killer."""
+    available = 1 << 62
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:  # cgroup v2: "0::/path"
+        with open("/proc/self/cgroup") as cgroup:
+            group = next((line.split("::", 1)[1].strip() for line in cgroup if line.startswith("0::")), None)
+        if group is not None:
+            base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
+            with open(os.path.join(base, "memory.max")) as limit_file:
+                limit = limit_file.read().strip()
+            if limit != "max":
+                with open(os.path.join(base, "memory.current")) as current_file:
+                    available = min(available, int(limit) - int(current_file.read()))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def _open_region(config: SegmentConfig) -> DramRegion:
