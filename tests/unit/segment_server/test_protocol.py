@@ -13,12 +13,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.proto import frames
-from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op, pack_request
+from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
+from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op
 from kvtier.proto.status import Status
 from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
 
 CAPACITY = 4096
 SENTINEL = 0xA5
+FAR = wall_ms() + 3_600_000  # a grant deadline no test outlives
+
+
+def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0, **kwargs) -> bytes:
+    """As our clients send them: every READ and WRITE with its grant's deadline."""
+    if op in (Op.READ, Op.WRITE):
+        kwargs.setdefault("deadline", FAR)
+    return frames.pack_request(op, request_id, ranges, payload_len, **kwargs)
 
 
 class FakeTransport:
@@ -45,6 +54,13 @@ class FakeTransport:
     def close(self) -> None:
         self.calls.append(("close", None))
         self.closed = True
+
+    def abort(self) -> None:
+        self.calls.append(("abort", None))
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # written parts are copied at once, as a kernel send would
 
     def pause_reading(self) -> None:
         self.calls.append(("pause_reading", None))
@@ -354,7 +370,7 @@ def test_protocol_error_echoes_op_and_request_id(conn):
 
 def test_max_ranges_is_still_accepted():
     conn = make_conn()
-    n = frames.MAX_RANGES_PER_FRAME
+    n = frames.MAX_RANGES_PER_FRAME - 1  # and the deadline entry
     conn.feed(pack_request(Op.READ, 1, [(0, 0)] * n), 1 << 20)
     [response] = conn.responses()
     assert (response.status, response.payload) == (Status.OK, b"")
@@ -461,13 +477,15 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         magic, version, op, rid, nranges, flags, payload_len = frames.REQUEST.unpack_from(data, pos)
         pos += 24
         traced = flags & frames.FLAG_TRACED
+        has_deadline = flags & frames.FLAG_DEADLINE
+        special = sum(1 for flag in (frames.FLAG_TRACED, frames.FLAG_DEADLINE, frames.FLAG_CAPS) if flags & flag)
         if (
             magic != MAGIC
             or version != VERSION
             or op not in (1, 2, 3, 4)
             or nranges > frames.MAX_RANGES_PER_FRAME
             or (op == Op.WRITE and payload_len > capacity)
-            or (traced and nranges == 0)
+            or nranges < special
             or (op == Op.READ_DISK and payload_len > nranges * frames.MAX_DISK_NAME)
             or (op not in (Op.WRITE, Op.READ_DISK) and payload_len)
         ):
@@ -478,6 +496,17 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         flat = struct.unpack_from(f"<{2 * nranges}Q", data, pos)
         pos += 16 * nranges
         ranges = list(zip(flat[::2], flat[1::2], strict=True))[1 if traced else 0 :]  # the trace entry
+        deadline = 0
+        if has_deadline:
+            deadline, ranges = ranges[0][0], ranges[1:]
+        if op in (Op.READ, Op.WRITE) and (not deadline or deadline + CLOCK_SKEW_MS <= wall_ms()):
+            # No grant, or one already over: refused before any byte touches the region.
+            if op == Op.WRITE:
+                if len(data) - pos < payload_len:
+                    break
+                pos += payload_len
+            out.append((op, rid, Status.CAPABILITY_DENIED if not deadline else Status.LEASE_EXPIRED, None))
+            continue
         if op == Op.READ_DISK:  # this segment has no SSD tier: NOT_FOUND, its names drained unread
             if payload_len == 0 and ranges:  # no names for its ranges: malformed
                 out.append((op, rid, Status.PROTOCOL_ERROR, None))
@@ -537,6 +566,10 @@ def frame_bytes(draw) -> bytes:
         ranges.append((offset, length))
     op = {"write": Op.WRITE, "read": Op.READ, "ping": Op.PING, "header": draw(st.integers(0, 255))}[kind]
     total = sum(n for _, n in ranges)
+    flags = draw(st.sampled_from([0, 1, 4, 4, 4, 5]))
+    table_entries = list(ranges)
+    if flags & frames.FLAG_DEADLINE:  # after the trace entry (the first range stands in for it)
+        table_entries.insert(min(1 if flags & frames.FLAG_TRACED else 0, len(ranges)), (FAR, 0))
     payload_len = total if op == Op.WRITE else 0
     if draw(st.integers(0, 9)) == 0:  # sometimes lie about the payload
         payload_len = draw(st.integers(0, SMALL + 4))
@@ -545,11 +578,11 @@ def frame_bytes(draw) -> bytes:
         VERSION if draw(st.integers(0, 19)) else draw(st.integers(0, 255)),
         op,
         draw(st.integers(0, (1 << 32) - 1)),
-        len(ranges) if draw(st.integers(0, 19)) else draw(st.integers(0, (1 << 32) - 1)),
-        draw(st.sampled_from([0, 0, 0, 1])),
+        len(table_entries) if draw(st.integers(0, 19)) else draw(st.integers(0, (1 << 32) - 1)),
+        flags,
         payload_len,
     )
-    table = b"".join(frames.RANGE.pack(o, n) for o, n in ranges)
+    table = b"".join(frames.RANGE.pack(o, n) for o, n in table_entries)
     payload = draw(st.binary(min_size=payload_len, max_size=payload_len)) if op == Op.WRITE else b""
     return header + table + payload
 
