@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from kvtier.proto import frames
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op
 from kvtier.proto.status import Status
+from kvtier.segment_server import protocol as protocol_module
 from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
 
 CAPACITY = 4096
@@ -457,6 +459,92 @@ def test_connection_counting(conn):
 
 def test_eof_closes_our_side(conn):
     assert conn.protocol.eof_received() is False
+
+
+# ---------------------------------------------------------------- grant deadlines (issue 15)
+
+
+class SteppedClock:
+    """The protocol module's `time`, with a monotonic clock the test moves (perf_counter stays real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def perf_counter() -> float:
+        return time.perf_counter()
+
+
+def granted_for(seconds: float) -> int:
+    """A deadline whose grant (deadline + CLOCK_SKEW_MS on the segment's wall clock) ends in `seconds`."""
+    return wall_ms() - CLOCK_SKEW_MS + int(seconds * 1000)
+
+
+def test_a_write_that_outlives_its_grant_stops_writing_into_the_region(conn, monkeypatch):
+    clock = SteppedClock()
+    monkeypatch.setattr(protocol_module, "time", clock)
+    frame = pack_request(Op.WRITE, 7, [(0, 100), (200, 100)], 200, deadline=granted_for(10)) + b"a" * 150 + b"b" * 50
+    conn.feed(frame[: 24 + 3 * 16 + 120])  # header, table (deadline + 2 ranges), 120 payload bytes
+    clock.now += 11  # the writer stalls past its grant
+    conn.feed(frame[24 + 3 * 16 + 120 :], 7)
+    [response] = conn.responses()
+    assert (response.request_id, response.status) == (7, Status.LEASE_EXPIRED)
+    assert b"grant" in response.payload
+    assert conn.region[:100] == b"a" * 100 and conn.region[200:220] == b"a" * 20
+    assert conn.region[220:300] == bytes([SENTINEL]) * 80, "bytes after the grant landed in the region"
+    assert conn.stats.frames_cut == {"READ": 0, "WRITE": 1}
+    assert_back_to_header(conn)
+
+
+def test_a_write_within_its_grant_is_whole(conn, monkeypatch):
+    clock = SteppedClock()
+    monkeypatch.setattr(protocol_module, "time", clock)
+    frame = pack_request(Op.WRITE, 7, [(0, 100)], 100, deadline=granted_for(10)) + b"a" * 100
+    conn.feed(frame[:80])
+    clock.now += 9
+    conn.feed(frame[80:], 5)
+    assert [(r.request_id, r.status) for r in conn.responses()] == [(7, Status.OK)]
+    assert conn.region[:100] == b"a" * 100 and conn.stats.frames_cut["WRITE"] == 0
+
+
+def test_frames_without_a_deadline_or_past_their_grant_touch_nothing(conn):
+    conn.region[:4] = b"seen"
+    conn.feed(frames.pack_request(Op.READ, 1, [(0, 4)]))  # bare: no FLAG_DEADLINE, no FLAG_CAPS
+    conn.feed(frames.pack_request(Op.WRITE, 2, [(0, 4)], 4) + b"XXXX")
+    conn.feed(pack_request(Op.READ, 3, [(0, 4)], deadline=granted_for(-1)))
+    conn.feed(pack_request(Op.WRITE, 4, [(0, 4)], 4, deadline=granted_for(-1)) + b"YYYY")
+    conn.feed(pack_request(Op.READ, 5, [(0, 4)], deadline=granted_for(5)))
+    got = [(r.request_id, r.status) for r in conn.responses()]
+    assert got == [
+        (1, Status.CAPABILITY_DENIED),
+        (2, Status.CAPABILITY_DENIED),
+        (3, Status.LEASE_EXPIRED),
+        (4, Status.LEASE_EXPIRED),
+        (5, Status.OK),
+    ]
+    assert conn.responses()[-1].payload == b"seen" and conn.region[:4] == b"seen"
+    assert conn.stats.capability_denials == 2 and conn.stats.frames_cut == {"READ": 0, "WRITE": 0}
+
+
+@pytest.mark.parametrize(
+    ("deadline", "expiry", "status"),
+    [
+        (FAR, FAR, Status.OK),
+        (1, FAR, Status.LEASE_EXPIRED),  # a deadline entry shortens the capability's grant
+        (FAR, 1, Status.LEASE_EXPIRED),  # and never lengthens it
+    ],
+)
+def test_trace_deadline_and_capability_entries_together(conn, deadline, expiry, status):
+    conn.region[:3] = b"abc"
+    conn.feed(pack_request(Op.READ, 9, [(0, 3)], trace=77, deadline=deadline, caps=(expiry, b"t" * 16)))
+    [response] = conn.responses()
+    assert (response.request_id, response.status) == (9, status)
+    if status == Status.OK:
+        assert response.payload == b"abc"
+    assert conn.protocol._trace == 77
 
 
 # ---------------------------------------------------------------- property: arbitrary input
