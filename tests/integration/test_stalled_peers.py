@@ -7,7 +7,8 @@ bytes put after its grant ended: the segment cuts the frame, logs it and counts 
 
 Short grants (`--lease-s 1 --put-timeout-s 1`) keep each test at a few seconds: the range is
 reused about 1 s + CLOCK_SKEW_MS after its grant started. Segments are exactly one object large, so
-the next owner's put succeeds only once the stalled peer's range is handed on, and lands on it.
+the next owner's put succeeds only once the stalled peer's range is handed on, and lands on it
+(hard-pinned: a full segment would otherwise evict it at once).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def test_a_stalled_writer_never_writes_into_the_next_owners_object(stall_cluster
     ) == [0]
     b_value = os.urandom(size)
     b = stall_cluster.client(transport="tcp")
-    assert stall_cluster.wait_for(lambda: b.batch_put(["b"], [b_value]) == [Status.OK], REUSE_WAIT_S, 0.2)
+    assert stall_cluster.wait_for(lambda: b.batch_put(["b"], [b_value], pin="hard") == [Status.OK], REUSE_WAIT_S, 0.2)
     assert b.locate("b")[0]["offset"] == offset, "B's object must be on A's range for this test to mean anything"
     # and A then sends the rest of its payload
     a.sendall(b"A" * (size - 1))
@@ -106,7 +107,7 @@ def test_a_reader_that_stops_draining_never_receives_the_next_owners_bytes(stall
     size = 8 << 20
     segment, endpoint = start_segment(stall_cluster, "8MiB")
     b = stall_cluster.client(transport="tcp")
-    b.put("a", b"a" * size)
+    b.put("a", b"a" * size, pin="hard")
     master = Master(stall_cluster)
     reply = master.GetReplicas(pb.KeysRequest(namespace="default", keys=["a"]))
     assert list(reply.statuses) == [Status.OK] and reply.tag_expiry_ms
@@ -122,7 +123,7 @@ def test_a_reader_that_stops_draining_never_receives_the_next_owners_bytes(stall
     # when A stops reading, its object is removed and B puts a secret that lands on the same range
     assert b.remove("a")
     secret = b"B" * size
-    assert stall_cluster.wait_for(lambda: b.batch_put(["b"], [secret]) == [Status.OK], REUSE_WAIT_S, 0.2)
+    assert stall_cluster.wait_for(lambda: b.batch_put(["b"], [secret], pin="hard") == [Status.OK], REUSE_WAIT_S, 0.2)
     assert b.locate("b")[0]["offset"] == offset
     # and A reads all it still can
     rest = bytearray()
