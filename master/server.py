@@ -163,6 +163,7 @@ class Roles:
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.capabilities = self.handlers.minter.enabled
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
                 try:
@@ -191,6 +192,7 @@ class Roles:
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.capabilities = self.handlers.minter.enabled
         self.servicer.attach(state)
         self.handlers.state = state
 
@@ -267,6 +269,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     handlers.minter = Minter(handlers.auth.cluster_secret)
     state.capability_ttl_s = handlers.minter.ttl_s(config)
     state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+    state.capabilities = handlers.minter.enabled
     # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
     interceptors.append(DecodeCheck())

@@ -48,7 +48,7 @@ def test_a_revoked_puts_range_waits_for_its_tags_to_expire(state: MasterState, c
 
 
 def test_a_removed_objects_range_waits_for_its_write_tags_even_after_its_lease(state: MasterState, clock):
-    state.capability_ttl_s = TTL
+    state.capability_ttl_s, state.capabilities = TTL, True
     mount(state, "a")
     first = put(state, "first", size=4096)
     state.get_replicas(NS, ["first"])  # a read lease, which ends before the write tags do here
@@ -117,4 +117,27 @@ def test_a_failed_migrations_target_waits_for_the_migrators_write_grant(state: M
     clock.advance(state.config.lease_s + MARGIN + 0.5)
     state.tick()
     assert state.segments[target_segment].allocator.used == 0
+    assert_consistent(state)
+
+
+def test_without_a_secret_a_completed_objects_range_waits_only_for_its_leases_and_the_margin(state, clock):
+    # given no capabilities: a completed put has no frame in flight (its writer PutEnds once every
+    # WRITE was answered), and no tag outlives it
+    state.capability_ttl_s, state.reuse_margin_s = TTL, MARGIN
+    mount(state, "a")
+    first = put(state, "first", size=4096)
+    state.get_replicas(NS, ["first"])  # a read lease of lease_s (= TTL here)
+    assert state.remove(NS, ["first"]) == [OK]
+    clock.advance(TTL + MARGIN - 0.5)
+    state.tick()
+    second = put(state, "second", size=4096)
+    assert offset_of(second) != offset_of(first), "a reader's frames may still be served from it"
+    clock.advance(1.0)
+    state.tick()
+    third = put(state, "third", size=4096)
+    assert offset_of(third) == offset_of(first)
+    # and an object never read is free at once
+    assert state.remove(NS, ["third"]) == [OK]
+    fourth = put(state, "fourth", size=4096)
+    assert offset_of(fourth) == offset_of(first)
     assert_consistent(state)
