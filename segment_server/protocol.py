@@ -530,14 +530,14 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- grant deadlines
 
-    def _log_cut(self, op: str, detail: str) -> None:
+    def _log_cut(self, op: str, request_id: int, trace: int, detail: str) -> None:
         self._stats.frames_cut[op] += 1
         _log.log(
             logging.WARNING,
             "frame cut: its grant ended",
             extra={
-                "rid": format_request_id(self._trace),
-                "fields": {"peer": self._peer(), "op": op, "request": self._request_id, "detail": detail},
+                "rid": format_request_id(trace),
+                "fields": {"peer": self._peer(), "op": op, "request": request_id, "detail": detail},
             },
         )
 
@@ -545,7 +545,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         """The current WRITE outlived its grant: the rest of its payload goes to scratch, then
         LEASE_EXPIRED (the connection stays in sync). Returns the buffer for the bytes arriving now."""
         left = self._payload_len - self._write_done - self._filled
-        self._log_cut("WRITE", f"{left} of {self._payload_len} payload bytes not written")
+        detail = f"{left} of {self._payload_len} payload bytes not written"
+        self._log_cut("WRITE", self._request_id, self._trace, detail)
         self._state = _DRAIN
         self._drain_left = left
         self._drain_status = Status.LEASE_EXPIRED
@@ -581,8 +582,7 @@ class DataProtocol(asyncio.BufferedProtocol):
         if first > time.monotonic():
             return self._arm_read_timer(first)
         end, _cut_at, request_id, trace = next(entry for entry in reads if entry[1] == first)
-        self._request_id, self._trace = request_id, trace  # for the log line
-        self._log_cut("READ", f"{end - sent} response bytes still queued; the connection is aborted")
+        self._log_cut("READ", request_id, trace, f"{end - sent} bytes up to its end unsent; the connection is aborted")
         reads.clear()
         self.abort("a READ response outlived its grant")
 
