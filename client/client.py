@@ -62,9 +62,11 @@ _put_failure: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_put_f
 
 
 def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int]) -> Caps:
-    """The capabilities of the replicas at `positions` of a reply (None: the cluster mints none)."""
+    """The grant of the replicas at `positions` of a reply: (expiry, their capability tags), or
+    (expiry, []) where the cluster mints no tags: frames then carry the expiry as their deadline
+    (kvtier.proto.frames FLAG_DEADLINE). None only from a master that names no expiry."""
     if not tags:
-        return None
+        return (expiry_ms, []) if expiry_ms else None
     return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions]
 
 

@@ -87,7 +87,10 @@ def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainRep
     rank = {i: n for n, i in enumerate(todo)}  # capabilities come for the movable objects, in order
 
     def caps(tags: bytes, indices: list[int]) -> Caps:
-        return (start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices]) if tags else None
+        """The migration's grant: its tags, or without a secret only its expiry (the frames' deadline)."""
+        if not tags:
+            return (start.tag_expiry_ms, []) if start.tag_expiry_ms else None
+        return start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices]
 
     reads = client._connector(source).read_into(
         [(start.source_offsets[i], memoryview(buffers[i])) for i in todo], None, caps=caps(start.source_tags, todo)

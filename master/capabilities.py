@@ -11,7 +11,11 @@ Keys are per segment name, master epoch and segment incarnation, derived, never
 sent: a new master incarnation or a restarted segment voids every earlier tag.
 Tags live no longer than their ranges stay reserved: read tags until the read
 lease ends, write tags `ttl_s` after their PutStart, and the master frees no
-range before (MasterState._reuse_at). Minting costs ~1 us per range (measured in docs/benchmarks.md).
+range before that plus CLOCK_SKEW_MS (MasterState._reuse_at). The same expiry
+is every reply's `tag_expiry_ms` with or without a secret: clients send it as
+each frame's deadline (kvtier.proto.frames FLAG_DEADLINE), so a segment bounds
+every READ and WRITE by its grant even where no tag is minted. Minting costs
+~1 us per range (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,9 +73,10 @@ class Minter:
         return b"".join(out)
 
     def ttl_s(self, config: MasterConfig) -> float:
-        """How long a write tag lives after its PutStart (0 without capabilities): the read lease's
-        length, at most the put deadline. The master frees no range sooner (MasterState._reuse_at)."""
-        return min(config.put_timeout_s, config.lease_s) if self.enabled else 0.0
+        """How long a PutStart's write grant lives (its tags, or without a secret its frames' deadline):
+        the read lease's length, at most the put deadline. The master frees no range sooner than that
+        plus CLOCK_SKEW_MS (MasterState._reuse_at), with or without capabilities."""
+        return min(config.put_timeout_s, config.lease_s)
 
     @staticmethod
     def expiry_in(seconds: float) -> int:

@@ -154,9 +154,17 @@ class Drainer:
             if source_segment is not None:
                 source_segment.objects -= 1
                 if record.size:  # readers may hold the source range: free it when their lease ends
-                    state._free_later(source_id, replica_offset(source), record.size, record.lease_until)
+                    until = record.lease_until + state.reuse_margin_s
+                    state._free_later(source_id, replica_offset(source), record.size, until)
             return True
-        state._release_replicas([target], record.size)
+        # The migrator's write grant on the target ends with the lease migrate_start set: a stalled
+        # writer's frames may act on the range until then (plus clock skew), so no reuse before.
+        until = record.lease_until + state.reuse_margin_s
+        if record.size and target_segment is not None and until > state.clock():
+            target_segment.objects -= 1
+            state._free_later(replica_segment(target), replica_offset(target), record.size, until)
+        else:
+            state._release_replicas([target], record.size)
         return False
 
     def tick(self, now: float) -> None:

@@ -43,7 +43,7 @@ from kvtier.master.persist import (
 from kvtier.master.servicer import CommitWaiter, MasterHandlers, MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
-from kvtier.proto.auth import read_secret
+from kvtier.proto.auth import CLOCK_SKEW_MS, read_secret
 from kvtier.proto.channels import read_file
 from kvtier.proto.config import write_ready_file
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
@@ -164,6 +164,8 @@ class Roles:
         (whom to expect, whom we expelled, registrations) is never overwritten by ignorance."""
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
+        state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.capabilities = self.handlers.minter.enabled
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
                 try:
@@ -191,6 +193,8 @@ class Roles:
         logger.warning("no longer leading epoch=%d: %s", self.handlers.epoch, reason)
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
+        state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.capabilities = self.handlers.minter.enabled
         self.servicer.attach(state)
         self.handlers.state = state
 
@@ -290,6 +294,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     handlers.auth = _authenticator(config)
     handlers.minter = Minter(handlers.auth.cluster_secret)
     state.capability_ttl_s = handlers.minter.ttl_s(config)
+    state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+    state.capabilities = handlers.minter.enabled
     # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
     interceptors.append(DecodeCheck())

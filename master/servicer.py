@@ -198,8 +198,9 @@ class MasterHandlers:
             segments=self._endpoints(result.replica_segments),
             put_id=result.put_id,
         )
-        if self.minter.enabled and result.replica_segments:  # writable for capability_ttl_s (_reuse_at)
+        if result.replica_segments:  # writable for capability_ttl_s (_reuse_at); frames carry the deadline
             reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s)
+        if self.minter.enabled and result.replica_segments:
             reply.replica_tags = self.minter.replica_tags(
                 self.state.segments.get, self.epoch, result.replica_counts, result.replica_segments,
                 result.replica_offsets, request.sizes, reply.tag_expiry_ms, op=Op.WRITE,
@@ -245,8 +246,9 @@ class MasterHandlers:
             segments=self._endpoints(r.replica_segments),
             lease_ms=r.lease_ms,
         )
-        if self.minter.enabled:  # the lease is what keeps the bytes in place: the tags end with it
-            reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
+        # The lease is what keeps the bytes in place: the frames' deadline (and the tags) end with it.
+        reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
+        if self.minter.enabled:
             reply.replica_tags = self.minter.replica_tags(
                 self.state.segments.get, self.epoch, r.replica_counts, r.replica_segments, r.replica_offsets, r.sizes,
                 reply.tag_expiry_ms, tiers=r.replica_tiers,
@@ -323,8 +325,9 @@ class MasterHandlers:
             reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
         segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
         reply.segments.extend(self._endpoints(segment_ids))
-        if self.minter.enabled:  # read the source, write the target; while the migration's lease holds
-            reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.lease_s)
+        # Read the source, write the target, while the migration's lease holds (the frames' deadline).
+        reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.lease_s)
+        if self.minter.enabled:
             moving = [i for i, status in enumerate(reply.statuses) if status == 0]
             source = self.minter.key(self.state.segments.get(batch.source_segment), self.epoch)
             reply.source_tags = b"".join(

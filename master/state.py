@@ -124,9 +124,14 @@ class MasterState:
         # With a state store, a new segment takes allocations only once its name is saved.
         self.save_mounts = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]
-        # With data-plane capabilities (the server sets it): how long a write tag lives after its
-        # PutStart; freed ranges wait that long before reuse (`_reuse_at`). 0 = no capabilities.
+        # Set by the server (kvtier.master.capabilities): how long a PutStart's write grant (tags, frame
+        # deadline) lives, and the clock skew allowed past any grant's end; a freed range waits for
+        # both before reuse (`_reuse_at`). 0 = a bare state (unit tests): ranges are reused at once.
         self.capability_ttl_s = 0.0
+        self.reuse_margin_s = 0.0
+        # With a cluster secret write tags stay valid after PutEnd; without one a completed put has no
+        # frame in flight (our clients PutEnd only once every WRITE was answered).
+        self.capabilities = False
         # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
         self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)
@@ -559,12 +564,15 @@ class MasterState:
             self._release_replicas(record.replicas, record.size)
 
     def _reuse_at(self, record: ObjectRecord) -> float:
-        """When the record's ranges may go to another object: after its read leases, and, with data-plane
-        capabilities, after every tag minted for them can no longer verify (its write tags live
-        `capability_ttl_s` from its PutStart: kvtier.master.capabilities)."""
-        if self.capability_ttl_s:
-            return max(record.lease_until, record.started_at + self.capability_ttl_s)
-        return record.lease_until
+        """When the record's ranges may go to another object: after its read leases and its PutStart's
+        write grant (`capability_ttl_s`: its tags, or its frames' deadline), plus the clock skew a
+        segment may have (`reuse_margin_s`): no frame granted on them can still act (kvtier.proto.frames).
+        The write grant counts for a put never completed (revoked, reclaimed: its writer may still be
+        sending) and, with capabilities, for every object (its write tags verify until they expire)."""
+        until = record.lease_until
+        if self.capability_ttl_s and (self.capabilities or record.state is _PENDING):
+            until = max(until, record.started_at + self.capability_ttl_s)
+        return until + self.reuse_margin_s
 
     def _free_later(self, segment_id: int, offset: int, size: int, until: float) -> None:
         """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it."""

@@ -20,6 +20,21 @@ then the n ranges, then n 16-byte tags, one per range in order, all counted in
 `nranges` (1 + 2n entries). A segment server with a cluster secret serves READ,
 WRITE and READ_DISK only with valid capabilities (CAPABILITY_DENIED otherwise).
 
+Every READ and WRITE is bounded by its grant's deadline. With FLAG_CAPS the
+capability's expiry_ms is it; without a secret a request whose flags have
+FLAG_DEADLINE set carries (deadline_ms, 0) after the trace entry (if any),
+before any capability block, counted in `nranges`. Both values are what the
+master's reply named (`tag_expiry_ms`, master wall clock, milliseconds): the
+grant ends at deadline_ms + CLOCK_SKEW_MS (kvtier.proto.auth) on the segment's
+clock, and the master reuses no range before another CLOCK_SKEW_MS has passed
+on its own. A READ or WRITE with neither is refused (CAPABILITY_DENIED): no
+region access is unbounded. A frame whose grant ends while it is served is cut:
+a WRITE stops writing into the region at once, drains the rest of its payload
+into scratch and answers LEASE_EXPIRED; a READ whose response bytes are still
+queued at the end of its grant has its connection aborted (nothing more of the
+region is sent). READ_DISK reads only from its own pool buffers, after checking
+each record's name: it may carry a deadline but needs none.
+
     request   magic:u16 version:u8 op:u8 request_id:u32 nranges:u32 flags:u32 payload_len:u64
     range     offset:u64 length:u64
     response  magic:u16 version:u8 op:u8 request_id:u32 status:i32 flags:u32 payload_len:u64
@@ -64,6 +79,7 @@ DISK_STATUS = struct.Struct("<i")
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
 FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
+FLAG_DEADLINE = 4  # (deadline_ms, 0) after the trace entry: when the grant of the ranges ends (no secret)
 
 
 class Op(enum.IntEnum):
@@ -80,15 +96,22 @@ def pack_request(
     payload_len: int = 0,
     trace: int = 0,
     caps: tuple[int, bytes] | None = None,
+    deadline: int = 0,
 ) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
     client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
-    the ranges' tags concatenated), it carries their capabilities."""
+    the ranges' tags concatenated), it carries their capabilities; caps without tags (a cluster
+    without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE)."""
     flat = [v for pair in ranges for v in pair]
     flags = 0
+    if caps is not None and not caps[1]:
+        deadline, caps = caps[0], None
     if caps is not None:
         flat[:0] = (caps[0], 0)
         flags |= FLAG_CAPS
+    if deadline:
+        flat[:0] = (deadline, 0)
+        flags |= FLAG_DEADLINE
     if trace:
         flat[:0] = (trace, 0)
         flags |= FLAG_TRACED

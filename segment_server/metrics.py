@@ -128,6 +128,15 @@ class SegmentCollector(Collector):
             self._name,
             s.capability_denials,
         )
+        cut = CounterMetricFamily(
+            "kvtier_segment_frames_cut",
+            "READ/WRITE frames cut because their grant ended while they were served (a WRITE stops writing "
+            "into the region and answers LEASE_EXPIRED; a READ's connection is aborted with its response queued).",
+            labels=["segment", "op"],
+        )
+        for op, count in sorted(s.frames_cut.items()):
+            cut.add_metric([self._name, op], count)
+        yield cut
         yield _one(
             CounterMetricFamily,
             "kvtier_segment_refused_connections",

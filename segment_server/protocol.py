@@ -8,6 +8,18 @@ are queued with `writelines` as slices of the region (no copy either); the
 bytes stay valid because the master does not free a range while its read
 lease runs.
 
+Grants (see kvtier.proto.frames): every READ and WRITE carries its grant's
+deadline (the capability expiry, or FLAG_DEADLINE without a secret) and no
+byte of it touches the region after the grant ends (deadline + CLOCK_SKEW_MS,
+converted once per request to a monotonic instant). A WRITE checks it before
+each region buffer it hands the event loop (one clock read per receive call,
+none per byte); once past, it stops, drains the rest into scratch and answers
+LEASE_EXPIRED. A READ's response is tracked by stream position (bytes queued
+on this connection, less what the transport still holds); one timer per
+connection, at the earliest grant end of the responses still queued, aborts
+the connection if any of their bytes are still there (abort() drops queued
+views unsent). Both are logged ("frame cut") and counted per op.
+
 Invariants that keep the stream in sync:
 - `get_buffer` never returns an empty buffer (uvloop closes the connection on
   one), so zero-length ranges are skipped before a payload state is entered,
@@ -31,11 +43,12 @@ import asyncio
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.proto import frames
-from kvtier.proto.auth import CapabilityKey, capability_key
+from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
 from kvtier.proto.frames import Op
 from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.logs import LogBudget, format_request_id
@@ -71,6 +84,8 @@ class DataPlaneStats:
     capability_denials: int = 0  # requests without valid capabilities (CAPABILITY_DENIED)
     refused_connections: int = 0  # over max_connections
     timed_out_connections: int = 0  # idle, or a request (or its response) stalled past the limit
+    # READ/WRITE frames cut because their grant ended while they were served, by op name.
+    frames_cut: dict[str, int] = field(default_factory=lambda: {"READ": 0, "WRITE": 0})
     # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
     # the region; READ_DISK: the last record queued). Completed requests only.
     latency: dict[str, LatencyHistogram] = field(
@@ -156,6 +171,15 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
         self._cap_tags: bytes | None = None  # of the current request
         self._cap_expiry = 0
+        self._deadline_ms = 0  # of the current request: its grant's deadline (0: it carries none)
+        self._cut_at = 0.0  # the current WRITE's grant end, monotonic
+        self._write_done = 0  # payload bytes of the current WRITE's completed ranges
+        # Stream position: bytes this connection has queued on its transport. A READ response still
+        # queued is (its end position, its grant end (monotonic), request id, trace).
+        self._queued = 0
+        self._reads: deque[tuple[int, float, int, int]] = deque()
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._read_timer_at = 0.0
         self._connections = connections
         self._request_start = time.monotonic()  # first byte of the current (or last) request
         self._paused_since = 0.0  # when writes backed up (0: they flow)
@@ -214,6 +238,10 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._state = _CLOSED
         self._stats.connections -= 1
         self._transport = None
+        self._reads.clear()
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
         if self._drained is not None:
             self._drained.set()  # wake a disk request so it notices the connection is gone
 
@@ -263,6 +291,8 @@ class DataProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self._state
         if state == _PAYLOAD:
+            if time.monotonic() > self._cut_at:  # the grant ended: not one more byte into the region
+                return self._cut_write()
             base = self._ranges[2 * self._range_index]
             return self._region[base + self._filled : base + self._need]
         if state == _HEADER:
@@ -290,6 +320,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             return
         if state == _PAYLOAD:
             self._stats.bytes_written += self._need
+            self._write_done += self._need
             self._next_write_range()
         elif state == _HEADER:
             self._on_header()
@@ -299,12 +330,20 @@ class DataProtocol(asyncio.BufferedProtocol):
             if traced:
                 self._trace, ranges = ranges[0], ranges[2:]
                 self._nranges -= 1
+            self._deadline_ms = 0
+            leading = 1 if traced else 0  # table entries before the capability block
+            if self._flags & frames.FLAG_DEADLINE:
+                self._deadline_ms, ranges = ranges[0], ranges[2:]
+                self._nranges -= 1
+                leading += 1
             if self._flags & frames.FLAG_CAPS:  # (expiry, 0), n ranges, n tags: 1 + 2n entries
                 if self._nranges % 2 == 0:
                     return self._fatal(f"capability block of {self._nranges} entries (expected 1 + 2 per range)")
                 count = self._nranges // 2
-                first_tag = (1 if traced else 0) + 1 + count  # table entry where the tags start
+                first_tag = leading + 1 + count  # table entry where the tags start
                 self._cap_expiry = ranges[0]
+                # The capability's expiry bounds the frame; a deadline entry can only shorten it.
+                self._deadline_ms = min(self._deadline_ms or ranges[0], ranges[0])
                 self._cap_tags = bytes(self._table[16 * first_tag : 16 * (first_tag + count)])
                 ranges = ranges[2 : 2 + 2 * count]
                 self._nranges = count
@@ -326,6 +365,7 @@ class DataProtocol(asyncio.BufferedProtocol):
         magic, version, op, request_id, nranges, flags, payload_len = frames.REQUEST.unpack(self._header)
         self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
         self._cap_tags = None
+        self._deadline_ms = 0
         self._started = time.perf_counter()
         if magic != frames.MAGIC or version != frames.VERSION:
             return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
@@ -339,6 +379,9 @@ class DataProtocol(asyncio.BufferedProtocol):
             return self._fatal("a traced frame without its trace entry")
         if flags & frames.FLAG_CAPS and nranges == 0:
             return self._fatal("a frame with capabilities but no capability block")
+        special = sum(1 for flag in (frames.FLAG_TRACED, frames.FLAG_DEADLINE, frames.FLAG_CAPS) if flags & flag)
+        if nranges < special:
+            return self._fatal(f"{nranges} table entries for {special} flagged entries")
         if op == Op.READ_DISK:
             if payload_len > nranges * frames.MAX_DISK_NAME:
                 return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
@@ -365,6 +408,17 @@ class DataProtocol(asyncio.BufferedProtocol):
                 return self._drain(Status.CAPABILITY_DENIED, denied)
             self._send_error(Status.CAPABILITY_DENIED, denied)
             return self._start_header()
+        if op in (Op.READ, Op.WRITE):
+            if not self._deadline_ms:  # every region access is bounded by a grant
+                self._stats.capability_denials += 1
+                return self._refuse(
+                    Status.CAPABILITY_DENIED,
+                    "a READ or WRITE must carry its grant's deadline (FLAG_DEADLINE or FLAG_CAPS)",
+                )
+            left_ms = self._deadline_ms + CLOCK_SKEW_MS - wall_ms()
+            if left_ms <= 0:
+                return self._refuse(Status.LEASE_EXPIRED, f"the grant of these ranges ended {-left_ms} ms ago")
+            self._cut_at = time.monotonic() + left_ms / 1000
         if op == Op.READ_DISK:
             if self._payload_len == 0:
                 return self._on_disk_request()
@@ -396,6 +450,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                     Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}"
                 )
             self._range_index = -1
+            self._write_done = 0
             self._next_write_range()
         elif op == Op.READ:
             if bad is not None:
@@ -410,11 +465,14 @@ class DataProtocol(asyncio.BufferedProtocol):
                 if ranges[i + 1]:
                     parts.append(region[ranges[i] : ranges[i] + ranges[i + 1]])
             self._transport.writelines(parts)
+            self._queued += frames.RESPONSE.size + total
+            if total and self._transport.get_write_buffer_size():  # region views wait in the transport
+                self._track_read(self._cut_at)
             self._stats.bytes_read += total
             self._stats.latency["READ"].observe(time.perf_counter() - self._started)
             self._start_header()
         else:  # PING
-            self._transport.write(frames.pack_response(op, self._request_id, 0))
+            self._send(frames.pack_response(op, self._request_id, 0))
             self._start_header()
 
     def _next_write_range(self) -> None:
@@ -429,7 +487,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             self._filled = 0
             self._need = ranges[2 * index + 1]
             return
-        self._transport.write(frames.pack_response(Op.WRITE, self._request_id, 0))
+        self._send(frames.pack_response(Op.WRITE, self._request_id, 0))
         self._stats.latency["WRITE"].observe(time.perf_counter() - self._started)
         self._start_header()
 
@@ -457,7 +515,76 @@ class DataProtocol(asyncio.BufferedProtocol):
                 },
             )
         data = message.encode()[: frames.MAX_ERROR_MESSAGE]
-        self._transport.write(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
+        self._send(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
+
+    def _send(self, data: bytes) -> None:
+        self._transport.write(data)
+        self._queued += len(data)
+
+    def _refuse(self, status: Status, message: str) -> None:
+        """Answer the current READ or WRITE with an error before any byte of it touched the region."""
+        if self._op == Op.WRITE:
+            return self._drain(status, message)
+        self._send_error(status, message)
+        return self._start_header()
+
+    # ----------------------------------------------------------- grant deadlines
+
+    def _log_cut(self, op: str, request_id: int, trace: int, detail: str) -> None:
+        self._stats.frames_cut[op] += 1
+        _log.log(
+            logging.WARNING,
+            "frame cut: its grant ended",
+            extra={
+                "rid": format_request_id(trace),
+                "fields": {"peer": self._peer(), "op": op, "request": request_id, "detail": detail},
+            },
+        )
+
+    def _cut_write(self) -> memoryview:
+        """The current WRITE outlived its grant: the rest of its payload goes to scratch, then
+        LEASE_EXPIRED (the connection stays in sync). Returns the buffer for the bytes arriving now."""
+        left = self._payload_len - self._write_done - self._filled
+        detail = f"{left} of {self._payload_len} payload bytes not written"
+        self._log_cut("WRITE", self._request_id, self._trace, detail)
+        self._state = _DRAIN
+        self._drain_left = left
+        self._drain_status = Status.LEASE_EXPIRED
+        self._drain_message = "the grant of these ranges ended before the payload arrived: nothing more was written"
+        return _SCRATCH[: min(left, _SCRATCH_SIZE)]
+
+    def _track_read(self, cut_at: float) -> None:
+        """A READ response (ending at the current stream position) is still queued: make sure a timer
+        looks at it when its grant ends."""
+        self._reads.append((self._queued, cut_at, self._request_id, self._trace))
+        if self._read_timer is None or cut_at < self._read_timer_at:
+            self._arm_read_timer(cut_at)
+
+    def _arm_read_timer(self, at: float) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer_at = at
+        self._read_timer = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._check_reads)
+
+    def _check_reads(self) -> None:
+        """Forget READ responses the kernel has taken; abort if one still queued is past its grant."""
+        self._read_timer = None
+        transport, reads = self._transport, self._reads
+        if transport is None or self._state == _CLOSED:
+            reads.clear()
+            return
+        sent = self._queued - transport.get_write_buffer_size()
+        while reads and reads[0][0] <= sent:
+            reads.popleft()
+        if not reads:
+            return
+        first = min(entry[1] for entry in reads)
+        if first > time.monotonic():
+            return self._arm_read_timer(first)
+        end, _cut_at, request_id, trace = next(entry for entry in reads if entry[1] == first)
+        self._log_cut("READ", request_id, trace, f"{end - sent} bytes up to its end unsent; the connection is aborted")
+        reads.clear()
+        self.abort("a READ response outlived its grant")
 
     def _capability_problem(self, op: int) -> str:
         """Why this request's ranges may not be served ("" = every range has its valid capability)."""
@@ -529,6 +656,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         if self._state == _CLOSED or self._transport is None:
             return
         self._stats.latency["READ_DISK"].observe(time.perf_counter() - self._started)
+        # The disk reader wrote the whole response on the transport: keep the stream position true.
+        self._queued += frames.RESPONSE.size + 4 * self._nranges + sum(self._ranges[1::2])
         self._start_header()
         if not self._write_paused:
             self._transport.resume_reading()

@@ -51,6 +51,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.base import Buffer, Caps
+from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC
 from kvtier.proto.region import host_id as local_host_id
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _OK = 0
 _BAD_RANGE = int(Status.INVALID_RANGE)
+_EXPIRED = int(Status.LEASE_EXPIRED)
 
 # The grant protocol (kvtier.segment_server.shm_grant, whose unit tests pair it with this side).
 _GRANT_REPLY_MAX = 512
@@ -233,20 +235,22 @@ class ShmConnector:
             if unmap:
                 self._unmap()
 
-    # `caps` are for connectors that go through the segment server: a mapped region needs none.
+    # A mapped region needs no capability tags (the process that maps it is trusted: same uid), but
+    # the grant's expiry still bounds this connector's copies: no range is started after it ends
+    # (a process paused in the middle of one copy is the trust model's business, docs/security.md).
     def write(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
     ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
-            return self._transfer(ranges, checksums, into_region=True)
+            return self._transfer(ranges, checksums, into_region=True, caps=caps)
 
     def read_into(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
     ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
-            return self._transfer(ranges, checksums, into_region=False)
+            return self._transfer(ranges, checksums, into_region=False, caps=caps)
 
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         with self._in_use():
@@ -254,15 +258,24 @@ class ShmConnector:
             return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
 
     def _transfer(
-        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None, into_region: bool
+        self,
+        ranges: Sequence[tuple[int, Buffer]],
+        checksums: list[int | None] | None,
+        into_region: bool,
+        caps: Caps = None,
     ) -> list[int]:
-        """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes."""
+        """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes. A range
+        whose grant (caps' expiry + CLOCK_SKEW_MS) has ended is not copied: LEASE_EXPIRED."""
         region, capacity = self._view, self._capacity
+        grant_end = caps[0] + CLOCK_SKEW_MS if caps is not None else 0
         out = []
         for index, (offset, buf) in enumerate(ranges):
             end = offset + len(buf)
             if end > capacity:
                 out.append(_BAD_RANGE)
+                continue
+            if grant_end and wall_ms() > grant_end:
+                out.append(_EXPIRED)
                 continue
             stored = region[offset:end]
             if into_region:

@@ -20,9 +20,9 @@ except ImportError:  # the default suite runs the seeds without atheris (tests/f
     atheris = None
 
 with atheris.instrument_imports(include=["kvtier"]) if atheris else contextlib.nullcontext():
-    from kvtier.proto.frames import Op, pack_disk_names, pack_request
+    from kvtier.proto.frames import Op, pack_disk_names
     from kvtier.proto.status import Status
-    from tests.unit.segment_server.test_protocol import CAPACITY, make_conn
+    from tests.unit.segment_server.test_protocol import CAPACITY, make_conn, pack_request  # with a deadline
 
 from tests.fuzz.seeds import corpus_args, split
 

@@ -5,9 +5,16 @@ from __future__ import annotations
 import socket
 
 from kvtier.proto import frames
+from kvtier.proto.auth import wall_ms
 from kvtier.proto.frames import Op
 
 IO_TIMEOUT_S = 5.0
+
+
+def far_deadline() -> int:
+    """A grant deadline (kvtier.proto.frames FLAG_DEADLINE) no test outlives: for frames whose test is
+    about something else. Tests of grants use the one the master's reply names (`tag_expiry_ms`)."""
+    return wall_ms() + 3_600_000
 
 
 def connect(endpoint: str) -> socket.socket:
@@ -20,9 +27,18 @@ def connect(endpoint: str) -> socket.socket:
 
 
 def send_request(
-    sock: socket.socket, op: Op, request_id: int, ranges: list[tuple[int, int]], payload: bytes = b""
+    sock: socket.socket,
+    op: Op,
+    request_id: int,
+    ranges: list[tuple[int, int]],
+    payload: bytes = b"",
+    deadline: int | None = None,
 ) -> None:
-    sock.sendall(frames.pack_request(op, request_id, ranges, len(payload)) + payload)
+    """One request; a READ or WRITE carries `deadline`, by default `far_deadline()` (the segment
+    refuses one without)."""
+    if deadline is None:
+        deadline = far_deadline() if op in (Op.READ, Op.WRITE) else 0
+    sock.sendall(frames.pack_request(op, request_id, ranges, len(payload), deadline=deadline) + payload)
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytes:

@@ -18,7 +18,7 @@ from kvtier.client import Status
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.segment_server.region import read_header
-from tests.integration.rawframes import connect, is_closed_by_peer, ping, recv_response, send_request
+from tests.integration.rawframes import connect, far_deadline, is_closed_by_peer, ping, recv_response, send_request
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -71,8 +71,10 @@ def test_read_out_of_range_is_invalid_range_and_the_connection_keeps_serving(clu
 
         # Pipelined: bad and good requests sent back to back are answered in order.
         sock.sendall(
-            frames.pack_request(Op.READ, 12, [(capacity - 1, 2)])
-            + frames.pack_request(Op.READ, 13, [(offset, 100), (offset + 100, 0), (capacity - 1, 1)])
+            frames.pack_request(Op.READ, 12, [(capacity - 1, 2)], deadline=far_deadline())
+            + frames.pack_request(
+                Op.READ, 13, [(offset, 100), (offset + 100, 0), (capacity - 1, 1)], deadline=far_deadline()
+            )
             + frames.pack_request(Op.PING, 14, [])
         )
         assert recv_response(sock)[:3] == (Op.READ, 12, Status.INVALID_RANGE)
@@ -145,7 +147,9 @@ def test_an_untrusted_header_is_a_protocol_error_that_closes_only_its_connection
 def test_a_write_whose_payload_disagrees_with_its_ranges_is_a_protocol_error(cluster, stored):
     endpoint, capacity, _offset, value = stored
     with connect(endpoint) as sock:
-        sock.sendall(frames.pack_request(Op.WRITE, 1, [(capacity - 64, 32)], payload_len=64) + b"Z" * 64)
+        sock.sendall(
+            frames.pack_request(Op.WRITE, 1, [(capacity - 64, 32)], payload_len=64, deadline=far_deadline()) + b"Z" * 64
+        )
         assert recv_response(sock)[2] == Status.PROTOCOL_ERROR
         assert is_closed_by_peer(sock)
     assert_serving(cluster, value)
@@ -153,12 +157,13 @@ def test_a_write_whose_payload_disagrees_with_its_ranges_is_a_protocol_error(clu
 
 def test_a_connection_cut_mid_transfer_does_not_disturb_the_server(cluster, stored):
     endpoint, capacity, offset, value = stored
-    write = frames.pack_request(Op.WRITE, 1, [(capacity - MiB, MiB)], MiB)
+    write = frames.pack_request(Op.WRITE, 1, [(capacity - MiB, MiB)], MiB, deadline=far_deadline())
     cuts = {
         "mid WRITE payload": write + os.urandom(100 * KiB),
         "mid header": write[:10],
         "mid range table": write[: frames.REQUEST.size + 5],
-        "mid drained payload": frames.pack_request(Op.WRITE, 2, [(capacity, MiB)], MiB) + os.urandom(300 * KiB),
+        "mid drained payload": frames.pack_request(Op.WRITE, 2, [(capacity, MiB)], MiB, deadline=far_deadline())
+        + os.urandom(300 * KiB),
     }
     with connect(endpoint) as bystander:
         for how in ("close", "reset"):

@@ -205,7 +205,9 @@ def test_an_abandoned_put_is_invisible_and_its_space_is_reclaimed(bare_cluster):
         # The writer even delivers the bytes; only its PutEnd never comes.
         (endpoint,) = [e for e in started.segments[0].endpoints if e.startswith("tcp://")]
         with rawframes.connect(endpoint) as sock:
-            rawframes.send_request(sock, Op.WRITE, 1, [(started.replica_offsets[0], size)], payload)
+            rawframes.send_request(
+                sock, Op.WRITE, 1, [(started.replica_offsets[0], size)], payload, deadline=started.tag_expiry_ms
+            )
             assert rawframes.recv_response(sock) == (Op.WRITE, 1, Status.OK, b"")
 
         # Pending: invisible to every read and presence call.

@@ -30,7 +30,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
 from kvtier.proto.units import parse_hostport
-from tests.integration.rawframes import IO_TIMEOUT_S
+from tests.integration.rawframes import IO_TIMEOUT_S, far_deadline
 from tests.unit.master.messages import SERVICE, messages, request_type
 
 BAD_FRAMES = 100_000
@@ -121,11 +121,14 @@ def segment_frames() -> tuple[list[bytes], list[bytes]]:
     """(frames a segment answers and survives, frames it cannot trust or cut-off ones)."""
     far = REGION + 1
     survivable = [
-        frames.pack_request(Op.READ, 1, [(far, 8)]),  # INVALID_RANGE
-        frames.pack_request(Op.READ, 2, [(0, 8), ((1 << 64) - 1, 1)]),
-        frames.pack_request(Op.READ, 3, [(REGION - 4, 8)], trace=77),  # traced
-        frames.pack_request(Op.READ, 4, [(far, 1)], caps=(1, b"\x00" * 16)),  # caps: a tag that means nothing
-        frames.pack_request(Op.WRITE, 5, [(far, 16)], 16) + b"w" * 16,  # drained, then INVALID_RANGE
+        frames.pack_request(Op.READ, 1, [(far, 8)], deadline=far_deadline()),  # INVALID_RANGE
+        frames.pack_request(Op.READ, 2, [(0, 8), ((1 << 64) - 1, 1)], deadline=far_deadline()),
+        frames.pack_request(Op.READ, 3, [(REGION - 4, 8)], trace=77, deadline=far_deadline()),  # traced
+        frames.pack_request(
+            Op.READ, 4, [(far, 1)], caps=(1, b"\x00" * 16), deadline=far_deadline()
+        ),  # caps: a tag that means nothing
+        frames.pack_request(Op.WRITE, 5, [(far, 16)], 16, deadline=far_deadline())
+        + b"w" * 16,  # drained, then INVALID_RANGE
         frames.pack_request(Op.READ_DISK, 6, [(0, 8)], 3) + frames.pack_disk_names([b"a\x00"])[:3],
         frames.pack_request(Op.PING, 7, []),
     ]
@@ -141,8 +144,8 @@ def segment_frames() -> tuple[list[bytes], list[bytes]]:
         header.pack(frames.MAGIC, frames.VERSION, Op.PING, 1, 0, 0, 5),  # PING with a payload
         header.pack(frames.MAGIC, frames.VERSION, Op.READ_DISK, 1, 1, 0, 1 << 20),  # names too long
         frames.pack_request(Op.READ_DISK, 1, [(0, 8)], 4) + b"\xff\xff\x00\x00",  # malformed names
-        frames.pack_request(Op.READ, 1, [(0, 8)])[:30],  # cut off in its range table
-        frames.pack_request(Op.WRITE, 1, [(0, 64)], 64) + b"x" * 10,  # cut off mid-payload
+        frames.pack_request(Op.READ, 1, [(0, 8)], deadline=far_deadline())[:30],  # cut off in its range table
+        frames.pack_request(Op.WRITE, 1, [(0, 64)], 64, deadline=far_deadline()) + b"x" * 10,  # cut off mid-payload
         b"\x4b\x54\x01",  # cut off in its header
     ]
     return survivable, endings

@@ -11,7 +11,7 @@ import pytest
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
-from tests.integration.rawframes import connect, is_closed_by_peer, ping, recv_response, send_request
+from tests.integration.rawframes import connect, far_deadline, is_closed_by_peer, ping, recv_response, send_request
 from tests.integration.test_metrics import scrape, value
 
 
@@ -80,7 +80,7 @@ def test_idle_and_slow_connections_are_cut_while_others_are_served(limited):
     endpoint = tcp_endpoint(seg)
     idle = connect(endpoint)
     slow = connect(endpoint)
-    header = frames.pack_request(Op.READ, 9, [(0, 64)])
+    header = frames.pack_request(Op.READ, 9, [(0, 64)], deadline=far_deadline())
     started = time.monotonic()
     cut_slow = None
     client = limited.client(transport="tcp")
@@ -119,7 +119,7 @@ def test_a_peer_that_reads_no_responses_is_cut_and_frees_its_slot(limited):
     endpoint = tcp_endpoint(seg)
     sock = connect(endpoint)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    request = frames.pack_request(Op.READ, 1, [(0, 8 << 20)])  # 8 MiB per response, never read
+    request = frames.pack_request(Op.READ, 1, [(0, 8 << 20)], deadline=far_deadline())  # 8 MiB per response, never read
     try:
         sock.settimeout(0.5)
         for _ in range(64):

@@ -13,7 +13,7 @@ from kvtier.proto.frames import Op
 from kvtier.proto.logs import format_request_id, request_id
 from kvtier.proto.status import Status
 from kvtier.proto.units import parse_hostport
-from tests.integration.rawframes import recv_response
+from tests.integration.rawframes import far_deadline, recv_response
 from tests.integration.test_ssd_tier import (
     bucket_file,
     disk_location,
@@ -78,7 +78,7 @@ def test_a_traced_frame_refused_by_the_segment_is_logged_with_its_id(cluster):
     endpoint = segment.info["endpoints"][0].split("://")[-1]
     number = 0x0BADF00D_0000002A
     with socket.create_connection(parse_hostport(endpoint), timeout=5) as sock:
-        sock.sendall(frames.pack_request(Op.READ, 7, [(1 << 60, 8)], trace=number))
+        sock.sendall(frames.pack_request(Op.READ, 7, [(1 << 60, 8)], trace=number, deadline=far_deadline()))
         op, reply_id, status, _message = recv_response(sock)
         assert (op, reply_id, status) == (Op.READ, 7, Status.INVALID_RANGE)
     rid = format_request_id(number)

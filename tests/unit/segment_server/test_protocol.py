@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -13,12 +14,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.proto import frames
-from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op, pack_request
+from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
+from kvtier.proto.frames import MAGIC, RESPONSE, VERSION, Op
 from kvtier.proto.status import Status
+from kvtier.segment_server import protocol as protocol_module
 from kvtier.segment_server.protocol import DataPlaneStats, DataProtocol
 
 CAPACITY = 4096
 SENTINEL = 0xA5
+FAR = wall_ms() + 3_600_000  # a grant deadline no test outlives
+
+
+def pack_request(op: Op, request_id: int, ranges: list[tuple[int, int]], payload_len: int = 0, **kwargs) -> bytes:
+    """As our clients send them: every READ and WRITE with its grant's deadline."""
+    if op in (Op.READ, Op.WRITE):
+        kwargs.setdefault("deadline", FAR)
+    return frames.pack_request(op, request_id, ranges, payload_len, **kwargs)
 
 
 class FakeTransport:
@@ -45,6 +56,13 @@ class FakeTransport:
     def close(self) -> None:
         self.calls.append(("close", None))
         self.closed = True
+
+    def abort(self) -> None:
+        self.calls.append(("abort", None))
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # written parts are copied at once, as a kernel send would
 
     def pause_reading(self) -> None:
         self.calls.append(("pause_reading", None))
@@ -354,7 +372,7 @@ def test_protocol_error_echoes_op_and_request_id(conn):
 
 def test_max_ranges_is_still_accepted():
     conn = make_conn()
-    n = frames.MAX_RANGES_PER_FRAME
+    n = frames.MAX_RANGES_PER_FRAME - 1  # and the deadline entry
     conn.feed(pack_request(Op.READ, 1, [(0, 0)] * n), 1 << 20)
     [response] = conn.responses()
     assert (response.status, response.payload) == (Status.OK, b"")
@@ -443,6 +461,92 @@ def test_eof_closes_our_side(conn):
     assert conn.protocol.eof_received() is False
 
 
+# ---------------------------------------------------------------- grant deadlines (issue 15)
+
+
+class SteppedClock:
+    """The protocol module's `time`, with a monotonic clock the test moves (perf_counter stays real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    @staticmethod
+    def perf_counter() -> float:
+        return time.perf_counter()
+
+
+def granted_for(seconds: float) -> int:
+    """A deadline whose grant (deadline + CLOCK_SKEW_MS on the segment's wall clock) ends in `seconds`."""
+    return wall_ms() - CLOCK_SKEW_MS + int(seconds * 1000)
+
+
+def test_a_write_that_outlives_its_grant_stops_writing_into_the_region(conn, monkeypatch):
+    clock = SteppedClock()
+    monkeypatch.setattr(protocol_module, "time", clock)
+    frame = pack_request(Op.WRITE, 7, [(0, 100), (200, 100)], 200, deadline=granted_for(10)) + b"a" * 150 + b"b" * 50
+    conn.feed(frame[: 24 + 3 * 16 + 120])  # header, table (deadline + 2 ranges), 120 payload bytes
+    clock.now += 11  # the writer stalls past its grant
+    conn.feed(frame[24 + 3 * 16 + 120 :], 7)
+    [response] = conn.responses()
+    assert (response.request_id, response.status) == (7, Status.LEASE_EXPIRED)
+    assert b"grant" in response.payload
+    assert conn.region[:100] == b"a" * 100 and conn.region[200:220] == b"a" * 20
+    assert conn.region[220:300] == bytes([SENTINEL]) * 80, "bytes after the grant landed in the region"
+    assert conn.stats.frames_cut == {"READ": 0, "WRITE": 1}
+    assert_back_to_header(conn)
+
+
+def test_a_write_within_its_grant_is_whole(conn, monkeypatch):
+    clock = SteppedClock()
+    monkeypatch.setattr(protocol_module, "time", clock)
+    frame = pack_request(Op.WRITE, 7, [(0, 100)], 100, deadline=granted_for(10)) + b"a" * 100
+    conn.feed(frame[:80])
+    clock.now += 9
+    conn.feed(frame[80:], 5)
+    assert [(r.request_id, r.status) for r in conn.responses()] == [(7, Status.OK)]
+    assert conn.region[:100] == b"a" * 100 and conn.stats.frames_cut["WRITE"] == 0
+
+
+def test_frames_without_a_deadline_or_past_their_grant_touch_nothing(conn):
+    conn.region[:4] = b"seen"
+    conn.feed(frames.pack_request(Op.READ, 1, [(0, 4)]))  # bare: no FLAG_DEADLINE, no FLAG_CAPS
+    conn.feed(frames.pack_request(Op.WRITE, 2, [(0, 4)], 4) + b"XXXX")
+    conn.feed(pack_request(Op.READ, 3, [(0, 4)], deadline=granted_for(-1)))
+    conn.feed(pack_request(Op.WRITE, 4, [(0, 4)], 4, deadline=granted_for(-1)) + b"YYYY")
+    conn.feed(pack_request(Op.READ, 5, [(0, 4)], deadline=granted_for(5)))
+    got = [(r.request_id, r.status) for r in conn.responses()]
+    assert got == [
+        (1, Status.CAPABILITY_DENIED),
+        (2, Status.CAPABILITY_DENIED),
+        (3, Status.LEASE_EXPIRED),
+        (4, Status.LEASE_EXPIRED),
+        (5, Status.OK),
+    ]
+    assert conn.responses()[-1].payload == b"seen" and conn.region[:4] == b"seen"
+    assert conn.stats.capability_denials == 2 and conn.stats.frames_cut == {"READ": 0, "WRITE": 0}
+
+
+@pytest.mark.parametrize(
+    ("deadline", "expiry", "status"),
+    [
+        (FAR, FAR, Status.OK),
+        (1, FAR, Status.LEASE_EXPIRED),  # a deadline entry shortens the capability's grant
+        (FAR, 1, Status.LEASE_EXPIRED),  # and never lengthens it
+    ],
+)
+def test_trace_deadline_and_capability_entries_together(conn, deadline, expiry, status):
+    conn.region[:3] = b"abc"
+    conn.feed(pack_request(Op.READ, 9, [(0, 3)], trace=77, deadline=deadline, caps=(expiry, b"t" * 16)))
+    [response] = conn.responses()
+    assert (response.request_id, response.status) == (9, status)
+    if status == Status.OK:
+        assert response.payload == b"abc"
+    assert conn.protocol._trace == 77
+
+
 # ---------------------------------------------------------------- property: arbitrary input
 
 
@@ -461,13 +565,15 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         magic, version, op, rid, nranges, flags, payload_len = frames.REQUEST.unpack_from(data, pos)
         pos += 24
         traced = flags & frames.FLAG_TRACED
+        has_deadline = flags & frames.FLAG_DEADLINE
+        special = sum(1 for flag in (frames.FLAG_TRACED, frames.FLAG_DEADLINE, frames.FLAG_CAPS) if flags & flag)
         if (
             magic != MAGIC
             or version != VERSION
             or op not in (1, 2, 3, 4)
             or nranges > frames.MAX_RANGES_PER_FRAME
             or (op == Op.WRITE and payload_len > capacity)
-            or (traced and nranges == 0)
+            or nranges < special
             or (op == Op.READ_DISK and payload_len > nranges * frames.MAX_DISK_NAME)
             or (op not in (Op.WRITE, Op.READ_DISK) and payload_len)
         ):
@@ -478,6 +584,17 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         flat = struct.unpack_from(f"<{2 * nranges}Q", data, pos)
         pos += 16 * nranges
         ranges = list(zip(flat[::2], flat[1::2], strict=True))[1 if traced else 0 :]  # the trace entry
+        deadline = 0
+        if has_deadline:
+            deadline, ranges = ranges[0][0], ranges[1:]
+        if op in (Op.READ, Op.WRITE) and (not deadline or deadline + CLOCK_SKEW_MS <= wall_ms()):
+            # No grant, or one already over: refused before any byte touches the region.
+            if op == Op.WRITE:
+                if len(data) - pos < payload_len:
+                    break
+                pos += payload_len
+            out.append((op, rid, Status.CAPABILITY_DENIED if not deadline else Status.LEASE_EXPIRED, None))
+            continue
         if op == Op.READ_DISK:  # this segment has no SSD tier: NOT_FOUND, its names drained unread
             if payload_len == 0 and ranges:  # no names for its ranges: malformed
                 out.append((op, rid, Status.PROTOCOL_ERROR, None))
@@ -537,6 +654,10 @@ def frame_bytes(draw) -> bytes:
         ranges.append((offset, length))
     op = {"write": Op.WRITE, "read": Op.READ, "ping": Op.PING, "header": draw(st.integers(0, 255))}[kind]
     total = sum(n for _, n in ranges)
+    flags = draw(st.sampled_from([0, 1, 4, 4, 4, 5]))
+    table_entries = list(ranges)
+    if flags & frames.FLAG_DEADLINE:  # after the trace entry (the first range stands in for it)
+        table_entries.insert(min(1 if flags & frames.FLAG_TRACED else 0, len(ranges)), (FAR, 0))
     payload_len = total if op == Op.WRITE else 0
     if draw(st.integers(0, 9)) == 0:  # sometimes lie about the payload
         payload_len = draw(st.integers(0, SMALL + 4))
@@ -545,11 +666,11 @@ def frame_bytes(draw) -> bytes:
         VERSION if draw(st.integers(0, 19)) else draw(st.integers(0, 255)),
         op,
         draw(st.integers(0, (1 << 32) - 1)),
-        len(ranges) if draw(st.integers(0, 19)) else draw(st.integers(0, (1 << 32) - 1)),
-        draw(st.sampled_from([0, 0, 0, 1])),
+        len(table_entries) if draw(st.integers(0, 19)) else draw(st.integers(0, (1 << 32) - 1)),
+        flags,
         payload_len,
     )
-    table = b"".join(frames.RANGE.pack(o, n) for o, n in ranges)
+    table = b"".join(frames.RANGE.pack(o, n) for o, n in table_entries)
     payload = draw(st.binary(min_size=payload_len, max_size=payload_len)) if op == Op.WRITE else b""
     return header + table + payload
 
