@@ -37,10 +37,12 @@ waiting itself is asyncio plumbing in the servicer.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.master.records import OFFSET_MASK, PIN_SOFT, SEGMENT_SHIFT, ObjectRecord
+from kvtier.proto.status import Status
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +91,14 @@ class CommitLog:
     def keeps_index(self, segment_id: int) -> bool:
         feed = self._feeds.get(segment_id)
         return feed is not None and feed.keeps_index
+
+    def unacked_names(self, segment_id: int) -> set[str]:
+        """Object names of the segment's notices not acknowledged yet (the seed of its fence,
+        kvtier.master.fences): its index may or may not have applied them."""
+        feed = self._feeds.get(segment_id)
+        if feed is None:
+            return set()
+        return {record.name for _, record, _ in feed.notices}
 
     def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)
@@ -208,3 +218,40 @@ def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
     """(pin, pin_ttl_ms) of a notice: a soft pin carries the time it has left."""
     pin = record.pin
     return pin, int(max(0.0, record.pin_until - now) * 1000) if pin == PIN_SOFT else 0
+
+
+@dataclass(slots=True)
+class PutAcknowledgement:
+    """What a PutEnd answered OK must still hold when its answer goes out ("acknowledged means
+    stored"): the committed record is still the key's record, and every segment it was written to
+    is still mounted under the same incarnation (segment ids are never reused).
+
+    A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
+    which ends the wait, and its copies are gone (with shm, a writer may even have copied the
+    bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
+    never OK.
+    """
+
+    lookup: Callable[[str], ObjectRecord | None]  # key -> its record (in the PutEnd's namespace)
+    # (index in the answer, key, the committed record, ids of the segments it was written to)
+    committed: list[tuple[int, str, ObjectRecord, tuple[int, ...]]]
+
+    @classmethod
+    def of(
+        cls, lookup: Callable[[str], ObjectRecord | None], keys: Sequence[str], statuses: Sequence[int]
+    ) -> PutAcknowledgement:
+        committed = []
+        for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
+            if status == 0 and (record := lookup(key)) is not None:
+                committed.append((i, key, record, tuple(p >> SEGMENT_SHIFT for p in record.replicas)))
+        return cls(lookup, committed)
+
+    def settle(self, mounted: Container[int], statuses: Any) -> int:
+        """Turn the OK of every key no longer stored as committed into SEGMENT_NOT_FOUND; how many."""
+        lost = 0
+        lookup = self.lookup
+        for i, key, record, segment_ids in self.committed:
+            if lookup(key) is not record or not all(s in mounted for s in segment_ids):
+                statuses[i] = int(Status.SEGMENT_NOT_FOUND)
+                lost += 1
+        return lost

@@ -47,6 +47,9 @@ class MasterConfig:
     # Restart and HA (docs/architecture.md, "Master restart and HA").
     state_dir: str = ""  # standalone: where segment names, registrations and the epoch are saved
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
+    # A returning segment re-adopts its copies except those of keys changed while it was away; at most
+    # this many such keys are remembered per segment, past that it discards everything (master/fences.py).
+    fence_max_keys: int = 1_000_000
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     # The address other processes reach this master at (default: listen); its host is also the
@@ -114,6 +117,8 @@ class MasterConfig:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
         if self.promote_after_reads < 0:
             raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
+        if self.fence_max_keys < 0:
+            raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:
             raise ValueError("max_batch_keys must be at least 1")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):

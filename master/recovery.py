@@ -135,7 +135,12 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
     from kvtier.master.state import SegmentState, master_key_problem
 
     segment = state.segments[segment_id]
-    if segment.state is not SegmentState.RECOVERING or not segment.inventory_accepted or not state.recovery.active:
+    fence = state.fences.get(segment.name)
+    if (
+        segment.state is not SegmentState.RECOVERING
+        or not segment.inventory_accepted
+        or not (state.recovery.active or fence is not None)
+    ):
         return [int(Status.INVALID_ARGUMENT)] * len(chunk.keys)  # too late: the master serves already
     now = state.clock()
     segment.last_heartbeat = now  # a large inventory takes a while: it is alive
@@ -159,6 +164,10 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.INVALID_KEY))
             continue
         name = object_name(namespace, key)
+        if fence is not None and not fence.admits(name):
+            out.append(int(Status.CHECKSUM_MISMATCH))  # changed while the segment was away
+            state.fences.refused += 1
+            continue
         record = state._lookup(name)
         if record is not None:
             if record.state is ObjectState.PENDING:
@@ -196,6 +205,8 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
         state.recovery.objects += 1
         out.append(_OK)
     state.recovery.refused += sum(1 for s in out if s != _OK)
+    if fence is not None:
+        state.fences.readopted += out.count(_OK)
     return out
 
 
@@ -206,9 +217,11 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
         segment.state = SegmentState.ACTIVE
-        if not segment.inventory_accepted and segment.name in state.expelled:
-            state.expelled.discard(segment.name)  # it emptied its stale index
+        if segment.name in state.expelled:
+            # It emptied its stale index, or re-adopted what its fence admitted: consistent again.
+            state.expelled.discard(segment.name)
             state.saved_state_stale = True
+        state.fences.close(segment.name)
         state.recovery.reported.add(segment.name)
         logger.info(
             "segment inventory complete id=%d name=%s objects=%d used=%d",

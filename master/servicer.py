@@ -23,7 +23,7 @@ import grpc
 from kvtier.master import inspection_rpc
 from kvtier.master.auth import Authenticator
 from kvtier.master.capabilities import Minter
-from kvtier.master.commits import notice_pin
+from kvtier.master.commits import PutAcknowledgement, notice_pin
 from kvtier.master.gates import DATA, rpc
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.records import replica_offset, replica_segment
@@ -70,6 +70,8 @@ class MasterHandlers:
         self.lookup_keys: Counter[str] = Counter()  # keys asked by Exists / GetReplicas
         self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
+        self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
+        self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
 
     def _refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
@@ -212,7 +214,11 @@ class MasterHandlers:
             return rejected
         if len(request.checksums) != len(request.keys):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="keys and checksums differ in length")
-        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id)
+        state = self.state
+        statuses = state.put_end(namespace, request.keys, request.checksums, request.put_id)
+        # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
+        # barrier(), which the caller asks for right after this returns, on this thread.
+        self.put_ack = PutAcknowledgement.of(lambda key: state.record(namespace, key), request.keys, statuses)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @rpc(pb.KeyStatusResponse)
@@ -570,6 +576,7 @@ class Barrier:
     notices: dict[int, int]
     forgets: list[TierTask]
     generation: int
+    put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
 
     def done(self, state: MasterState) -> bool:
         return (
@@ -607,9 +614,11 @@ class CommitWaiter:
 
     def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
-        state = self._handlers.state
+        handlers = self._handlers
+        state = handlers.state
+        put_ack, handlers.put_ack = handlers.put_ack, None
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation)
+        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation else None
 
     async def finish(self, reply: Any, barrier: Barrier) -> Any:
@@ -634,6 +643,10 @@ class CommitWaiter:
                 pass
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
+        if barrier.put_ack is not None and (lost := barrier.put_ack.settle(state.segments, reply.statuses)):
+            # Acknowledged means stored: a segment expelled or replaced during the wait took them.
+            handlers.puts_lost += lost
+            logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)
         return reply
 
 

@@ -38,6 +38,7 @@ from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
+from kvtier.master.fences import Fences
 from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
@@ -108,6 +109,7 @@ class MasterState:
         self.drainer = Drainer(self)
         self.tiering = Tiering(self)
         self.commits = CommitLog(clock)
+        self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
         # Segments mounted and instances registered changed since the server last saved them.
@@ -177,7 +179,15 @@ class MasterState:
         # A segment's DRAM index is taken only by a master rebuilding itself (recovering, with saved
         # state telling whom to expect and whom it expelled): once it serves, removals and new puts
         # happen that an index reported later would contradict.
-        accepted = inventory and self.recovery.active and name not in self.expelled
+        # A segment returning to this master re-adopts what its fence admits (kvtier.master.fences);
+        # one returning from before a restart (expelled, no fence) can prove nothing.
+        fence = self.fences.get(name)
+        if fence is not None:
+            accepted = inventory and not fence.everything
+            disk_refused = fence.everything
+        else:
+            accepted = inventory and self.recovery.active and name not in self.expelled
+            disk_refused = name in self.expelled
         segment = SegmentRecord(
             segment_id=next(self._segment_ids),
             name=name,
@@ -193,6 +203,7 @@ class MasterState:
             ssd_max_object=ssd_max_object,
             state=SegmentState.RECOVERING if inventory else SegmentState.ACTIVE,
             inventory_accepted=accepted,
+            disk_refused=inventory and disk_refused,
             saved=not self.save_mounts,
         )
         self.segments[segment.segment_id] = segment
@@ -249,8 +260,12 @@ class MasterState:
         self.tiering.segment_dropped(segment_id)
         if reason in EXPULSIONS:
             self.lease_expiries["segment"] += 1
-        if reason in EXPULSIONS and self.commits.keeps_index(segment_id):
-            self.expelled.add(segment.name)  # its index misses what happens from now on
+        if self.commits.keeps_index(segment_id):
+            # Its index and disk copies miss what happens from now on: fenced while this master runs,
+            # and saved as expelled for the next one (kvtier.master.fences).
+            seed = self.commits.unacked_names(segment_id) | self.tiering.unacked_forget_names(segment.name)
+            self.fences.open(segment.name, seed)
+            self.expelled.add(segment.name)
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)
         self.saved_state_stale = True
@@ -268,7 +283,7 @@ class MasterState:
             elif name in self._objects and not any(is_dram(r) for r in record.replicas):
                 now_disk_only.append(name)
         for name in doomed:
-            self._delete(self._pop(name))
+            self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
         for name in now_disk_only:
             self._disk_only[name] = self._objects.pop(name)
         lost = len(doomed)
@@ -418,6 +433,8 @@ class MasterState:
                 out.append(_OK)
         if done:
             self.commits.committed_records(done)  # replicas all DRAM while pending
+            if self.fences.recording:
+                self.fences.touch_many(r.name for r in done)
         return out
 
     def put_revoke(self, namespace: str, keys: Sequence[str], put_id: int) -> list[int]:
@@ -520,10 +537,13 @@ class MasterState:
             self._delete(self._pop(name))
         return len(doomed)
 
-    def _delete(self, record: ObjectRecord, forget_disk: bool = True) -> None:
+    def _delete(self, record: ObjectRecord, forget_disk: bool = True, changed: bool = True) -> None:
         """Forget a record already popped from the object dict; free or defer its DRAM ranges,
-        and (with `forget_disk`) have segments tombstone its disk copies."""
+        and (with `forget_disk`) have segments tombstone its disk copies. `changed`: the key's
+        state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
+        if changed and self.fences.recording:
+            self.fences.touch(record.name)
         if record.state is _PENDING:
             self._pending.pop(record.name, None)
         else:

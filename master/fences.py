@@ -1,0 +1,138 @@
+"""Per-segment fences: what a returning segment may bring back.
+
+When the master drops a segment's copies en masse (expulsion for silence,
+replacement by a new process under the same name, unmount), the segment's
+DRAM index and SSD tier keep describing objects the master no longer tracks
+there. If the segment returns (the same process after a partition or a
+SIGSTOP, or a new process with its SSD directory), most of those copies are
+still right, and dropping them throws away cache that nothing touched (a
+network blip must not wipe a segment). Some are wrong: their key was removed
+or put again with other bytes while the segment was away, or the segment had
+not yet acknowledged a notice or a FORGET about them.
+
+A fence, opened when the segment is dropped and kept by segment name, is the
+set of object names whose state may differ from what that segment last
+acknowledged:
+- seeded with the names of its unacknowledged commit-log notices (commits and
+  drops, kvtier.master.commits) and its unacknowledged FORGETs
+  (kvtier.master.tiering);
+- grown by every key committed (PutEnd) or deleted (remove, eviction, a
+  failed or reclaimed put) while it is open. Losing a key because the segment
+  holding it was dropped is not a change of its bytes and does not grow it.
+
+Invariants:
+1. A copy reported by a returning segment is re-adopted only if its key is
+   not in the segment's fence, and then only as the master's recovery rules
+   allow (key absent: the object comes back; key complete with the same size
+   and checksum: one more replica; anything else: refused). So a key removed
+   or re-put while the segment was away is never brought back: either the
+   change happened while the fence was open (in it), or before the drop, and
+   then the segment had acknowledged it (drop notice / FORGET applied), or it
+   had not (the seed).
+2. The fence stays open until the segment's inventory is complete
+   (`close`); a drop while it is open merges the new seed into it.
+3. Bounded: a fence holds at most `max_keys` names; past that it turns into
+   "everything" (its names are let go) and the segment discards its DRAM
+   index and its SSD copies are refused, as without fences (logged with the
+   reason). Each fence costs one name per change while it is open; at most
+   `max_fences` fences are kept (the oldest turns into "everything" first,
+   costing only its name).
+4. In memory only. A master restart cannot prove anything about a segment
+   that was away: dropped names are saved as *expelled* (kvtier.master.persist),
+   and such a segment discards its DRAM index and its SSD copies are refused
+   when it returns to a master that has no fence for it.
+
+Plain Python, owned by MasterState's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Fence:
+    """Names (kvtier.master.records.object_name) a returning segment must not bring back."""
+
+    segment: str
+    names: set[str] = field(default_factory=set)
+    everything: bool = False  # overflowed: nothing of the segment's previous life is re-adopted
+    reason: str = ""  # why it is "everything"
+
+    def admits(self, name: str) -> bool:
+        """Whether a copy of `name` reported by the segment may be re-adopted."""
+        return not self.everything and name not in self.names
+
+
+class Fences:
+    """Open fences by segment name. See the module docstring."""
+
+    def __init__(self, max_keys: int = 1_000_000, max_fences: int = 1024) -> None:
+        self.max_keys = max_keys
+        self.max_fences = max_fences
+        self._open: dict[str, Fence] = {}  # insertion order: oldest first
+        self._growing: list[Fence] = []  # open fences that still record names (not "everything")
+        self.refused = 0  # copies refused because their key was fenced
+        self.readopted = 0  # copies re-adopted under a fence (DRAM and SSD)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @property
+    def recording(self) -> bool:
+        """Whether some open fence records changes (the hot paths skip `touch` otherwise)."""
+        return bool(self._growing)
+
+    def get(self, segment: str) -> Fence | None:
+        return self._open.get(segment)
+
+    def open(self, segment: str, seed: Iterable[str]) -> Fence:
+        """The segment's copies were dropped: open its fence (or merge `seed` into the open one)."""
+        fence = self._open.get(segment)
+        if fence is None:
+            if len(self._open) >= self.max_fences:
+                oldest = next(iter(self._open.values()))
+                self._overflow(oldest, f"more than {self.max_fences} segments away at once")
+            fence = self._open[segment] = Fence(segment)
+            self._growing.append(fence)
+        if not fence.everything:
+            fence.names.update(seed)
+            self._check(fence)
+        logger.info("fence opened segment=%s names=%d everything=%s", segment, len(fence.names), fence.everything)
+        return fence
+
+    def touch(self, name: str) -> None:
+        """The object `name` changed (committed anew or deleted): no open fence re-adopts it."""
+        for fence in self._growing:
+            fence.names.add(name)
+            if len(fence.names) > self.max_keys:
+                self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+
+    def touch_many(self, names: Iterable[str]) -> None:
+        if self._growing:
+            for name in names:
+                self.touch(name)
+
+    def close(self, segment: str) -> None:
+        """The segment's inventory is complete: what it reported is settled."""
+        fence = self._open.pop(segment, None)
+        if fence is not None and fence in self._growing:
+            self._growing.remove(fence)
+
+    def _check(self, fence: Fence) -> None:
+        if len(fence.names) > self.max_keys:
+            self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+
+    def _overflow(self, fence: Fence, reason: str) -> None:
+        if fence.everything:
+            return
+        fence.everything = True
+        fence.reason = reason
+        fence.names = set()
+        if fence in self._growing:
+            self._growing.remove(fence)
+        logger.warning("fence covers everything segment=%s reason=%s: it discards its copies", fence.segment, reason)
