@@ -17,8 +17,11 @@ acknowledged:
   drops, kvtier.master.commits) and its unacknowledged FORGETs
   (kvtier.master.tiering);
 - grown by every key committed (PutEnd) or deleted (remove, eviction, a
-  failed or reclaimed put) while it is open. Losing a key because the segment
-  holding it was dropped is not a change of its bytes and does not grow it.
+  failed or reclaimed put) while it is open, and by every key a client asks to
+  remove even when the master no longer knows it (it may be one of the
+  segment's own, lost with it): Remove names, RemovePrefix prefixes. Losing a
+  key because the segment holding it was dropped is not a change of its bytes
+  and does not grow it.
 
 Invariants:
 1. A copy reported by a returning segment is re-adopted only if its key is
@@ -60,12 +63,13 @@ class Fence:
 
     segment: str
     names: set[str] = field(default_factory=set)
+    prefixes: list[str] = field(default_factory=list)  # RemovePrefix while away: every name starting so
     everything: bool = False  # overflowed: nothing of the segment's previous life is re-adopted
     reason: str = ""  # why it is "everything"
 
     def admits(self, name: str) -> bool:
         """Whether a copy of `name` reported by the segment may be re-adopted."""
-        return not self.everything and name not in self.names
+        return not self.everything and name not in self.names and not any(map(name.startswith, self.prefixes))
 
 
 class Fences:
@@ -107,9 +111,17 @@ class Fences:
 
     def touch(self, name: str) -> None:
         """The object `name` changed (committed anew or deleted): no open fence re-adopts it."""
-        for fence in self._growing:
+        for fence in list(self._growing):
             fence.names.add(name)
             if len(fence.names) > self.max_keys:
+                self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+
+    def touch_prefix(self, start: str) -> None:
+        """Every object whose name starts with `start` was removed (RemovePrefix), also those the
+        master did not know (lost with a segment that may return)."""
+        for fence in list(self._growing):
+            fence.prefixes.append(start)
+            if len(fence.names) + len(fence.prefixes) > self.max_keys:
                 self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
 
     def touch_many(self, names: Iterable[str]) -> None:
@@ -133,6 +145,7 @@ class Fences:
         fence.everything = True
         fence.reason = reason
         fence.names = set()
+        fence.prefixes = []
         if fence in self._growing:
             self._growing.remove(fence)
         logger.warning("fence covers everything segment=%s reason=%s: it discards its copies", fence.segment, reason)

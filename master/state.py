@@ -522,6 +522,8 @@ class MasterState:
             record = self._lookup(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
+                if self.fences.recording:  # maybe lost with a segment that returns: it must not
+                    self.fences.touch(prefix + key)
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
@@ -532,6 +534,8 @@ class MasterState:
     def remove_prefix(self, namespace: str, prefix: str) -> int:
         """Remove every complete object of `namespace` whose key starts with `prefix`."""
         start = object_name(namespace, prefix)
+        if self.fences.recording:
+            self.fences.touch_prefix(start)
         doomed = [name for name, r in self.named_records() if name.startswith(start) and r.state is _COMPLETE]
         for name in doomed:
             self._delete(self._pop(name))
