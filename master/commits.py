@@ -24,8 +24,9 @@ Nobody is ever counted as having acknowledged what it did not. A segment
 whose feed has notices waiting and has not polled for `segment_ttl_s` is
 expelled by the master (`silent`, then MasterState drops it): its objects
 leave the tables, the waits for it end, and its name is saved as expelled
-before those waits answer, so that its index, stale from then on, is
-discarded when it mounts again, in this incarnation or any later one.
+before those waits answer. When it mounts again to this master it re-adopts
+what its fence admits (kvtier.master.fences); to a later incarnation it
+discards its index, stale from then on.
 
 A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along.

@@ -48,7 +48,8 @@ class MasterConfig:
     state_dir: str = ""  # standalone: where segment names, registrations and the epoch are saved
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
     # A returning segment re-adopts its copies except those of keys changed while it was away; at most
-    # this many such keys are remembered per segment, past that it discards everything (master/fences.py).
+    # this many such keys are remembered for all segments away together, past that the oldest one away
+    # discards its copies when it returns (master/fences.py).
     fence_max_keys: int = 1_000_000
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable

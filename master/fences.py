@@ -34,12 +34,13 @@ Invariants:
    had not (the seed).
 2. The fence stays open until the segment's inventory is complete
    (`close`); a drop while it is open merges the new seed into it.
-3. Bounded: a fence holds at most `max_keys` names; past that it turns into
-   "everything" (its names are let go) and the segment discards its DRAM
-   index and its SSD copies are refused, as without fences (logged with the
-   reason). Each fence costs one name per change while it is open; at most
-   `max_fences` fences are kept (the oldest turns into "everything" first,
-   costing only its name).
+3. Bounded: all fences together hold at most `max_keys` names (and
+   prefixes); past that the oldest fence turns into "everything" (its names
+   are let go) and that segment discards its DRAM index and its SSD copies
+   are refused, as without fences (logged with the reason). Each open fence
+   costs one name per change; at most `max_fences` fences are kept (past
+   that the oldest is forgotten, which is as safe: its name is saved as
+   expelled, and an expelled segment without a fence discards its copies).
 4. In memory only. A master restart cannot prove anything about a segment
    that was away: dropped names are saved as *expelled* (kvtier.master.persist),
    and such a segment discards its DRAM index and its SSD copies are refused
@@ -76,12 +77,14 @@ class Fences:
     """Open fences by segment name. See the module docstring."""
 
     def __init__(self, max_keys: int = 1_000_000, max_fences: int = 1024) -> None:
-        self.max_keys = max_keys
+        self.max_keys = max_keys  # names (and prefixes) held by all fences together
         self.max_fences = max_fences
         self._open: dict[str, Fence] = {}  # insertion order: oldest first
-        self._growing: list[Fence] = []  # open fences that still record names (not "everything")
+        self._growing: list[Fence] = []  # open fences that still record names (not "everything"), oldest first
+        self._total = 0  # names and prefixes held by the growing fences
         self.refused = 0  # copies refused because their key was fenced
         self.readopted = 0  # copies re-adopted under a fence (DRAM and SSD)
+        self.overflows = 0  # fences turned into "everything"
 
     def __len__(self) -> int:
         return len(self._open)
@@ -99,30 +102,37 @@ class Fences:
         fence = self._open.get(segment)
         if fence is None:
             if len(self._open) >= self.max_fences:
+                # Forgetting a fence is as safe as "everything": the name is saved as expelled, and
+                # an expelled segment without a fence discards its copies.
                 oldest = next(iter(self._open.values()))
                 self._overflow(oldest, f"more than {self.max_fences} segments away at once")
+                del self._open[oldest.segment]
             fence = self._open[segment] = Fence(segment)
             self._growing.append(fence)
         if not fence.everything:
+            before = len(fence.names)
             fence.names.update(seed)
-            self._check(fence)
+            self._total += len(fence.names) - before
+            self._bound()
         logger.info("fence opened segment=%s names=%d everything=%s", segment, len(fence.names), fence.everything)
         return fence
 
     def touch(self, name: str) -> None:
         """The object `name` changed (committed anew or deleted): no open fence re-adopts it."""
-        for fence in list(self._growing):
-            fence.names.add(name)
-            if len(fence.names) > self.max_keys:
-                self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+        for fence in self._growing:
+            if name not in fence.names:
+                fence.names.add(name)
+                self._total += 1
+        if self._total > self.max_keys:
+            self._bound()
 
     def touch_prefix(self, start: str) -> None:
         """Every object whose name starts with `start` was removed (RemovePrefix), also those the
         master did not know (lost with a segment that may return)."""
-        for fence in list(self._growing):
+        for fence in self._growing:
             fence.prefixes.append(start)
-            if len(fence.names) + len(fence.prefixes) > self.max_keys:
-                self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+            self._total += 1
+        self._bound()
 
     def touch_many(self, names: Iterable[str]) -> None:
         if self._growing:
@@ -134,18 +144,22 @@ class Fences:
         fence = self._open.pop(segment, None)
         if fence is not None and fence in self._growing:
             self._growing.remove(fence)
+            self._total -= len(fence.names) + len(fence.prefixes)
 
-    def _check(self, fence: Fence) -> None:
-        if len(fence.names) > self.max_keys:
-            self._overflow(fence, f"more than {self.max_keys} keys changed while it was away")
+    def _bound(self) -> None:
+        """Over `max_keys` names in all: the oldest fences (which hold the most) give up first."""
+        while self._total > self.max_keys and self._growing:
+            self._overflow(self._growing[0], f"more than {self.max_keys} keys changed while segments were away")
 
     def _overflow(self, fence: Fence, reason: str) -> None:
         if fence.everything:
             return
+        if fence in self._growing:
+            self._growing.remove(fence)
+            self._total -= len(fence.names) + len(fence.prefixes)
         fence.everything = True
         fence.reason = reason
         fence.names = set()
         fence.prefixes = []
-        if fence in self._growing:
-            self._growing.remove(fence)
+        self.overflows += 1
         logger.warning("fence covers everything segment=%s reason=%s: it discards its copies", fence.segment, reason)

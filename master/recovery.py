@@ -11,12 +11,15 @@ bytes verified against its checksum first) and what their SSD tier holds
 until its inventory is complete: new puts must not land on ranges it has
 yet to report.
 
-DRAM inventories are taken only while recovering, and only from segments
-not expelled (saved state): once the master serves, removals and new puts
+DRAM inventories are taken while recovering, only from segments not
+expelled (saved state): once the master serves, removals and new puts
 happen that an index reported later would contradict, and an expelled
 segment's index misses what happened after it was expelled. Such segments
-are told at mount to discard their index (`discard_index`): their objects
-are lost to recompute, never served stale. A master without saved state
+are told at mount to discard their index (`discard_index`), and their SSD
+copies are refused: lost to recompute, never served stale. The exception:
+a segment this master dropped and fenced (kvtier.master.fences) reports
+its inventory at any time, and every key its fence admits is re-adopted by
+the same rules. A master without saved state
 (no `--state-dir`, no etcd) never recovers: it cannot know whom it expelled.
 
 The master answers data RPCs with UNAVAILABLE ("recovering") until every
