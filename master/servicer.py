@@ -643,7 +643,8 @@ class CommitWaiter:
                 pass
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
-        if barrier.put_ack is not None and (lost := barrier.put_ack.settle(state.segments, reply.statuses)):
+        put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
+        if put_ack is not None and (lost := put_ack.settle(state.segments, reply.statuses)):
             # Acknowledged means stored: a segment expelled or replaced during the wait took them.
             handlers.puts_lost += lost
             logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)
