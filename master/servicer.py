@@ -73,6 +73,21 @@ class MasterHandlers:
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
 
+    def events(self) -> dict[str, int]:
+        """Tiering, commit-log and returning-segment counters (Status's `tiering`, kvtier_master_tiering)."""
+        state = self.state
+        return (
+            dict(state.tiering.counters)
+            | dict(state.commits.counters)
+            | {
+                # returning segments (master/fences.py), and PutEnd keys whose segment was lost meanwhile
+                "fence_copies_readopted": state.fences.readopted,
+                "fence_copies_refused": state.fences.refused,
+                "fence_overflows": state.fences.overflows,
+                "put_keys_lost_with_segment": self.puts_lost,
+            }
+        )
+
     def _refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
         if not self.leadership.is_leader():
@@ -408,7 +423,7 @@ class MasterHandlers:
                 pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
                 for reason, (objects, size) in sorted(self.state.evictions.items())
             ],
-            tiering=dict(self.state.tiering.counters) | dict(self.state.commits.counters),
+            tiering=self.events(),
             lookup_keys=dict(self.lookup_keys),
             lookup_hits=dict(self.lookup_hits),
             lookup_hits_disk_only=self.lookup_hits_disk_only,

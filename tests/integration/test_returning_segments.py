@@ -125,6 +125,8 @@ def check_returned(cluster: Cluster, client: Client, keys: list[str], removed: s
     assert all(r["segment"] == "s0" for k in keys[:3] for r in client.locate(k)), client.locate(keys[0])
     assert client.get(removed) is None, "a key removed while the segment was away came back"
     assert client.get(reput) == value_for(reput, version=2), "a key put again while the segment was away went back"
+    events = client.cluster_status().tiering
+    assert events["fence_copies_readopted"] >= len(keys) and events["fence_copies_refused"] >= 2, events
 
 
 def test_a_stopped_segment_resumed_past_its_ttl_gets_back_every_untouched_object(bare_cluster):
@@ -184,6 +186,7 @@ def test_puts_into_a_dead_segments_mapped_region_are_failures_not_ok(bare_cluste
         statuses = client.batch_put(keys, [value_for(k, MiB) for k in keys])
         assert all(s != Status.OK for s in statuses), statuses
         assert client.batch_get(keys) == [None] * len(keys)
+        assert client.cluster_status().tiering["put_keys_lost_with_segment"] == len(keys)
 
 
 def test_under_load_every_key_answered_ok_after_a_segment_kill_is_readable(bare_cluster):
