@@ -176,11 +176,10 @@ class MasterState:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self._drop_segment(old, reason="remounted")
         now = self.clock()
-        # A segment's DRAM index is taken only by a master rebuilding itself (recovering, with saved
-        # state telling whom to expect and whom it expelled): once it serves, removals and new puts
-        # happen that an index reported later would contradict.
-        # A segment returning to this master re-adopts what its fence admits (kvtier.master.fences);
-        # one returning from before a restart (expelled, no fence) can prove nothing.
+        # A segment's inventory is taken by a master rebuilding itself (recovering, with saved state
+        # telling whom it expelled), or through the fence this master opened when it dropped the
+        # segment (kvtier.master.fences). Otherwise removals and new puts may have happened that
+        # it would contradict; and an expelled segment without a fence can prove nothing.
         fence = self.fences.get(name)
         if fence is not None:
             accepted = inventory and not fence.everything
