@@ -109,6 +109,33 @@ def test_a_segment_killed_before_acknowledging_a_forget_never_brings_the_removed
         assert client.get(keys[0]) is None, "a removed object came back from a disk copy"
 
 
+def test_a_segment_away_across_a_master_restart_brings_nothing_back(bare_cluster, ssd_dir, tmp_path):
+    """Fences live in the master's memory: a restarted master can prove nothing about a segment that
+    was away, so its disk copies are refused (tombstoned), whatever happened meanwhile."""
+    cluster = bare_cluster
+    state_dir = str(tmp_path / "state")
+    cluster.start_master("--state-dir", state_dir)
+    start_ssd_segment(cluster, "s0", ssd_dir)
+    cluster.start_segment("s1")
+    changed = "restart/changed"
+    keys = [changed, *(f"restart/fill/{i:02d}" for i in range(13))]
+    with cluster.client() as client:
+        for key in keys:
+            client.put(key, value_for(key, MiB), preferred_segment="s0")
+        wait_on_disk(cluster, client, keys)
+        cluster.kill(cluster.segments["s0"])
+        assert cluster.wait_for(lambda: "s0" not in segment_names(client), timeout=cluster.segment_ttl_s * 5)
+        client.put(changed, value_for(changed, MiB, version=2))
+        assert client.remove(changed)
+    cluster.restart_master("--state-dir", state_dir)
+    start_ssd_segment(cluster, "s0", ssd_dir)
+    with cluster.client() as client:
+        assert cluster.wait_for(lambda: mounted(client, "s0"), timeout=15)
+        assert client.get(changed) is None, "a removed key came back through a master restart"
+        assert client.batch_get(keys) == [None] * len(keys), "copies from before a master restart: unprovable"
+        assert client.cluster_status().tiering["fence_copies_refused"] == len(keys)
+
+
 # ---------------------------------------------------------------------------- obs 4: partitions
 
 
