@@ -38,7 +38,7 @@ waiting itself is asyncio plumbing in the servicer.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,35 +224,26 @@ def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
 @dataclass(slots=True)
 class PutAcknowledgement:
     """What a PutEnd answered OK must still hold when its answer goes out ("acknowledged means
-    stored"): the committed record is still the key's record, and every segment it was written to
-    is still mounted under the same incarnation (segment ids are never reused).
+    stored"): every segment the object was written to is still mounted under the same incarnation
+    (segment ids are never reused).
 
     A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
     which ends the wait, and its copies are gone (with shm, a writer may even have copied the
     bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
-    never OK.
+    never OK. Cheap on the hot path: dropping a segment gives every record on it a new replicas
+    tuple, so a record whose tuple is still the one committed needs no further look.
     """
 
-    lookup: Callable[[str], ObjectRecord | None]  # key -> its record (in the PutEnd's namespace)
-    # (index in the answer, key, the committed record, ids of the segments it was written to)
-    committed: list[tuple[int, str, ObjectRecord, tuple[int, ...]]]
-
-    @classmethod
-    def of(
-        cls, lookup: Callable[[str], ObjectRecord | None], keys: Sequence[str], statuses: Sequence[int]
-    ) -> PutAcknowledgement:
-        committed = []
-        for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
-            if status == 0 and (record := lookup(key)) is not None:
-                committed.append((i, key, record, tuple(p >> SEGMENT_SHIFT for p in record.replicas)))
-        return cls(lookup, committed)
+    # (index in the answer, the committed record, its replicas then), from MasterState.put_end
+    committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] = field(default_factory=list)
 
     def settle(self, mounted: Container[int], statuses: Any) -> int:
-        """Turn the OK of every key no longer stored as committed into SEGMENT_NOT_FOUND; how many."""
+        """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many."""
         lost = 0
-        lookup = self.lookup
-        for i, key, record, segment_ids in self.committed:
-            if lookup(key) is not record or not all(s in mounted for s in segment_ids):
+        for i, record, replicas in self.committed:
+            if record.replicas is replicas:
+                continue
+            if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)
                 lost += 1
         return lost

@@ -229,11 +229,10 @@ class MasterHandlers:
             return rejected
         if len(request.checksums) != len(request.keys):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="keys and checksums differ in length")
-        state = self.state
-        statuses = state.put_end(namespace, request.keys, request.checksums, request.put_id)
         # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
         # barrier(), which the caller asks for right after this returns, on this thread.
-        self.put_ack = PutAcknowledgement.of(lambda key: state.record(namespace, key), request.keys, statuses)
+        self.put_ack = ack = PutAcknowledgement()
+        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @rpc(pb.KeyStatusResponse)

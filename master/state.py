@@ -403,8 +403,16 @@ class MasterState:
                 result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
         return result
 
-    def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
-        """Make pending objects of put `put_id` visible with their checksums.
+    def put_end(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        checksums: Sequence[int],
+        put_id: int,
+        committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] | None = None,
+    ) -> list[int]:
+        """Make pending objects of put `put_id` visible with their checksums. `committed` collects
+        (index, record, replicas) of the keys committed now (kvtier.master.commits.PutAcknowledgement).
 
         Per key: OK (also when already complete with the same checksum: a retried
         PutEnd is harmless); NOT_PENDING when there is no pending put of this
@@ -429,6 +437,8 @@ class MasterState:
                 record.complete(checksum)
                 del pending[name]
                 done.append(record)
+                if committed is not None:
+                    committed.append((len(out), record, record.replicas))
                 out.append(_OK)
         if done:
             self.commits.committed_records(done)  # replicas all DRAM while pending

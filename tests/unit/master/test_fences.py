@@ -44,8 +44,9 @@ def test_a_put_end_whose_segment_was_lost_during_its_wait_is_not_acknowledged():
     inventory_done(state, a)
     inventory_done(state, b)
     started = state.put_start(NS, ["k1", "k2"], [100, 100], 1)
-    statuses = state.put_end(NS, ["k1", "k2"], [1, 2], started.put_id)
-    ack = PutAcknowledgement.of(lambda key: state.record(NS, key), ["k1", "k2"], statuses)
+    ack = PutAcknowledgement()
+    statuses = state.put_end(NS, ["k1", "k2"], [1, 2], started.put_id, ack.committed)
+    assert ack.settle(state.segments, list(statuses)) == 0, "nothing lost: OK stays OK"
     lost_segment = started.replica_segments[0]
     state.unmount_segment(lost_segment)  # as an expulsion does during the wait
     answer = list(statuses)
