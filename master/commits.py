@@ -24,8 +24,9 @@ Nobody is ever counted as having acknowledged what it did not. A segment
 whose feed has notices waiting and has not polled for `segment_ttl_s` is
 expelled by the master (`silent`, then MasterState drops it): its objects
 leave the tables, the waits for it end, and its name is saved as expelled
-before those waits answer, so that its index, stale from then on, is
-discarded when it mounts again, in this incarnation or any later one.
+before those waits answer. When it mounts again to this master it re-adopts
+what its fence admits (kvtier.master.fences); to a later incarnation it
+discards its index, stale from then on.
 
 A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along.
@@ -37,10 +38,12 @@ waiting itself is asyncio plumbing in the servicer.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.master.records import OFFSET_MASK, PIN_SOFT, SEGMENT_SHIFT, ObjectRecord
+from kvtier.proto.status import Status
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +92,14 @@ class CommitLog:
     def keeps_index(self, segment_id: int) -> bool:
         feed = self._feeds.get(segment_id)
         return feed is not None and feed.keeps_index
+
+    def unacked_names(self, segment_id: int) -> set[str]:
+        """Object names of the segment's notices not acknowledged yet (the seed of its fence,
+        kvtier.master.fences): its index may or may not have applied them."""
+        feed = self._feeds.get(segment_id)
+        if feed is None:
+            return set()
+        return {record.name for _, record, _ in feed.notices}
 
     def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)
@@ -208,3 +219,31 @@ def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
     """(pin, pin_ttl_ms) of a notice: a soft pin carries the time it has left."""
     pin = record.pin
     return pin, int(max(0.0, record.pin_until - now) * 1000) if pin == PIN_SOFT else 0
+
+
+@dataclass(slots=True)
+class PutAcknowledgement:
+    """What a PutEnd answered OK must still hold when its answer goes out ("acknowledged means
+    stored"): every segment the object was written to is still mounted under the same incarnation
+    (segment ids are never reused).
+
+    A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
+    which ends the wait, and its copies are gone (with shm, a writer may even have copied the
+    bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
+    never OK. Cheap on the hot path: dropping a segment gives every record on it a new replicas
+    tuple, so a record whose tuple is still the one committed needs no further look.
+    """
+
+    # (index in the answer, the committed record, its replicas then), from MasterState.put_end
+    committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] = field(default_factory=list)
+
+    def settle(self, mounted: Container[int], statuses: Any) -> int:
+        """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many."""
+        lost = 0
+        for i, record, replicas in self.committed:
+            if record.replicas is replicas:
+                continue
+            if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
+                statuses[i] = int(Status.SEGMENT_NOT_FOUND)
+                lost += 1
+        return lost

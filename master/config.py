@@ -75,6 +75,10 @@ class MasterConfig:
     # directory (default_state_dir); "none": nothing is saved (a restart loses every DRAM object).
     state_dir: str = ""
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
+    # A returning segment re-adopts its copies except those of keys changed while it was away; at most
+    # this many such keys are remembered for all segments away together, past that the oldest one away
+    # discards its copies when it returns (master/fences.py).
+    fence_max_keys: int = 1_000_000
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     # The address other processes reach this master at (default: listen); its host is also the
@@ -142,6 +146,8 @@ class MasterConfig:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
         if self.promote_after_reads < 0:
             raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
+        if self.fence_max_keys < 0:
+            raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:
             raise ValueError("max_batch_keys must be at least 1")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):

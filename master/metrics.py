@@ -96,7 +96,7 @@ class MasterCollector(Collector):
             corrupt=dict(state.corrupt.dropped),
             corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
-            tiering=dict(state.tiering.counters) | dict(state.commits.counters),
+            tiering=h.events(),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
             role=h.role,
@@ -201,7 +201,10 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         s.lease_expiries,
     )
     yield counter(
-        "kvtier_master_tiering", "Tiering and commit-log events (offloads, promotions, ...).", "event", s.tiering
+        "kvtier_master_tiering",
+        "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",
+        "event",
+        s.tiering,
     )
     quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
     quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])

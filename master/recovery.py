@@ -11,12 +11,15 @@ bytes verified against its checksum first) and what their SSD tier holds
 until its inventory is complete: new puts must not land on ranges it has
 yet to report.
 
-DRAM inventories are taken only while recovering, and only from segments
-not expelled (saved state): once the master serves, removals and new puts
+DRAM inventories are taken while recovering, only from segments not
+expelled (saved state): once the master serves, removals and new puts
 happen that an index reported later would contradict, and an expelled
 segment's index misses what happened after it was expelled. Such segments
-are told at mount to discard their index (`discard_index`): their objects
-are lost to recompute, never served stale. A master without saved state
+are told at mount to discard their index (`discard_index`), and their SSD
+copies are refused: lost to recompute, never served stale. The exception:
+a segment this master dropped and fenced (kvtier.master.fences) reports
+its inventory at any time, and every key its fence admits is re-adopted by
+the same rules. A master without saved state
 (no `--state-dir`, no etcd) never recovers: it cannot know whom it expelled.
 
 The master answers data RPCs with UNAVAILABLE ("recovering") until every
@@ -135,7 +138,12 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
     from kvtier.master.state import SegmentState, master_key_problem
 
     segment = state.segments[segment_id]
-    if segment.state is not SegmentState.RECOVERING or not segment.inventory_accepted or not state.recovery.active:
+    fence = state.fences.get(segment.name)
+    if (
+        segment.state is not SegmentState.RECOVERING
+        or not segment.inventory_accepted
+        or not (state.recovery.active or fence is not None)
+    ):
         return [int(Status.INVALID_ARGUMENT)] * len(chunk.keys)  # too late: the master serves already
     now = state.clock()
     segment.last_heartbeat = now  # a large inventory takes a while: it is alive
@@ -159,6 +167,10 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.INVALID_KEY))
             continue
         name = object_name(namespace, key)
+        if fence is not None and not fence.admits(name):
+            out.append(int(Status.CHECKSUM_MISMATCH))  # changed while the segment was away
+            state.fences.refused += 1
+            continue
         record = state._lookup(name)
         if record is not None:
             if record.state is ObjectState.PENDING:
@@ -196,6 +208,8 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
         state.recovery.objects += 1
         out.append(_OK)
     state.recovery.refused += sum(1 for s in out if s != _OK)
+    if fence is not None:
+        state.fences.readopted += out.count(_OK)
     return out
 
 
@@ -206,9 +220,11 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
         segment.state = SegmentState.ACTIVE
-        if not segment.inventory_accepted and segment.name in state.expelled:
-            state.expelled.discard(segment.name)  # it emptied its stale index
+        if segment.name in state.expelled:
+            # It emptied its stale index, or re-adopted what its fence admitted: consistent again.
+            state.expelled.discard(segment.name)
             state.saved_state_stale = True
+        state.fences.close(segment.name)
         state.recovery.reported.add(segment.name)
         logger.info(
             "segment inventory complete id=%d name=%s objects=%d used=%d",

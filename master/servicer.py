@@ -23,7 +23,7 @@ import grpc
 from kvtier.master import inspection_rpc
 from kvtier.master.auth import Authenticator
 from kvtier.master.capabilities import Minter
-from kvtier.master.commits import notice_pin
+from kvtier.master.commits import PutAcknowledgement, notice_pin
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.gates import DATA, rpc
 from kvtier.master.inspection import disk_only_hits
@@ -71,6 +71,23 @@ class MasterHandlers:
         self.lookup_keys: Counter[str] = Counter()  # keys asked by Exists / GetReplicas
         self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
+        self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
+        self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
+
+    def events(self) -> dict[str, int]:
+        """Tiering, commit-log and returning-segment counters (Status's `tiering`, kvtier_master_tiering)."""
+        state = self.state
+        return (
+            dict(state.tiering.counters)
+            | dict(state.commits.counters)
+            | {
+                # returning segments (master/fences.py), and PutEnd keys whose segment was lost meanwhile
+                "fence_copies_readopted": state.fences.readopted,
+                "fence_copies_refused": state.fences.refused,
+                "fence_overflows": state.fences.overflows,
+                "put_keys_lost_with_segment": self.puts_lost,
+            }
+        )
 
     def _refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
@@ -214,7 +231,10 @@ class MasterHandlers:
             return rejected
         if len(request.checksums) != len(request.keys):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="keys and checksums differ in length")
-        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id)
+        # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
+        # barrier(), which the caller asks for right after this returns, on this thread.
+        self.put_ack = ack = PutAcknowledgement()
+        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @rpc(pb.KeyStatusResponse)
@@ -423,7 +443,7 @@ class MasterHandlers:
                 pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
                 for reason, (objects, size) in sorted(self.state.evictions.items())
             ],
-            tiering=dict(self.state.tiering.counters) | dict(self.state.commits.counters),
+            tiering=self.events(),
             lookup_keys=dict(self.lookup_keys),
             lookup_hits=dict(self.lookup_hits),
             lookup_hits_disk_only=self.lookup_hits_disk_only,
@@ -591,6 +611,7 @@ class Barrier:
     notices: dict[int, int]
     forgets: list[TierTask]
     generation: int
+    put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
 
     def done(self, state: MasterState) -> bool:
         return (
@@ -628,9 +649,11 @@ class CommitWaiter:
 
     def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
-        state = self._handlers.state
+        handlers = self._handlers
+        state = handlers.state
+        put_ack, handlers.put_ack = handlers.put_ack, None
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation)
+        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation else None
 
     async def finish(self, reply: Any, barrier: Barrier) -> Any:
@@ -655,6 +678,11 @@ class CommitWaiter:
                 pass
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
+        put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
+        if put_ack is not None and (lost := put_ack.settle(state.segments, reply.statuses)):
+            # Acknowledged means stored: a segment expelled or replaced during the wait took them.
+            handlers.puts_lost += lost
+            logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)
         return reply
 
 

@@ -39,6 +39,7 @@ from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
+from kvtier.master.fences import Fences
 from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
@@ -110,6 +111,7 @@ class MasterState:
         self.tiering = Tiering(self)
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
+        self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
         # Segments mounted and instances registered changed since the server last saved them.
@@ -181,10 +183,17 @@ class MasterState:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self._drop_segment(old, reason="remounted")
         now = self.clock()
-        # A segment's DRAM index is taken only by a master rebuilding itself (recovering, with saved
-        # state telling whom to expect and whom it expelled): once it serves, removals and new puts
-        # happen that an index reported later would contradict.
-        accepted = inventory and self.recovery.active and name not in self.expelled
+        # A segment's inventory is taken by a master rebuilding itself (recovering, with saved state
+        # telling whom it expelled), or through the fence this master opened when it dropped the
+        # segment (kvtier.master.fences). Otherwise removals and new puts may have happened that
+        # it would contradict; and an expelled segment without a fence can prove nothing.
+        fence = self.fences.get(name)
+        if fence is not None:
+            accepted = inventory and not fence.everything
+            disk_refused = fence.everything
+        else:
+            accepted = inventory and self.recovery.active and name not in self.expelled
+            disk_refused = name in self.expelled
         segment = SegmentRecord(
             segment_id=next(self._segment_ids),
             name=name,
@@ -200,6 +209,7 @@ class MasterState:
             ssd_max_object=ssd_max_object,
             state=SegmentState.RECOVERING if inventory else SegmentState.ACTIVE,
             inventory_accepted=accepted,
+            disk_refused=inventory and disk_refused,
             saved=not self.save_mounts,
         )
         self.segments[segment.segment_id] = segment
@@ -256,8 +266,12 @@ class MasterState:
         self.tiering.segment_dropped(segment_id)
         if reason in EXPULSIONS:
             self.lease_expiries["segment"] += 1
-        if reason in EXPULSIONS and self.commits.keeps_index(segment_id):
-            self.expelled.add(segment.name)  # its index misses what happens from now on
+        if self.commits.keeps_index(segment_id):
+            # Its index and disk copies miss what happens from now on: fenced while this master runs,
+            # and saved as expelled for the next one (kvtier.master.fences).
+            seed = self.commits.unacked_names(segment_id) | self.tiering.unacked_forget_names(segment.name)
+            self.fences.open(segment.name, seed)
+            self.expelled.add(segment.name)
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)
         self.saved_state_stale = True
@@ -275,7 +289,7 @@ class MasterState:
             elif name in self._objects and not any(is_dram(r) for r in record.replicas):
                 now_disk_only.append(name)
         for name in doomed:
-            self._delete(self._pop(name))
+            self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
         for name in now_disk_only:
             self._disk_only[name] = self._objects.pop(name)
         lost = len(doomed)
@@ -396,8 +410,16 @@ class MasterState:
                 result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
         return result
 
-    def put_end(self, namespace: str, keys: Sequence[str], checksums: Sequence[int], put_id: int) -> list[int]:
-        """Make pending objects of put `put_id` visible with their checksums.
+    def put_end(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        checksums: Sequence[int],
+        put_id: int,
+        committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] | None = None,
+    ) -> list[int]:
+        """Make pending objects of put `put_id` visible with their checksums. `committed` collects
+        (index, record, replicas) of the keys committed now (kvtier.master.commits.PutAcknowledgement).
 
         Per key: OK (also when already complete with the same checksum: a retried
         PutEnd is harmless); NOT_PENDING when there is no pending put of this
@@ -422,9 +444,13 @@ class MasterState:
                 record.complete(checksum)
                 del pending[name]
                 done.append(record)
+                if committed is not None:
+                    committed.append((len(out), record, record.replicas))
                 out.append(_OK)
         if done:
             self.commits.committed_records(done)  # replicas all DRAM while pending
+            if self.fences.recording:
+                self.fences.touch_many(r.name for r in done)
         return out
 
     def put_revoke(self, namespace: str, keys: Sequence[str], put_id: int) -> list[int]:
@@ -512,6 +538,8 @@ class MasterState:
             record = self._lookup(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
+                if self.fences.recording:  # maybe lost with a segment that returns: it must not
+                    self.fences.touch(prefix + key)
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
@@ -522,15 +550,20 @@ class MasterState:
     def remove_prefix(self, namespace: str, prefix: str) -> int:
         """Remove every complete object of `namespace` whose key starts with `prefix`."""
         start = object_name(namespace, prefix)
+        if self.fences.recording:
+            self.fences.touch_prefix(start)
         doomed = [name for name, r in self.named_records() if name.startswith(start) and r.state is _COMPLETE]
         for name in doomed:
             self._delete(self._pop(name))
         return len(doomed)
 
-    def _delete(self, record: ObjectRecord, forget_disk: bool = True) -> None:
+    def _delete(self, record: ObjectRecord, forget_disk: bool = True, changed: bool = True) -> None:
         """Forget a record already popped from the object dict; free or defer its DRAM ranges,
-        and (with `forget_disk`) have segments tombstone its disk copies."""
+        and (with `forget_disk`) have segments tombstone its disk copies. `changed`: the key's
+        state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
+        if changed and self.fences.recording:
+            self.fences.touch(record.name)
         if record.state is _PENDING:
             self._pending.pop(record.name, None)
         else:

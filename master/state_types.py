@@ -37,6 +37,9 @@ class SegmentRecord:
     io_counters: dict[str, int] = field(default_factory=dict)
     ssd_objects: int = 0  # disk replicas on it
     inventory_accepted: bool = False  # RECOVERING: its DRAM inventory is taken (else it discards its index)
+    # RECOVERING: its SSD copies are refused (nothing can be proven about its previous life:
+    # kvtier.master.fences)
+    disk_refused: bool = False
     # Its name is in the durably saved state (kvtier.master.persist): only then does it take
     # allocations, so a restart right after still waits for it and takes its inventory.
     saved: bool = True

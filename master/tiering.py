@@ -239,6 +239,10 @@ class Tiering:
         if segment_id in self.state.segments:
             self._enqueue(task)
 
+    def unacked_forget_names(self, segment_name: str) -> set[str]:
+        """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
+        return {task.name for task in self._unacked_forgets.get(segment_name, {}).values()}
+
     def pending_forgets(self) -> list[TierTask]:
         """FORGETs not yet acknowledged by mounted, responsive segments: what a Remove waits for,
         so a removed object's disk copy cannot come back with a restart of the master."""
@@ -428,14 +432,22 @@ class Tiering:
         now = state.clock()
         out = []
         forgotten = self._unacked_forgets.get(segment.name, {})
+        fence = state.fences.get(segment.name)
+        refused = int(Status.CHECKSUM_MISMATCH)  # the segment tombstones the copy
         for namespace, key, size, checksum, location in zip(namespaces, keys, sizes, checksums, locations, strict=True):
             if master_key_problem(key) or master_key_problem(namespace) or location > OFFSET_MASK:
                 out.append(int(Status.INVALID_KEY))
                 continue
             if location in forgotten:  # removed while the segment was away: never registered again
-                out.append(int(Status.CHECKSUM_MISMATCH))
+                out.append(refused)
                 continue
             name = object_name(namespace, key)
+            if segment.disk_refused or (fence is not None and not fence.admits(name)):
+                # Changed while the segment was away, or nothing can be proven about its previous
+                # life (a master restart since, or an overflowed fence): kvtier.master.fences.
+                state.fences.refused += 1
+                out.append(refused)
+                continue
             packed = replica(segment_id, location, TIER_SSD)
             record = state._lookup(name)
             if record is None:
@@ -459,6 +471,8 @@ class Tiering:
                 record.replicas = (*record.replicas, packed)
             segment.ssd_objects += 1
             out.append(_OK)
+        if fence is not None:
+            state.fences.readopted += out.count(_OK)
         return out
 
     def drop_disk_replicas(self, segment_id: int, namespaces: list[str], keys: list[str], locations: list[int]) -> int:

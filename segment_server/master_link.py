@@ -16,8 +16,11 @@ leader that lost its lease for a moment) keeps the mount: the link follows
 the leader it names, or asks etcd / the next address (see
 kvtier.proto.discovery), and the next heartbeat tells whether that master
 knows us. A mount's answer may say `discard_index`: the master does not take
-our DRAM index (it serves already, or it expelled us and the index is
-stale), so it is emptied first.
+our DRAM index (it serves already and never fenced us, or it was restarted
+since it expelled us and can prove nothing), so it is emptied first. A
+master that expelled us and still runs takes the index and keeps every
+object nothing touched meanwhile (kvtier.master.fences); the entries it
+refuses leave the index.
 """
 
 from __future__ import annotations

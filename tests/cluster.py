@@ -60,14 +60,14 @@ class Cluster:
 
     # ------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, *args, "--ready-file", str(ready)],
+                [*(prefix or []), sys.executable, *args, "--ready-file", str(ready)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -125,7 +125,8 @@ class Cluster:
         assert self.master is not None, "start_master() first"
         return self.master.info["address"]
 
-    def start_segment(self, name: str = "", dram: str = "64MiB", *extra: str) -> Proc:
+    def start_segment(self, name: str = "", dram: str = "64MiB", *extra: str, prefix: list[str] | None = None) -> Proc:
+        """`prefix`: a command that runs the segment elsewhere (e.g. in a network namespace, tests/netns.py)."""
         name = name or f"seg{len(self.segments)}"
         proc = self._spawn(
             f"segment-{name}",
@@ -139,6 +140,7 @@ class Cluster:
                 *self._secret_args(),
                 *extra,
             ],
+            prefix,
         )  # fmt: skip
         self.segments[name] = proc
         return proc

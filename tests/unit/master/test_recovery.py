@@ -221,7 +221,7 @@ def test_commit_log_barriers_wait_for_every_segment_keeping_an_index_until_ackno
     assert commits.acked(barrier) and commits.barrier() == {}
 
 
-def test_a_silent_segment_is_expelled_its_name_saved_and_its_index_discarded_when_it_mounts_again():
+def test_a_silent_segment_is_expelled_its_name_saved_and_fenced_when_it_mounts_again():
     clock = FakeClock()
     state = new_state(clock)
     state.begin_recovery(set(), timeout_s=1.0)
@@ -246,10 +246,32 @@ def test_a_silent_segment_is_expelled_its_name_saved_and_its_index_discarded_whe
         "...once the expulsion is saved (the server's save sets durable_generation)"
     )
     assert state.record(NS, "k").replicas and all(replica_segment(r) == b for r in state.record(NS, "k").replicas)
+    started = state.put_start(NS, ["changed"], [64], 1)
+    state.put_end(NS, ["changed"], [7], started.put_id)  # put while a is away
+    state.remove(NS, ["changed"])
     again = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True)
-    assert again.discard_index, "its index missed what happened since: it must go"
-    inventory_done(state, again.segment.segment_id)
-    assert state.expelled == set() and state.saved_state_stale
+    assert not again.discard_index, "this master fenced it: it re-adopts what its fence admits"
+    segment_id = again.segment.segment_id
+    statuses = report_dram_objects(
+        state, segment_id, chunk([("k", 100, 5, 0), ("changed", 64, 7, 128), ("untouched", 64, 9, 256)])
+    )
+    assert statuses == [Status.CHECKSUM_MISMATCH, Status.CHECKSUM_MISMATCH, OK], (
+        "k's commit was never acknowledged and 'changed' was put and removed meanwhile: refused"
+    )
+    assert state.record(NS, "untouched") is not None and state.record(NS, "changed") is None
+    inventory_done(state, segment_id)
+    assert state.expelled == set() and state.saved_state_stale and state.fences.get("a") is None
+
+
+def test_a_segment_away_across_a_master_restart_can_prove_nothing():
+    clock = FakeClock()
+    state = new_state(clock)
+    state.begin_recovery({"a"}, timeout_s=1.0, expelled={"a"})  # saved by the previous incarnation
+    result = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True)
+    assert result.discard_index and result.segment.disk_refused
+    statuses = state.tiering.report_disk_objects(result.segment.segment_id, [NS], ["k"], [10], [1], [4096])
+    assert statuses == [Status.CHECKSUM_MISMATCH], "its disk copy may be of a key removed meanwhile: tombstoned"
+    assert state.record(NS, "k") is None
 
 
 def test_dram_inventories_are_taken_only_while_recovering():

@@ -1,0 +1,165 @@
+"""Per-segment fences: what a returning segment may bring back.
+
+When the master drops a segment's copies en masse (expulsion for silence,
+replacement by a new process under the same name, unmount), the segment's
+DRAM index and SSD tier keep describing objects the master no longer tracks
+there. If the segment returns (the same process after a partition or a
+SIGSTOP, or a new process with its SSD directory), most of those copies are
+still right, and dropping them throws away cache that nothing touched (a
+network blip must not wipe a segment). Some are wrong: their key was removed
+or put again with other bytes while the segment was away, or the segment had
+not yet acknowledged a notice or a FORGET about them.
+
+A fence, opened when the segment is dropped and kept by segment name, is the
+set of object names whose state may differ from what that segment last
+acknowledged:
+- seeded with the names of its unacknowledged commit-log notices (commits and
+  drops, kvtier.master.commits) and its unacknowledged FORGETs
+  (kvtier.master.tiering);
+- grown by every key committed (PutEnd) or deleted (remove, eviction, a
+  failed or reclaimed put) while it is open, and by every key a client asks to
+  remove even when the master no longer knows it (it may be one of the
+  segment's own, lost with it): Remove names, RemovePrefix prefixes. Losing a
+  key because the segment holding it was dropped is not a change of its bytes
+  and does not grow it.
+
+Invariants:
+1. A copy reported by a returning segment is re-adopted only if its key is
+   not in the segment's fence, and then only as the master's recovery rules
+   allow (key absent: the object comes back; key complete with the same size
+   and checksum: one more replica; anything else: refused). So a key removed
+   or re-put while the segment was away is never brought back: either the
+   change happened while the fence was open (in it), or before the drop, and
+   then the segment had acknowledged it (drop notice / FORGET applied), or it
+   had not (the seed).
+2. The fence stays open until the segment's inventory is complete
+   (`close`); a drop while it is open merges the new seed into it.
+3. Bounded: all fences together hold at most `max_keys` names (and
+   prefixes); past that the oldest fence turns into "everything" (its names
+   are let go) and that segment discards its DRAM index and its SSD copies
+   are refused, as without fences (logged with the reason). Each open fence
+   costs one name per change; at most `max_fences` fences are kept (past
+   that the oldest is forgotten, which is as safe: its name is saved as
+   expelled, and an expelled segment without a fence discards its copies).
+4. In memory only. A master restart cannot prove anything about a segment
+   that was away: dropped names are saved as *expelled* (kvtier.master.persist),
+   and such a segment discards its DRAM index and its SSD copies are refused
+   when it returns to a master that has no fence for it.
+
+Plain Python, owned by MasterState's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Fence:
+    """Names (kvtier.master.records.object_name) a returning segment must not bring back."""
+
+    segment: str
+    names: set[str] = field(default_factory=set)
+    prefixes: list[str] = field(default_factory=list)  # RemovePrefix while away: every name starting so
+    everything: bool = False  # overflowed: nothing of the segment's previous life is re-adopted
+    reason: str = ""  # why it is "everything"
+
+    def admits(self, name: str) -> bool:
+        """Whether a copy of `name` reported by the segment may be re-adopted."""
+        return not self.everything and name not in self.names and not any(map(name.startswith, self.prefixes))
+
+
+class Fences:
+    """Open fences by segment name. See the module docstring."""
+
+    def __init__(self, max_keys: int = 1_000_000, max_fences: int = 1024) -> None:
+        self.max_keys = max_keys  # names (and prefixes) held by all fences together
+        self.max_fences = max_fences
+        self._open: dict[str, Fence] = {}  # insertion order: oldest first
+        self._growing: list[Fence] = []  # open fences that still record names (not "everything"), oldest first
+        self._total = 0  # names and prefixes held by the growing fences
+        self.refused = 0  # copies refused because their key was fenced
+        self.readopted = 0  # copies re-adopted under a fence (DRAM and SSD)
+        self.overflows = 0  # fences turned into "everything"
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @property
+    def recording(self) -> bool:
+        """Whether some open fence records changes (the hot paths skip `touch` otherwise)."""
+        return bool(self._growing)
+
+    def get(self, segment: str) -> Fence | None:
+        return self._open.get(segment)
+
+    def open(self, segment: str, seed: Iterable[str]) -> Fence:
+        """The segment's copies were dropped: open its fence (or merge `seed` into the open one)."""
+        fence = self._open.get(segment)
+        if fence is None:
+            if len(self._open) >= self.max_fences:
+                # Forgetting a fence is as safe as "everything": the name is saved as expelled, and
+                # an expelled segment without a fence discards its copies.
+                oldest = next(iter(self._open.values()))
+                self._overflow(oldest, f"more than {self.max_fences} segments away at once")
+                del self._open[oldest.segment]
+            fence = self._open[segment] = Fence(segment)
+            self._growing.append(fence)
+        if not fence.everything:
+            before = len(fence.names)
+            fence.names.update(seed)
+            self._total += len(fence.names) - before
+            self._bound()
+        logger.info("fence opened segment=%s names=%d everything=%s", segment, len(fence.names), fence.everything)
+        return fence
+
+    def touch(self, name: str) -> None:
+        """The object `name` changed (committed anew or deleted): no open fence re-adopts it."""
+        for fence in self._growing:
+            if name not in fence.names:
+                fence.names.add(name)
+                self._total += 1
+        if self._total > self.max_keys:
+            self._bound()
+
+    def touch_prefix(self, start: str) -> None:
+        """Every object whose name starts with `start` was removed (RemovePrefix), also those the
+        master did not know (lost with a segment that may return)."""
+        for fence in self._growing:
+            fence.prefixes.append(start)
+            self._total += 1
+        self._bound()
+
+    def touch_many(self, names: Iterable[str]) -> None:
+        if self._growing:
+            for name in names:
+                self.touch(name)
+
+    def close(self, segment: str) -> None:
+        """The segment's inventory is complete: what it reported is settled."""
+        fence = self._open.pop(segment, None)
+        if fence is not None and fence in self._growing:
+            self._growing.remove(fence)
+            self._total -= len(fence.names) + len(fence.prefixes)
+
+    def _bound(self) -> None:
+        """Over `max_keys` names in all: the oldest fences (which hold the most) give up first."""
+        while self._total > self.max_keys and self._growing:
+            self._overflow(self._growing[0], f"more than {self.max_keys} keys changed while segments were away")
+
+    def _overflow(self, fence: Fence, reason: str) -> None:
+        if fence.everything:
+            return
+        if fence in self._growing:
+            self._growing.remove(fence)
+            self._total -= len(fence.names) + len(fence.prefixes)
+        fence.everything = True
+        fence.reason = reason
+        fence.names = set()
+        fence.prefixes = []
+        self.overflows += 1
+        logger.warning("fence covers everything segment=%s reason=%s: it discards its copies", fence.segment, reason)
