@@ -25,12 +25,8 @@ from kvtier.client.transport.shm import ShmConnector
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import HEADER_SIZE, host_id
 from kvtier.proto.status import Status
-<<<<<<< HEAD
 from kvtier.segment_server.region import SEALS, DramRegion, grant_socket_path, region_path
-=======
-from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
 from tests.capability import require
->>>>>>> edge-suite
 from tests.grants import GrantLoop, open_fd, wait_until
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -366,7 +362,6 @@ def test_files_that_are_not_the_region_are_refused(region, grants, tmp_path):
             ShmConnector(url, CONFIG)
 
 
-<<<<<<< HEAD
 @pytest.mark.parametrize("seals", [0, fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_GROW, None])
 def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path, seals, caplog):
     """Anyone granted an unsealed region could shrink it under every mapping (SIGBUS): refused."""
@@ -391,19 +386,10 @@ def test_a_region_that_could_be_resized_is_never_mapped(region, grants, tmp_path
     assert wait_until(lambda: listener.stats.results["granted"] == 1), "granted, then refused by the client"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
-def test_a_file_owned_by_another_uid_is_refused(region, grants, tmp_path):
-    fd = sealed_file(bytes(region._map[: HEADER_SIZE + CAPACITY]))
-    os.fchown(fd, 65534, 65534)
-=======
 def test_a_file_owned_by_another_uid_is_refused(region, grants, tmp_path):
     require("root", os.geteuid() == 0, "needs root to give a file to another uid (CI runs as root)")
-    copy = tmp_path / "copy.region"
-    with open(region.path, "rb") as f:
-        copy.write_bytes(f.read())
-    os.chown(copy, 65534, 65534)
-    fd = open_fd(str(copy))
->>>>>>> edge-suite
+    fd = sealed_file(bytes(region._map[: HEADER_SIZE + CAPACITY]))
+    os.fchown(fd, 65534, 65534)
     try:
         url, _ = grants.serve(str(tmp_path / "copy.sock"), fd, region.nonce)
     finally:
