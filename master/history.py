@@ -89,6 +89,15 @@ class HistoryLog:
             self._file = None
 
 
+_open: dict[str, HistoryLog] = {}
+
+
 def open_history(path: str, max_bytes: int) -> HistoryLog | None:
-    """The history log the config asks for, or None (off)."""
-    return HistoryLog(path, max_bytes) if path else None
+    """The history log the config asks for, or None (off). One per path and process: every epoch's
+    tables (a master builds new ones when it starts leading) append through the same file."""
+    if not path:
+        return None
+    log = _open.get(path)
+    if log is None or log._file is None and not log.dropped:  # closed by its owner: open again
+        log = _open[path] = HistoryLog(path, max_bytes)
+    return log

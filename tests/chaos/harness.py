@@ -6,7 +6,9 @@ servers with small DRAM regions (so evictions happen), and `workers` client proc
 at random moments from a seeded RNG, one at a time, each logged to faults.jsonl with its start
 and end (CLOCK_MONOTONIC):
 
-    stop_client / stop_segment / stop_master   SIGSTOP, a random pause, SIGCONT
+    stop_client / stop_segment / stop_master   SIGSTOP, a random pause, SIGCONT (a segment's sometimes
+                                               past its TTL; the master's always under the segment TTL)
+    stop_master_long                           SIGSTOP of the master past the segment TTL
     kill_client                                SIGKILL; a new incarnation of the worker (fresh keys)
     kill_segment                               SIGKILL; restarted under the same name
     kill_master                                SIGKILL; restarted at the same address and state dir
@@ -37,7 +39,19 @@ from tests.chaos.checker import Report, check_run
 from tests.cluster import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_FAULTS = ("stop_client", "kill_client", "stop_segment", "kill_segment", "stop_master", "kill_master")
+ALL_FAULTS = (
+    "stop_client",
+    "kill_client",
+    "stop_segment",
+    "kill_segment",
+    "stop_master",
+    "stop_master_long",
+    "kill_master",
+)
+# Faults that produce violations on today's code (docs/testing.md, "Known findings"): left out of
+# the short run in `make test` until fixed; KVTIER_CHAOS_FAULTS turns them on.
+KNOWN_FAILING = ("stop_master_long",)
+SHORT_RUN_FAULTS = tuple(f for f in ALL_FAULTS if f not in KNOWN_FAILING)
 
 
 def artifacts_root() -> Path:
@@ -57,9 +71,6 @@ class ChaosConfig:
     segment_ttl_s: float = 2.0
     client_timeout_s: float = 3.0
     put_timeout_s: float = 3.0
-    # Longest SIGSTOP of the master, in segment TTLs. Past 1.0 the master resumed expels segments
-    # whose heartbeats it could not read while stopped (seen: their acknowledged objects are lost).
-    stop_master_ttls: float = 1.25
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -188,10 +199,13 @@ class Harness:
                 time.sleep(self.pause(0.0, 1.0))
                 self.cluster.start_segment(name, self.config.dram)
                 self.log_fault(kind, name, t0, time.monotonic())
-        elif kind == "stop_master":
+        elif kind in ("stop_master", "stop_master_long"):
+            # Short: under the segment TTL. Long: past it, so the resumed master sees every segment
+            # silent for longer than its TTL although none of them stopped heartbeating.
             assert self.cluster.master is not None
-            longest = self.config.segment_ttl_s * self.config.stop_master_ttls
-            self._stop(self.cluster.master.popen, "master", kind, self.pause(0.1, longest))
+            ttl = self.config.segment_ttl_s
+            low, high = (0.1, 0.8 * ttl) if kind == "stop_master" else (1.1 * ttl, 1.6 * ttl)
+            self._stop(self.cluster.master.popen, "master", kind, self.pause(low, high))
         elif kind == "kill_master":
             t0 = time.monotonic()
             self.cluster.restart_master(*self.master_args)
