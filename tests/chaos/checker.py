@@ -11,12 +11,13 @@ Rules, per read R = [R.t0, R.t1] of key k:
   (a) a value must be complete and k's own (else CORRUPT / FOREIGN), must come from a put P of k
       invoked before R completed (else PHANTOM), and no remove of k invoked after P and
       acknowledged before R began may precede it (else STALE).
-  (b) a miss (NOT_FOUND) while the last put of k acknowledged before R began has no remove invoked
-      after it before R completed is LOST, unless the master recorded that object (same
-      checksum) leaving between P's invoke and R's completion for an accepted reason: an eviction
-      (not of a corrupt copy), or the loss of a segment the harness had killed or stopped.
-Reads that failed otherwise (a timeout, an unreachable segment, a checksum mismatch the client
-caught) claim nothing and are only counted.
+  (b) a miss (NOT_FOUND, or a copy failing its checksum) while the last put of k acknowledged
+      before R began has no remove invoked after it before R completed is LOST, unless the master
+      recorded that object (same checksum) leaving between P's invoke and R's completion for an
+      accepted reason: an eviction (not of a corrupt copy), or the loss of a segment the harness
+      had killed or stopped.
+Reads that failed otherwise (a timeout, an unreachable segment, an expired lease) claim nothing and
+are only counted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ACKED_REMOVE = ("OK", "NOT_FOUND")
+# A read the client refused because the stored copy failed its checksum: unreadable, so for rule (b)
+# as much a miss as NOT_FOUND (nothing in a chaos run corrupts memory on purpose).
+MISMATCH = "CHECKSUM_MISMATCH"
 # Segment losses the checker accepts when the harness faulted that segment first.
 SEGMENT_LOSSES = ("segment:heartbeat ttl expired", "segment:commit feed silent", "segment:remounted")
 SEGMENT_FAULTS = ("kill_segment", "stop_segment")
@@ -191,8 +195,8 @@ class Checker:
                     violations.append(
                         Violation("CORRUPT", key, read, result.get("corrupt", "?"), [], self._faults(read.t0, read))
                     )
-                elif result == "miss":
-                    counts["misses"] += 1
+                elif result in ("miss", MISMATCH):
+                    counts["misses" if result == "miss" else "checksum_mismatches"] += 1
                     violations += self._check_miss(key, read, writes, starts)
                 else:
                     counts["failed"] += 1
@@ -239,10 +243,11 @@ class Checker:
         if any(self._accepted(e, last) for e in events):
             self.counts["misses_explained"] += 1
             return []
+        what = "miss" if read.result == "miss" else "checksum mismatch (the stored copy is corrupt)"
         if self.truncated_at <= read.t1:
-            why = "miss after an acknowledged put; the master's history log was truncated before it"
+            why = f"{what} after an acknowledged put; the master's history log was truncated before it"
         else:
-            why = "miss after an acknowledged put, no remove invoked and no accepted master event"
+            why = f"{what} after an acknowledged put, no remove invoked and no accepted master event"
         conflicting = [last.describe()] + [
             f"master event {e['reason']} t={e['t']:.6f} checksum={e.get('checksum')} segment={e.get('segment')}"
             for e in events

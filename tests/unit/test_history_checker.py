@@ -104,6 +104,14 @@ def test_a_lost_acknowledged_put_is_caught():
     assert rules(h) == ["LOST"]
 
 
+def test_a_corrupt_stored_copy_of_an_acknowledged_put_is_a_loss():
+    h = History()
+    h.put(1, 1.0, 1.1)
+    h.read(2.0, 2.1, "CHECKSUM_MISMATCH")
+    (violation,) = Checker(h.records).check().violations
+    assert violation.rule == "LOST" and "checksum mismatch" in violation.why
+
+
 def test_an_eviction_the_master_recorded_explains_the_miss():
     h = History()
     h.put(1, 1.0, 1.1)
