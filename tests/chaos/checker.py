@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ACKED_REMOVE = ("OK", "NOT_FOUND")
+MAX_FAULTS_SHOWN = 6  # the faults closest before the read
 # A read the client refused because the stored copy failed its checksum: unreadable, so for rule (b)
 # as much a miss as NOT_FOUND (nothing in a chaos run corrupts memory on purpose).
 MISMATCH = "CHECKSUM_MISMATCH"
@@ -38,6 +39,11 @@ MISMATCH = "CHECKSUM_MISMATCH"
 SEGMENT_LOSSES = ("segment:heartbeat ttl expired", "segment:commit feed silent", "segment:remounted")
 SEGMENT_FAULTS = ("kill_segment", "stop_segment")
 REJECTED_EVICTIONS = ("evicted:corrupt", "evicted:corrupt disk")  # a corrupt copy is a bug, not a cache's choice
+# A restarted master rebuilds its tables from the segments' inventories: a segment killed while the
+# master was down or still rebuilding takes its objects with it and no master ever knew them to
+# record their loss. Such a miss is accepted when the window holds a kill_segment from just before a
+# kill_master until RECOVERY_S after the master was back (its --recovery-timeout-s, default 5 s).
+RECOVERY_S = 5.0
 
 
 @dataclass
@@ -71,13 +77,17 @@ class Violation:
     why: str
     conflicting: list[str] = field(default_factory=list)
     faults: list[dict] = field(default_factory=list)
+    cause: str = ""  # the likely cause, for grouping: an unaccepted master event and the fault before it
+    repeats: int = 0  # later reads that failed the same way for the same put (not listed)
 
     def explain(self) -> str:
-        lines = [f"{self.rule} {self.key}: {self.why}", f"  read:    {self.read.describe()}"]
+        head = f"{self.rule} {self.key}: {self.why}" + (f" (and {self.repeats} later reads)" if self.repeats else "")
+        lines = [head, f"  read:    {self.read.describe()}"]
         lines += [f"  against: {c}" for c in self.conflicting]
-        lines += [
-            f"  fault:   {f['kind']} {f['target']} [{f['t0']:.6f} .. {f.get('t1', math.inf):.6f}]" for f in self.faults
-        ]
+        for f in self.faults[-MAX_FAULTS_SHOWN:]:
+            lines.append(f"  fault:   {f['kind']} {f['target']} [{f['t0']:.6f} .. {f.get('t1', math.inf):.6f}]")
+        if self.cause:
+            lines.append(f"  cause:   {self.cause}")
         return "\n".join(lines)
 
 
@@ -104,6 +114,8 @@ class Report:
         by_rule = Counter(v.rule for v in self.violations)
         if by_rule:
             head += "\nby rule: " + ", ".join(f"{k}={v}" for k, v in sorted(by_rule.items()))
+            by_cause = Counter(f"{v.rule} <- {v.cause or '?'}" for v in self.violations)
+            head += "".join(f"\n  {n:5d}  {cause}" for cause, n in by_cause.most_common())
         shown = [v.explain() for v in self.violations[:limit]]
         more = len(self.violations) - limit
         return "\n".join([head, *shown] + ([f"... and {more} more"] if more > 0 else []))
@@ -183,6 +195,8 @@ class Checker:
             writes = [o for o in ops if o.kind in ("put", "remove")]
             starts = [o.t0 for o in writes]
             puts = {o.version: o for o in writes if o.kind == "put"}
+            self._seen: dict[int, float] = {}  # version -> invoke time of the latest read that returned it
+            self._reported: dict[tuple, Violation] = {}
             for read in (o for o in ops if o.kind == "get"):
                 result = read.result
                 if result is None:
@@ -190,6 +204,8 @@ class Checker:
                 elif isinstance(result, dict) and "v" in result:
                     counts["values"] += 1
                     violations += self._check_value(key, read, result["v"], puts, writes)
+                    version = result["v"][2]
+                    self._seen[version] = max(self._seen.get(version, 0.0), read.t0)
                 elif isinstance(result, dict):
                     counts["corrupt"] += 1
                     violations.append(
@@ -217,17 +233,27 @@ class Checker:
             return [Violation("PHANTOM", key, read, why, [put.describe()] if put else [])]
         for rm in writes:
             if rm.kind == "remove" and rm.acked and rm.t0 > put.t0 and rm.t1 < read.t0:
-                return [
-                    Violation(
-                        "STALE",
-                        key,
-                        read,
-                        f"returned v{version}, removed by an acknowledged remove before the read began",
-                        [put.describe(), rm.describe()],
-                        self._faults(put.t0, read),
-                    )
-                ]
+                if self._repeat(("STALE", version)):
+                    return []
+                faults = self._faults(rm.t0, read)
+                violation = Violation(
+                    "STALE",
+                    key,
+                    read,
+                    f"returned v{version}, removed by an acknowledged remove before the read began",
+                    [put.describe(), rm.describe()],
+                    faults,
+                    "after " + ",".join(sorted({f["kind"] for f in faults})) if faults else "no fault",
+                )
+                self._reported[("STALE", version)] = violation
+                return [violation]
         return []
+
+    def _repeat(self, ident: tuple) -> bool:
+        known = self._reported.get(ident)
+        if known is not None:
+            known.repeats += 1
+        return known is not None
 
     def _check_miss(self, key: str, read: KeyOp, writes: list[KeyOp], starts: list[float]) -> list[Violation]:
         before = writes[: bisect.bisect_left(starts, read.t0)]
@@ -243,6 +269,12 @@ class Checker:
         if any(self._accepted(e, last) for e in events):
             self.counts["misses_explained"] += 1
             return []
+        since = max(last.t0, self._seen.get(last.version, 0.0))
+        if not events and self._segment_killed_during_recovery(since, read.t1):
+            self.counts["misses_explained_by_recovery"] += 1
+            return []
+        if self._repeat(("LOST", last.version)):
+            return []
         what = "miss" if read.result == "miss" else "checksum mismatch (the stored copy is corrupt)"
         if self.truncated_at <= read.t1:
             why = f"{what} after an acknowledged put; the master's history log was truncated before it"
@@ -252,7 +284,27 @@ class Checker:
             f"master event {e['reason']} t={e['t']:.6f} checksum={e.get('checksum')} segment={e.get('segment')}"
             for e in events
         ]
-        return [Violation("LOST", key, read, why, conflicting, self._faults(last.t0, read))]
+        # The object went between the last read that saw it (or its put) and this one.
+        violation = Violation("LOST", key, read, why, conflicting, self._faults(since, read))
+        violation.cause = self._cause(events, last, since, read)
+        self._reported[("LOST", last.version)] = violation
+        return [violation]
+
+    def _cause(self, events: list[dict], put: KeyOp, since: float, read: KeyOp) -> str:
+        mine = [e for e in events if put.crc is None or e.get("checksum") == put.crc]
+        if mine:
+            event = mine[0]
+            before = [f for f in self.faults if f["t0"] <= event["t"]]
+            fault = f"; {before[-1]['kind']} {before[-1]['target']} before it" if before else ""
+            return f"master event {event['reason']} (not accepted){fault}"
+        kinds = sorted({f["kind"] for f in overlapping(self.faults, since, read.t1)})
+        return "no master event; faults since last seen: " + (",".join(kinds) or "none")
+
+    def _segment_killed_during_recovery(self, t0: float, t1: float) -> bool:
+        window = overlapping(self.faults, t0, t1)
+        masters = [f for f in window if f["kind"] == "kill_master"]
+        segments = [f for f in window if f["kind"] == "kill_segment"]
+        return any(s["t1"] >= m["t0"] - 1.0 and s["t0"] <= m["t1"] + RECOVERY_S for m in masters for s in segments)
 
     def _accepted(self, event: dict, put: KeyOp) -> bool:
         if put.crc is not None and event.get("checksum") != put.crc:

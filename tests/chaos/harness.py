@@ -9,6 +9,7 @@ and end (CLOCK_MONOTONIC):
     stop_client / stop_segment / stop_master   SIGSTOP, a random pause, SIGCONT (a segment's sometimes
                                                past its TTL; the master's always under the segment TTL)
     stop_master_long                           SIGSTOP of the master past the segment TTL
+    stop_client_long                           SIGSTOP of a worker past the master's put timeout
     kill_client                                SIGKILL; a new incarnation of the worker (fresh keys)
     kill_segment                               SIGKILL; restarted under the same name
     kill_master                                SIGKILL; restarted at the same address and state dir
@@ -41,6 +42,7 @@ from tests.cluster import Cluster
 REPO = Path(__file__).resolve().parents[2]
 ALL_FAULTS = (
     "stop_client",
+    "stop_client_long",
     "kill_client",
     "stop_segment",
     "kill_segment",
@@ -172,13 +174,18 @@ class Harness:
 
     def inject(self, kind: str) -> None:
         rng = self.rng
-        if kind in ("stop_client", "kill_client"):
+        if kind in ("stop_client", "stop_client_long", "kill_client"):
             name = rng.choice(sorted(self.workers))
             popen = self.workers[name]
             if popen.poll() is not None:
                 return
             if kind == "stop_client":
                 self._stop(popen, name, kind, self.pause(0.1, 2.0))
+            elif kind == "stop_client_long":
+                # Past the master's put timeout: a put it stopped in the middle of is reclaimed and its
+                # ranges may go to other objects before its frames, resumed, arrive.
+                timeout = self.config.put_timeout_s
+                self._stop(popen, name, kind, self.pause(1.2 * timeout, 2.0 * timeout))
             else:
                 t0 = time.monotonic()
                 popen.kill()

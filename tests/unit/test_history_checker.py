@@ -160,3 +160,15 @@ def test_a_miss_after_a_remove_was_invoked_is_no_loss_even_if_the_remove_failed(
     h.remove(2.0, 2.1, result="EXC:KvtierError:UNAVAILABLE")
     h.read(2.2, 2.3, "miss")
     assert rules(h) == []
+
+
+def test_a_silent_loss_is_accepted_only_when_a_segment_died_while_the_master_was_rebuilding():
+    h = History()
+    h.put(1, 1.0, 1.1)
+    h.read(9.0, 9.1, "miss")
+    master = {"kind": "kill_master", "target": "master", "t0": 2.0, "t1": 2.5}
+    segment = {"kind": "kill_segment", "target": "seg1", "t0": 3.0, "t1": 3.5}
+    assert rules(h, [], [master, segment]) == []  # its objects were on no master's books
+    assert rules(h, [], [master]) == ["LOST"]  # a restart alone loses nothing
+    late = {**segment, "t0": 8.0, "t1": 8.5}  # killed long after recovery: the master records it
+    assert rules(h, [], [master, late]) == ["LOST"]
