@@ -73,6 +73,9 @@ class ChaosConfig:
     segment_ttl_s: float = 2.0
     client_timeout_s: float = 3.0
     put_timeout_s: float = 3.0
+    # Segment seg0 also gets an SSD tier (kept across its restarts): offload, disk reads, disk
+    # copies reported again by a restarted segment.
+    ssd: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -131,10 +134,17 @@ class Harness:
     def start(self) -> None:
         self.cluster.start_master(*self.master_args)
         for i in range(self.config.segments):
-            self.cluster.start_segment(f"seg{i}", self.config.dram)
+            self.start_segment(f"seg{i}")
         self.deadline = time.monotonic() + self.config.seconds
         for i in range(self.config.workers):
             self.start_worker(f"w{i}", 0)
+
+    def start_segment(self, name: str) -> None:
+        extra: list[str] = []
+        if self.config.ssd and name == "seg0":
+            ssd = self.run_dir / f"ssd-{name}"
+            extra = ["--ssd-dir", str(ssd), "--ssd-size", "48MiB", "--ssd-bucket-size", "8MiB"]
+        self.cluster.start_segment(name, self.config.dram, *extra)
 
     def start_worker(self, name: str, incarnation: int) -> None:
         self.incarnations[name] = incarnation
@@ -204,7 +214,7 @@ class Harness:
                 t0 = time.monotonic()
                 self.cluster.kill(proc)
                 time.sleep(self.pause(0.0, 1.0))
-                self.cluster.start_segment(name, self.config.dram)
+                self.start_segment(name)
                 self.log_fault(kind, name, t0, time.monotonic())
         elif kind in ("stop_master", "stop_master_long"):
             # Short: under the segment TTL. Long: past it, so the resumed master sees every segment
@@ -289,6 +299,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--faults", default=",".join(faults_from_env()), help=f"subset of {','.join(ALL_FAULTS)}")
+    parser.add_argument("--ssd", action="store_true", help="give seg0 an SSD tier")
     parser.add_argument("--keep", action="store_true", help="keep the run directory after a clean run too")
     args = parser.parse_args(argv)
     config = ChaosConfig(
@@ -297,6 +308,7 @@ def main(argv: list[str]) -> int:
         segments=args.segments,
         faults=tuple(f for f in args.faults.split(",") if f and f != "none"),
         fault_gap_s=(0.2, 1.0),
+        ssd=args.ssd,
         **({"seed": args.seed} if args.seed is not None else {}),
     )
     print(f"chaos run: seed {config.seed}, {config.seconds:.0f}s, faults {','.join(config.faults) or 'none'}")
