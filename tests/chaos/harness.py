@@ -76,6 +76,9 @@ class ChaosConfig:
     # Segment seg0 also gets an SSD tier (kept across its restarts): offload, disk reads, disk
     # copies reported again by a restarted segment.
     ssd: bool = False
+    # The master keeps --state-dir across its restarts. Without one a restarted master cannot
+    # recover (it does not know whom to expect): every kill_master loses everything, silently.
+    master_state_dir: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.faults) - set(ALL_FAULTS)
@@ -117,11 +120,12 @@ class Harness:
         self.rng = random.Random(config.seed)
         (run_dir / "ops").mkdir(parents=True, exist_ok=True)
         self.cluster = Cluster(run_dir, segment_ttl_s=config.segment_ttl_s)
-        self.master_args = (
-            "--state-dir", str(run_dir / "master-state"),
+        self.master_args: tuple[str, ...] = (
             "--history-log", str(run_dir / "master-history.jsonl"),
             "--put-timeout-s", str(config.put_timeout_s),
         )  # fmt: skip
+        if config.master_state_dir:
+            self.master_args += ("--state-dir", str(run_dir / "master-state"))
         self.workers: dict[str, subprocess.Popen] = {}
         self.incarnations: dict[str, int] = {}
         self.fault_log = open(run_dir / "faults.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -300,6 +304,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--faults", default=",".join(faults_from_env()), help=f"subset of {','.join(ALL_FAULTS)}")
     parser.add_argument("--ssd", action="store_true", help="give seg0 an SSD tier")
+    parser.add_argument("--no-master-state-dir", action="store_true", help="run the master without --state-dir")
     parser.add_argument("--keep", action="store_true", help="keep the run directory after a clean run too")
     args = parser.parse_args(argv)
     config = ChaosConfig(
@@ -309,6 +314,7 @@ def main(argv: list[str]) -> int:
         faults=tuple(f for f in args.faults.split(",") if f and f != "none"),
         fault_gap_s=(0.2, 1.0),
         ssd=args.ssd,
+        master_state_dir=not args.no_master_state_dir,
         **({"seed": args.seed} if args.seed is not None else {}),
     )
     print(f"chaos run: seed {config.seed}, {config.seconds:.0f}s, faults {','.join(config.faults) or 'none'}")
