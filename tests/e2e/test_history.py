@@ -4,7 +4,7 @@ every read must be one a correct cache could give (docs/testing.md).
 
 The short run is part of `make test`; the long one (`-m chaos`) is `make test-chaos`. A failing run keeps
 its whole history and the processes' logs (the path is in the failure message). Knobs: KVTIER_CHAOS_FAULTS
-(comma-separated fault names, "none"), KVTIER_CHAOS_SEED, KVTIER_CHAOS_SECONDS (long run),
+(comma-separated fault names, "none"), KVTIER_CHAOS_SEED, KVTIER_CHAOS_SECONDS and KVTIER_CHAOS_SSD=0 (long run),
 KVTIER_ARTIFACTS (where runs are kept).
 """
 
@@ -38,6 +38,7 @@ def test_long_history_under_every_fault_has_no_violation():
         segments=3,
         faults=faults_from_env(ALL_FAULTS),
         fault_gap_s=(0.2, 1.0),
+        ssd=os.environ.get("KVTIER_CHAOS_SSD", "1") != "0",  # seg0 with an SSD tier
         **seed(),
     )
     result = run_chaos(config)
