@@ -225,7 +225,8 @@ class Harness:
             # silent for longer than its TTL although none of them stopped heartbeating.
             assert self.cluster.master is not None
             ttl = self.config.segment_ttl_s
-            low, high = (0.1, 0.8 * ttl) if kind == "stop_master" else (1.1 * ttl, 1.6 * ttl)
+            # (Half the TTL at most for the short one: heartbeats delayed by a busy machine need the rest.)
+            low, high = (0.1, 0.5 * ttl) if kind == "stop_master" else (1.1 * ttl, 1.6 * ttl)
             self._stop(self.cluster.master.popen, "master", kind, self.pause(low, high))
         elif kind == "kill_master":
             t0 = time.monotonic()
