@@ -1,15 +1,16 @@
 # kvtier: two commands on a fresh machine.
 #   make run    create .venv, install, start a local cluster (master + 1 GiB segment) in the foreground
 #   make test   create .venv, install with test extras, run the default suite (< 10 minutes)
-# Others: make test-slow (soak/slow tests), make test-engines (engine adapters, own venv), make lint,
-# make fuzz (atheris + long hypothesis runs), make proto, make bench.
+# Others: make test-slow (soak/slow tests), make test-chaos (history checker under faults, ~10 min),
+# make test-engines (engine adapters, own venv), make lint, make fuzz (atheris + long hypothesis runs),
+# make proto, make bench.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-engines fuzz lint proto proto-check bench clean
+.PHONY: run test test-slow test-chaos test-engines fuzz lint proto proto-check bench clean
 
 # The engine adapters' tests run in a venv of their own: torch's CPU build (pinned: otherwise pip
 # fetches a CUDA build) and the engines without their dependency trees (tests/engines/*.txt).
@@ -29,7 +30,7 @@ run: $(STAMP)
 	$(BIN)/kvtier up
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/engines
+	$(BIN)/python -m pytest -m "not slow and not chaos" -q --ignore=tests/engines
 
 $(ENGINES_STAMP): pyproject.toml tests/engines/constraints.txt tests/engines/requirements.txt
 	$(PYTHON) -m venv $(ENGINES_VENV)
@@ -45,6 +46,12 @@ test-engines: $(STAMP) $(ENGINES_STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q --ignore=tests/engines
+
+# The history checker's long run (tests/e2e/test_history.py): CHAOS_SECONDS of workers under every
+# fault; a failing run's history and logs stay in $KVTIER_ARTIFACTS or .kvtier/chaos/<run>/.
+CHAOS_SECONDS ?= 600
+test-chaos: $(STAMP)
+	KVTIER_CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m pytest -m chaos -q -o timeout=$$(($(CHAOS_SECONDS) + 300)) tests/e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

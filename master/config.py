@@ -111,6 +111,14 @@ class MasterConfig:
     max_concurrent_rpcs: int = 10000  # gRPC calls in progress (long polls included); more: RESOURCE_EXHAUSTED
     max_concurrent_streams: int = 1000  # gRPC calls in progress on one connection (HTTP/2 streams)
     log_level: str = "INFO"
+    # Testing aid (master/history.py, docs/testing.md): JSON lines of every object or replica that leaves
+    # the tables other than by a client's remove, appended to this file; empty = off (no cost).
+    history_log: str = ""
+    history_log_max_size: str = "64MiB"  # the log stops growing here (its last line says so)
+
+    @property
+    def history_log_max_bytes(self) -> int:
+        return parse_size(self.history_log_max_size)
 
     def validate(self) -> MasterConfig:
         host, _port = check_field("listen", parse_hostport, self.listen)
@@ -199,6 +207,7 @@ class MasterConfig:
                 f"max_buffered_size ({self.max_buffered_size}) must hold at least one message (max_message_size)"
             )
         check_log_level(self.log_level)
+        check_field("history_log_max_size", parse_size, self.history_log_max_size)
         return self
 
     def with_defaults(self) -> MasterConfig:

@@ -40,6 +40,7 @@ from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
 from kvtier.master.fences import Fences
+from kvtier.master.history import open_history
 from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
@@ -141,6 +142,8 @@ class MasterState:
         self._put_ids = itertools.count(random.getrandbits(62) + 1)
         self._seq = itertools.count()
         self.object_count = 0
+        # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
+        self.history = open_history(config.history_log, config.history_log_max_bytes)
 
     # ------------------------------------------------------------------ segments
 
@@ -289,6 +292,8 @@ class MasterState:
             elif name in self._objects and not any(is_dram(r) for r in record.replicas):
                 now_disk_only.append(name)
         for name in doomed:
+            if self.history is not None:
+                self.history.left(self._lookup(name), f"segment:{reason}", segment.name)
             self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
         for name in now_disk_only:
             self._disk_only[name] = self._objects.pop(name)
@@ -358,6 +363,8 @@ class MasterState:
                     if now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
+                        if self.history is not None:
+                            self.history.left(existing, "replaced")
                         self._delete(objects.pop(name))  # pending: always in _objects
             if status == _OK:
                 if replicas > len(active):
@@ -463,6 +470,8 @@ class MasterState:
             if record is None or record.put_id != put_id or record.state is not _PENDING:
                 out.append(int(Status.NOT_PENDING))
                 continue
+            if self.history is not None:
+                self.history.left(record, "revoked")
             self._delete(objects.pop(record.name))
             out.append(_OK)
         return out
@@ -659,6 +668,10 @@ class MasterState:
 
     def _evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
+        if self.history is not None:
+            replica = bool(segment_id) and len(record.replicas) > 1
+            name = self.segments[segment_id].name if segment_id in self.segments else ""
+            self.history.left(record, f"evicted:{reason}", name, replica=replica)
         if segment_id and len(record.replicas) > 1:
             freed = self._replica_bytes(record)
             self._drop_dram_replica(record, segment_id)
@@ -722,6 +735,8 @@ class MasterState:
                 "reclaiming abandoned put namespace=%s key=%.80s put_id=%d", record.namespace, record.key, record.put_id
             )
             del self._objects[name]
+            if self.history is not None:
+                self.history.left(record, "reclaimed")
             self._delete(record)
             self.lease_expiries["put"] += 1
         while self._deferred and self._deferred[0][0] <= now:

@@ -358,6 +358,10 @@ class Tiering:
     def _drop_corrupt_disk_copy(self, record: ObjectRecord, packed: int) -> None:
         """A disk copy that failed verification can only ever be a miss: drop and tombstone it."""
         self.counters["corrupt_disk_copies"] += 1
+        if self.state.history is not None:
+            segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
+            name = segment.name if segment else ""
+            self.state.history.left(record, "evicted:corrupt disk", name, replica=len(record.replicas) > 1)
         self._remove_disk_copy(record, packed, forget=True)
 
     def _remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool) -> None:
@@ -486,6 +490,10 @@ class Tiering:
             if record is None or packed not in record.replicas:
                 continue
             dropped += 1
+            if state.history is not None:
+                segment = state.segments.get(segment_id)
+                where = segment.name if segment else ""
+                state.history.left(record, "evicted:disk", where, replica=len(record.replicas) > 1)
             self._remove_disk_copy(record, packed, forget=False)  # the segment deletes it itself
         self.counters["disk_copies_dropped"] += dropped
         return dropped
