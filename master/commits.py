@@ -109,6 +109,11 @@ class CommitLog:
         if self.on_ack is not None:
             self.on_ack()  # waiters for it are done: it was expelled or left
 
+    def forgive(self, gap_s: float) -> None:
+        """The master did not run for `gap_s`: no feed is counted silent for that time."""
+        for feed in self._feeds.values():
+            feed.last_poll += gap_s
+
     def silent(self, ttl_s: float) -> list[int]:
         """Segments keeping an index with notices waiting that have not polled for `ttl_s`."""
         now = self._clock()

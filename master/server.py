@@ -22,6 +22,7 @@ import logging
 import os
 import resource
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -387,10 +388,15 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
 
     async def ticker() -> None:
         while True:
+            before = time.monotonic()
             await asyncio.sleep(config.tick_interval_s)
+            # Woken much later than asked: this process was not running (stopped, starved).
+            deaf_s = time.monotonic() - before - config.tick_interval_s
             if not handlers.leadership.is_leader():
                 continue
             try:
+                if deaf_s > config.segment_ttl_s / 4:
+                    handlers.state.forgive_deafness(deaf_s)
                 handlers.state.tick()
                 if handlers.state.saved_state_stale:
                     asyncio.create_task(roles.save())

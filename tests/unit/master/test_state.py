@@ -347,6 +347,24 @@ def test_segment_is_kept_at_exactly_the_ttl(state, clock):
     assert a not in state.segments
 
 
+def test_a_master_that_did_not_run_counts_nobody_silent_for_that_time(state, clock):
+    # given a segment with an object, and a master stopped (SIGSTOP) for twice the TTL: the
+    # segment's heartbeats meanwhile sit unread in the master's socket
+    a = mount(state, "a")
+    put(state, "k")
+    clock.advance(20.0)
+    # when the ticker notices it slept 20 s too long, before its first tick
+    state.forgive_deafness(20.0)
+    state.tick()
+    # then the segment is not expelled: the master could not have heard it
+    assert a in state.segments and visible(state, "k")
+    assert state.heartbeat(a) == OK
+    # and silence while the master runs still counts
+    clock.advance(10.01)
+    state.tick()
+    assert a not in state.segments
+
+
 def test_segment_loss_drops_pending_puts_on_it_entirely(state, clock):
     a = mount(state, "a")
     b = mount(state, "b")
