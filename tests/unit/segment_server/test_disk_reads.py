@@ -127,11 +127,8 @@ def serve(
 
             receiving = loop.create_task(receive()) if read else None
             stats = DataPlaneStats()
-            serving = reader.serve(sender.transport, sender.writable, 42, ranges, names, stats)
-            try:
-                await asyncio.wait_for(serving, HANG_GUARD_S + send_timeout_s)
-            except TimeoutError:
-                pytest.fail(f"DiskReader.serve hung: no return within {HANG_GUARD_S + send_timeout_s:.0f}s")
+            serving = loop.create_task(reader.serve(sender.transport, sender.writable, 42, ranges, names, stats))
+            await bounded(serving, HANG_GUARD_S + send_timeout_s)
             if receiving is not None:
                 await asyncio.wait_for(receiving, 10)
             sender.transport.close()
@@ -140,7 +137,28 @@ def serve(
             client_sock.close()
             engine.close()
 
-    return uvloop.run(main())
+    return run(main())
+
+
+async def bounded(task: asyncio.Task, timeout_s: float) -> None:
+    """Await `task`; fail the test if it is not done within `timeout_s`. Unlike wait_for, this never
+    waits unboundedly for a cancellation that does not land (a hang in a finally, say)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        pytest.fail(f"DiskReader.serve hung: not done within {timeout_s:g}s")
+    task.result()
+
+
+def run(main):
+    """uvloop.run without its last step, which cancels the tasks left over and waits for them all
+    without a bound: after a hang, those may never finish, and pytest would hang with them."""
+    loop = uvloop.new_event_loop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        loop.close()
 
 
 def test_records_come_back_in_order_with_a_status_each(store: BucketStore) -> None:
