@@ -99,7 +99,7 @@ class DiskReader:
             try:
                 await asyncio.wait_for(writable.wait(), self.send_timeout_s)
             except TimeoutError:
-                logger.warning("READ_DISK client stopped reading for %.0fs: connection aborted", self.send_timeout_s)
+                logger.warning("READ_DISK client stopped reading for %gs: connection aborted", self.send_timeout_s)
                 transport.abort()  # connection_lost sets `writable`; is_closing() is now true
 
         def write(data: bytes | memoryview) -> None:
@@ -115,10 +115,17 @@ class DiskReader:
                     if ahead not in reads:
                         namespace, key = names[ahead]
                         reads[ahead] = loop.create_task(self._read(ranges[2 * ahead], sizes[ahead], namespace, key))
-                task = reads.pop(i)
+                # The task stays in `reads` until its result is taken: whatever ends this request
+                # (a cut-off, a cancellation) leaves the finally below to cancel it or take its buffer.
+                task = reads[i]
                 if pending and not task.done():
                     await drain()  # the read may be waiting for pool space our unsent buffers hold
+                    if transport.is_closing():
+                        # Cut off (or lost) while draining: the unsent buffers are not given back
+                        # until the finally, so the read may wait for them forever. Stop here.
+                        return
                 status, payload, buf, disk_bytes = await task
+                del reads[i]
                 if buf is not None:
                     pending.append((queued + 4 + sizes[i], buf))
                 stats.ssd_bytes_read += disk_bytes

@@ -29,6 +29,7 @@ from kvtier.segment_server.protocol import DataPlaneStats
 
 CLUSTER = "readtest"
 OK = int(Status.OK)
+HANG_GUARD_S = 20.0  # past every bound a test here waits for; below pytest-timeout's
 
 
 class Sender(asyncio.Protocol):
@@ -92,8 +93,14 @@ def serve(
     window: int = 4,
     send_timeout_s: float = 30.0,
     read: bool = True,
+    sndbuf: int | None = None,
 ) -> tuple[bytes, DataPlaneStats, BufferPool, Sender]:
-    """Serve one READ_DISK of `requests` [(location, size, key)]; returns what the client received."""
+    """Serve one READ_DISK of `requests` [(location, size, key)]; returns what the client received.
+
+    `sndbuf` shrinks the server socket's kernel send buffer, so that what a stalled client leaves
+    unsent stays in the transport. A serve() that does not return fails the test instead of hanging
+    pytest: the uvloop loop cannot be interrupted by pytest-timeout's signal.
+    """
     ranges = [v for location, size, _ in requests for v in (location, size)]
     names = [("ns", key) for _, _, key in requests]
     expected = frames.RESPONSE.size + 4 * len(requests) + sum(size for _, size, _ in requests)
@@ -101,6 +108,8 @@ def serve(
     async def main():
         loop = asyncio.get_running_loop()
         server_sock, client_sock = socket.socketpair()
+        if sndbuf is not None:
+            server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         client_sock.setblocking(False)
         engine = ThreadPoolEngine(queue_depth=4, threads=2)
         pool = BufferPool(pool_bytes)
@@ -118,7 +127,8 @@ def serve(
 
             receiving = loop.create_task(receive()) if read else None
             stats = DataPlaneStats()
-            await reader.serve(sender.transport, sender.writable, 42, ranges, names, stats)
+            serving = loop.create_task(reader.serve(sender.transport, sender.writable, 42, ranges, names, stats))
+            await bounded(serving, HANG_GUARD_S + send_timeout_s)
             if receiving is not None:
                 await asyncio.wait_for(receiving, 10)
             sender.transport.close()
@@ -127,7 +137,28 @@ def serve(
             client_sock.close()
             engine.close()
 
-    return uvloop.run(main())
+    return run(main())
+
+
+async def bounded(task: asyncio.Task, timeout_s: float) -> None:
+    """Await `task`; fail the test if it is not done within `timeout_s`. Unlike wait_for, this never
+    waits unboundedly for a cancellation that does not land (a hang in a finally, say)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
+        pytest.fail(f"DiskReader.serve hung: not done within {timeout_s:g}s")
+    task.result()
+
+
+def run(main):
+    """uvloop.run without its last step, which cancels the tasks left over and waits for them all
+    without a bound: after a hang, those may never finish, and pytest would hang with them."""
+    loop = uvloop.new_event_loop()
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        loop.close()
 
 
 def test_records_come_back_in_order_with_a_status_each(store: BucketStore) -> None:
@@ -181,3 +212,20 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_buffers_go_back(store: B
     assert sender.lost.is_set(), "the connection was aborted"
     assert pool.used == 0, "the stalled client's buffers are back in the pool"
     assert stats.ssd_bytes_served < sum(map(len, data))
+
+
+def test_a_client_cut_off_while_a_read_waits_for_its_own_buffers_ends_the_request(store: BucketStore) -> None:
+    """The exact interleaving: the pool holds one record's buffer, so the second record's read waits
+    in pool.acquire for the buffer of the first, which the stalled client never takes. Sending drains
+    before awaiting that read, the drain times out and aborts the connection: the request must end
+    there and give the buffer back, not await a read that can only get that buffer afterwards."""
+    data = [blob(i, 256 << 10) for i in range(3)]
+    requests = [(put(store, f"k{i}", d), len(d), f"k{i}") for i, d in enumerate(data)]
+    one_buffer = 2 * (256 << 10) - 4096  # room for one record's buffer (payload, header, pages), not two
+    send_timeout_s = 0.2
+    _, stats, pool, sender = serve(
+        store, requests, pool_bytes=one_buffer, window=2, send_timeout_s=send_timeout_s, read=False, sndbuf=4096
+    )
+    assert sender.lost.is_set(), "the connection was aborted"
+    assert pool.used == 0 and pool.waiting == 0, "the buffer is back and no read still waits for one"
+    assert stats.ssd_bytes_served == len(data[0]), "only the first record was queued before the cut-off"
