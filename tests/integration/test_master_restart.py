@@ -128,7 +128,8 @@ def test_a_segment_restarted_meanwhile_brings_nothing_stale(durable):
 
 
 def test_without_saved_state_a_restarted_master_starts_empty_and_serves_at_once(bare_cluster):
-    """Opted out (--state-dir none), it cannot know whom it expelled, so it takes no DRAM index: a miss, never a stale object."""
+    """Opted out (--state-dir none), it cannot know whom it expelled, so it takes no DRAM index: a
+    miss, never a stale object."""
     bare_cluster.start_master("--state-dir", "none")
     bare_cluster.start_segment("seg0")
     client = bare_cluster.client()
