@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any, TextIO
 
@@ -239,6 +241,13 @@ def run_top(opts: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     tty = out.isatty() and not opts.json
+    # Ctrl-C sets a flag instead of raising KeyboardInterrupt wherever the main thread happens to be:
+    # raised inside a gRPC call, it could leave the client's channel or locks half-used, and closing
+    # the client then hung (seen: `kvtier top` still running 30 s after SIGINT). The refresh in flight
+    # finishes (bounded by the client's timeout) and the loop ends.
+    stop = threading.Event()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: stop.set()) if in_main_thread else None
     try:
         with Client(opts.master, timeout=5.0) as client:
             previous, taken = status_dict(client.cluster_status()), time.monotonic()
@@ -246,8 +255,11 @@ def run_top(opts: argparse.Namespace, out: TextIO | None = None) -> int:
                 print(f"kvtier top: first refresh in {opts.interval:g}s (Ctrl-C quits)", file=out, flush=True)
             shown = 0
             while not opts.iterations or shown < opts.iterations:
-                time.sleep(max(0.0, taken + opts.interval - time.monotonic()))
+                if stop.wait(max(0.0, taken + opts.interval - time.monotonic())):
+                    break
                 current, now = status_dict(client.cluster_status()), time.monotonic()
+                if stop.is_set():
+                    break
                 refresh = frame(previous, current, now - taken)
                 if opts.json:
                     print(json.dumps(refresh), file=out, flush=True)
@@ -261,6 +273,9 @@ def run_top(opts: argparse.Namespace, out: TextIO | None = None) -> int:
                     print(plain_row(refresh), file=out, flush=True)
                 previous, taken = current, now
                 shown += 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the handler was installed, or outside the main thread
         pass
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
     return 0

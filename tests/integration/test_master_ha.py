@@ -95,6 +95,7 @@ def test_a_client_given_a_list_of_masters_follows_the_standbys_to_the_leader(ha)
         assert client.get("listed") == b"yes"
 
 
+@pytest.mark.slow  # 6-13 s: runs in make test-slow (CI runs both)
 def test_killing_the_leader_under_load_fails_over_without_losing_a_complete_object(ha, tmp_path):
     client = ha.client(timeout=15.0)
     keys = [f"before/{i}" for i in range(300)]
@@ -120,6 +121,7 @@ def test_killing_the_leader_under_load_fails_over_without_losing_a_complete_obje
     assert status.role == "leader" and status.recovery["segments_reported"] == 2
 
 
+@pytest.mark.slow  # 6-13 s: runs in make test-slow (CI runs both)
 def test_a_paused_old_leader_that_wakes_after_a_new_election_cannot_commit(ha):
     client = ha.client(timeout=15.0)
     client.put("before", b"1")

@@ -9,6 +9,8 @@ import os
 import socket
 import time
 
+import pytest
+
 from kvtier.proto import rpcframe
 from kvtier.proto.status import Status
 from tests.integration.rawframes import IO_TIMEOUT_S
@@ -39,6 +41,7 @@ def grpc_connections(pid: int, port: int) -> int:
     return count
 
 
+@pytest.mark.slow  # 6-13 s: runs in make test-slow (CI runs both)
 def test_slowloris_connections_do_not_block_a_client_and_are_cut_after_request_timeout(bare_cluster):
     request_timeout = 2.0
     master = bare_cluster.start_master(

@@ -196,6 +196,7 @@ def check_final_state(client, log: list[str]) -> int:
     return len(keys)
 
 
+@pytest.mark.slow  # 6-13 s: runs in make test-slow (CI runs both)
 def test_kill_9_under_mixed_load_never_gives_wrong_bytes_and_loses_no_acknowledged_operation(durable, tmp_path):
     procs = start_load(durable, tmp_path, seconds=6.0)
     time.sleep(2.0)

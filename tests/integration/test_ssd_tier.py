@@ -132,6 +132,7 @@ def test_batch_get_into_from_ssd_and_dram_in_one_batch(ssd_cluster):
             assert bytes(buf[:MiB]) == value_for(key)
 
 
+@pytest.mark.slow  # 6-13 s: runs in make test-slow (CI runs both)
 def test_disk_only_object_is_promoted_back_to_dram_after_repeated_reads(ssd_cluster):
     keys = [f"hot/{i:02d}" for i in range(24)]
     with ssd_cluster.client() as client:
