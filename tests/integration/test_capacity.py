@@ -34,8 +34,9 @@ def test_object_larger_than_any_segment_is_too_large(cluster):
     assert status.objects == 1 and status.pending_puts == 0 and status.used == 64, "no space held for the refused put"
 
     # The boundary: an object of exactly one segment's capacity is not too large.
+    # Hard-pinned: a full segment is above its high watermark, and the next tick would evict it.
     whole = os.urandom(SEGMENT)
-    client.put("whole-segment", whole)
+    client.put("whole-segment", whole, pin="hard")
     assert client.get("whole-segment") == whole
 
 
