@@ -44,6 +44,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
+from kvtier.segment_server.verifier import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,16 @@ class TierWorker:
         store: BucketStore,
         region: memoryview,
         session: Callable[[], tuple[int, int]],
+        verifier: Verifier | None = None,
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) of the
-        current mount, (0, 0) when not mounted."""
+        current mount, (0, 0) when not mounted; `verifier` the background payload verifier, whose
+        findings this thread (the store's writer) tombstones and reports."""
         self._stub_of = stub
         self.store = store
         self._region = region
         self._session = session
+        self.verifier = verifier
         self._epoch = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
@@ -100,6 +104,8 @@ class TierWorker:
                 continue
             try:
                 self._evict_buckets(segment_id)
+                if self.verifier is not None:
+                    self.verifier.apply(self._stub, segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
                         segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
