@@ -291,6 +291,25 @@ def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None
     return footer_off, entries if expected == footer_off else None
 
 
+def _runs(entries: list[_Entry], ends: list[int]) -> list[int]:
+    """Per footer entry, the bytes mounting reads from its offset: a page for a large record, a run of
+    small records (up to _RUN_READ) for the first of them, 0 for the others of a run."""
+    out = []
+    run_end = 0
+    for i, (offset, *_) in enumerate(entries):
+        if offset < run_end:
+            out.append(0)
+            continue
+        run_end = offset + ALIGN
+        if ends[i] - offset <= _SMALL_RECORD:
+            j = i
+            while j < len(entries) and ends[j] - entries[j][0] <= _SMALL_RECORD and ends[j] - offset <= _RUN_READ:
+                run_end = ends[j]
+                j += 1
+        out.append(run_end - offset)
+    return out
+
+
 def _pwrite_all(fd: int, buffers: Sequence[bytes], offset: int) -> None:
     views = [memoryview(b) for b in buffers if b]
     while views:
@@ -553,31 +572,20 @@ class BucketStore:
         Reads one page per record, or, for a run of small records, one pread of up to _RUN_READ bytes
         for the whole run (small payloads come along unread: fewer system calls and disk requests).
         Read-ahead is off: between the headers of large records lie payloads nobody reads here."""
-        try:
-            os.posix_fadvise(pages.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except (AttributeError, OSError):  # an optimisation only
-            pass
+        os.posix_fadvise(pages.fd, 0, 0, os.POSIX_FADV_RANDOM)
         ends = [e[0] for e in entries[1:]] + [footer_off]
+        aheads = _runs(entries, ends)
+        for (offset, *_), ahead in zip(entries, aheads, strict=True):
+            if ahead:  # queue every read now: the disk serves them in parallel, the loop below waits less
+                os.posix_fadvise(pages.fd, offset, ahead, os.POSIX_FADV_WILLNEED)
         items: list[tuple[int, _Head | None, int]] = []
-        run_end = 0  # where the current run of small records read together ends
         for i, (offset, header_len, size, flags) in enumerate(entries):
             end = ends[i]
-            if offset >= run_end:
-                run_end = end
-                if end - offset <= _SMALL_RECORD:
-                    j = i + 1
-                    while (
-                        j < len(entries) and ends[j] - entries[j][0] <= _SMALL_RECORD and ends[j] - offset <= _RUN_READ
-                    ):
-                        run_end = ends[j]
-                        j += 1
-                else:
-                    run_end = offset + ALIGN
             head: _Head | None = None
             try:
                 if header_len == 0:
                     raise RecordError("stretch found unreadable before the bucket was sealed")
-                head = _read_head(pages, offset, end, ahead=max(ALIGN, run_end - offset))
+                head = _read_head(pages, offset, end, ahead=max(ALIGN, aheads[i]))
                 if (head.header_len, head.size, head.flags) != (header_len, size, flags):
                     raise RecordError(
                         f"header says header_len={head.header_len} size={head.size} flags={head.flags}, "
