@@ -33,13 +33,21 @@ On-disk format (all integers little-endian, ALIGN = 4096):
 - Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
   bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
 
-Recovery: a sealed bucket with a valid locator and footer is read through its footer entries; a record
+Recovery (mounting) reads record headers, never object payloads, so it takes seconds however large
+the tier: a sealed bucket with a valid locator and footer is read through its footer entries (one page
+per record, or one pread for a run of small records; all of a bucket's reads queued at once); a record
 whose header fails verification there is dropped alone. Otherwise (the open bucket, or a footer that is
 invalid) records are scanned linearly. At an invalid record header the scan probes the following
 4096-aligned offsets for the next valid header (magic, version, header CRC, payload within the file):
 if there is one, the stretch before it is dropped (logged) and the scan goes on from there; if not,
-the rest is a torn tail, cut off in an open bucket. A valid record is never truncated. In either path a
-record whose payload CRC or cluster tag is wrong is dropped alone.
+the rest is a torn tail, cut off in an open bucket (a record whose payload would extend past the end of
+the file is torn: this is decided from headers alone). A valid record is never truncated. In either
+path a record whose cluster tag is not ours is dropped alone, and tombstone payloads are read and
+checked (they decide which records are dead). Every object record recovered starts unverified: its
+payload CRC is checked later by the background verifier (kvtier.segment_server.verifier; never-sealed
+buckets first, then oldest first), which has a record whose payload is corrupt or torn tombstoned then,
+not at mount. Until then readers are safe all the same: the client checks every payload against the
+master's checksum and a promotion checks it before copying.
 
 Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
 another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts

@@ -17,7 +17,9 @@ kvtier.master.tiering) and runs them against the DRAM region and the
 
 After every mount the master link has it report the store's inventory
 (`report_inventory`, before the mount's inventory is done) and tombstone the
-copies the master refuses as stale. When the store passes its
+copies the master refuses as stale. Corrupt records the background verifier
+found since the mount (kvtier.segment_server.verifier) are tombstoned here, the
+store's writer thread, and reported to the master. When the store passes its
 high watermark it tells the master which copies go (`DropDiskReplicas`)
 before unlinking their buckets.
 
