@@ -37,10 +37,12 @@ import crc32c
 import grpc
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.logs import LogBudget
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import ALIGN, BucketStore, DiskRecord, RecordError
 
 logger = logging.getLogger(__name__)
+_corrupt_log = LogBudget(logger, "ssd record corrupt")  # a badly damaged disk must not flood the log
 
 CHUNK = 4 << 20  # bytes per read (and per throttle step); a multiple of 4096 for O_DIRECT fds
 _MAX_UNREPORTED = 65536  # corrupt copies kept for a retry of ReportCorrupt while the master is away
@@ -149,7 +151,8 @@ class Verifier:
         elif problem:
             self.corrupt += 1
             self._found.append(record)
-            logger.warning(
+            _corrupt_log.log(
+                logging.WARNING,
                 "ssd record corrupt location=%#x namespace=%.80s key=%.80s problem=%s",
                 record.location,
                 record.namespace,
