@@ -415,6 +415,7 @@ class BucketStore:
         """
         if self._state != "new":
             raise RuntimeError("recover() must be called once, on a new store")
+        started = time.monotonic()
         found = sorted(
             (int(m.group(1), 16), entry.name)
             for entry in os.scandir(self._dir)
@@ -456,12 +457,13 @@ class BucketStore:
             self._register(self._open)
         records = self.records()
         logger.info(
-            "buckets recovered dir=%s buckets=%d records=%d used=%d unverified_bytes=%d",
+            "buckets recovered dir=%s buckets=%d records=%d used=%d unverified_bytes=%d seconds=%.2f",
             self._dir,
             len(loaded),
             len(records),
             self._used,
             self._unverified_bytes,
+            time.monotonic() - started,
         )
         return records
 
