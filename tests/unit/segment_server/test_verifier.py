@@ -19,7 +19,7 @@ def store_at(tmp_path: Path):
     opened: list[BucketStore] = []
 
     def open_store(**kwargs) -> BucketStore:
-        # O_DIRECT reads (the segment's default) where the file system allows them: aligned buffers and short reads at EOF
+        # O_DIRECT reads (the segment's default) where the file system allows: aligned buffers, short reads at EOF
         store = BucketStore(
             tmp_path / "ssd", 1 << 30, CLUSTER, bucket_size=kwargs.pop("bucket_size", 1 << 20), direct_io=True
         )
