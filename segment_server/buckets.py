@@ -49,9 +49,11 @@ buckets first, then oldest first), which has a record whose payload is corrupt o
 not at mount. Until then readers are safe all the same: the client checks every payload against the
 master's checksum and a promotion checks it before copying.
 
-Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
-another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts
-and `used`; the writer mutates them only under it and reads them without it (it is the only mutator).
+Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read` (the event loop, the
+verifier) and `next_unverified`/`verified` (the verifier thread), which may come from other threads.
+One lock guards the bucket table, the live-record maps, the unverified set, pin counts and `used`; the
+writer mutates them only under it and reads them without it (it is the only mutator of the rest;
+`verified` only takes records off the unverified set, under the lock).
 """
 
 from __future__ import annotations
