@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", choices=["dram", "ssd"], default="dram", help="ssd: reads from the SSD tier vs dd")
     parser.add_argument("--ssd-bytes", default="1GiB", help="--tier ssd: bytes put on the SSD tier")
     parser.add_argument("--ssd-dir", default="", help="--tier ssd: a directory on the disk to measure (.kvtier)")
+    parser.add_argument(
+        "--mount",
+        action="store_true",
+        help="--tier ssd: time mounting a tier of --ssd-bytes (cold page cache; dropping it needs root)",
+    )
     add_master_arguments(parser)
     add_recovery_arguments(parser)
 
@@ -305,6 +310,14 @@ def run(opts: argparse.Namespace) -> int:
         from kvtier.bench.recovery_bench import run_recovery
 
         return run_recovery(opts, machine_description())
+    if opts.tier == "ssd" and opts.mount:
+        from kvtier.bench.ssd_mount_bench import print_mount_result, run_mount_bench
+
+        size = sizes[0] if opts.sizes != DEFAULT_SIZES else 1 << 20  # 1 MiB records by default
+        print_mount_result(
+            run_mount_bench(parse_size(opts.ssd_bytes), size, opts.ssd_dir), opts.json, machine_description()
+        )
+        return 0
     if opts.tier == "ssd":
         from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
 

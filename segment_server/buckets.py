@@ -33,17 +33,27 @@ On-disk format (all integers little-endian, ALIGN = 4096):
 - Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
   bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
 
-Recovery: a sealed bucket with a valid locator and footer is read through its footer entries; a record
+Recovery (mounting) reads record headers, never object payloads, so it takes seconds however large
+the tier: a sealed bucket with a valid locator and footer is read through its footer entries (one page
+per record, or one pread for a run of small records; all of a bucket's reads queued at once); a record
 whose header fails verification there is dropped alone. Otherwise (the open bucket, or a footer that is
 invalid) records are scanned linearly. At an invalid record header the scan probes the following
 4096-aligned offsets for the next valid header (magic, version, header CRC, payload within the file):
 if there is one, the stretch before it is dropped (logged) and the scan goes on from there; if not,
-the rest is a torn tail, cut off in an open bucket. A valid record is never truncated. In either path a
-record whose payload CRC or cluster tag is wrong is dropped alone.
+the rest is a torn tail, cut off in an open bucket (a record whose payload would extend past the end of
+the file is torn: this is decided from headers alone). A valid record is never truncated. In either
+path a record whose cluster tag is not ours is dropped alone, and tombstone payloads are read and
+checked (they decide which records are dead). Every object record recovered starts unverified: its
+payload CRC is checked later by the background verifier (kvtier.segment_server.verifier; never-sealed
+buckets first, then oldest first), which has a record whose payload is corrupt or torn tombstoned then,
+not at mount. Until then readers are safe all the same: the client checks every payload against the
+master's checksum and a promotion checks it before copying.
 
-Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
-another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts
-and `used`; the writer mutates them only under it and reads them without it (it is the only mutator).
+Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read` (the event loop, the
+verifier) and `next_unverified`/`verified` (the verifier thread), which may come from other threads.
+One lock guards the bucket table, the live-record maps, the unverified set, pin counts and `used`; the
+writer mutates them only under it and reads them without it (it is the only mutator of the rest;
+`verified` only takes records off the unverified set, under the lock).
 """
 
 from __future__ import annotations
@@ -90,7 +100,8 @@ _U64 = struct.Struct("<Q")
 _TOMBSTONE_TARGET = _U64.size  # bytes per location in a tombstone payload
 _MAX_TOMBSTONE_TARGETS = 8192  # locations per tombstone record written (64 KiB of payload)
 _MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
-_CRC_CHUNK = 8 << 20  # recovery verifies payloads in chunks so a huge record does not need huge memory
+_SMALL_RECORD = 64 << 10  # at mount, runs of records this small (file span) are read with one pread...
+_RUN_READ = 1 << 20  # ...of up to this many bytes; a larger record costs one page read for its header
 _NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
 
 _Entry = tuple[int, int, int, int]  # footer entry: offset, header_len, size, flags
@@ -216,27 +227,47 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
     return _Head(flags, header_len, size, payload_crc, cluster_crc, namespace, key)
 
 
-def _read_head(fd: int, offset: int, limit: int) -> _Head:
-    """The verified header of the record at `offset`; RecordError if torn, invalid or ending past `limit`."""
-    buf = os.pread(fd, _RECORD_HEAD.size, offset)
+class _Pages:
+    """A bucket file's bytes as mounting reads them: each read is one pread, unless it falls inside the
+    previous one (a run of small records read together, see `_from_footer`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buf = b""
+        self._at = 0
+
+    def pread(self, length: int, offset: int, ahead: int = 0) -> bytes:
+        """`length` bytes at `offset` (fewer at the end of the file); a miss reads max(length, ahead)."""
+        start = offset - self._at
+        if 0 <= start and offset + length <= self._at + len(self._buf):
+            return self._buf[start : start + length]
+        self._buf = os.pread(self.fd, max(length, ahead), offset)
+        self._at = offset
+        return self._buf[:length]
+
+
+def _read_head(pages: _Pages, offset: int, limit: int, ahead: int = ALIGN) -> _Head:
+    """The verified header of the record at `offset`; RecordError if torn, invalid or ending past `limit`.
+    Reads its first page (or `ahead` bytes) and, only for names longer than that, the rest."""
+    buf = pages.pread(ALIGN, offset, ahead)
     if len(buf) >= _RECORD_HEAD.size and buf[:4] == RECORD_MAGIC:
         header_len = _U32.unpack_from(buf, 8)[0]
-        if _RECORD_HEAD.size < header_len <= _MAX_HEADER_LEN:
-            buf += os.pread(fd, header_len - _RECORD_HEAD.size, offset + _RECORD_HEAD.size)
+        if len(buf) < header_len <= _MAX_HEADER_LEN:
+            buf = pages.pread(header_len, offset)
     head = _parse_header(buf)
     if offset + head.header_len + head.size > limit:
         raise RecordError(f"payload of {head.size} bytes runs past the end of the file")
     return head
 
 
-def _next_head(fd: int, offset: int, limit: int) -> tuple[int, _Head] | None:
+def _next_head(pages: _Pages, offset: int, limit: int) -> tuple[int, _Head] | None:
     """The first valid record (offset, header) at a 4096-aligned offset after `offset` whose payload ends
     by `limit`; None if there is none. Reads 4 bytes per page (a header only where the magic matches)."""
     offset += ALIGN
     while offset < limit:
-        if os.pread(fd, len(RECORD_MAGIC), offset) == RECORD_MAGIC:
+        if os.pread(pages.fd, len(RECORD_MAGIC), offset) == RECORD_MAGIC:
             try:
-                return offset, _read_head(fd, offset, limit)
+                return offset, _read_head(pages, offset, limit)
             except RecordError:
                 pass
         offset += ALIGN
@@ -270,16 +301,23 @@ def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None
     return footer_off, entries if expected == footer_off else None
 
 
-def _crc_range(fd: int, offset: int, size: int) -> int | None:
-    """CRC32C of `size` file bytes from `offset`, or None if the file is shorter."""
-    value = done = 0
-    while done < size:
-        chunk = os.pread(fd, min(_CRC_CHUNK, size - done), offset + done)
-        if not chunk:
-            return None
-        value = crc32c.crc32c(chunk, value=value)
-        done += len(chunk)
-    return value
+def _runs(entries: list[_Entry], ends: list[int]) -> list[int]:
+    """Per footer entry, the bytes mounting reads from its offset: a page for a large record, a run of
+    small records (up to _RUN_READ) for the first of them, 0 for the others of a run."""
+    out = []
+    run_end = 0
+    for i, (offset, *_) in enumerate(entries):
+        if offset < run_end:
+            out.append(0)
+            continue
+        run_end = offset + ALIGN
+        if ends[i] - offset <= _SMALL_RECORD:
+            j = i
+            while j < len(entries) and ends[j] - entries[j][0] <= _SMALL_RECORD and ends[j] - offset <= _RUN_READ:
+                run_end = ends[j]
+                j += 1
+        out.append(run_end - offset)
+    return out
 
 
 def _pwrite_all(fd: int, buffers: Sequence[bytes], offset: int) -> None:
@@ -359,6 +397,10 @@ class BucketStore:
         self._dir_dirty = False  # a bucket file was created since the last sync
         self._next_id = 0
         self._used = 0
+        # Live records found at mount whose payload is not verified yet, in verification order (see
+        # recover); appended records are verified as they are written and never enter it.
+        self._unverified: dict[int, DiskRecord] = {}
+        self._unverified_bytes = 0
         self._state = "new"  # new -> recovered -> closed
 
     # --- recovery ---------------------------------------------------------------------------
@@ -366,14 +408,16 @@ class BucketStore:
     def recover(self) -> list[DiskRecord]:
         """Load every bucket of ours, repair the open one's torn tail, and return the live objects.
 
-        Files of another cluster or format, or with a bad header, are logged and left untouched (not
-        counted in `used`). Records whose header or payload CRC fails or whose cluster tag is not ours
-        are dropped (the scan goes on past them, see Recovery in the module docstring); tombstoned
-        records are dead.
+        Reads record headers (and tombstone payloads), never object payloads: every object returned
+        starts unverified (see `next_unverified`). Files of another cluster or format, or with a bad
+        header, are logged and left untouched (not counted in `used`). Records whose header fails or
+        whose cluster tag is not ours are dropped (the scan goes on past them, see Recovery in the
+        module docstring); tombstoned records are dead.
         Ends with an open bucket for appends (creating one if needed). Call once, before anything else.
         """
         if self._state != "new":
             raise RuntimeError("recover() must be called once, on a new store")
+        started = time.monotonic()
         found = sorted(
             (int(m.group(1), 16), entry.name)
             for entry in os.scandir(self._dir)
@@ -396,6 +440,12 @@ class BucketStore:
                 t for t in bucket.tombstones if (t >> 20) != bucket.bucket_id and (t >> 20) in self._buckets
             ]
         self._state = "recovered"
+        # Verification order: buckets that were never sealed first (only they can hold records torn by
+        # a crash: sealing syncs a whole bucket), then the sealed ones, oldest first.
+        for bucket in sorted(loaded, key=lambda b: (b.sealed, b.bucket_id)):
+            for location, record in bucket.live.items():
+                self._unverified[location] = record
+                self._unverified_bytes += record.size
         for bucket in loaded[:-1]:
             if not bucket.sealed:  # only the newest bucket may stay open
                 self._seal(bucket)
@@ -409,7 +459,13 @@ class BucketStore:
             self._register(self._open)
         records = self.records()
         logger.info(
-            "buckets recovered dir=%s buckets=%d records=%d used=%d", self._dir, len(loaded), len(records), self._used
+            "buckets recovered dir=%s buckets=%d records=%d used=%d unverified_bytes=%d seconds=%.2f",
+            self._dir,
+            len(loaded),
+            len(records),
+            self._used,
+            self._unverified_bytes,
+            time.monotonic() - started,
         )
         return records
 
@@ -423,10 +479,11 @@ class BucketStore:
                 logger.warning("bucket file ignored path=%s reason=%s", path, problem)
                 return None
             bucket = _Bucket(bucket_id, path, read_fd=-1)
-            items, stop, torn = self._scan(bucket, fd, file_len)
+            pages = _Pages(fd)
+            items, stop, torn = self._scan(bucket, pages, file_len)
             for offset, head, _ in items:
                 if head is not None:
-                    self._verify_payload(bucket, fd, offset, head)
+                    self._admit(bucket, pages, offset, head)
             bucket.count = len(items)
             bucket.end = stop
             if bucket.sealed:
@@ -471,7 +528,7 @@ class BucketStore:
         return None
 
     def _scan(
-        self, bucket: _Bucket, fd: int, file_len: int
+        self, bucket: _Bucket, pages: _Pages, file_len: int
     ) -> tuple[list[tuple[int, _Head | None, int]], int, str | None]:
         """The bucket's records in file order as (offset, verified header, aligned end), where the scan
         stopped, and why it stopped early (a torn tail, open buckets only) or None.
@@ -481,21 +538,22 @@ class BucketStore:
         its footer, when valid (it then tiles the file exactly), gives the record offsets. Otherwise
         records are scanned linearly, probing past an invalid header for the next valid one.
         """
-        footer_off, entries = _read_index(fd, file_len)
+        footer_off, entries = _read_index(pages.fd, file_len)
         limit = file_len
         if footer_off is not None:
             bucket.sealed = True
             limit = footer_off
             if entries is not None:
-                return self._from_footer(bucket, fd, entries, footer_off), footer_off, None
+                return self._from_footer(bucket, pages, entries, footer_off), footer_off, None
             logger.warning("bucket footer invalid, scanning records path=%s", bucket.path)
         items: list[tuple[int, _Head | None, int]] = []
         offset = ALIGN
         while offset < limit:
             try:
-                head = _read_head(fd, offset, limit)
+                # One page per header: the kernel's read-ahead serves a sequential scan of small records.
+                head = _read_head(pages, offset, limit)
             except RecordError as exc:
-                found = _next_head(fd, offset, limit)
+                found = _next_head(pages, offset, limit)
                 if found is None:
                     if bucket.sealed:
                         logger.warning(
@@ -519,17 +577,27 @@ class BucketStore:
         return items, offset, None
 
     def _from_footer(
-        self, bucket: _Bucket, fd: int, entries: list[_Entry], footer_off: int
+        self, bucket: _Bucket, pages: _Pages, entries: list[_Entry], footer_off: int
     ) -> list[tuple[int, _Head | None, int]]:
-        """The records a valid footer names; one whose header fails verification is dropped alone."""
+        """The records a valid footer names; one whose header fails verification is dropped alone.
+
+        Reads one page per record, or, for a run of small records, one pread of up to _RUN_READ bytes
+        for the whole run (small payloads come along unread: fewer system calls and disk requests).
+        Read-ahead is off: between the headers of large records lie payloads nobody reads here."""
+        os.posix_fadvise(pages.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        ends = [e[0] for e in entries[1:]] + [footer_off]
+        aheads = _runs(entries, ends)
+        for (offset, *_), ahead in zip(entries, aheads, strict=True):
+            if ahead:  # queue every read now: the disk serves them in parallel, the loop below waits less
+                os.posix_fadvise(pages.fd, offset, ahead, os.POSIX_FADV_WILLNEED)
         items: list[tuple[int, _Head | None, int]] = []
         for i, (offset, header_len, size, flags) in enumerate(entries):
-            end = entries[i + 1][0] if i + 1 < len(entries) else footer_off
+            end = ends[i]
             head: _Head | None = None
             try:
                 if header_len == 0:
                     raise RecordError("stretch found unreadable before the bucket was sealed")
-                head = _read_head(fd, offset, end)
+                head = _read_head(pages, offset, end, ahead=max(ALIGN, aheads[i]))
                 if (head.header_len, head.size, head.flags) != (header_len, size, flags):
                     raise RecordError(
                         f"header says header_len={head.header_len} size={head.size} flags={head.flags}, "
@@ -547,9 +615,9 @@ class BucketStore:
             items.append((offset, head, end))
         return items
 
-    def _verify_payload(self, bucket: _Bucket, fd: int, offset: int, head: _Head) -> None:
-        """Keep a record with a valid header as live (or apply its tombstone) if its cluster tag is ours
-        and its payload CRC matches; otherwise drop it (logged)."""
+    def _admit(self, bucket: _Bucket, pages: _Pages, offset: int, head: _Head) -> None:
+        """Keep a record with a valid header as live (payload unverified) or apply its tombstone (whose
+        payload is read and checked here) if its cluster tag is ours; otherwise drop it (logged)."""
         if head.cluster_crc != self._cluster_crc:
             logger.warning(
                 "record dropped: cluster tag %#010x is not ours (%#010x) path=%s offset=%d key=%.80s",
@@ -561,17 +629,16 @@ class BucketStore:
             )
             return
         location = _location(bucket.bucket_id, offset)
-        if head.flags == FLAG_TOMBSTONE:
-            payload = os.pread(fd, head.size, offset + head.header_len)
-            if len(payload) == head.size and crc32c.crc32c(payload) == head.payload_crc:
-                bucket.tombstones += [target for (target,) in _U64.iter_unpack(payload)]
-                return
-        elif _crc_range(fd, offset + head.header_len, head.size) == head.payload_crc:
+        if head.flags == FLAG_OBJECT:
+            # Its payload is verified later, in the background (kvtier.segment_server.verifier); until
+            # then every reader checks it against the master's checksum anyway.
             bucket.live[location] = DiskRecord(location, head.namespace, head.key, head.size, head.payload_crc)
             return
-        logger.warning(
-            "record dropped: payload CRC mismatch path=%s offset=%d key=%.80s", bucket.path, offset, head.key
-        )
+        payload = pages.pread(head.size, offset + head.header_len)
+        if len(payload) == head.size and crc32c.crc32c(payload) == head.payload_crc:
+            bucket.tombstones += [target for (target,) in _U64.iter_unpack(payload)]
+            return
+        logger.warning("tombstone dropped: payload CRC mismatch path=%s offset=%d", bucket.path, offset)
 
     # --- appends ----------------------------------------------------------------------------
 
@@ -622,6 +689,7 @@ class BucketStore:
                     bucket = self._buckets.get(location >> 20)
                     if bucket is not None:
                         bucket.live.pop(location, None)
+                    self._drop_unverified(location)
 
     def _append_tombstones(self, targets: Sequence[int]) -> None:
         """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations."""
@@ -843,6 +911,17 @@ class BucketStore:
         the reader to check against the master's checksum.
         """
         buf = memoryview(buf).cast("B")
+        head = BucketStore.check_header(buf, plan, namespace, key, cluster_id)
+        end = head.header_len + head.size
+        if len(buf) < end:
+            raise RecordError(f"short read: {len(buf)} of {end} bytes")
+        return buf[head.header_len : end]
+
+    @staticmethod
+    def check_header(
+        buf: memoryview | bytes, plan: ReadPlan, namespace: str, key: str, cluster_id: str | None = None
+    ) -> _Head:
+        """The checks of `payload_of` that need only the record's header (at the start of `buf`)."""
         head = _parse_header(buf)
         if cluster_id is not None and head.cluster_crc != (expected := crc32c.crc32c(cluster_id.encode())):
             raise RecordError(
@@ -854,10 +933,7 @@ class BucketStore:
             raise RecordError(f"record has header_len={head.header_len} size={head.size}, plan says {plan}")
         if head.namespace != namespace or head.key != key:
             raise RecordError(f"record is {head.namespace}/{head.key}, expected {namespace}/{key}")
-        end = head.header_len + head.size
-        if len(buf) < end:
-            raise RecordError(f"short read: {len(buf)} of {end} bytes")
-        return buf[head.header_len : end]
+        return head
 
     # --- capacity ---------------------------------------------------------------------------
 
@@ -908,6 +984,8 @@ class BucketStore:
         with self._lock:
             for bucket_id in sorted(doomed):
                 bucket = self._buckets.pop(bucket_id)
+                for location in bucket.live:
+                    self._drop_unverified(location)
                 self._dirty.discard(bucket)
                 if bucket.pins:
                     bucket.doomed = True
@@ -928,6 +1006,31 @@ class BucketStore:
             pass
         self._used -= bucket.allocated
         bucket.live.clear()
+
+    # --- background verification ------------------------------------------------------------
+
+    def next_unverified(self) -> DiskRecord | None:
+        """The next live record found at mount whose payload is not verified yet (None: all are).
+        Thread-safe. It stays next until `verified` is called for it, or it is tombstoned or deleted."""
+        with self._lock:
+            return next(iter(self._unverified.values()), None)
+
+    def verified(self, location: int) -> None:
+        """The verifier is done with the record (found good, or found bad and handed over to be
+        tombstoned). Thread-safe; unknown locations are ignored."""
+        with self._lock:
+            self._drop_unverified(location)
+
+    def _drop_unverified(self, location: int) -> None:
+        """Caller holds the lock."""
+        record = self._unverified.pop(location, None)
+        if record is not None:
+            self._unverified_bytes -= record.size
+
+    @property
+    def unverified_bytes(self) -> int:
+        """Payload bytes of live records whose verification is still to come (the verifier's backlog)."""
+        return self._unverified_bytes
 
     # --- inventory and lifecycle ------------------------------------------------------------
 
@@ -976,5 +1079,7 @@ class BucketStore:
             self._buckets.clear()
             self._by_fd.clear()
             self._dirty.clear()
+            self._unverified.clear()
+            self._unverified_bytes = 0
             self._open = None
             self._state = "closed"

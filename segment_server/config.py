@@ -62,6 +62,9 @@ class SegmentConfig:
     ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
+    # Mounting reads record headers only; payloads found at mount are verified in the background at
+    # this many bytes per second (0 = off: readers still verify every payload they get).
+    ssd_verify_rate: str = "64MiB"
     # Data-plane connection limits: a client beyond max_connections is refused with a clear
     # error; a connection idle this long, or a request (or its response) stalled this long, is cut.
     max_connections: int = 4096
@@ -101,7 +104,7 @@ class SegmentConfig:
                 f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
                 "this segment's data plane at"
             )
-        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers"):
+        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_verify_rate"):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")

@@ -167,6 +167,37 @@ class SegmentCollector(Collector):
             self._name,
             worker.offloaded_bytes if worker is not None else 0,
         )
+        verifier = worker.verifier if worker is not None else None
+        if verifier is not None:
+            yield _one(
+                CounterMetricFamily,
+                "kvtier_segment_ssd_verified_records",
+                "Records found at mount whose payload the background verifier has found good.",
+                self._name,
+                verifier.verified,
+            )
+            yield _one(
+                CounterMetricFamily,
+                "kvtier_segment_ssd_verified_bytes",
+                "Payload bytes of those records.",
+                self._name,
+                verifier.verified_bytes,
+            )
+            yield _one(
+                CounterMetricFamily,
+                "kvtier_segment_ssd_corrupt_records",
+                "Records the background verifier found corrupt (payload CRC, header, cluster tag, torn or "
+                "unreadable): tombstoned and reported to the master.",
+                self._name,
+                verifier.corrupt,
+            )
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_ssd_verify_backlog_bytes",
+                "Payload bytes of live records found at mount that are not verified yet.",
+                self._name,
+                verifier.store.unverified_bytes,
+            )
         if self._store is not None:
             yield _one(
                 GaugeMetricFamily,

@@ -33,6 +33,7 @@ from kvtier.segment_server.region import (
 )
 from kvtier.segment_server.shm_grant import GrantStats, parse_uids
 from kvtier.segment_server.tier_worker import TierWorker
+from kvtier.segment_server.verifier import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ async def serve(config: SegmentConfig) -> int:
     region = _open_region(config)
     stats = DataPlaneStats()
     grants = GrantStats()
-    store = engine = disk = worker = feed = None
+    store = engine = disk = worker = feed = verifier = None
     link = channels = None
     listeners: list = []
     try:
@@ -128,8 +129,11 @@ async def serve(config: SegmentConfig) -> int:
             ),
         )
         if store is not None:
-            worker = TierWorker(channels.stub, store, region.view, link.session)
+            # Mounting read record headers only: payloads are verified in the background.
+            verifier = Verifier(store, parse_size(config.ssd_verify_rate))
+            worker = TierWorker(channels.stub, store, region.view, link.session, verifier)
             worker.start()
+            verifier.start()
         feed = CommitFeed(channels.stub, index, link.session)
         feed.start()
         metrics_address = ""
@@ -166,6 +170,8 @@ async def serve(config: SegmentConfig) -> int:
         waiter.cancel()
     finally:
         logger.info("segment server stopping name=%s", config.name)
+        if verifier is not None:
+            verifier.stop()
         if worker is not None:
             worker.stop()
         if feed is not None:

@@ -17,7 +17,9 @@ kvtier.master.tiering) and runs them against the DRAM region and the
 
 After every mount the master link has it report the store's inventory
 (`report_inventory`, before the mount's inventory is done) and tombstone the
-copies the master refuses as stale. When the store passes its
+copies the master refuses as stale. Corrupt records the background verifier
+found since the mount (kvtier.segment_server.verifier) are tombstoned here, the
+store's writer thread, and reported to the master. When the store passes its
 high watermark it tells the master which copies go (`DropDiskReplicas`)
 before unlinking their buckets.
 
@@ -44,6 +46,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
+from kvtier.segment_server.verifier import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +66,16 @@ class TierWorker:
         store: BucketStore,
         region: memoryview,
         session: Callable[[], tuple[int, int]],
+        verifier: Verifier | None = None,
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) of the
-        current mount, (0, 0) when not mounted."""
+        current mount, (0, 0) when not mounted; `verifier` the background payload verifier, whose
+        findings this thread (the store's writer) tombstones and reports."""
         self._stub_of = stub
         self.store = store
         self._region = region
         self._session = session
+        self.verifier = verifier
         self._epoch = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
@@ -100,6 +106,8 @@ class TierWorker:
                 continue
             try:
                 self._evict_buckets(segment_id)
+                if self.verifier is not None:
+                    self.verifier.apply(self._stub, segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
                         segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS

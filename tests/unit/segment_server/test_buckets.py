@@ -27,6 +27,7 @@ from kvtier.segment_server.buckets import (
     ReadPlan,
     RecordError,
 )
+from kvtier.segment_server.verifier import Verifier
 
 CLUSTER = "test-cluster"
 SMALL = {"bucket_size": 16 * ALIGN, "bucket_keys": 3}  # seals every 3 records or 64 KiB
@@ -291,7 +292,9 @@ def test_checksum_mismatch_writes_nothing(stores, ssd):
 
 
 @pytest.mark.parametrize("which", [0, 4], ids=["sealed-bucket", "open-bucket"])
-def test_corrupt_payload_byte_drops_only_that_record(stores, ssd, which, caplog):
+def test_corrupt_payload_byte_is_listed_at_mount_and_dropped_by_the_verifier(stores, ssd, which, caplog):
+    """Mounting reads no payload: a damaged one is still listed (unverified) until the background
+    verifier reads it, finds it corrupt and has it tombstoned; its neighbours stay."""
     store = stores(ssd, **SMALL)
     store.recover()
     written = fill(store, 5)
@@ -301,15 +304,73 @@ def test_corrupt_payload_byte_drops_only_that_record(stores, ssd, which, caplog)
     flip(bucket_file(ssd, victim >> 20), plan.file_offset + plan.header_len + 1000)
 
     store = stores(ssd, **SMALL)
-    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.buckets"):
-        records = store.recover()
-    assert "payload CRC mismatch" in caplog.text
-    assert {r.location for r in records} == set(written) - {victim}
+    records = store.recover()
+    assert {r.location for r in records} == set(written)
+    assert store.unverified_bytes == sum(len(data) for _, data in written.values())
+    verifier = Verifier(store, rate=0)  # off in the background; driven by hand here
+    with caplog.at_level(logging.WARNING, logger="kvtier.segment_server.verifier"):
+        while verifier.run_once():
+            pass
+    assert "payload CRC32C" in caplog.text
+    assert (verifier.verified, verifier.corrupt, store.unverified_bytes) == (4, 1, 0)
+    verifier.apply(stub=None, segment_id=0)  # the writer's side: tombstone (no master to tell)
     with pytest.raises(KeyError):
         store.plan_read(victim)
     for location, (key, data) in written.items():
         if location != victim:
             assert read(store, location, key) == data
+    store, records = reopen(stores, store, ssd, **SMALL)
+    assert {r.location for r in records} == set(written) - {victim}
+
+
+def test_recover_reads_headers_not_payloads(stores, ssd, monkeypatch):
+    """Sealed buckets through their footer and the open bucket by a header scan: one page per large
+    record; small records in a sealed bucket are read in runs, a few preads for many records."""
+    store = stores(ssd, bucket_size=4 << 20)
+    store.recover()
+    large = fill_sizes(store, [256 * ALIGN] * 40)  # 1 MiB records, 3 to a bucket
+    small = fill_sizes(store, [100] * 1500)  # 6 MiB of 4 KiB records...
+    large.update(fill_sizes(store, [256 * ALIGN] * 4))  # ...all in sealed buckets
+    store.sync()
+    store.close()
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, length: int, offset: int) -> bytes:
+        reads.append(length)
+        return real_pread(fd, length, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    store = stores(ssd, bucket_size=4 << 20)
+    records = store.recover()
+    monkeypatch.undo()
+    assert {r.location for r in records} == set(large) | set(small)
+    assert store.bucket_count >= 5
+    # a page per large record; the small ones' pages (runs read them whole), plus footers
+    assert sum(reads) < len(large) * 2 * ALIGN + len(small) * ALIGN + store.bucket_count * 2 * ALIGN
+    assert len(reads) < len(large) + len(small) // 10 + 3 * store.bucket_count
+
+
+def test_unverified_records_leave_the_backlog_when_tombstoned_or_deleted(stores, ssd):
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = list(fill(store, 7))
+    store.sync()
+    store, _ = reopen(stores, store, ssd, **SMALL)
+    assert store.unverified_bytes == 7 * 3000
+    # the bucket that was never sealed first (only it can hold records a crash tore), then oldest first
+    assert store.next_unverified().location == written[-1]
+    store.tombstone(written[-1])
+    assert store.unverified_bytes == 6 * 3000
+    store.delete_buckets([written[0] >> 20])  # the oldest sealed bucket: 3 records
+    assert store.unverified_bytes == 3 * 3000
+    remaining = []
+    while (record := store.next_unverified()) is not None:
+        remaining.append(record.location)
+        store.verified(record.location)
+    assert remaining == written[3:6] and store.unverified_bytes == 0
+    put(store, "fresh", b"f" * 100)  # written and checked now: never unverified
+    assert store.next_unverified() is None
 
 
 def test_payload_of_accepts_a_short_read_past_eof(stores, ssd):

@@ -54,6 +54,8 @@ def test_dram_sizes(shm, dram, expected):
         ({"cluster_id": "c" * 65}, "cluster_id"),
         ({"name": "a/b"}, "name"),
         ({"name": "n" * 121}, "name"),
+        ({"ssd_verify_rate": "fast"}, "ssd_verify_rate.*invalid size"),
+        ({"ssd_verify_rate": "-1MiB"}, "ssd_verify_rate.*invalid size"),
     ],
 )
 def test_validate_rejects_bad_values(shm, changes, message):
