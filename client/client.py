@@ -649,25 +649,30 @@ class Client:
 
     # ------------------------------------------------------------------ presence
 
+    # With `prefetch`, objects found only on an SSD tier start moving into DRAM at once (bounded by the
+    # master's promotion budget and task TTL), so a get that follows is likely a DRAM hit; the answer
+    # itself is the same. Meant for an engine's lookup-then-load (docs/architecture.md, "The SSD tier").
+
     @traced
-    def exists(self, key: str) -> bool:
+    def exists(self, key: str, *, prefetch: bool = False) -> bool:
         """Whether a complete object is stored under `key`. Grants no lease."""
-        return self.batch_exists([key])[0]
+        return self.batch_exists([key], prefetch=prefetch)[0]
 
     @traced
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return list(self._exists(keys).exists)
+    def batch_exists(self, keys: Sequence[str], *, prefetch: bool = False) -> list[bool]:
+        return list(self._exists(keys, pb.PREFETCH_FOUND if prefetch else pb.PREFETCH_NONE).exists)
 
     @traced
-    def longest_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading keys are all present: what an engine may load instead of recomputing."""
-        return self._exists(keys).prefix_count
+    def longest_prefix(self, keys: Sequence[str], *, prefetch: bool = False) -> int:
+        """How many leading keys are all present: what an engine may load instead of recomputing.
+        With `prefetch`, only the objects of that prefix are prefetched."""
+        return self._exists(keys, pb.PREFETCH_PREFIX if prefetch else pb.PREFETCH_NONE).prefix_count
 
-    def _exists(self, keys: Sequence[str]) -> pb.ExistsResponse:
+    def _exists(self, keys: Sequence[str], prefetch: int = pb.PREFETCH_NONE) -> pb.ExistsResponse:
         keys = [check_key(k) for k in keys]
         if not keys:
             return pb.ExistsResponse()
-        return self._master.call("Exists", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        return self._master.call("Exists", pb.ExistsRequest(namespace=self.namespace, keys=keys, prefetch=prefetch))
 
     # ------------------------------------------------------------------ removal and inspection
 

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 _TRACED = frozenset(
     (
         pb.KeysRequest,
+        pb.ExistsRequest,
         pb.PutStartRequest,
         pb.PutEndRequest,
         pb.PutRevokeRequest,

@@ -100,6 +100,9 @@ def segment_dict(s: Any) -> dict[str, Any]:
     }
 
 
+ADMISSION_VETOES = ("min_size", "reads")  # kvtier.master.admission.REASONS
+
+
 def status_dict(reply: Any) -> dict[str, Any]:
     """A StatusResponse as plain data (`kvtier status --json`, and what `kvtier top` samples)."""
     from kvtier.client.client import quota_dict
@@ -124,6 +127,9 @@ def status_dict(reply: Any) -> dict[str, Any]:
         "capacity": reply.capacity,
         "used": reply.used,
         "tiering": dict(reply.tiering),
+        # Also in "tiering" (admission_veto_<reason>, prefetch_<outcome>), gathered here by name.
+        "ssd_admission_vetoes": {r: reply.tiering.get(f"admission_veto_{r}", 0) for r in ADMISSION_VETOES},
+        "prefetch": {k.removeprefix("prefetch_"): v for k, v in reply.tiering.items() if k.startswith("prefetch_")},
         "segments": [segment_dict(s) for s in reply.segments],
     }
 

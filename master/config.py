@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvtier.master.admission import Admission
 from kvtier.master.auth import load_tenants
+from kvtier.master.records import READS_CAP
 from kvtier.proto.auth import read_secret
 from kvtier.proto.config import check_log_level, load_config
 from kvtier.proto.keys import cluster_id_problem
@@ -68,6 +70,14 @@ class MasterConfig:
     offload_watermark: float = 0.80
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
+    # SSD write admission (master/admission.py): objects smaller than this, or read (while in DRAM)
+    # fewer times than that, are never offloaded; eviction drops them (recompute) instead. Saves disk
+    # bandwidth and wear at the cost of recomputing what was left out. Defaults admit everything.
+    ssd_admit_min_bytes: str = "0"
+    ssd_admit_after_reads: int = 0
+    # Prefetch on lookup (Exists with prefetch): DRAM bytes of promotions in flight per segment at most;
+    # a prefetch past it is skipped (counted), never queued. Also bounds promote_after_reads promotions.
+    promotion_budget: str = "256MiB"
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
     # Restart and HA (docs/architecture.md, "Master restart and HA").
@@ -154,6 +164,10 @@ class MasterConfig:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
         if self.promote_after_reads < 0:
             raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
+        if not 0 <= self.ssd_admit_after_reads <= READS_CAP:
+            raise ValueError(f"ssd_admit_after_reads must be in [0, {READS_CAP}], got {self.ssd_admit_after_reads}")
+        check_field("ssd_admit_min_bytes", parse_size, self.ssd_admit_min_bytes)
+        check_field("promotion_budget", parse_size, self.promotion_budget)
         if self.fence_max_keys < 0:
             raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:
@@ -221,6 +235,15 @@ class MasterConfig:
     def saves_state_to(self) -> str:
         """The directory the standalone master saves its state in; empty when it saves none."""
         return "" if self.state_dir in ("", STATE_DIR_NONE) else self.state_dir
+
+    @property
+    def admission(self) -> Admission:
+        """The SSD write-admission rules (master/admission.py)."""
+        return Admission(parse_size(self.ssd_admit_min_bytes), self.ssd_admit_after_reads)
+
+    @property
+    def promotion_budget_bytes(self) -> int:
+        return parse_size(self.promotion_budget)
 
     @property
     def message_limit(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.master import admission, prefetch
 from kvtier.master.fastpath import FastPathStats
 from kvtier.master.servicer import MasterHandlers
 from kvtier.proto.latency import LatencyHistogram
@@ -205,6 +206,24 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",
         "event",
         s.tiering,
+    )
+    yield counter(
+        "kvtier_master_ssd_admission_vetoes",
+        "Offloads refused by SSD write admission (min_size, reads): those DRAM copies were dropped instead.",
+        "reason",
+        {reason: s.tiering.get(f"admission_veto_{reason}", 0) for reason in admission.REASONS},
+    )
+    yield counter(
+        "kvtier_master_prefetches",
+        "Prefetches on lookup (Exists with prefetch): promotions started, completed (now in DRAM), failed.",
+        "outcome",
+        {outcome: s.tiering.get(f"prefetch_{outcome}", 0) for outcome in ("started", "completed", "failed")},
+    )
+    yield counter(
+        "kvtier_master_prefetch_skips",
+        "Disk-only objects a prefetch found but did not start promoting, by reason.",
+        "reason",
+        {reason: s.tiering.get(f"prefetch_skipped_{reason}", 0) for reason in prefetch.SKIP_REASONS},
     )
     quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
     quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])

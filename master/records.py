@@ -6,7 +6,7 @@ Issue 4 budgets <= 400 bytes of master RSS per object. What an object costs
 - one entry in the master's single object dict, keyed by `object_name`
   (namespace + NUL + key), which is also the least-recently-used order;
 - the name string itself (the record keeps a reference, not a copy);
-- an `ObjectRecord` of nine slots; the batch-wide values (put id, start
+- an `ObjectRecord` of ten slots; the batch-wide values (put id, start
   time, lease end, pin end, owner) are one shared object per batch;
 - `meta`: size and checksum packed into one integer;
 - `replicas`: a tuple of integers, each packing segment id, tier and offset.
@@ -40,6 +40,7 @@ SEGMENT_SHIFT = OFFSET_BITS + 2
 MAX_SEGMENT_CAPACITY = 1 << OFFSET_BITS
 
 _CHECKSUM_MASK = 0xFFFF_FFFF
+READS_CAP = 255  # ObjectRecord.reads stops here: small ints are shared, a larger count would cost memory
 _NAME_SEPARATOR = "\x00"  # neither namespaces nor keys may contain NUL (kvtier.proto.keys)
 
 
@@ -83,10 +84,24 @@ class ObjectRecord:
 
     `pin_until` is the whole pin: 0.0 unpinned, a time for a soft pin, +inf
     for a hard pin. `lease_until` is when the last granted read lease ends.
+    `reads` counts GetReplicas hits while it held DRAM, saturating at
+    READS_CAP (a small int: no allocation), for SSD write admission
+    (kvtier.master.admission).
     Recency is the record's position in the master's object dict, not a field.
     """
 
-    __slots__ = ("name", "meta", "replicas", "state", "put_id", "started_at", "owner", "pin_until", "lease_until")
+    __slots__ = (
+        "name",
+        "meta",
+        "replicas",
+        "state",
+        "put_id",
+        "started_at",
+        "owner",
+        "pin_until",
+        "lease_until",
+        "reads",
+    )
 
     def __init__(
         self,
@@ -107,6 +122,7 @@ class ObjectRecord:
         self.owner = owner
         self.pin_until = pin_until
         self.lease_until = 0.0
+        self.reads = 0
 
     @property
     def size(self) -> int:

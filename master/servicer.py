@@ -27,6 +27,7 @@ from kvtier.master.commits import PutAcknowledgement, notice_pin
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.gates import DATA, rpc
 from kvtier.master.inspection import disk_only_hits
+from kvtier.master.prefetch import prefetch
 from kvtier.master.records import replica_offset, replica_segment
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState, PutOptions
@@ -281,6 +282,7 @@ class MasterHandlers:
         if rejected := self._too_many(request.keys, pb.ExistsResponse):
             return rejected
         found, prefix = self.state.exists(namespace, request.keys)
+        prefetch(self.state, namespace, request.keys, found, request.prefetch)  # kvtier.master.prefetch
         self.lookup_keys["Exists"] += len(request.keys)
         self.lookup_hits["Exists"] += found.count(True)
         return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)

@@ -48,6 +48,7 @@ from kvtier.master.records import (
     OFFSET_MASK,
     PIN_HARD,
     PIN_SOFT,
+    READS_CAP,
     SEGMENT_SHIFT,
     TIER_DRAM,
     TIER_MASK,
@@ -501,6 +502,7 @@ class MasterState:
             elif record.state is _COMPLETE:
                 del objects[name]  # a read refreshes recency: move to the most recently used end
                 objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
+                record.reads += record.reads < READS_CAP  # reads while in DRAM, for SSD admission
             if record is None or record.state is not _COMPLETE:
                 statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
                 sizes.append(0)
@@ -534,8 +536,7 @@ class MasterState:
             name = prefix + key
             record = objects.get(name) or disk_only.get(name)
             found.append(record is not None and record.state is _COMPLETE)
-        prefix = found.index(False) if False in found else len(found)
-        return found, prefix
+        return found, found.index(False) if False in found else len(found)
 
     # ------------------------------------------------------------------ removal
 
@@ -776,11 +777,11 @@ class MasterState:
         if budget <= 0:
             return
         dram, ssd = dram_key(segment_id), ssd_key(segment_id)
-        offloading = tiering.offloading
+        offloading, refused = tiering.offloading, tiering.refusal  # refused ones are dropped when evicted
 
         def uncopied(record: ObjectRecord) -> bool:
             tiers = [r >> TIER_SHIFT for r in record.replicas]
-            return dram in tiers and ssd not in tiers and record.name not in offloading
+            return dram in tiers and ssd not in tiers and record.name not in offloading and not refused(record, segment)
 
         for victim in pick_victims(
             self._objects.values(), self.clock(), budget, self._replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN

@@ -81,6 +81,7 @@ class TierTask:
     dram_offset: int = 0
     disk_location: int = 0
     deadline: float = 0.0  # set when handed out
+    prefetch: bool = False  # a PROMOTE started by a lookup's prefetch (kvtier.master.prefetch)
 
 
 def dram_key(segment_id: int) -> int:
@@ -104,6 +105,9 @@ class Tiering:
         self.offloading: dict[str, TierTask] = {}  # object name -> its OFFLOAD task (queued or in flight)
         self._offloading_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being offloaded
         self._promoting: dict[str, TierTask] = {}
+        self._promoting_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being promoted
+        self.admission = state.config.admission  # SSD write admission (kvtier.master.admission)
+        self.promotion_budget = state.config.promotion_budget_bytes
         self._disk_reads: dict[str, int] = {}  # reads of disk-only objects, for promotion
         self._offload_paused_until: dict[int, float] = {}
         self._ids = itertools.count(1)
@@ -163,16 +167,28 @@ class Tiering:
     def offloading_bytes(self, segment_id: int) -> int:
         return self._offloading_bytes[segment_id]
 
+    def refusal(self, record: ObjectRecord, segment: SegmentRecord) -> str | None:
+        """Why `record` will never be offloaded to `segment`'s SSD tier, or None when it may be:
+        "too_large" (the segment could never serve it back), or an admission veto ("min_size",
+        "reads": kvtier.master.admission). Pure: counts nothing. Its DRAM copy may be dropped
+        (to recompute) without waiting for an offload that will not come."""
+        if segment.ssd_max_object and record.size > segment.ssd_max_object:
+            return "too_large"
+        return self.admission.veto(record)
+
     def offload(self, record: ObjectRecord, segment: SegmentRecord) -> bool:
-        """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there."""
+        """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there.
+        An admission veto is counted here (`admission_veto_<reason>`): the caller then drops the copy."""
         segment_id = segment.segment_id
         if record.name in self.offloading or not self.can_offload(segment):
             return False
-        if segment.ssd_max_object and record.size > segment.ssd_max_object:
-            return False  # the segment could never serve it back: drop it instead
         dram = dram_key(segment_id)
         source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
         if source is None or any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
+            return False
+        if reason := self.refusal(record, segment):
+            if reason != "too_large":
+                self.counters[f"admission_veto_{reason}"] += 1
             return False
         task = TierTask(
             next(self._ids),
@@ -204,7 +220,7 @@ class Tiering:
         self._disk_reads.pop(name, None)
         for packed in record.replicas:
             segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
-            if segment is None or segment.state.name != "ACTIVE":
+            if segment is None or segment.state.name != "ACTIVE" or not self.promotion_room(segment, record.size):
                 continue
             allocator = segment.allocator
             if allocator.used + record.size > self.state.config.high_watermark * allocator.capacity:
@@ -212,20 +228,37 @@ class Tiering:
             offset = allocator.allocate(record.size) if record.size else 0
             if offset is None:
                 continue  # promotion only "when space allows": no eviction for it
-            task = TierTask(
-                next(self._ids),
-                TaskKind.PROMOTE,
-                segment.segment_id,
-                record,
-                name,
-                record.size,
-                record.checksum,
-                dram_offset=offset,
-                disk_location=packed & OFFSET_MASK,
-            )
-            self._promoting[name] = task
-            self._enqueue(task)
+            self.promote(record, segment, packed, offset)
             return
+
+    def promoting(self, name: str) -> bool:
+        return name in self._promoting
+
+    def promotion_room(self, segment: SegmentRecord, size: int) -> bool:
+        """Whether a promotion of `size` bytes fits `segment`'s promotion budget (bytes in flight)."""
+        in_flight = self._promoting_bytes[segment.segment_id]
+        return not in_flight or in_flight + self.state._aligned(size) <= self.promotion_budget
+
+    def promote(
+        self, record: ObjectRecord, segment: SegmentRecord, packed: int, offset: int, prefetch: bool = False
+    ) -> None:
+        """Queue a PROMOTE of `record`'s disk copy `packed` into the DRAM range at `offset` (allocated)."""
+        task = TierTask(
+            next(self._ids),
+            TaskKind.PROMOTE,
+            segment.segment_id,
+            record,
+            record.name,
+            record.size,
+            record.checksum,
+            dram_offset=offset,
+            disk_location=packed & OFFSET_MASK,
+            prefetch=prefetch,
+        )
+        self._promoting[record.name] = task
+        self._promoting_bytes[segment.segment_id] += self.state._aligned(record.size)
+        self._disk_reads.pop(record.name, None)
+        self._enqueue(task)
 
     # ------------------------------------------------------------------ forgetting
 
@@ -386,8 +419,11 @@ class Tiering:
         state = self.state
         if self._promoting.get(task.name) is task:
             del self._promoting[task.name]
+            self._promoting_bytes[task.segment_id] -= state._aligned(task.size)
         segment = state.segments.get(task.segment_id)
         if segment is None:
+            if task.prefetch:
+                self.counters["prefetch_failed"] += 1
             return  # its allocator went with it
         record = task.record
         ssd = replica(task.segment_id, task.disk_location, TIER_SSD)
@@ -400,6 +436,8 @@ class Tiering:
         ):
             if status != _OK:
                 self.counters["promote_failures"] += 1
+            if task.prefetch:
+                self.counters["prefetch_failed"] += 1  # nothing new in DRAM for the reader
             if task.size:
                 segment.allocator.release(task.dram_offset, task.size)
             if status == Status.CHECKSUM_MISMATCH and self._alive(task) and ssd in record.replicas:  # type: ignore[union-attr]
@@ -414,6 +452,8 @@ class Tiering:
             record.owner.used += state._aligned(record.size)
         self.counters["promoted_objects"] += 1
         self.counters["promoted_bytes"] += task.size
+        if task.prefetch:
+            self.counters["prefetch_completed"] += 1
 
     # ------------------------------------------------------------------ inventories
 
@@ -526,6 +566,7 @@ class Tiering:
         for name, task in list(self._promoting.items()):
             if task.segment_id == segment_id:
                 del self._promoting[name]
+        self._promoting_bytes.pop(segment_id, None)
 
     def forget_reads(self, name: str) -> None:
         self._disk_reads.pop(name, None)

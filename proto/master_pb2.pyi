@@ -19,6 +19,12 @@ class Pin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PIN_SOFT: _ClassVar[Pin]
     PIN_HARD: _ClassVar[Pin]
 
+class Prefetch(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_NONE: _ClassVar[Prefetch]
+    PREFETCH_FOUND: _ClassVar[Prefetch]
+    PREFETCH_PREFIX: _ClassVar[Prefetch]
+
 class TierTaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TASK_NONE: _ClassVar[TierTaskKind]
@@ -30,6 +36,9 @@ SSD: Tier
 PIN_NONE: Pin
 PIN_SOFT: Pin
 PIN_HARD: Pin
+PREFETCH_NONE: Prefetch
+PREFETCH_FOUND: Prefetch
+PREFETCH_PREFIX: Prefetch
 TASK_NONE: TierTaskKind
 OFFLOAD: TierTaskKind
 PROMOTE: TierTaskKind
@@ -294,6 +303,18 @@ class GetReplicasResponse(_message.Message):
     replica_tags: bytes
     tag_expiry_ms: int
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "prefetch", "request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    prefetch: Prefetch
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., prefetch: _Optional[_Union[Prefetch, str]] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class ExistsResponse(_message.Message):
     __slots__ = ("status", "error", "exists", "prefix_count")

@@ -76,7 +76,7 @@ class MasterStub:
                 _registered_method=True)
         self.Exists = channel.unary_unary(
                 '/kvtier.v1.Master/Exists',
-                request_serializer=kvtier_dot_proto_dot_master__pb2.KeysRequest.SerializeToString,
+                request_serializer=kvtier_dot_proto_dot_master__pb2.ExistsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.ExistsResponse.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
@@ -401,7 +401,7 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
-                    request_deserializer=kvtier_dot_proto_dot_master__pb2.KeysRequest.FromString,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.ExistsRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.ExistsResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
@@ -731,7 +731,7 @@ class Master:
             request,
             target,
             '/kvtier.v1.Master/Exists',
-            kvtier_dot_proto_dot_master__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.ExistsRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.ExistsResponse.FromString,
             options,
             channel_credentials,

@@ -43,7 +43,7 @@ MAX_TOKEN = 512
 # method id -> (RPC name, request type, response type). Ids are wire contract: never reuse one.
 METHODS: dict[int, tuple[str, type, type]] = {
     1: ("GetReplicas", pb.KeysRequest, pb.GetReplicasResponse),
-    2: ("Exists", pb.KeysRequest, pb.ExistsResponse),
+    2: ("Exists", pb.ExistsRequest, pb.ExistsResponse),
     3: ("PutStart", pb.PutStartRequest, pb.PutStartResponse),
     4: ("PutEnd", pb.PutEndRequest, pb.KeyStatusResponse),
     5: ("PutRevoke", pb.PutRevokeRequest, pb.KeyStatusResponse),

@@ -42,6 +42,9 @@ class KvtierSettings:
     replicas: int = 1
     instance: str = ""  # quota owner (RegisterInstance); "" = no quota
     budget_bytes: int = 0  # with instance: the deployment's budget, split per rank by the master
+    # Lookups (the engine's lookup-then-load) ask kvtier to prefetch what they find on SSD into DRAM,
+    # so the engine's load that follows is a DRAM hit (Client.longest_prefix(prefetch=True)).
+    prefetch: bool = True
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None) -> KvtierSettings:
@@ -53,9 +56,7 @@ class KvtierSettings:
         def pick(name: str, default: Any) -> Any:
             return config.get(f"kvtier_{name}", config.get(name, default))
 
-        enabled = pick("enabled", True)
-        if isinstance(enabled, str):
-            enabled = enabled.strip().lower() in _TRUE
+        enabled = _flag(pick("enabled", True))
         if env("KVTIER_DISABLE", "").strip().lower() in _TRUE:
             enabled = False
         return cls(
@@ -69,6 +70,7 @@ class KvtierSettings:
             replicas=int(pick("replicas", 1)),
             instance=str(pick("instance", "")),
             budget_bytes=int(pick("budget_bytes", 0)),
+            prefetch=_flag(pick("prefetch", defaults.prefetch)),
         )
 
     def client(self, namespace: str, rank: int = 0) -> Any:
@@ -84,6 +86,11 @@ class KvtierSettings:
             instance=self.instance,
             rank=rank,
         )
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting, from JSON (true/false) or a string ("1", "true", "yes", ...)."""
+    return value.strip().lower() in _TRUE if isinstance(value, str) else bool(value)
 
 
 def _unreachable(exc: Exception) -> bool:

@@ -334,7 +334,10 @@ class KvtierConnector(RemoteConnector):
         if not self.enabled or not keys:
             return 0
         kv_keys = [self.kv_key(k) for k in keys]
-        return self.guard.call("longest_prefix", lambda: self._client.longest_prefix(kv_keys), 0)
+        # LMCache's contains comes before its retrieve: found chunks held only on SSD start moving
+        # into DRAM now (settings.prefetch), so the retrieve is a DRAM hit.
+        prefetch = self.settings.prefetch
+        return self.guard.call("longest_prefix", lambda: self._client.longest_prefix(kv_keys, prefetch=prefetch), 0)
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
         return self._prefix([key]) == 1

@@ -27,7 +27,9 @@ Contracts:
 - Never raises into SGLang once attached: a kvtier failure is logged, counted (`Guard`) and
   answered as absent / not loaded / not stored, which shrinks the usable prefix.
 - Sets are idempotent: a page already stored is a success without rewriting it (kvtier puts).
-- `batch_exists` is one kvtier call (`Client.longest_prefix`), whatever the number of pages.
+- `batch_exists` is one kvtier call (`Client.longest_prefix`), whatever the number of pages; with
+  the `prefetch` setting (default on) it also starts moving the found pages kvtier holds only on SSD
+  into DRAM, so the `batch_get_v1` of SGLang's prefetch that follows is a DRAM hit.
 - The off switch (`enabled: false`, KVTIER_DISABLE=1): nothing is ever found, every get fails,
   and sets report success without storing, so SGLang recomputes and neither retries its backups
   nor logs a failure per page. No kvtier process needs to be reachable.
@@ -410,7 +412,13 @@ class HiCacheKvtier(HiCacheStorage):
         if not keys or not self._live():
             return 0
         object_keys, per_page = self._keys_for_exists(keys)
-        found = self.guard.call("batch_exists", lambda: self.client.longest_prefix(object_keys), 0) // per_page
+        # SGLang's prefetch thread asks this before it loads the pages: kvtier starts moving pages
+        # found only on SSD into DRAM meanwhile (settings.prefetch), so the load is a DRAM hit.
+        prefetch = self.settings.prefetch
+        found = (
+            self.guard.call("batch_exists", lambda: self.client.longest_prefix(object_keys, prefetch=prefetch), 0)
+            // per_page
+        )
         self.guard.count("pages_queried", len(keys))
         self.guard.count("pages_found", found)
         return found

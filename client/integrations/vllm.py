@@ -10,8 +10,10 @@ vLLM loads the spec by name from `kv_connector_extra_config` ("spec_name": "Kvti
   manager answers RETRY and collects them; at the end of the step (`on_schedule_end`) it asks
   kvtier once per request and KV group (`Client.longest_prefix`; `batch_exists` for sliding-window
   groups) on a small thread pool, and the next step's lookups answer HIT for the present prefix and
-  MISS from the first absent chunk on. The scheduler thread never waits for kvtier. Stores are
-  not tracked here: kvtier owns placement and eviction (no evictions are announced to vLLM).
+  MISS from the first absent chunk on. Those calls prefetch (the `prefetch` setting, default on):
+  chunks kvtier holds only on SSD start moving into DRAM, so the load that follows is a DRAM hit.
+  The scheduler thread never waits for kvtier. Stores are not tracked here: kvtier owns placement
+  and eviction (no evictions are announced to vLLM).
 - **Worker** (each GPU worker process). A store copies the chunks' pages from the KV cache into a
   staging tensor on the engine thread (ordered after the forward pass that wrote them), then a
   bounded pool puts them with `batch_put` straight from memoryviews of that tensor. A load reads
@@ -370,13 +372,20 @@ class KvtierOffloadingManager(OffloadingManager):
                 by_group: dict[int, list[OffloadKey]] = {}
                 for key in keys:
                     by_group.setdefault(get_offload_group_idx(key), []).append(key)
+                # vLLM loads what this lookup finds: blocks kvtier holds only on SSD start moving into
+                # DRAM now (settings.prefetch), so the load that follows is a DRAM hit.
+                prefetch = self._spec.settings.prefetch
                 for group, group_keys in by_group.items():
                     names = [block_key(k) for k in group_keys]
                     if group in self._window_groups:  # looked up from the end: every chunk's own answer
-                        present = self._guard.call("batch_exists", lambda n=names: client.batch_exists(n), [])
+                        present = self._guard.call(
+                            "batch_exists", lambda n=names: client.batch_exists(n, prefetch=prefetch), []
+                        )
                         found.update(zip(group_keys, present, strict=False))  # [] on failure
                     else:  # full attention: the loadable prefix; chunks past the first miss count as misses
-                        count = self._guard.call("longest_prefix", lambda n=names: client.longest_prefix(n), 0)
+                        count = self._guard.call(
+                            "longest_prefix", lambda n=names: client.longest_prefix(n, prefetch=prefetch), 0
+                        )
                         found.update((k, True) for k in group_keys[:count])
         except Exception:  # a bug here must not leave the request waiting forever
             logger.exception("kvtier vLLM lookup failed, treated as a miss")

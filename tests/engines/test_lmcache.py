@@ -273,11 +273,14 @@ def test_batched_async_contains_counts_leading_chunks_in_one_kvtier_call(cluster
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
+            prefetches.append(kwargs.get("prefetch", False))
             return _real(*args, **kwargs)
 
         setattr(client, name, spy)
+    prefetches: list[bool] = []
     assert engine.lookup(keys) == 6
     assert calls == ["longest_prefix"]
+    assert prefetches == [True]  # LMCache retrieves what contains found: kvtier prefetches it
     assert engine.lookup(keys[:3]) == 3
     assert engine.lookup(keys[6:]) == 0
     assert engine.lookup([keys[0], keys[1], keys[7], keys[3]]) == 2

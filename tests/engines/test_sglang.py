@@ -184,9 +184,12 @@ def test_batch_exists_counts_leading_pages_in_one_call_and_a_missing_middle_page
 
     calls = []
     longest_prefix = reader.client.longest_prefix
-    reader.client.longest_prefix = lambda object_keys: calls.append(len(object_keys)) or longest_prefix(object_keys)
+    reader.client.longest_prefix = lambda object_keys, **kw: (
+        calls.append((len(object_keys), kw)) or longest_prefix(object_keys, **kw)
+    )
     assert reader.batch_exists(keys) == 8
-    assert calls == [16]  # one kvtier call for 8 pages of 2 objects
+    # one kvtier call for 8 pages of 2 objects, prefetching (SGLang loads what it finds next)
+    assert calls == [(16, {"prefetch": True})]
     assert reader.batch_exists(keys + page_keys(2, seed=1)) == 8
     assert reader.batch_exists(page_keys(2, seed=1) + keys) == 0
 

@@ -90,7 +90,7 @@ BAD_FRAMES = {
     "highest method id": (frame(0xFFFF, 7), "method=65535"),
     "oversized payload_len": (HEADER.pack(rpcframe.MAGIC, EXISTS, 7, rpcframe.MAX_PAYLOAD + 1), "size=268435457"),
     "payload_len 2**32-1": (HEADER.pack(rpcframe.MAGIC, EXISTS, 7, 0xFFFFFFFF), "size=4294967295"),
-    "truncated protobuf": (frame(EXISTS, 7, b"\x0a\x05ab"), "undecodable KeysRequest"),
+    "truncated protobuf": (frame(EXISTS, 7, b"\x0a\x05ab"), "undecodable ExistsRequest"),
     "garbage protobuf": (frame(PUT_START, 7, b"\xff\xff\xff\xff"), "undecodable PutStartRequest"),
     "key not UTF-8": (frame(GET_REPLICAS, 7, b"\x12\x02\xff\xfe"), "undecodable KeysRequest"),
 }

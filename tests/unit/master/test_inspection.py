@@ -267,7 +267,7 @@ def test_the_handlers_answer_list_and_stat_and_count_disk_only_lookups(clock):
     assert reply.objects[0].size == KiB and reply.objects[1] == pb.ObjectInfo()
     # lookups: k0 is found on SSD only, k7 with its DRAM copy, k9 not at all
     handlers.GetReplicas(pb.KeysRequest(namespace=NS, keys=["k0", "k7", "k9"]))
-    handlers.Exists(pb.KeysRequest(namespace=NS, keys=["k0"]))
+    handlers.Exists(pb.ExistsRequest(namespace=NS, keys=["k0"]))
     status = handlers.Status(pb.StatusRequest())
     assert dict(status.lookup_keys) == {"GetReplicas": 3, "Exists": 1}
     assert dict(status.lookup_hits) == {"GetReplicas": 2, "Exists": 1}
