@@ -1,0 +1,227 @@
+"""`kvtier bench --tier ssd --write`: the DRAM -> SSD offload rate next to a direct-I/O write baseline.
+
+Two figures per object size, each beside `dd` run in the same directory in the same run:
+
+- **segment write path** (`path`): the tier worker's offload code driven directly, in this process,
+  from an anonymous DRAM region filled with random bytes: batches of `_POLL_TASKS` OFFLOAD tasks (the
+  worker's poll size) written by `segment_server.group_writer.GroupWriter` ("group", what the
+  segment runs) or by one `BucketStore.append` per record ("serial", the path before the group
+  writer), each batch followed by the `sync` (fdatasync) that precedes the report. Measured: object
+  bytes of the batches / wall time from the first task to the last batch's sync. Nothing of a
+  master or a network: the figure of the write path alone.
+- **cluster offload** (`--cluster`): a local master and one segment (`--dram`, 128 MiB by default, and
+  an SSD tier in `--ssd-dir`); one client puts `--ssd-bytes` in 32-key `batch_put`s as fast as it
+  goes; measured: the segment's `ssd_bytes_offloaded` counter (object bytes made durable on SSD)
+  / time from the first put until the segment process's physical writes (/proc/<pid>/io
+  write_bytes, sampled every 10 ms) stop growing. The client's put rate is printed beside it: when
+  it is lower than the disk, the figure measures the client, not the offload.
+
+Baseline: `dd if=/dev/zero of=<file in the same directory> bs=<B> count=<bytes/B> oflag=direct
+conv=fdatasync`, with B = the object size and with B = 4 MiB (the disk's best sequential rate),
+run next to each measured pass (a VM disk's speed drifts: compare like with like). Ratios are given
+against both. Figures are medians over `--repeat` passes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import crc32c
+
+MiB = 1 << 20
+_POLL_TASKS = 256  # the tier worker's max_tasks per poll (segment_server.tier_worker._MAX_TASKS)
+_SOURCE_BYTES = 256 * MiB  # the DRAM region the isolated bench copies from (objects cycle through it)
+
+
+@dataclass
+class WriteResult:
+    object_size: int
+    total_bytes: int
+    path: str  # "group" (the segment's write path), "serial" (one append per record), "cluster"
+    gb_per_s: float  # median
+    dd_same_bs_gb_per_s: float  # dd oflag=direct bs=object size, median, next to each pass
+    dd_4m_gb_per_s: float  # dd oflag=direct bs=4M, median, next to each pass
+    ratio_same_bs: float
+    ratio_4m: float
+    put_gb_per_s: float = 0.0  # cluster only: the client's batch_put rate
+    passes: list[float] = field(default_factory=list)
+
+
+def dd_direct_write(directory: Path, total: int, block: int) -> float:
+    """GB/s of `dd oflag=direct conv=fdatasync` writing `total` bytes in `block`-byte writes into `directory`."""
+    target = directory / f"dd-baseline-{uuid.uuid4().hex[:6]}"
+    count = max(1, total // block)
+    started = time.perf_counter()
+    result = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "oflag=direct", "conv=fdatasync"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    elapsed = time.perf_counter() - started
+    target.unlink()
+    match = re.search(r"^(\d+) bytes", result.stderr, re.MULTILINE)
+    return (int(match.group(1)) if match else count * block) / elapsed / 1e9
+
+
+def _source(size: int) -> tuple[memoryview, list[tuple[int, int]]]:
+    """A DRAM region of random bytes and (offset, crc32c) of each object slot in it."""
+    slots = max(1, _SOURCE_BYTES // size)
+    region = mmap.mmap(-1, slots * size)
+    rng = random.Random(size)
+    view = memoryview(region)
+    for i in range(slots):
+        view[i * size : (i + 1) * size] = rng.randbytes(size)
+    return view, [(i * size, crc32c.crc32c(view[i * size : (i + 1) * size])) for i in range(slots)]
+
+
+def _write_pass(work: Path, path: str, size: int, total: int, region: memoryview, slots: list) -> float:
+    from kvtier.segment_server.buckets import BucketStore
+    from kvtier.segment_server.group_writer import GroupWriter, OffloadItem
+
+    store = BucketStore(work, 2 * total + (64 * MiB), "wbench", bucket_size=1 << 30, direct_io=True)
+    store.recover()
+    writer = GroupWriter(store) if path == "group" else None
+    count = max(1, total // size)
+    try:
+        started = time.perf_counter()
+        for lo in range(0, count, _POLL_TASKS):
+            batch = []
+            for i in range(lo, min(count, lo + _POLL_TASKS)):
+                offset, crc = slots[i % len(slots)]
+                batch.append(OffloadItem("bench", f"k{i:08d}", region[offset : offset + size], crc))
+            if writer is not None:
+                results = writer.write(batch)
+                if any(isinstance(r, Exception) for r in results):
+                    raise RuntimeError(f"offload failed: {next(r for r in results if isinstance(r, Exception))}")
+            else:
+                for item in batch:
+                    store.append(item.namespace, item.key, item.payload, item.checksum)
+            store.sync()
+        elapsed = time.perf_counter() - started
+    finally:
+        if writer is not None:
+            writer.close()
+        store.close()
+        for entry in work.glob("bucket-*.kvb"):
+            entry.unlink()
+    return count * size / elapsed / 1e9
+
+
+def run_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, paths: list[str]) -> list[WriteResult]:
+    base = Path(ssd_dir or ".kvtier")
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-ssdw-", dir=base))
+    results = []
+    try:
+        region, slots = _source(size)
+        for path in paths:
+            rates, same, best = [], [], []
+            for _ in range(repeat):
+                same.append(dd_direct_write(work, ssd_bytes, size))
+                best.append(dd_direct_write(work, ssd_bytes, 4 * MiB))
+                rates.append(_write_pass(work, path, size, ssd_bytes, region, slots))
+            results.append(_result(size, ssd_bytes, path, rates, same, best))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _result(size: int, total: int, path: str, rates: list, same: list, best: list, put: float = 0.0) -> WriteResult:
+    rate, dd_same, dd_best = statistics.median(rates), statistics.median(same), statistics.median(best)
+    return WriteResult(
+        object_size=size,
+        total_bytes=total,
+        path=path,
+        gb_per_s=rate,
+        dd_same_bs_gb_per_s=dd_same,
+        dd_4m_gb_per_s=dd_best,
+        ratio_same_bs=rate / dd_same if dd_same else 0.0,
+        ratio_4m=rate / dd_best if dd_best else 0.0,
+        put_gb_per_s=put,
+        passes=rates,
+    )
+
+
+def _pid_write_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("write_bytes:")).split()[1])
+
+
+def run_cluster_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, dram: str) -> WriteResult:
+    """Offload rate of a local segment under a writer putting as fast as it can (see the module doc)."""
+    from kvtier.client import Client
+    from kvtier.client.local_cluster import LocalCluster
+
+    base = Path(ssd_dir or ".kvtier")
+    base.mkdir(parents=True, exist_ok=True)
+    rates, puts, same, best = [], [], [], []
+    value = os.urandom(size)
+    for rep in range(repeat):
+        work = Path(tempfile.mkdtemp(prefix="bench-ssdw-", dir=base))
+        cluster = LocalCluster(
+            dram=dram,
+            quiet=True,
+            cluster_id=f"swbench{uuid.uuid4().hex[:6]}",
+            ssd=str(2 * ssd_bytes + 256 * MiB),
+            ssd_dir=str(work),
+            master_args=("--tick-interval-s", "0.02"),
+            segment_args=("--ssd-bucket-size", "1GiB"),
+        )
+        try:
+            same.append(dd_direct_write(work, ssd_bytes, size))
+            best.append(dd_direct_write(work, ssd_bytes, 4 * MiB))
+            cluster.start()
+            pid = cluster.children[1].popen.pid
+            with Client(cluster.master_address, namespace="ssd-wbench", timeout=60.0) as client:
+                keys = [f"w{rep}/{i:07d}" for i in range(ssd_bytes // size)]
+                written0 = _pid_write_bytes(pid)
+                started = time.perf_counter()
+                for lo in range(0, len(keys), 32):
+                    chunk = keys[lo : lo + 32]
+                    client.batch_put(chunk, [value] * len(chunk))
+                put_done = time.perf_counter()
+                # Until the segment's physical writes stop growing for a second (offload has drained).
+                last, last_change = _pid_write_bytes(pid), time.perf_counter()
+                while time.perf_counter() - last_change < 1.0:
+                    time.sleep(0.01)
+                    now = _pid_write_bytes(pid)
+                    if now != last:
+                        last, last_change = now, time.perf_counter()
+                if last == written0:
+                    raise RuntimeError("the segment wrote nothing to its SSD tier")
+                time.sleep(1.2)  # one heartbeat carries the segment's counters to the master
+                offloaded = client.cluster_status().segments[0].ssd_bytes_offloaded
+            rates.append(offloaded / (last_change - started) / 1e9)
+            puts.append(len(keys) * size / (put_done - started) / 1e9)
+        finally:
+            cluster.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    return _result(size, ssd_bytes, "cluster", rates, same, best, statistics.median(puts))
+
+
+def print_write_results(results: list[WriteResult], as_json: bool, machine: dict) -> None:
+    if as_json:
+        print(json.dumps({"machine": machine, "ssd_write": [asdict(r) for r in results]}, indent=2))
+        return
+    print(f"kvtier bench --tier ssd --write: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}")
+    print("offload GB/s beside dd oflag=direct conv=fdatasync in the same directory (medians)")
+    print(f"{'size':>8} {'path':>8} {'GB/s':>7} {'dd bs=size':>11} {'ratio':>6} {'dd bs=4M':>9} {'ratio':>6}  puts")
+    for r in results:
+        put = f"{r.put_gb_per_s:.2f} GB/s" if r.path == "cluster" else ""
+        print(
+            f"{r.object_size // 1024:>5}KiB {r.path:>8} {r.gb_per_s:7.2f} {r.dd_same_bs_gb_per_s:11.2f} "
+            f"{r.ratio_same_bs:6.0%} {r.dd_4m_gb_per_s:9.2f} {r.ratio_4m:6.0%}  {put}"
+        )
