@@ -26,9 +26,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import crc32c
@@ -88,14 +90,26 @@ class GroupWriter:
             buffer.write(bytes(chunk_bytes))
             self._free.append(buffer)
         self._all = list(self._free)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-ssd-write")
+        # Started now, all of them: the segment's thread count is a constant of its config.
+        self._jobs: queue.SimpleQueue[tuple[_Write, int, bool] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._writer_loop, name=f"kvtier-ssd-write-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
         self._writes: deque[_Write] = deque()  # submitted, oldest first
         self._failed_at: int | None = None  # file offset of the first failed write of this run
         self._failure: Exception | None = None
         self.writes = 0  # pwritev calls (for tests and metrics: bytes per write)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the writer threads (after the writes queued) and unmap the buffers. Safe to call twice."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
         for buffer in self._all:
             buffer.close()
         self._all = self._free = []
@@ -220,9 +234,21 @@ class GroupWriter:
             write.future = Future()
             write.future.set_exception(exc)
         else:
-            write.future = self._pool.submit(self._pwrite, write, fd, direct)
+            write.future = Future()
+            self._jobs.put((write, fd, direct))
             self.writes += 1
         self._writes.append(write)
+
+    def _writer_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            write, fd, direct = job
+            assert write.future is not None
+            try:
+                self._pwrite(write, fd, direct)
+            except BaseException as exc:  # handed to the tier worker, which fails the records
+                write.future.set_exception(exc)
+            else:
+                write.future.set_result(None)
 
     def _pwrite(self, write: _Write, fd: int, direct: bool) -> None:
         """Runs on a writer thread; the GIL is released inside pwritev."""

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import crc32c
@@ -239,4 +240,7 @@ def test_bounded_and_validated(opened, tmp_path):
         GroupWriter(store, buffer_bytes=4 * CHUNK, chunk_bytes=CHUNK, threads=0)
     writer = open_writer(opened, store)
     writer.write(items_of([CHUNK] * 20))
-    assert writer._pool._max_workers == 2 and len(writer._all) == 4  # fixed: threads and buffers
+    names = [t.name for t in threading.enumerate() if t.name.startswith("kvtier-ssd-write")]
+    assert len(names) == 2 and len(writer._all) == 4  # fixed: threads (started up front) and buffers
+    writer.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-ssd-write")]
