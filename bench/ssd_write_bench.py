@@ -18,8 +18,9 @@ Two figures per object size, each beside `dd` run in the same directory in the s
 
 Baseline: `dd if=/dev/zero of=<file in the same directory> bs=<B> count=<bytes/B> oflag=direct
 conv=fdatasync`, with B = the object size and with B = 4 MiB (the disk's best sequential rate),
-run next to each measured pass (a VM disk's speed drifts: compare like with like). Ratios are given
-against both. Figures are medians over `--repeat` passes.
+run just before each measured pass (a VM disk's speed drifts: compare like with like). Ratios are
+given against both, computed pass by pass (each pass over the dd runs just before it), then the
+median; rates are medians over `--repeat` passes.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class WriteResult:
     gb_per_s: float  # median
     dd_same_bs_gb_per_s: float  # dd oflag=direct bs=object size, median, next to each pass
     dd_4m_gb_per_s: float  # dd oflag=direct bs=4M, median, next to each pass
-    ratio_same_bs: float
-    ratio_4m: float
+    ratio_same_bs: float  # median over passes of pass rate / its dd bs=object size
+    ratio_4m: float  # median over passes of pass rate / its dd bs=4M
     put_gb_per_s: float = 0.0  # cluster only: the client's batch_put rate
     passes: list[float] = field(default_factory=list)
 
@@ -76,9 +77,9 @@ def dd_direct_write(directory: Path, total: int, block: int) -> float:
     return (int(match.group(1)) if match else count * block) / elapsed / 1e9
 
 
-def _source(size: int) -> tuple[memoryview, list[tuple[int, int]]]:
-    """A DRAM region of random bytes and (offset, crc32c) of each object slot in it."""
-    slots = max(1, _SOURCE_BYTES // size)
+def _source(size: int, total: int) -> tuple[memoryview, list[tuple[int, int]]]:
+    """A DRAM region of random bytes (up to 256 MiB) and (offset, crc32c) of each object slot in it."""
+    slots = max(1, min(_SOURCE_BYTES, total) // size)
     region = mmap.mmap(-1, slots * size)
     rng = random.Random(size)
     view = memoryview(region)
@@ -126,7 +127,7 @@ def run_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, paths:
     work = Path(tempfile.mkdtemp(prefix="bench-ssdw-", dir=base))
     results = []
     try:
-        region, slots = _source(size)
+        region, slots = _source(size, ssd_bytes)
         for path in paths:
             rates, same, best = [], [], []
             for _ in range(repeat):
@@ -141,6 +142,8 @@ def run_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, paths:
 
 def _result(size: int, total: int, path: str, rates: list, same: list, best: list, put: float = 0.0) -> WriteResult:
     rate, dd_same, dd_best = statistics.median(rates), statistics.median(same), statistics.median(best)
+    # Ratios pass by pass (each pass against the dd runs just before it), then their median: the
+    # shared disk's speed drifts between passes more than within one.
     return WriteResult(
         object_size=size,
         total_bytes=total,
@@ -148,8 +151,8 @@ def _result(size: int, total: int, path: str, rates: list, same: list, best: lis
         gb_per_s=rate,
         dd_same_bs_gb_per_s=dd_same,
         dd_4m_gb_per_s=dd_best,
-        ratio_same_bs=rate / dd_same if dd_same else 0.0,
-        ratio_4m=rate / dd_best if dd_best else 0.0,
+        ratio_same_bs=statistics.median(r / d for r, d in zip(rates, same, strict=True) if d),
+        ratio_4m=statistics.median(r / d for r, d in zip(rates, best, strict=True) if d),
         put_gb_per_s=put,
         passes=rates,
     )
