@@ -2,13 +2,13 @@
 
 Two figures per object size, each beside `dd` run in the same directory in the same run:
 
-- **segment write path** (`path`): the tier worker's offload code driven directly, in this process,
-  from an anonymous DRAM region filled with random bytes: batches of `_POLL_TASKS` OFFLOAD tasks (the
-  worker's poll size) written by `segment_server.group_writer.GroupWriter` ("group", what the
-  segment runs) or by one `BucketStore.append` per record ("serial", the path before the group
-  writer), each batch followed by the `sync` (fdatasync) that precedes the report. Measured: object
-  bytes of the batches / wall time from the first task to the last batch's sync. Nothing of a
-  master or a network: the figure of the write path alone.
+- **segment write path** (`path`): the tier worker's offload code driven directly from an anonymous
+  DRAM region of random bytes, in a child process (`python -m kvtier.segment_server.write_probe`, so
+  the bench imports no server code): batches of `_POLL_TASKS` OFFLOAD tasks (the worker's poll size)
+  written by the GroupWriter ("group", what the segment runs) or by one `BucketStore.append` per
+  record ("serial", the path before the group writer), each batch followed by the `sync`
+  (fdatasync) that precedes the report. Measured: object bytes of the batches / wall time from the
+  first task to the last batch's sync. Nothing of a master or a network: the write path alone.
 - **cluster offload** (`--cluster`): a local master and one segment (`--dram`, 128 MiB by default, and
   an SSD tier in `--ssd-dir`); one client puts `--ssd-bytes` in 32-key `batch_put`s as fast as it
   goes; measured: the segment's `ssd_bytes_offloaded` counter (object bytes made durable on SSD)
@@ -26,24 +26,20 @@ median; rates are medians over `--repeat` passes.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import random
 import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import crc32c
-
 MiB = 1 << 20
 _POLL_TASKS = 256  # the tier worker's max_tasks per poll (segment_server.tier_worker._MAX_TASKS)
-_SOURCE_BYTES = 256 * MiB  # the DRAM region the isolated bench copies from (objects cycle through it)
 
 
 @dataclass
@@ -77,48 +73,19 @@ def dd_direct_write(directory: Path, total: int, block: int) -> float:
     return (int(match.group(1)) if match else count * block) / elapsed / 1e9
 
 
-def _source(size: int, total: int) -> tuple[memoryview, list[tuple[int, int]]]:
-    """A DRAM region of random bytes (up to 256 MiB) and (offset, crc32c) of each object slot in it."""
-    slots = max(1, min(_SOURCE_BYTES, total) // size)
-    region = mmap.mmap(-1, slots * size)
-    rng = random.Random(size)
-    view = memoryview(region)
-    for i in range(slots):
-        view[i * size : (i + 1) * size] = rng.randbytes(size)
-    return view, [(i * size, crc32c.crc32c(view[i * size : (i + 1) * size])) for i in range(slots)]
-
-
-def _write_pass(work: Path, path: str, size: int, total: int, region: memoryview, slots: list) -> float:
-    from kvtier.segment_server.buckets import BucketStore
-    from kvtier.segment_server.group_writer import GroupWriter, OffloadItem
-
-    store = BucketStore(work, 2 * total + (64 * MiB), "wbench", bucket_size=1 << 30, direct_io=True)
-    store.recover()
-    writer = GroupWriter(store) if path == "group" else None
-    count = max(1, total // size)
-    try:
-        started = time.perf_counter()
-        for lo in range(0, count, _POLL_TASKS):
-            batch = []
-            for i in range(lo, min(count, lo + _POLL_TASKS)):
-                offset, crc = slots[i % len(slots)]
-                batch.append(OffloadItem("bench", f"k{i:08d}", region[offset : offset + size], crc))
-            if writer is not None:
-                results = writer.write(batch)
-                if any(isinstance(r, Exception) for r in results):
-                    raise RuntimeError(f"offload failed: {next(r for r in results if isinstance(r, Exception))}")
-            else:
-                for item in batch:
-                    store.append(item.namespace, item.key, item.payload, item.checksum)
-            store.sync()
-        elapsed = time.perf_counter() - started
-    finally:
-        if writer is not None:
-            writer.close()
-        store.close()
-        for entry in work.glob("bucket-*.kvb"):
-            entry.unlink()
-    return count * size / elapsed / 1e9
+def _write_pass(work: Path, path: str, size: int, total: int) -> float:
+    """One pass of the segment's write path alone, in a child process (kvtier.segment_server.write_probe)."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kvtier.segment_server.write_probe", "--dir", str(work), "--path", path,
+            "--object-size", str(size), "--bytes", str(total), "--batch", str(_POLL_TASKS),
+        ],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"write probe failed: {result.stderr.strip()[-2000:]}")
+    return float(json.loads(result.stdout.strip().splitlines()[-1])["gb_per_s"])
 
 
 def run_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, paths: list[str]) -> list[WriteResult]:
@@ -127,13 +94,12 @@ def run_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, paths:
     work = Path(tempfile.mkdtemp(prefix="bench-ssdw-", dir=base))
     results = []
     try:
-        region, slots = _source(size, ssd_bytes)
         for path in paths:
             rates, same, best = [], [], []
             for _ in range(repeat):
                 same.append(dd_direct_write(work, ssd_bytes, size))
                 best.append(dd_direct_write(work, ssd_bytes, 4 * MiB))
-                rates.append(_write_pass(work, path, size, ssd_bytes, region, slots))
+                rates.append(_write_pass(work, path, size, ssd_bytes))
             results.append(_result(size, ssd_bytes, path, rates, same, best))
     finally:
         shutil.rmtree(work, ignore_errors=True)
