@@ -58,7 +58,7 @@ Outcome = int | Exception  # a location, or why the record was not written (Reco
 
 @dataclass(slots=True, eq=False)
 class _Write:
-    buffer: mmap.mmap
+    buffer: memoryview  # of one of the writer's mappings
     offset: int  # file offset of buffer[0]
     length: int = 0  # bytes staged (a multiple of 4096 once a record is complete)
     future: Future[None] | None = None
@@ -84,12 +84,11 @@ class GroupWriter:
         self._store = store
         self._chunk = chunk_bytes
         # Anonymous mappings: page-aligned, as O_DIRECT needs. Touched once so no write waits on faults.
-        self._free: list[mmap.mmap] = []
-        for _ in range(buffer_bytes // chunk_bytes):
-            buffer = mmap.mmap(-1, chunk_bytes)
-            buffer.write(bytes(chunk_bytes))
-            self._free.append(buffer)
-        self._all = list(self._free)
+        self._maps = [mmap.mmap(-1, chunk_bytes) for _ in range(buffer_bytes // chunk_bytes)]
+        for mapping in self._maps:
+            mapping.write(bytes(chunk_bytes))
+        self._views = [memoryview(mapping) for mapping in self._maps]
+        self._free: list[memoryview] = list(self._views)
         # Started now, all of them: the segment's thread count is a constant of its config.
         self._jobs: queue.SimpleQueue[tuple[_Write, int, bool] | None] = queue.SimpleQueue()
         self._threads = [
@@ -110,9 +109,14 @@ class GroupWriter:
         for thread in self._threads:
             thread.join()
         self._threads = []
-        for buffer in self._all:
-            buffer.close()
-        self._all = self._free = []
+        for view in self._views:
+            view.release()
+        for mapping in self._maps:
+            try:
+                mapping.close()
+            except BufferError:  # a slice still referenced (a traceback): unmapped when it goes
+                pass
+        self._maps, self._views, self._free = [], [], []
 
     # ------------------------------------------------------------------ one batch
 
@@ -143,7 +147,8 @@ class GroupWriter:
         staging: _Write | None = None
         asked_for_room = False
         for index, item in enumerate(items):
-            size = len(item.payload)
+            payload = _bytes_of(item.payload)
+            size = len(payload)
             try:
                 slot = self._store.reserve(item.namespace, item.key, size, item.checksum)
                 if slot is None:  # the bucket rolls: its records are written and committed first
@@ -169,7 +174,7 @@ class GroupWriter:
             if staging is None:
                 staging = self._buffer(slot.offset)
             assert staging.offset + staging.length == slot.offset, "slots are contiguous within a run"
-            staging, crc, pieces = self._stage(staging, slot, item.payload)
+            staging, crc, pieces = self._stage(staging, slot, payload)
             if crc == item.checksum:
                 run.append((index, slot, True))
             elif pieces == 1:  # still only in the staging buffer: take it back out, nothing written
@@ -185,10 +190,21 @@ class GroupWriter:
         """Copy header + payload + padding into staging buffers (submitting each one that fills) and
         return the current buffer, the payload's CRC32C over the copied bytes, and how many buffers
         the record touched."""
-        view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else memoryview(payload)
+        header = slot.header
+        start = staging.length
+        if start + slot.span <= self._chunk:  # the common case: the whole record fits in this buffer
+            buffer, body = staging.buffer, start + len(header)
+            buffer[start:body] = header
+            target = buffer[body : body + slot.size]
+            target[:] = payload
+            crc = crc32c.crc32c(target)  # of the copy: exactly the bytes that are written
+            end = start + slot.span
+            buffer[body + slot.size : end] = _ZEROS[: end - body - slot.size]
+            staging.length = end
+            return staging, crc, 1
+        view = memoryview(payload)
         crc = 0
         pieces = 1
-        header = slot.header
         staging, pieces = self._put(staging, header, pieces)
         done = 0
         while done < len(view):
@@ -197,10 +213,9 @@ class GroupWriter:
                 staging = self._buffer(staging.offset + self._chunk)
                 pieces += 1
             n = min(len(view) - done, self._chunk - staging.length)
-            target = memoryview(staging.buffer)[staging.length : staging.length + n]
+            target = staging.buffer[staging.length : staging.length + n]
             target[:] = view[done : done + n]
             crc = crc32c.crc32c(target, value=crc)  # of the copy: exactly the bytes that are written
-            target.release()
             staging.length += n
             done += n
         pad = slot.offset + slot.span - (staging.offset + staging.length)
@@ -252,7 +267,7 @@ class GroupWriter:
 
     def _pwrite(self, write: _Write, fd: int, direct: bool) -> None:
         """Runs on a writer thread; the GIL is released inside pwritev."""
-        view = memoryview(write.buffer)[: write.length]
+        view = write.buffer[: write.length]
         offset = write.offset
         try:
             while view:
@@ -305,6 +320,13 @@ class GroupWriter:
                 out[index] = slot.location
         run.clear()
         return None
+
+
+def _bytes_of(payload: memoryview | bytes) -> memoryview | bytes:
+    """The payload as a flat byte sequence (len = bytes), whatever the buffer's item format."""
+    if isinstance(payload, memoryview) and (payload.format != "B" or payload.ndim != 1):
+        return payload.cast("B")
+    return payload
 
 
 def _mismatch(crc: int, item: OffloadItem) -> RecordError:

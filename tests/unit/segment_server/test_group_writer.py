@@ -3,6 +3,7 @@ what it must and leaves nothing recovery would take as live; O_DIRECT falls back
 
 from __future__ import annotations
 
+import array
 import errno
 import json
 import os
@@ -241,6 +242,20 @@ def test_bounded_and_validated(opened, tmp_path):
     writer = open_writer(opened, store)
     writer.write(items_of([CHUNK] * 20))
     names = [t.name for t in threading.enumerate() if t.name.startswith("kvtier-ssd-write")]
-    assert len(names) == 2 and len(writer._all) == 4  # fixed: threads (started up front) and buffers
+    assert len(names) == 2 and len(writer._maps) == 4  # fixed: threads (started up front) and buffers
     writer.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-ssd-write")]
+
+
+def test_payloads_of_any_buffer_format_are_written_as_their_bytes(opened, tmp_path):
+    store = open_store(opened, tmp_path)
+    writer = open_writer(opened, store)
+    words = array.array("I", range(3000))  # 12000 bytes, itemsize 4: spans staging buffers
+    raw = words.tobytes()
+    items = [
+        OffloadItem("ns", "words", memoryview(words), crc32c.crc32c(raw)),
+        OffloadItem("ns", "bytes", raw[:100], crc32c.crc32c(raw[:100])),
+    ]
+    assert all(isinstance(o, int) for o in writer.write(items))
+    store.sync()
+    assert recovered(opened, store, tmp_path) == {"words": raw, "bytes": raw[:100]}
