@@ -259,3 +259,28 @@ def test_payloads_of_any_buffer_format_are_written_as_their_bytes(opened, tmp_pa
     assert all(isinstance(o, int) for o in writer.write(items))
     store.sync()
     assert recovered(opened, store, tmp_path) == {"words": raw, "bytes": raw[:100]}
+
+
+def test_o_direct_refused_at_write_time_is_retried_buffered(opened, tmp_path, monkeypatch):
+    from kvtier.segment_server import group_writer
+
+    store = open_store(opened, tmp_path, direct_io=True)
+    writer = open_writer(opened, store)
+    direct_fd, direct = store.group_fd()
+    assert direct
+    real_pwritev = os.pwritev
+    refused = []
+
+    def pwritev(fd, buffers, offset):  # a file system that opens O_DIRECT but will not write so
+        if fd == direct_fd:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(group_writer.os, "pwritev", pwritev)
+    items = items_of([3000, 3 * CHUNK, 10])
+    assert all(isinstance(o, int) for o in writer.write(items))
+    assert refused and store.group_fd()[1] is False
+    store.sync()
+    monkeypatch.undo()
+    assert recovered(opened, store, tmp_path) == {item.key: bytes(item.payload) for item in items}
