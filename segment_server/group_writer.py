@@ -24,6 +24,7 @@ constants of the config; a record larger than one buffer streams through several
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import queue
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 import crc32c
 
 from kvtier.segment_server.buckets import ALIGN, BucketStore, DiskFull, RecordError, Slot
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20  # one write; dd oflag=direct on the reference disk peaks at 4 MiB blocks
@@ -132,6 +135,7 @@ class GroupWriter:
             # Unexpected (a bug, or MemoryError): leave the store with nothing reserved, the file cut back.
             while self._writes:
                 self._reap(self._writes.popleft())
+            self._free = list(self._views)  # nothing in flight: every buffer is free, the staging one too
             self._failed_at = self._failure = None
             self._store.commit(0, [])
             raise
@@ -156,7 +160,7 @@ class GroupWriter:
                     slot = self._store.reserve(item.namespace, item.key, size, item.checksum)
             except DiskFull as exc:
                 staging = self._finish_run(run, staging, out)
-                if asked_for_room or on_full is None or not on_full():
+                if asked_for_room or on_full is None or not self._make_room(on_full):
                     out[index] = exc
                     continue
                 asked_for_room = True
@@ -185,6 +189,14 @@ class GroupWriter:
                 run.append((index, slot, False))
                 out[index] = _mismatch(crc, item)
         self._finish_run(run, staging, out)
+
+    @staticmethod
+    def _make_room(on_full: Callable[[], bool]) -> bool:
+        try:
+            return on_full()
+        except Exception:  # e.g. the master unreachable: the records that do not fit fail, the rest report
+            logger.exception("could not make room on the SSD tier")
+            return False
 
     def _stage(self, staging: _Write, slot: Slot, payload: memoryview | bytes) -> tuple[_Write, int, int]:
         """Copy header + payload + padding into staging buffers (submitting each one that fills) and

@@ -284,3 +284,18 @@ def test_o_direct_refused_at_write_time_is_retried_buffered(opened, tmp_path, mo
     store.sync()
     monkeypatch.undo()
     assert recovered(opened, store, tmp_path) == {item.key: bytes(item.payload) for item in items}
+
+
+def test_a_failure_to_make_room_fails_only_what_does_not_fit(opened, tmp_path):
+    store = open_store(opened, tmp_path, capacity=12 * ALIGN, bucket_keys=1000)
+    writer = open_writer(opened, store)
+
+    def unreachable() -> bool:
+        raise ConnectionError("master unreachable")
+
+    outcomes = writer.write(items_of([3 * ALIGN] * 6), on_full=unreachable)
+    done = [o for o in outcomes if isinstance(o, int)]
+    assert done and all(isinstance(o, DiskFull) for o in outcomes[len(done) :])
+    later = writer.write(items_of([100]))  # buffers and reservations were all given back
+    assert isinstance(later[0], int)  # a small record still fits
+    assert len(writer._free) == len(writer._views)
