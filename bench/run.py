@@ -72,6 +72,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--tier ssd: time mounting a tier of --ssd-bytes (cold page cache; dropping it needs root)",
     )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="--tier ssd: the DRAM->SSD offload rate (per --object-size) beside a dd oflag=direct baseline",
+    )
+    parser.add_argument(
+        "--object-size",
+        action="append",
+        default=[],
+        help="--tier ssd --write: object size, repeatable (default: 64KiB, 1MiB and 4MiB)",
+    )
+    parser.add_argument(
+        "--write-paths",
+        default="group,cluster",
+        help="--tier ssd --write: what to measure, comma list of group (the segment's write path alone), "
+        "serial (one append per record, the path before the group writer), cluster (a local master and "
+        "segment under a fast writer) (default: %(default)s)",
+    )
     add_master_arguments(parser)
     add_recovery_arguments(parser)
 
@@ -277,6 +295,39 @@ def print_table(results: list[Result], header: str) -> None:
         )
 
 
+def _run_ssd_write(opts: argparse.Namespace) -> int:
+    from kvtier.bench.ssd_write_bench import print_write_results, run_cluster_write_bench, run_write_bench
+
+    try:
+        sizes = [parse_size(s) for s in opts.object_size] or [64 << 10, 1 << 20, 4 << 20]
+        total = parse_size(opts.ssd_bytes)
+    except ValueError as exc:
+        print(f"kvtier bench: {exc}", file=sys.stderr)
+        return 2
+    paths = [p for p in opts.write_paths.split(",") if p]
+    unknown = set(paths) - {"group", "serial", "cluster"}
+    if unknown or not paths or opts.repeat < 1 or any(s < 4096 for s in sizes):
+        print(
+            "kvtier bench: --write-paths takes group, serial, cluster; --repeat >= 1; --object-size >= 4KiB",
+            file=sys.stderr,
+        )
+        return 2
+    # A small DRAM (unless --dram says otherwise) so that offload, not DRAM, has to take the writes.
+    dram = opts.dram if opts.dram != "1GiB" else "128MiB"
+    progress = _progress("ssd write")
+    results = []
+    for size in sizes:
+        isolated = [p for p in paths if p != "cluster"]
+        if isolated:
+            progress(f"{format_size(size)} objects: {', '.join(isolated)}")
+            results += run_write_bench(total, size, opts.repeat, opts.ssd_dir, isolated)
+        if "cluster" in paths:
+            progress(f"{format_size(size)} objects: cluster")
+            results.append(run_cluster_write_bench(total, size, opts.repeat, opts.ssd_dir, dram))
+    print_write_results(results, opts.json, machine_description())
+    return 0
+
+
 def run(opts: argparse.Namespace) -> int:
     from kvtier.client import Client
     from kvtier.client.local_cluster import LocalCluster
@@ -318,6 +369,8 @@ def run(opts: argparse.Namespace) -> int:
             run_mount_bench(parse_size(opts.ssd_bytes), size, opts.ssd_dir), opts.json, machine_description()
         )
         return 0
+    if opts.tier == "ssd" and opts.write:
+        return _run_ssd_write(opts)
     if opts.tier == "ssd":
         from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
 

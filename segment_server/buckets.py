@@ -129,6 +129,24 @@ class ReadPlan:
     size: int
 
 
+@dataclass(slots=True, frozen=True)
+class Slot:
+    """Room reserved at the end of the open bucket for one object record (see `BucketStore.reserve`)."""
+
+    bucket_id: int
+    offset: int  # 4096-aligned record start in the bucket file
+    header: bytes  # the record header, payload_crc = the object's checksum
+    size: int  # payload bytes
+    span: int  # header + payload rounded up to 4096: the next slot starts at offset + span
+    namespace: str
+    key: str
+    checksum: int
+
+    @property
+    def location(self) -> int:
+        return _location(self.bucket_id, self.offset)
+
+
 class RecordError(Exception):
     """A record that cannot be verified; the message says why."""
 
@@ -388,6 +406,9 @@ class BucketStore:
         self._high = high_watermark
         self._low = low_watermark
         self._direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self._direct_writes = self._direct_io  # group writes; off for good after the file system refused
+        self._group_fd: tuple[int, int] | None = None  # (bucket id, O_DIRECT write fd) of the open bucket
+        self._slots: list[Slot] = []  # reserved in the open bucket, not yet committed
         os.makedirs(self._dir, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._buckets: dict[int, _Bucket] = {}  # by id, in id (= age) order: recover sorts, new ids increase
@@ -703,6 +724,8 @@ class BucketStore:
     ) -> tuple[_Bucket, int]:
         self._check_state()
         assert self._open is not None
+        if self._slots:
+            raise RuntimeError("an append while group slots are reserved: commit them first")
         header = _record_header(flags, ns, kb, len(data), crc, self._cluster_crc)
         span = _align(len(header) + len(data))
         bucket = self._open
@@ -816,6 +839,8 @@ class BucketStore:
         except OSError:
             self._cut_back(bucket)
             raise
+        if self._group_fd is not None and self._group_fd[0] == bucket.bucket_id:
+            self._close_group_fd()
         os.close(bucket.write_fd)
         bucket.write_fd = -1
         bucket.sealed = True
@@ -847,6 +872,123 @@ class BucketStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    # --- group appends (kvtier.segment_server.group_writer) -----------------------------------
+
+    def reserve(self, namespace: str, key: str, size: int, checksum: int) -> Slot | None:
+        """Reserve the next record's room in the open bucket; the caller writes header + payload at
+        `slot.offset` (through `group_fd`) and then calls `commit`. Slots are contiguous.
+
+        None when the record needs a new bucket while slots are outstanding: commit them, then ask
+        again (a bucket is sealed only after every record in it is written). Raises DiskFull when
+        the record (with reserved ones) would exceed capacity, ValueError for a name too long, and
+        the errors of rolling over to a new bucket.
+        """
+        self._check_state()
+        assert self._open is not None
+        ns, kb = namespace.encode(), key.encode()
+        if len(ns) > MAX_NAME_BYTES or len(kb) > MAX_NAME_BYTES:
+            raise ValueError(f"namespace and key must be at most {MAX_NAME_BYTES} UTF-8 bytes")
+        header = _record_header(FLAG_OBJECT, ns, kb, size, checksum, self._cluster_crc)
+        span = _align(len(header) + size)
+        bucket = self._open
+        start = self._slots[-1].offset + self._slots[-1].span if self._slots else bucket.end
+        count = bucket.count + len(self._slots)
+        roll = count > 0 and (
+            start + span > self._bucket_size or start >= self._bucket_size or count >= self._bucket_keys
+        )
+        if roll and self._slots:
+            return None
+        footer = _INDEX_HEAD.size + count * _INDEX_ENTRY.size + 4 + _LOCATOR_SIZE
+        reserved = start - bucket.end
+        if self._used + reserved + span + (_align(footer) + ALIGN if roll else 0) > self._capacity:
+            raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
+        if roll:
+            bucket = self._roll()
+            start = bucket.end
+        slot = Slot(bucket.bucket_id, start, header, size, span, namespace, key, checksum)
+        self._slots.append(slot)
+        return slot
+
+    def release_last(self) -> None:
+        """Give back the last reserved slot; its bytes must not have been written."""
+        self._slots.pop()
+
+    def group_fd(self) -> tuple[int, bool]:
+        """(fd, direct) to write reserved slots with: an O_DIRECT fd of the open bucket where the file
+        system takes it (buffers, offsets and lengths must then be 4096-aligned), else its buffered fd.
+        Valid until the next `reserve` that rolls, `commit` or `close`."""
+        assert self._open is not None
+        bucket = self._open
+        if self._direct_writes:
+            if self._group_fd is not None and self._group_fd[0] == bucket.bucket_id:
+                return self._group_fd[1], True
+            self._close_group_fd()
+            try:
+                fd = os.open(bucket.path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_writes_refused()
+            else:
+                self._group_fd = (bucket.bucket_id, fd)
+                return fd, True
+        return bucket.write_fd, False
+
+    def buffered_fd(self) -> int:
+        """The open bucket's buffered write fd (for a group write the file system refused O_DIRECT)."""
+        assert self._open is not None
+        return self._open.write_fd
+
+    def direct_writes_refused(self) -> None:
+        """The file system refused an O_DIRECT open or write (EINVAL): write buffered from now on."""
+        if self._direct_writes:
+            self._direct_writes = False
+            logger.warning("O_DIRECT writes not supported, writes stay buffered directory=%s", self._dir)
+
+    def _close_group_fd(self) -> None:
+        if self._group_fd is not None:
+            os.close(self._group_fd[1])
+            self._group_fd = None
+
+    def commit(self, written: int, live: Sequence[bool]) -> None:
+        """Account the first `written` reserved slots as records on file and release the rest, cutting
+        the file back after the last one written. live[i] False: slot i's payload failed its checksum;
+        its header is zeroed (mounting reads headers only and must not list it) and it is never served.
+        Durable only after the next `sync()`.
+        """
+        slots, self._slots = self._slots, []
+        if not slots:
+            return
+        bucket = self._buckets[slots[0].bucket_id]
+        assert bucket is self._open
+        records = []
+        for slot, alive in zip(slots[:written], live, strict=True):
+            if alive:
+                bucket.entries.append((slot.offset, len(slot.header), slot.size, FLAG_OBJECT))
+                records.append(DiskRecord(slot.location, slot.namespace, slot.key, slot.size, slot.checksum))
+                continue
+            # Its header names the object's checksum over bytes that fail it, and mounting reads
+            # headers only (payloads are verified later): a failed write must never be listed, so its
+            # header is zeroed and the footer marks the slot an unreadable stretch.
+            try:
+                _pwrite_all(bucket.write_fd, [bytes(len(slot.header))], slot.offset)
+            except OSError as exc:
+                logger.warning("cannot erase a failed record's header path=%s error=%s", bucket.path, exc)
+            bucket.entries.append((slot.offset, 0, slot.span, FLAG_OBJECT))
+        if written:
+            last = slots[written - 1]
+            bucket.length = last.offset + len(last.header) + last.size
+            bucket.end = _align(bucket.length)
+            bucket.count += written
+            self._dirty.add(bucket)
+        if written < len(slots):
+            self._cut_back(bucket)  # a failed or abandoned write may have left bytes past the last record
+        with self._lock:
+            self._used += bucket.end - bucket.allocated
+            bucket.allocated = bucket.end
+            bucket.live.update((record.location, record) for record in records)
+        self._seal_if_full()
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -1070,6 +1212,8 @@ class BucketStore:
     def close(self) -> None:
         """Close every fd; seals nothing (a restart continues the open bucket). Unsynced appends are
         left to the page cache. Deleted buckets still pinned are unlinked now. Safe to call twice."""
+        self._close_group_fd()
+        self._slots = []
         with self._lock:
             for bucket in set(self._buckets.values()) | set(self._by_fd.values()):
                 if bucket.doomed:

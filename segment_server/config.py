@@ -61,10 +61,12 @@ class SegmentConfig:
     ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
     ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
-    ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
+    ssd_direct_io: bool = True  # O_DIRECT reads and offload writes where the file system allows it
     # Mounting reads record headers only; payloads found at mount are verified in the background at
     # this many bytes per second (0 = off: readers still verify every payload they get).
     ssd_verify_rate: str = "64MiB"
+    ssd_write_buffers: str = "64MiB"  # aligned staging buffers of the offload writer (4MiB each, >= 8MiB)
+    ssd_write_threads: int = 4  # offload writes in flight (threads of the group writer)
     # Data-plane connection limits: a client beyond max_connections is refused with a clear
     # error; a connection idle this long, or a request (or its response) stalled this long, is cut.
     max_connections: int = 4096
@@ -104,7 +106,7 @@ class SegmentConfig:
                 f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
                 "this segment's data plane at"
             )
-        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_verify_rate"):
+        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_verify_rate", "ssd_write_buffers"):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")
@@ -141,6 +143,10 @@ class SegmentConfig:
             raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:
             raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
+        if parse_size(self.ssd_write_buffers) < 8 << 20:
+            raise ValueError(f"--ssd-write-buffers must be at least 8MiB, got {self.ssd_write_buffers!r}")
+        if not 1 <= self.ssd_write_threads <= 64:
+            raise ValueError(f"--ssd-write-threads must be between 1 and 64, got {self.ssd_write_threads}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("idle_timeout_s", "request_timeout_s"):

@@ -19,6 +19,7 @@ from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio import BufferPool, open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
+from kvtier.segment_server.group_writer import GroupWriter
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
 from kvtier.segment_server.protocol import CapabilityCheck, ConnectionLimits, DataPlaneStats
@@ -131,7 +132,10 @@ async def serve(config: SegmentConfig) -> int:
         if store is not None:
             # Mounting read record headers only: payloads are verified in the background.
             verifier = Verifier(store, parse_size(config.ssd_verify_rate))
-            worker = TierWorker(channels.stub, store, region.view, link.session, verifier)
+            writer = GroupWriter(
+                store, buffer_bytes=parse_size(config.ssd_write_buffers), threads=config.ssd_write_threads
+            )
+            worker = TierWorker(channels.stub, store, region.view, link.session, writer, verifier)
             worker.start()
             verifier.start()
         feed = CommitFeed(channels.stub, index, link.session)

@@ -4,12 +4,13 @@ It long-polls the master for tasks on this segment's bytes (see
 kvtier.master.tiering) and runs them against the DRAM region and the
 `BucketStore`:
 
-- OFFLOAD: append the DRAM range as a record (the store checks the bytes
-  against the object's checksum while writing, so a range reused meanwhile
-  is refused, never stored), then, for the whole batch, one `sync`
-  (fdatasync) before any location is reported: a disk replica is reported
-  only once its bytes are durable, and durability never waits for a bucket
-  to fill.
+- OFFLOAD: the batch's DRAM ranges are written as one group by
+  `GroupWriter` (kvtier.segment_server.group_writer: staged in large aligned
+  buffers, each copy checked against the object's checksum, so a range
+  reused meanwhile is refused, never stored; several writes in flight), then
+  one `sync` (fdatasync) before any location is reported: a disk replica is
+  reported only once its bytes are durable, and durability never waits for a
+  bucket to fill.
 - PROMOTE: read the record, check its header and payload CRC against the
   object's checksum, copy it into the DRAM range the master allocated.
 - FORGET: tombstone the copy, so a restart does not bring it back (all FORGETs
@@ -24,8 +25,9 @@ high watermark it tells the master which copies go (`DropDiskReplicas`)
 before unlinking their buckets.
 
 Its own thread and its own gRPC channel: the heartbeat thread and the data
-plane never wait behind disk I/O. Writes here are synchronous pwritev +
-fdatasync on this one thread; the data plane's disk reads go through the
+plane never wait behind disk I/O. Offload writes go through the group
+writer's fixed pool of writer threads and staging buffers, then one
+fdatasync on this thread; the data plane's disk reads go through the
 bounded engine of kvtier.segment_server.diskio instead.
 """
 
@@ -46,6 +48,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
+from kvtier.segment_server.group_writer import GroupWriter, OffloadItem, Outcome
 from kvtier.segment_server.verifier import Verifier
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,10 @@ _OK = int(Status.OK)
 _PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the report and clocks
 
 
+class _BadRange(Exception):
+    """An OFFLOAD's DRAM range is outside the region (INVALID_RANGE)."""
+
+
 class TierWorker:
     def __init__(
         self,
@@ -66,15 +73,19 @@ class TierWorker:
         store: BucketStore,
         region: memoryview,
         session: Callable[[], tuple[int, int]],
+        writer: GroupWriter | None = None,
         verifier: Verifier | None = None,
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) of the
-        current mount, (0, 0) when not mounted; `verifier` the background payload verifier, whose
-        findings this thread (the store's writer) tombstones and reports."""
+        current mount, (0, 0) when not mounted; `writer` writes offloads into `store` (default: a
+        GroupWriter with its default buffers and threads); the worker closes it at `stop`;
+        `verifier` the background payload verifier, whose findings this thread (the store's
+        writer) tombstones and reports."""
         self._stub_of = stub
         self.store = store
         self._region = region
         self._session = session
+        self._writer = writer if writer is not None else GroupWriter(store)
         self.verifier = verifier
         self._epoch = 0
         self._stop = threading.Event()
@@ -90,6 +101,8 @@ class TierWorker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=_RPC_TIMEOUT_S + 2)
+        if not self._thread.is_alive():
+            self._writer.close()
 
     @property
     def _stub(self) -> Any:
@@ -140,30 +153,32 @@ class TierWorker:
         appended = False
         offloaded = offloaded_bytes = 0
         forgets: list[int] = []  # indexes of FORGET tasks: tombstoned together after the loop
+        offloads = self._offload_all(segment_id, reply)  # task index -> location or error, one group write
         for i in range(len(reply.task_ids)):
             kind = reply.kinds[i]
             namespace, key, size, checksum = reply.namespaces[i], reply.keys[i], reply.sizes[i], reply.checksums[i]
             status, location, error = _OK, 0, ""
             try:
                 if kind == pb.OFFLOAD:
-                    offset = reply.dram_offsets[i]
-                    if offset + size > len(self._region):
-                        status, error = int(Status.INVALID_RANGE), f"offload range {offset}+{size} outside the region"
-                    else:
-                        location = self._append(
-                            segment_id, namespace, key, self._region[offset : offset + size], checksum
-                        )
-                        appended = True
-                        offloaded += 1
-                        offloaded_bytes += size
+                    outcome = offloads[i]
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    location = outcome
+                    appended = True
+                    offloaded += 1
+                    offloaded_bytes += size
                 elif kind == pb.PROMOTE:
                     status, error = self._promote(
                         reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum, promote_deadline
                     )
                 elif kind == pb.FORGET:
                     forgets.append(i)
+            except _BadRange as exc:
+                status, error = int(Status.INVALID_RANGE), str(exc)
             except RecordError as exc:  # the DRAM bytes no longer match the object: never store them
                 status, error = int(Status.CHECKSUM_MISMATCH), str(exc)
+            except ValueError as exc:  # a name too long for the record format
+                status, error = int(Status.INVALID_ARGUMENT), str(exc)
             except DiskFull as exc:
                 status, error = int(Status.NO_SPACE), f"SSD tier full: {exc}"
             except OSError as exc:
@@ -214,14 +229,30 @@ class TierWorker:
             self.store.sync()
             logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
 
-    def _append(self, segment_id: int, namespace: str, key: str, payload: memoryview, checksum: int) -> int:
-        """Append a record; when the tier is full, delete the oldest buckets (master told first) and retry once."""
-        try:
-            return self.store.append(namespace, key, payload, checksum)
-        except DiskFull:
-            if not self._evict_buckets(segment_id):
-                raise
-            return self.store.append(namespace, key, payload, checksum)
+    def _offload_all(self, segment_id: int, reply: pb.PollTierTasksResponse) -> dict[int, Outcome]:
+        """Write the batch's OFFLOADs as one group (kvtier.segment_server.group_writer): task index ->
+        location or the error that kept it out. When the tier is full, the oldest buckets are deleted
+        (master told first) and the record is tried again, once per batch."""
+        items: list[OffloadItem] = []
+        indexes: list[int] = []
+        out: dict[int, Outcome] = {}
+        for i, kind in enumerate(reply.kinds):
+            if kind != pb.OFFLOAD:
+                continue
+            offset, size = reply.dram_offsets[i], reply.sizes[i]
+            if offset + size > len(self._region):
+                out[i] = _BadRange(f"offload range {offset}+{size} outside the region")
+                continue
+            items.append(
+                OffloadItem(
+                    reply.namespaces[i], reply.keys[i], self._region[offset : offset + size], reply.checksums[i]
+                )
+            )
+            indexes.append(i)
+        if items:
+            outcomes = self._writer.write(items, on_full=lambda: self._evict_buckets(segment_id))
+            out.update(zip(indexes, outcomes, strict=True))
+        return out
 
     def _promote(
         self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int, deadline: float

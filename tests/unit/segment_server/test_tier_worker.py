@@ -246,3 +246,30 @@ def test_the_worker_polls_only_while_mounted_and_with_its_mount_epoch(store, reg
         assert master.polls[0].max_tasks > 0 and master.polls[0].wait_ms > 0
     finally:
         worker.stop()
+
+
+def test_a_tier_full_mid_batch_reports_the_records_before_it_and_no_location_after(ssd, region, master):
+    # One group write: the records that fit are reported with their locations (after the sync), the
+    # rest NO_SPACE with location 0, and a restart recovers exactly the reported ones.
+    store = BucketStore(ssd, 40 * 4096, CLUSTER, bucket_size=1 << 20)
+    store.recover()
+    worker = TierWorker(lambda: master, store, region, lambda: (SEGMENT_ID, EPOCH))
+    worker.start()
+    try:
+        data = [blob(i, 3 * 4096) for i in range(16)]  # 4 pages each, 40 pages of capacity
+        for i, payload in enumerate(data):
+            region[i * 65536 : i * 65536 + len(payload)] = payload
+        master.batches.put(
+            tasks(*((i + 1, pb.OFFLOAD, f"k{i}", len(p), crc32c.crc32c(p), i * 65536, 0) for i, p in enumerate(data)))
+        )
+        report = master.report()
+        fitted = [i for i, s in enumerate(report.statuses) if s == OK]
+        assert fitted == list(range(len(fitted))) and 0 < len(fitted) < len(data)
+        assert set(report.statuses[len(fitted) :]) == {int(Status.NO_SPACE)}
+        assert list(report.disk_locations[len(fitted) :]) == [0] * (len(data) - len(fitted))
+        assert "SSD tier full" in report.error
+        reported = {loc: f"k{i}" for i, loc in enumerate(report.disk_locations[: len(fitted)])}
+        assert restarted(worker, store, ssd) == reported
+    finally:
+        worker.stop()
+        store.close()
