@@ -111,6 +111,13 @@ class Tiering:
         self._unacked_forgets: dict[str, dict[int, TierTask]] = {}
         self._names: dict[int, str] = {}  # segment id -> name, for every segment ever mounted
         self.counters: Counter[str] = Counter()
+        # (op, status name) -> tasks that failed (reported so, or expired): kvtier_master_tier_task_failures_total
+        self.failures: Counter[tuple[str, str]] = Counter()
+        # segment id -> task id -> OFFLOADs handed out whose outcome the segment has not reported yet
+        # (an expiry does not settle one: the copy may be durable on its disk all the same), and the
+        # names taken from them when the segment is dropped (see `unsettled_offload_names`)
+        self._unsettled: dict[int, dict[int, TierTask]] = {}
+        self._unsettled_at_drop: dict[str, set[str]] = {}
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
@@ -129,6 +136,7 @@ class Tiering:
     def mounted(self, segment: SegmentRecord) -> None:
         """A segment (re)mounted: hand it the forgets it has not acknowledged yet."""
         self._names[segment.segment_id] = segment.name
+        self._unsettled_at_drop.pop(segment.name, None)  # taken by its fence, or it has none to take it
         for task in self._unacked_forgets.get(segment.name, {}).values():
             task.segment_id = segment.segment_id
             self._enqueue(task)
@@ -148,6 +156,8 @@ class Tiering:
             task = queue.popleft()
             task.deadline = deadline
             self._in_flight[task.task_id] = task
+            if task.kind is TaskKind.OFFLOAD:
+                self._unsettled.setdefault(segment_id, {})[task.task_id] = task
             out.append(task)
         return out
 
@@ -243,6 +253,14 @@ class Tiering:
         """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
         return {task.name for task in self._unacked_forgets.get(segment_name, {}).values()}
 
+    def unsettled_offload_names(self, segment_name: str) -> set[str]:
+        """Names to fence (kvtier.master.fences) when the segment is dropped: objects removed or replaced
+        while an OFFLOAD of theirs was handed out and never reported. The copy may be durable on the
+        segment's disk without the master knowing its location (a SIGKILL between fdatasync and
+        TierTasksDone), so no FORGET could be sent: its return must be refused. Taken once (called by
+        MasterState when it opens the segment's fence, right after `segment_dropped`)."""
+        return self._unsettled_at_drop.pop(segment_name, set())
+
     def pending_forgets(self) -> list[TierTask]:
         """FORGETs not yet acknowledged by mounted, responsive segments: what a Remove waits for,
         so a removed object's disk copy cannot come back with a restart of the master."""
@@ -272,9 +290,18 @@ class Tiering:
 
     # ------------------------------------------------------------------ outcomes
 
-    def done(self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int]) -> list[int]:
-        """Apply a segment's reports. Per task: OK, or NOT_PENDING for a task it does not hold (expired)."""
-        self._forgets_stalled.discard(self._names.get(segment_id, ""))
+    def done(
+        self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int], *, expired: bool = False
+    ) -> list[int]:
+        """Apply a segment's reports (or, with `expired`, `tick`'s verdict on tasks not reported in time).
+        Per task: OK, or NOT_PENDING for a task it does not hold (expired): the segment then withdraws a
+        copy it wrote for it."""
+        if not expired:
+            self._forgets_stalled.discard(self._names.get(segment_id, ""))
+            unsettled = self._unsettled.get(segment_id)
+            if unsettled:
+                for task_id in task_ids:
+                    unsettled.pop(task_id, None)
         out = []
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
@@ -282,6 +309,8 @@ class Tiering:
                 out.append(int(Status.NOT_PENDING))
                 continue
             del self._in_flight[task_id]
+            if status != _OK:
+                self.failures[task.kind.name.lower(), status_name(status)] += 1
             if task.kind is TaskKind.OFFLOAD:
                 self._offload_done(task, status, location)
             elif task.kind is TaskKind.PROMOTE:
@@ -509,12 +538,16 @@ class Tiering:
             logger.warning(
                 "tier task expired task_id=%d kind=%s segment_id=%d", task.task_id, task.kind.name, task.segment_id
             )
-            self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0])
+            self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0], expired=True)
         if expired:
             self.counters["expired_tasks"] += len(expired)
 
     def segment_dropped(self, segment_id: int) -> None:
         """Forget every task of a segment that is gone (its ranges went with its allocator)."""
+        unsettled = self._unsettled.pop(segment_id, {})
+        changed = {task.name for task in unsettled.values() if not self._alive(task)}
+        if changed and segment_id in self._names:
+            self._unsettled_at_drop.setdefault(self._names[segment_id], set()).update(changed)
         self._queues.pop(segment_id, None)
         self._offload_paused_until.pop(segment_id, None)
         for task in [t for t in self._in_flight.values() if t.segment_id == segment_id]:

@@ -623,6 +623,16 @@ class BucketStore:
                     if bucket is not None:
                         bucket.live.pop(location, None)
 
+    def withdraw(self, locations: Iterable[int]) -> None:
+        """Stop serving and reporting these records, writing nothing (for records whose write failed
+        after they were appended, e.g. a failed fdatasync: whatever reached the disk is re-verified by
+        the next recovery, and should be tombstoned by the caller where it can)."""
+        with self._lock:
+            for location in locations:
+                bucket = self._buckets.get(location >> 20)
+                if bucket is not None:
+                    bucket.live.pop(location, None)
+
     def _append_tombstones(self, targets: Sequence[int]) -> None:
         """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations."""
         payload = b"".join(_U64.pack(target) for target in targets)

@@ -34,6 +34,7 @@ import mmap
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
+from kvtier.segment_server import failpoints
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
 
@@ -54,6 +56,16 @@ _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MAX_S = 3.0
 _OK = int(Status.OK)
 _PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the report and clocks
+_KIND_NAMES = {pb.OFFLOAD: "offload", pb.PROMOTE: "promote", pb.FORGET: "forget"}
+# A failed task's status -> the reason label of kvtier_segment_tier_write_failures_total
+_FAILURE_REASONS = {
+    int(Status.NO_SPACE): "no_space",
+    int(Status.INTERNAL): "io_error",
+    int(Status.CHECKSUM_MISMATCH): "checksum",
+    int(Status.TIMEOUT): "deadline",
+    int(Status.NOT_FOUND): "missing",
+    int(Status.INVALID_RANGE): "invalid_range",
+}
 
 
 class TierWorker:
@@ -77,6 +89,9 @@ class TierWorker:
         self.offloaded_bytes = 0
         self.promoted = 0
         self.forgotten = 0
+        # (op, reason) -> tasks that failed here: kvtier_segment_tier_write_failures_total. A failed
+        # task never leaves a copy the master hands out (see `_run_tasks`).
+        self.failures: Counter[tuple[str, str]] = Counter()
 
     def start(self) -> None:
         self._thread.start()
@@ -175,12 +190,26 @@ class TierWorker:
                 first_error = first_error or f"INTERNAL {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
         if appended:
             try:
+                if offloaded:
+                    failpoints.hit("tier.offload_sync")
                 self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
                 self.offloaded += offloaded
                 self.offloaded_bytes += offloaded_bytes
             except OSError as exc:
-                statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
                 first_error = first_error or f"fdatasync failed: {exc}"
+                unsynced = [
+                    location
+                    for kind, status, location in zip(reply.kinds, statuses, locations, strict=True)
+                    if kind == pb.OFFLOAD and status == _OK
+                ]
+                statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
+                locations = [0] * len(locations)
+                self._withdraw(unsynced)
+            if offloaded and all(s == _OK for s in statuses):
+                failpoints.hit("tier.offload_synced")
+        for kind, status in zip(reply.kinds, statuses, strict=True):
+            if status != _OK:
+                self.failures[_KIND_NAMES.get(kind, "unknown"), _FAILURE_REASONS.get(status, "other")] += 1
         if first_error:
             logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
         done = self._stub.TierTasksDone(
@@ -202,9 +231,23 @@ class TierWorker:
             if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
         ]
         if orphans:
-            self.store.tombstone_many(orphans)
-            self.store.sync()
+            self.failures["offload", "abandoned"] += len(orphans)
+            self._withdraw(orphans)
             logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
+
+    def _withdraw(self, locations: list[int]) -> None:
+        """Records appended for offloads that are reported failed: never served, never reported at a
+        mount, and tombstoned so a restart does not bring them back (their key may be removed meanwhile,
+        and the master never knew these copies). If even the tombstone cannot be written (the disk is
+        failing), they are dropped from the live set all the same; a restart re-verifies every record."""
+        if not locations:
+            return
+        try:
+            self.store.tombstone_many(locations)
+            self.store.sync()
+        except OSError as exc:
+            logger.warning("cannot tombstone %d unsynced disk copies: %s", len(locations), exc)
+        self.store.withdraw(locations)
 
     def _append(self, segment_id: int, namespace: str, key: str, payload: memoryview, checksum: int) -> int:
         """Append a record; when the tier is full, delete the oldest buckets (master told first) and retry once."""
@@ -234,6 +277,7 @@ class TierWorker:
             payload = BucketStore.payload_of(view, plan, namespace, key, self.store.cluster_id)
             if plan.size != size or crc32c.crc32c(payload) != checksum:
                 return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
+            failpoints.hit("tier.promote_read")
             if time.monotonic() > deadline:
                 return int(Status.TIMEOUT), "promotion came too late: its DRAM range may be reused"
             self._region[dram_offset : dram_offset + size] = payload
