@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
+FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
 
 
 class TaskKind(enum.IntEnum):
@@ -121,6 +122,7 @@ class Tiering:
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
+        self._forget_retries: deque[tuple[float, TierTask]] = deque()  # (when, task): failed, sent again by tick
 
     # ------------------------------------------------------------------ queueing
 
@@ -329,7 +331,9 @@ class Tiering:
                 del unacked[task.disk_location]
         elif task.segment_id in self.state.segments:
             self.counters["forget_failures"] += 1
-            self._enqueue(task)  # the tombstone must happen: try again
+            # The tombstone must happen: try again, after a pause (a full or failing disk would
+            # otherwise fail it again at once, in a loop between the master and the segment).
+            self._forget_retries.append((self.state.clock() + FORGET_RETRY_S, task))
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
@@ -541,6 +545,15 @@ class Tiering:
             self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0], expired=True)
         if expired:
             self.counters["expired_tasks"] += len(expired)
+        while self._forget_retries and self._forget_retries[0][0] <= now:
+            task = self._forget_retries.popleft()[1]
+            name = self._names.get(task.segment_id, "")
+            # Still owed (a remount may have handed it out again already) and its segment still here
+            # (a remount hands out every unacknowledged FORGET itself).
+            owed = self._unacked_forgets.get(name, {}).get(task.disk_location) is task
+            queued = task.task_id in self._in_flight or task in self._queues.get(task.segment_id, ())
+            if owed and not queued and task.segment_id in self.state.segments:
+                self._enqueue(task)
 
     def segment_dropped(self, segment_id: int) -> None:
         """Forget every task of a segment that is gone (its ranges went with its allocator)."""

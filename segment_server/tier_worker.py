@@ -184,10 +184,11 @@ class TierWorker:
                 self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
                 appended = True
                 self.forgotten += len(forgets)
-            except OSError as exc:
+            except OSError as exc:  # the master sends them again (after a pause)
+                failed = int(Status.NO_SPACE if isinstance(exc, DiskFull) else Status.INTERNAL)
                 for i in forgets:
-                    statuses[i] = int(Status.INTERNAL)
-                first_error = first_error or f"INTERNAL {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
+                    statuses[i] = failed
+                first_error = first_error or f"{Status(failed).name} {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
         if appended:
             try:
                 if offloaded:
@@ -304,8 +305,16 @@ class TierWorker:
                 raise InventoryRefused(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
             stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
         if stale:  # the master holds these keys with other bytes: they must never come back
-            self.store.tombstone_many(record.location for record in stale)
-            self.store.sync()
+            locations = [record.location for record in stale]
+            try:
+                self.store.tombstone_many(locations)
+                self.store.sync()
+            except OSError as exc:
+                # Never served or reported again by this process, and refused by this master at any
+                # later mount; the mount goes on (a failing disk must not keep DRAM out of service).
+                self.failures["forget", "no_space" if isinstance(exc, DiskFull) else "io_error"] += len(locations)
+                logger.error("stale disk copies not tombstoned count=%d error=%s", len(locations), exc)
+            self.store.withdraw(locations)
         logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
 
     def _evict_buckets(self, segment_id: int) -> bool:

@@ -120,6 +120,17 @@ def small_fs(tmp_path: Path):
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def fill_up(path: Path) -> None:
+    """Take every last byte of the file system (not a single free page left)."""
+    with open(path, "wb", buffering=0) as f:
+        for chunk in (MiB, 4096):
+            try:
+                while f.write(b"\0" * chunk):
+                    pass
+            except OSError:
+                continue
+
+
 @pytest.mark.parametrize("limit", ["filesystem", "ssd_size"])
 def test_disk_full_mid_offload_leaves_no_partial_copy_and_recovery_only_complete_records(
     request, tmp_path, bare_cluster, limit
@@ -140,6 +151,13 @@ def test_disk_full_mid_offload_leaves_no_partial_copy_and_recovery_only_complete
         assert client.cluster_status().tiering["offload_failures"] >= 1
         before = assert_no_wrong_copy(bare_cluster, client, ssd_dir, keys)
         assert before, "some objects reached the disk before it was full"
+        # a removal on the full disk: its tombstone must still be written (FORGET), or the key could come back
+        if limit == "filesystem":
+            fill_up(ssd_dir / "filler")
+        gone = next(iter(before))
+        client.remove(gone)
+        del before[gone]
+        assert client.get(gone) is None
     # a crash with a full disk, and a restart on it: the segment starts, and only complete records come back
     bare_cluster.kill(bare_cluster.segments["ssd0"])
     start_segment(bare_cluster, ssd_dir, ssd_size=ssd_size, bucket=bucket)
@@ -147,6 +165,7 @@ def test_disk_full_mid_offload_leaves_no_partial_copy_and_recovery_only_complete
         assert bare_cluster.wait_for(lambda: segment_info(client).ssd_objects >= len(before), timeout=15)
         after = assert_no_wrong_copy(bare_cluster, client, ssd_dir, keys)
         assert after == before, "every durable, reported disk copy came back, and nothing else"
+        assert client.get(gone) is None, "a key removed while the disk was full came back"
         # and the segment keeps taking puts into DRAM, full disk or not
         assert client.batch_put(["after"], [value_for("after")]) == [0]
         assert client.get("after") == value_for("after")
