@@ -20,6 +20,7 @@ import pytest
 from kvtier.client import Client
 from tests.capability import missing, require
 from tests.cluster import Cluster
+from tests.integration.test_history_log import events
 from tests.integration.test_metrics import scrape, value
 from tests.integration.test_ssd_tier import (
     ALIGN,
@@ -206,7 +207,8 @@ def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_clus
 def test_sigkill_at_a_random_moment_of_offload_then_restart(bare_cluster, tmp_path, seed):
     rng = random.Random(seed)
     ssd_dir = tmp_path / "ssd"
-    bare_cluster.start_master("--promote-after-reads", "0")
+    history = tmp_path / "history.jsonl"
+    bare_cluster.start_master("--promote-after-reads", "0", "--history-log", str(history))
     start_segment(bare_cluster, ssd_dir)
     keys = [f"kill{seed}/{i:03d}" for i in range(48)]
     kill_after = rng.randrange(20, 40)  # past 16 MiB of DRAM: offload is running
@@ -225,6 +227,11 @@ def test_sigkill_at_a_random_moment_of_offload_then_restart(bare_cluster, tmp_pa
         assert not missing_back, f"durable, reported copies did not come back: {missing_back}"
         got = client.batch_get(list(reported))
         assert got == [value_for(k) for k in reported]
+        # the history is consistent: every acknowledged put that is now a miss is explained (its DRAM
+        # copy died with the process, or the watermark pass dropped it), none vanished silently
+        misses = [k for k, v in zip(keys[:kill_after], client.batch_get(keys[:kill_after]), strict=True) if v is None]
+        explained = {e["key"] for e in events(history) if e.get("event") == "object"}
+        assert not set(misses) - explained, f"misses with no history: {sorted(set(misses) - explained)}"
 
 
 def test_failed_fdatasync_of_an_offload_leaves_no_copy_that_could_come_back(bare_cluster, tmp_path, monkeypatch):
@@ -256,7 +263,9 @@ def test_failed_fdatasync_of_an_offload_leaves_no_copy_that_could_come_back(bare
 
 def test_promotion_of_a_disk_copy_corrupted_on_disk_registers_nothing(bare_cluster, tmp_path):
     ssd_dir = tmp_path / "ssd"
-    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "2")
+    # the third read of a disk-only object promotes it: the scan below is the first (GetReplicas
+    # counts), disk_location the second, and the third comes once the record is damaged
+    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "3")
     start_segment(bare_cluster, ssd_dir)
     keys = [f"prom/{i:02d}" for i in range(24)]
     with bare_cluster.client() as client:
@@ -266,14 +275,14 @@ def test_promotion_of_a_disk_copy_corrupted_on_disk_registers_nothing(bare_clust
         assert bare_cluster.wait_for(lambda: (s := segment_info(client)).dram_used <= 0.8 * s.dram_capacity)
         on_disk = [k for k in keys[:-6] if not any(r["tier"] == "dram" for r in client.locate(k))]
         victim = on_disk[0]
-        location = disk_location(client, victim)  # one disk-only read
+        location = disk_location(client, victim)
         path, offset = bucket_file(ssd_dir, location)
         with open(path, "r+b") as f:
             f.seek(offset + ALIGN + MiB // 3)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x5A]))
-        client.locate(victim)  # the second: PROMOTE, and the segment finds the record damaged
+        client.locate(victim)  # the third: PROMOTE, and the segment finds the record damaged
         assert bare_cluster.wait_for(lambda: master_failures(bare_cluster, "promote", "CHECKSUM_MISMATCH") >= 1)
         assert tier_write_failures(bare_cluster, "promote", "checksum") >= 1
         assert client.locate(victim) == [], "no DRAM replica, and the damaged disk copy is gone"
@@ -284,8 +293,8 @@ def test_promotion_of_a_disk_copy_corrupted_on_disk_registers_nothing(bare_clust
 
 def test_promotion_past_its_deadline_writes_no_dram_and_frees_the_range(bare_cluster, tmp_path, monkeypatch):
     ssd_dir = tmp_path / "ssd"
-    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "1", "--put-timeout-s", "1")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.promote_read=stall:0.8")
+    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "1", "--put-timeout-s", "2")
+    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.promote_read=stall:1.5")
     proc = start_segment(bare_cluster, ssd_dir)
     monkeypatch.delenv("KVTIER_FAILPOINTS")
     keys = [f"late/{i:02d}" for i in range(24)]
