@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
+_REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
 FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
 
 
@@ -119,6 +120,10 @@ class Tiering:
         # names taken from them when the segment is dropped (see `unsettled_offload_names`)
         self._unsettled: dict[int, dict[int, TierTask]] = {}
         self._unsettled_at_drop: dict[str, set[str]] = {}
+        # task id -> (segment id, location) of OFFLOADs their segment reported (bounded, oldest out): a
+        # TierTasksDone retried after a lost answer gets OK again, not NOT_PENDING (which would make
+        # the segment withdraw a copy this master registered)
+        self._reported: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
@@ -296,8 +301,9 @@ class Tiering:
         self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int], *, expired: bool = False
     ) -> list[int]:
         """Apply a segment's reports (or, with `expired`, `tick`'s verdict on tasks not reported in time).
-        Per task: OK, or NOT_PENDING for a task it does not hold (expired): the segment then withdraws a
-        copy it wrote for it."""
+        Per task: OK (applied now, or the same report applied before: a segment retries a report
+        whose answer it lost), or NOT_PENDING for a task it does not hold (expired): the segment then
+        withdraws a copy it wrote for it."""
         if not expired:
             self._forgets_stalled.discard(self._names.get(segment_id, ""))
             unsettled = self._unsettled.get(segment_id)
@@ -308,9 +314,14 @@ class Tiering:
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
             if task is None or task.segment_id != segment_id:
-                out.append(int(Status.NOT_PENDING))
+                again = not expired and self._reported.get(task_id) == (segment_id, location)
+                out.append(_OK if again else int(Status.NOT_PENDING))
                 continue
             del self._in_flight[task_id]
+            if task.kind is TaskKind.OFFLOAD and not expired:
+                self._reported[task_id] = (segment_id, location)
+                if len(self._reported) > _REPORTED_KEPT:
+                    self._reported.popitem(last=False)
             if status != _OK:
                 self.failures[task.kind.name.lower(), status_name(status)] += 1
             if task.kind is TaskKind.OFFLOAD:

@@ -92,6 +92,10 @@ class TierWorker:
         # (op, reason) -> tasks that failed here: kvtier_segment_tier_write_failures_total. A failed
         # task never leaves a copy the master hands out (see `_run_tasks`).
         self.failures: Counter[tuple[str, str]] = Counter()
+        # Locations written for OFFLOADs of the batch in hand, not yet answered by a master: left out
+        # of an inventory reported meanwhile (a re-mount), since no master may ever register them.
+        self._unreported: set[int] = set()
+        self._unreported_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -160,6 +164,8 @@ class TierWorker:
                         location = self._append(
                             segment_id, namespace, key, self._region[offset : offset + size], checksum
                         )
+                        with self._unreported_lock:
+                            self._unreported.add(location)
                         appended = True
                         offloaded += 1
                         offloaded_bytes += size
@@ -213,28 +219,58 @@ class TierWorker:
                 self.failures[_KIND_NAMES.get(kind, "unknown"), _FAILURE_REASONS.get(status, "other")] += 1
         if first_error:
             logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
-        done = self._stub.TierTasksDone(
-            pb.TierTasksDoneRequest(
-                segment_id=segment_id,
-                epoch=self._epoch,
-                task_ids=list(reply.task_ids),
-                statuses=statuses,
-                disk_locations=locations,
-                error=first_error,
-            ),
-            timeout=_RPC_TIMEOUT_S,
-        )
-        # A copy written for an offload the master no longer waits for (it expired) is an orphan
-        # nobody will ever read or forget: tombstone it now.
-        orphans = [
-            location
-            for kind, status, location, answer in zip(reply.kinds, statuses, locations, done.statuses, strict=False)
-            if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
-        ]
-        if orphans:
-            self.failures["offload", "abandoned"] += len(orphans)
-            self._withdraw(orphans)
-            logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
+        try:
+            done = self._report(
+                segment_id,
+                pb.TierTasksDoneRequest(
+                    segment_id=segment_id,
+                    epoch=self._epoch,
+                    task_ids=list(reply.task_ids),
+                    statuses=statuses,
+                    disk_locations=locations,
+                    error=first_error,
+                ),
+            )
+            written = [
+                location
+                for kind, status, location in zip(reply.kinds, statuses, locations, strict=True)
+                if kind == pb.OFFLOAD and status == _OK
+            ]
+            if done is None or done.status != _OK:
+                # No master took the report (it restarted, or dropped this segment meanwhile): these
+                # copies are registered nowhere, and the inventory of any new mount left them out.
+                orphans = written
+            else:
+                # A copy written for an offload the master no longer waits for (it expired) is an
+                # orphan nobody will ever read or forget.
+                orphans = [
+                    location
+                    for kind, status, location, answer in zip(
+                        reply.kinds, statuses, locations, done.statuses, strict=False
+                    )
+                    if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
+                ]
+            if orphans:
+                self.failures["offload", "abandoned"] += len(orphans)
+                self._withdraw(orphans)
+                logger.warning("tombstoned %d disk copies of offloads no master registered", len(orphans))
+        finally:
+            with self._unreported_lock:
+                self._unreported.clear()
+
+    def _report(self, segment_id: int, request: pb.TierTasksDoneRequest) -> Any:
+        """TierTasksDone, retried while this mount lasts (the master answers a repeated report alike);
+        None once it is over (a re-mount, or stopping): then no master holds these outcomes."""
+        backoff = 0.05
+        while True:
+            try:
+                return self._stub.TierTasksDone(request, timeout=_RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if self._stop.is_set() or self._session() != (segment_id, self._epoch):
+                    return None
+                logger.warning("tier tasks report failed code=%s; retrying in %.2fs", exc.code(), backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     def _withdraw(self, locations: list[int]) -> None:
         """Records appended for offloads that are reported failed: never served, never reported at a
@@ -296,7 +332,9 @@ class TierWorker:
 
     def report_inventory(self, stub: Any, segment_id: int, epoch: int) -> None:
         """Report every disk copy to the master (called by the master link after each mount)."""
-        records = self.store.records()
+        with self._unreported_lock:
+            unreported = set(self._unreported)
+        records = [r for r in self.store.records() if r.location not in unreported]
         stale = []
         for lo in range(0, len(records), _REPORT_BATCH):
             chunk = records[lo : lo + _REPORT_BATCH]

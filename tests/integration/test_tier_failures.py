@@ -203,6 +203,36 @@ def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_clus
         assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
 
 
+def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluster, tmp_path, monkeypatch):
+    """The report of durable copies reaches no master that asked for them (the master restarted).
+    The new master rebuilds from the segments' inventories: copies of keys removed meanwhile must
+    not be among them."""
+    ssd_dir = tmp_path / "ssd"
+    bare_cluster.start_master("--promote-after-reads", "0")
+    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.offload_synced=stall:4")
+    proc = start_segment(bare_cluster, ssd_dir)
+    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    keys = [f"mr/{i:03d}" for i in range(20)]
+    reached = "failpoint tier.offload_synced reached"
+    with bare_cluster.client() as client:
+        for key in keys:
+            assert client.batch_put([key], [value_for(key)]) == [0]
+            if reached in proc.tail(200):
+                break
+        assert bare_cluster.wait_for(lambda: reached in proc.tail(200), timeout=20)
+        put = keys[: keys.index(key) + 1]
+        removed = put[::2]
+        for k in removed:
+            client.remove(k)
+    bare_cluster.restart_master("--promote-after-reads", "0")
+    inventories = lambda: proc.tail(2000).count("reported disk inventory")  # noqa: E731
+    assert bare_cluster.wait_for(lambda: inventories() >= 2, timeout=20), "the segment mounted on the new master"
+    with bare_cluster.client() as client:
+        assert bare_cluster.wait_for(lambda: "tier.offload_synced" in proc.tail(2000) and inventories() >= 2)
+        assert_no_wrong_copy(bare_cluster, client, ssd_dir, put)
+        assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_at_a_random_moment_of_offload_then_restart(bare_cluster, tmp_path, seed):
     rng = random.Random(seed)

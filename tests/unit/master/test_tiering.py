@@ -564,3 +564,20 @@ def test_a_failed_forget_is_sent_again_after_a_pause_not_at_once(state, clock):
     assert state.tiering.done(seg, [again[0].task_id], [int(OK)], [0]) == [OK]
     assert state.tiering.pending_forgets() == []
     assert_consistent(state)
+
+
+def test_a_repeated_offload_report_is_answered_alike_not_as_expired(state):
+    # given an offload the segment reported, whose answer it lost (it retries the same report)
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    (task,) = disk.poll()
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [42]) == [OK]
+    # then the retry gets OK again (NOT_PENDING would make it withdraw the copy now registered) ...
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [42]) == [OK]
+    assert 42 in [replica_offset(r) for r in state.record(NS, "k0").replicas]
+    # ... and a report that differs, or comes from another segment, is still refused
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [43]) == [Status.NOT_PENDING]
+    assert state.tiering.done(seg + 1, [task.task_id], [int(OK)], [42]) == [Status.NOT_PENDING]
+    assert_consistent(state)
