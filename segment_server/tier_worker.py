@@ -96,6 +96,9 @@ class TierWorker:
         # of an inventory reported meanwhile (a re-mount), since no master may ever register them.
         self._unreported: set[int] = set()
         self._unreported_lock = threading.Lock()
+        # Taken around each store write: the store has one writer at a time, and besides this thread
+        # the master link's writes tombstones of stale copies during a mount (report_inventory).
+        self._store_lock = threading.RLock()
 
     def start(self) -> None:
         self._thread.start()
@@ -118,7 +121,8 @@ class TierWorker:
                 self._stop.wait(0.05)
                 continue
             try:
-                self._evict_buckets(segment_id)
+                with self._store_lock:
+                    self._evict_buckets(segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
                         segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
@@ -187,7 +191,8 @@ class TierWorker:
             locations.append(location)
         if forgets:
             try:
-                self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
+                with self._store_lock:
+                    self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
                 appended = True
                 self.forgotten += len(forgets)
             except OSError as exc:  # the master sends them again (after a pause)
@@ -199,7 +204,8 @@ class TierWorker:
             try:
                 if offloaded:
                     failpoints.hit("tier.offload_sync")
-                self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
+                with self._store_lock:
+                    self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
                 self.offloaded += offloaded
                 self.offloaded_bytes += offloaded_bytes
             except OSError as exc:
@@ -279,21 +285,23 @@ class TierWorker:
         failing), they are dropped from the live set all the same; a restart re-verifies every record."""
         if not locations:
             return
-        try:
-            self.store.tombstone_many(locations)
-            self.store.sync()
-        except OSError as exc:
-            logger.warning("cannot tombstone %d unsynced disk copies: %s", len(locations), exc)
-        self.store.withdraw(locations)
+        with self._store_lock:
+            try:
+                self.store.tombstone_many(locations)
+                self.store.sync()
+            except OSError as exc:
+                logger.warning("cannot tombstone %d disk copies: %s", len(locations), exc)
+            self.store.withdraw(locations)
 
     def _append(self, segment_id: int, namespace: str, key: str, payload: memoryview, checksum: int) -> int:
         """Append a record; when the tier is full, delete the oldest buckets (master told first) and retry once."""
-        try:
-            return self.store.append(namespace, key, payload, checksum)
-        except DiskFull:
-            if not self._evict_buckets(segment_id):
-                raise
-            return self.store.append(namespace, key, payload, checksum)
+        with self._store_lock:
+            try:
+                return self.store.append(namespace, key, payload, checksum)
+            except DiskFull:
+                if not self._evict_buckets(segment_id):
+                    raise
+                return self.store.append(namespace, key, payload, checksum)
 
     def _promote(
         self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int, deadline: float
@@ -344,15 +352,17 @@ class TierWorker:
             stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
         if stale:  # the master holds these keys with other bytes: they must never come back
             locations = [record.location for record in stale]
-            try:
-                self.store.tombstone_many(locations)
-                self.store.sync()
-            except OSError as exc:
-                # Never served or reported again by this process, and refused by this master at any
-                # later mount; the mount goes on (a failing disk must not keep DRAM out of service).
-                self.failures["forget", "no_space" if isinstance(exc, DiskFull) else "io_error"] += len(locations)
-                logger.error("stale disk copies not tombstoned count=%d error=%s", len(locations), exc)
-            self.store.withdraw(locations)
+            with self._store_lock:
+                try:
+                    self.store.tombstone_many(locations)
+                    self.store.sync()
+                except OSError as exc:
+                    # Never served or reported again by this process, and refused by this master at
+                    # any later mount; the mount goes on (a failing disk must not keep DRAM out of service).
+                    failed = "no_space" if isinstance(exc, DiskFull) else "io_error"
+                    self.failures["forget", failed] += len(locations)
+                    logger.error("stale disk copies not tombstoned count=%d error=%s", len(locations), exc)
+                self.store.withdraw(locations)
         logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
 
     def _evict_buckets(self, segment_id: int) -> bool:
