@@ -171,7 +171,7 @@ class SegmentCollector(Collector):
             "kvtier_segment_tier_write_failures",
             "Tier tasks that failed here and left no copy the master hands out, by op (offload, promote, "
             "forget) and reason (no_space, io_error, checksum, deadline, missing, invalid_range, abandoned: "
-            "written for an offload the master had given up on).",
+            "copies written for offloads the master had given up on, or whose report no master took).",
             labels=["segment", "op", "reason"],
         )
         for (op, reason), count in sorted(
