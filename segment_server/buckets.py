@@ -43,8 +43,9 @@ if there is one, the stretch before it is dropped (logged) and the scan goes on 
 the rest is a torn tail, cut off in an open bucket. A valid record is never truncated. In either path a
 record whose payload CRC or cluster tag is wrong is dropped alone.
 
-Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read`, which may come from
-another thread (the event loop). One lock guards the bucket table, the live-record maps, pin counts
+Threading: one writer at a time calls everything except `pin`/`unpin`/`plan_read`, which may come
+from another thread (the event loop); writers on several threads serialize their calls themselves
+(the tier worker's store lock: its own thread, and the master link's during a mount). One lock guards the bucket table, the live-record maps, pin counts
 and `used`; the writer mutates them only under it and reads them without it (it is the only mutator).
 """
 
