@@ -233,6 +233,34 @@ def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluste
         assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
 
 
+@pytest.mark.parametrize("moment", ["tier.offload_sync", "tier.offload_synced"])
+def test_sigkill_at_a_chosen_moment_of_offload_then_restart(bare_cluster, tmp_path, monkeypatch, moment):
+    """The segment dies just before its batch's fdatasync, or just after it (not yet reported)."""
+    ssd_dir = tmp_path / "ssd"
+    bare_cluster.start_master("--promote-after-reads", "0")
+    monkeypatch.setenv("KVTIER_FAILPOINTS", f"{moment}=kill")
+    proc = start_segment(bare_cluster, ssd_dir)
+    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    keys = [f"at/{i:03d}" for i in range(24)]
+    put: list[str] = []
+    with bare_cluster.client(timeout=2.0) as client:
+        for key in keys:
+            if not proc.alive:
+                break
+            if client.batch_put([key], [value_for(key)]) == [0]:
+                put.append(key)
+        assert bare_cluster.wait_for(lambda: not proc.alive, timeout=20), "the failpoint was never reached"
+    proc = start_segment(bare_cluster, ssd_dir)
+    with bare_cluster.client() as client:
+        assert bare_cluster.wait_for(lambda: "reported disk inventory" in proc.tail(400), timeout=15)
+        copies = assert_no_wrong_copy(bare_cluster, client, ssd_dir, put)
+        # what was durable comes back (its bytes are right, its key untouched); DRAM-only objects died
+        # with the process
+        if moment == "tier.offload_synced":
+            assert copies, "the durable, unreported copies of untouched keys came back"
+        assert all(client.get(k) == value_for(k) for k in copies)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_at_a_random_moment_of_offload_then_restart(bare_cluster, tmp_path, seed):
     rng = random.Random(seed)
