@@ -45,8 +45,9 @@ record whose payload CRC or cluster tag is wrong is dropped alone.
 
 Threading: one writer at a time calls everything except `pin`/`unpin`/`plan_read`, which may come
 from another thread (the event loop); writers on several threads serialize their calls themselves
-(the tier worker's store lock: its own thread, and the master link's during a mount). One lock guards the bucket table, the live-record maps, pin counts
-and `used`; the writer mutates them only under it and reads them without it (it is the only mutator).
+(the tier worker's store lock: its own thread, and the master link's during a mount). One lock
+guards the bucket table, the live-record maps, pin counts and `used`; the writer mutates them only
+under it and reads them without it (it is the only mutator).
 """
 
 from __future__ import annotations
@@ -368,6 +369,7 @@ class BucketStore:
         self._open: _Bucket | None = None
         self._dirty: set[_Bucket] = set()
         self._dir_dirty = False  # a bucket file was created since the last sync
+        self._sync_failed: OSError | None = None  # an fdatasync outside sync() failed since the last one
         self._next_id = 0
         self._used = 0
         self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
@@ -808,9 +810,17 @@ class BucketStore:
         footer += locator + _U32.pack(crc32c.crc32c(locator))
         try:
             _pwrite_all(bucket.write_fd, [bytes(footer)], bucket.end)
+        except OSError:
+            self._cut_back(bucket)
+            raise
+        try:
             # Also makes every record of the bucket durable: sealing never leaves one behind a sync.
             os.fdatasync(bucket.write_fd)
-        except OSError:
+        except OSError as exc:
+            # The kernel reports a failed writeback once: a later fdatasync of this bucket would
+            # succeed although records appended since the last sync may be lost. The next sync()
+            # raises instead, so none of them is reported durable.
+            self._sync_failed = exc
             self._cut_back(bucket)
             raise
         os.close(bucket.write_fd)
@@ -829,14 +839,19 @@ class BucketStore:
 
         After it returns, every record appended before the call survives a crash. An OSError means the
         appends since the last successful sync may be lost: treat them as not durable (a retry that
-        succeeds does not prove otherwise, the kernel may have dropped the failed pages).
+        succeeds does not prove otherwise, the kernel may have dropped the failed pages). It is also
+        raised when an fdatasync of a seal failed since the last sync (even one swallowed by a
+        deferred seal), for the same reason.
         """
+        failed, self._sync_failed = self._sync_failed, None
         for bucket in list(self._dirty):
             os.fdatasync(bucket.write_fd)
             self._dirty.discard(bucket)
         if self._dir_dirty:
             self._fsync_dir()
             self._dir_dirty = False
+        if failed is not None:
+            raise OSError(failed.errno, f"an earlier fdatasync failed: {failed.strerror}")
 
     def _fsync_dir(self) -> None:
         fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -29,6 +29,7 @@ bounded engine of kvtier.segment_server.diskio instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -215,7 +216,8 @@ class TierWorker:
                     for kind, status, location in zip(reply.kinds, statuses, locations, strict=True)
                     if kind == pb.OFFLOAD and status == _OK
                 ]
-                statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
+                failed = int(Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Status.INTERNAL)
+                statuses = [s if s != _OK else failed for s in statuses]
                 locations = [0] * len(locations)
                 self._withdraw(unsynced)
             if offloaded and all(s == _OK for s in statuses):
