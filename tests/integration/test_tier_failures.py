@@ -1,5 +1,7 @@
-"""Failed tier writes never leave a visible copy (issue 17): disk full, SIGKILL mid-offload, failed
-promotions, EIO. Real master and segment processes, real files.
+"""Failed tier writes never leave a visible copy (issue 17): disk full, failed fdatasync, SIGKILL
+mid-offload, a master restart mid-report, failed promotions, a block device that fails writes. Real
+master and segment processes, real files; moments no outside action can hit are reached with the
+segment's env-gated failpoints (KVTIER_FAILPOINTS, kvtier.segment_server.failpoints).
 
 Every check is the same invariant seen from a different failure: each key is a miss or exactly its
 bytes; every disk copy the master hands out is a complete record on disk with those bytes; copies
@@ -47,11 +49,10 @@ def start_segment(cluster: Cluster, ssd_dir: Path, *extra: str, ssd_size: str = 
 
 
 def put_paced(cluster: Cluster, client: Client, keys: list[str]) -> None:
-    """1 MiB puts, each batch waiting until DRAM is back under the high watermark (offloaded or
-    dropped): every put is acknowledged, whatever happens to the tier."""
-    for lo in range(0, len(keys), 1):
-        batch = keys[lo : lo + 1]
-        assert client.batch_put(batch, [value_for(k) for k in batch]) == [0] * len(batch)
+    """1 MiB puts, each waiting until DRAM is back under the high watermark (offloaded or dropped):
+    every put is acknowledged, whatever happens to the tier."""
+    for key in keys:
+        assert client.batch_put([key], [value_for(key)]) == [0]
         assert cluster.wait_for(lambda: (s := segment_info(client)).dram_used <= 0.9 * s.dram_capacity, timeout=20), (
             segment_info(client)
         )
