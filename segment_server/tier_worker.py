@@ -226,7 +226,7 @@ class TierWorker:
             if status != _OK:
                 self.failures[_KIND_NAMES.get(kind, "unknown"), _FAILURE_REASONS.get(status, "other")] += 1
         if first_error:
-            logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
+            logger.warning("tier tasks failed segment_id=%d error=%s", segment_id, first_error)
         try:
             done = self._report(
                 segment_id,
