@@ -48,6 +48,7 @@ class _Snapshot:
     corrupt_stale: int
     lease_expiries: dict[str, int]
     tiering: dict[str, int]
+    tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
     role: str
@@ -98,6 +99,7 @@ class MasterCollector(Collector):
             corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             tiering=h.events(),
+            tier_failures=dict(state.tiering.failures),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
             role=h.role,
@@ -225,6 +227,15 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "reason",
         {reason: s.tiering.get(f"prefetch_skipped_{reason}", 0) for reason in prefetch.SKIP_REASONS},
     )
+    failures = CounterMetricFamily(
+        "kvtier_master_tier_task_failures",
+        "Tier tasks that failed (the segment's status) or expired (TIMEOUT), by op (offload, promote, "
+        "forget) and status: none left a replica the master hands out.",
+        labels=["op", "status"],
+    )
+    for (op, status), count in sorted(s.tier_failures.items()):
+        failures.add_metric([op, status], count)
+    yield failures
     quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
     quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])
     quota_objects = GaugeMetricFamily("kvtier_quota_objects", "Objects a rank owns.", labels=["instance", "rank"])

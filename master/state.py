@@ -273,7 +273,11 @@ class MasterState:
         if self.commits.keeps_index(segment_id):
             # Its index and disk copies miss what happens from now on: fenced while this master runs,
             # and saved as expelled for the next one (kvtier.master.fences).
-            seed = self.commits.unacked_names(segment_id) | self.tiering.unacked_forget_names(segment.name)
+            seed = (
+                self.commits.unacked_names(segment_id)
+                | self.tiering.unacked_forget_names(segment.name)
+                | self.tiering.unsettled_offload_names(segment.name)
+            )
             self.fences.open(segment.name, seed)
             self.expelled.add(segment.name)
             self.state_generation += 1

@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
+_REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
+FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
 
 
 class TaskKind(enum.IntEnum):
@@ -115,9 +117,21 @@ class Tiering:
         self._unacked_forgets: dict[str, dict[int, TierTask]] = {}
         self._names: dict[int, str] = {}  # segment id -> name, for every segment ever mounted
         self.counters: Counter[str] = Counter()
+        # (op, status name) -> tasks that failed (reported so, or expired): kvtier_master_tier_task_failures_total
+        self.failures: Counter[tuple[str, str]] = Counter()
+        # segment id -> task id -> OFFLOADs handed out whose outcome the segment has not reported yet
+        # (an expiry does not settle one: the copy may be durable on its disk all the same), and the
+        # names taken from them when the segment is dropped (see `unsettled_offload_names`)
+        self._unsettled: dict[int, dict[int, TierTask]] = {}
+        self._unsettled_at_drop: dict[str, set[str]] = {}
+        # task id -> (segment id, location) of OFFLOADs their segment reported (bounded, oldest out): a
+        # TierTasksDone retried after a lost answer gets OK again, not NOT_PENDING (which would make
+        # the segment withdraw a copy this master registered)
+        self._reported: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
+        self._forget_retries: deque[tuple[float, TierTask]] = deque()  # (when, task): failed, sent again by tick
 
     # ------------------------------------------------------------------ queueing
 
@@ -133,6 +147,7 @@ class Tiering:
     def mounted(self, segment: SegmentRecord) -> None:
         """A segment (re)mounted: hand it the forgets it has not acknowledged yet."""
         self._names[segment.segment_id] = segment.name
+        self._unsettled_at_drop.pop(segment.name, None)  # taken by its fence, or it has none to take it
         for task in self._unacked_forgets.get(segment.name, {}).values():
             task.segment_id = segment.segment_id
             self._enqueue(task)
@@ -152,6 +167,8 @@ class Tiering:
             task = queue.popleft()
             task.deadline = deadline
             self._in_flight[task.task_id] = task
+            if task.kind is TaskKind.OFFLOAD:
+                self._unsettled.setdefault(segment_id, {})[task.task_id] = task
             out.append(task)
         return out
 
@@ -276,6 +293,14 @@ class Tiering:
         """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
         return {task.name for task in self._unacked_forgets.get(segment_name, {}).values()}
 
+    def unsettled_offload_names(self, segment_name: str) -> set[str]:
+        """Names to fence (kvtier.master.fences) when the segment is dropped: objects removed or replaced
+        while an OFFLOAD of theirs was handed out and never reported. The copy may be durable on the
+        segment's disk without the master knowing its location (a SIGKILL between fdatasync and
+        TierTasksDone), so no FORGET could be sent: its return must be refused. Taken once (called by
+        MasterState when it opens the segment's fence, right after `segment_dropped`)."""
+        return self._unsettled_at_drop.pop(segment_name, set())
+
     def pending_forgets(self) -> list[TierTask]:
         """FORGETs not yet acknowledged by mounted, responsive segments: what a Remove waits for,
         so a removed object's disk copy cannot come back with a restart of the master."""
@@ -305,16 +330,33 @@ class Tiering:
 
     # ------------------------------------------------------------------ outcomes
 
-    def done(self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int]) -> list[int]:
-        """Apply a segment's reports. Per task: OK, or NOT_PENDING for a task it does not hold (expired)."""
-        self._forgets_stalled.discard(self._names.get(segment_id, ""))
+    def done(
+        self, segment_id: int, task_ids: list[int], statuses: list[int], locations: list[int], *, expired: bool = False
+    ) -> list[int]:
+        """Apply a segment's reports (or, with `expired`, `tick`'s verdict on tasks not reported in time).
+        Per task: OK (applied now, or the same report applied before: a segment retries a report
+        whose answer it lost), or NOT_PENDING for a task it does not hold (expired): the segment then
+        withdraws a copy it wrote for it."""
+        if not expired:
+            self._forgets_stalled.discard(self._names.get(segment_id, ""))
+            unsettled = self._unsettled.get(segment_id)
+            if unsettled:
+                for task_id in task_ids:
+                    unsettled.pop(task_id, None)
         out = []
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
             if task is None or task.segment_id != segment_id:
-                out.append(int(Status.NOT_PENDING))
+                again = not expired and self._reported.get(task_id) == (segment_id, location)
+                out.append(_OK if again else int(Status.NOT_PENDING))
                 continue
             del self._in_flight[task_id]
+            if task.kind is TaskKind.OFFLOAD and not expired:
+                self._reported[task_id] = (segment_id, location)
+                if len(self._reported) > _REPORTED_KEPT:
+                    self._reported.popitem(last=False)
+            if status != _OK:
+                self.failures[task.kind.name.lower(), status_name(status)] += 1
             if task.kind is TaskKind.OFFLOAD:
                 self._offload_done(task, status, location)
             elif task.kind is TaskKind.PROMOTE:
@@ -333,7 +375,9 @@ class Tiering:
                 del unacked[task.disk_location]
         elif task.segment_id in self.state.segments:
             self.counters["forget_failures"] += 1
-            self._enqueue(task)  # the tombstone must happen: try again
+            # The tombstone must happen: try again, after a pause (a full or failing disk would
+            # otherwise fail it again at once, in a loop between the master and the segment).
+            self._forget_retries.append((self.state.clock() + FORGET_RETRY_S, task))
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
@@ -549,12 +593,25 @@ class Tiering:
             logger.warning(
                 "tier task expired task_id=%d kind=%s segment_id=%d", task.task_id, task.kind.name, task.segment_id
             )
-            self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0])
+            self.done(task.segment_id, [task.task_id], [int(Status.TIMEOUT)], [0], expired=True)
         if expired:
             self.counters["expired_tasks"] += len(expired)
+        while self._forget_retries and self._forget_retries[0][0] <= now:
+            task = self._forget_retries.popleft()[1]
+            name = self._names.get(task.segment_id, "")
+            # Still owed (a remount may have handed it out again already) and its segment still here
+            # (a remount hands out every unacknowledged FORGET itself).
+            owed = self._unacked_forgets.get(name, {}).get(task.disk_location) is task
+            queued = task.task_id in self._in_flight or task in self._queues.get(task.segment_id, ())
+            if owed and not queued and task.segment_id in self.state.segments:
+                self._enqueue(task)
 
     def segment_dropped(self, segment_id: int) -> None:
         """Forget every task of a segment that is gone (its ranges went with its allocator)."""
+        unsettled = self._unsettled.pop(segment_id, {})
+        changed = {task.name for task in unsettled.values() if not self._alive(task)}
+        if changed and segment_id in self._names:
+            self._unsettled_at_drop.setdefault(self._names[segment_id], set()).update(changed)
         self._queues.pop(segment_id, None)
         self._offload_paused_until.pop(segment_id, None)
         for task in [t for t in self._in_flight.values() if t.segment_id == segment_id]:

@@ -30,6 +30,8 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   of those 12 bytes. The file is fdatasync'ed after sealing and a new bucket is opened for appends.
   An entry with header_len 0 marks a stretch recovery found unreadable (see Recovery); it keeps the
   entries tiling the file and names no record.
+- Reserve: a file ``reserve.kvr`` of up to 4 MiB (1/8 of the capacity at most), preallocated, whose
+  space is given back at the first ENOSPC of a tombstone or of a recovery write (see RESERVE_NAME).
 - Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
   bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
 
@@ -49,11 +51,13 @@ buckets first, then oldest first), which has a record whose payload is corrupt o
 not at mount. Until then readers are safe all the same: the client checks every payload against the
 master's checksum and a promotion checks it before copying.
 
-Threading: one writer thread calls everything except `pin`/`unpin`/`plan_read` (the event loop, the
-verifier) and `next_unverified`/`verified` (the verifier thread), which may come from other threads.
-One lock guards the bucket table, the live-record maps, the unverified set, pin counts and `used`; the
-writer mutates them only under it and reads them without it (it is the only mutator of the rest;
-`verified` only takes records off the unverified set, under the lock).
+Threading: one writer at a time calls everything except `pin`/`unpin`/`plan_read` (the event loop, the
+verifier) and `next_unverified`/`verified` (the verifier thread), which may come from other threads;
+writers on several threads serialize their calls themselves (the tier worker's store lock: its own
+thread, and the master link's during a mount). One lock guards the bucket table, the live-record maps,
+the unverified set, pin counts and `used`; the writer mutates them only under it and reads them without
+it (it is the only mutator of the rest; `verified` only takes records off the unverified set, under the
+lock).
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 import crc32c
 
@@ -103,7 +108,14 @@ _MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
 _SMALL_RECORD = 64 << 10  # at mount, runs of records this small (file span) are read with one pread...
 _RUN_READ = 1 << 20  # ...of up to this many bytes; a larger record costs one page read for its header
 _NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
+# Space set aside on the file system for the writes that must not fail when it is full: tombstones
+# (a FORGET, a stale copy refused at mount), a new open bucket and a footer at recovery. Given back
+# at the first ENOSPC of such a write, taken again once buckets are deleted. Not counted in `used`.
+RESERVE_NAME = "reserve.kvr"
+_RESERVE_BYTES = 4 << 20
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 _Entry = tuple[int, int, int, int]  # footer entry: offset, header_len, size, flags
 
 
@@ -416,12 +428,15 @@ class BucketStore:
         self._open: _Bucket | None = None
         self._dirty: set[_Bucket] = set()
         self._dir_dirty = False  # a bucket file was created since the last sync
+        self._sync_failed: OSError | None = None  # an fdatasync outside sync() failed since the last one
         self._next_id = 0
         self._used = 0
         # Live records found at mount whose payload is not verified yet, in verification order (see
         # recover); appended records are verified as they are written and never enter it.
         self._unverified: dict[int, DiskRecord] = {}
         self._unverified_bytes = 0
+        self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
+        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8 // ALIGN * ALIGN)
         self._state = "new"  # new -> recovered -> closed
 
     # --- recovery ---------------------------------------------------------------------------
@@ -469,15 +484,16 @@ class BucketStore:
                 self._unverified_bytes += record.size
         for bucket in loaded[:-1]:
             if not bucket.sealed:  # only the newest bucket may stay open
-                self._seal(bucket)
+                self._must_write(self._seal, bucket)
         last = loaded[-1] if loaded else None
         if last is not None and not last.sealed and not self._full(last):
             self._open = last
         else:
             if last is not None and not last.sealed:
-                self._seal(last)
-            self._open = self._create_bucket()
+                self._must_write(self._seal, last)
+            self._open = self._must_write(self._create_bucket)
             self._register(self._open)
+        self._keep_reserve()
         records = self.records()
         logger.info(
             "buckets recovered dir=%s buckets=%d records=%d used=%d unverified_bytes=%d seconds=%.2f",
@@ -712,10 +728,24 @@ class BucketStore:
                         bucket.live.pop(location, None)
                     self._drop_unverified(location)
 
+    def withdraw(self, locations: Iterable[int]) -> None:
+        """Stop serving and reporting these records, writing nothing (for records whose write failed
+        after they were appended, e.g. a failed fdatasync: whatever reached the disk is re-verified by
+        the next recovery, and should be tombstoned by the caller where it can)."""
+        with self._lock:
+            for location in locations:
+                bucket = self._buckets.get(location >> 20)
+                if bucket is not None:
+                    bucket.live.pop(location, None)
+                self._drop_unverified(location)
+
     def _append_tombstones(self, targets: Sequence[int]) -> None:
-        """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations."""
+        """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations (into the reserve's
+        space when the file system is full: a removed object must not come back for want of a page)."""
         payload = b"".join(_U64.pack(target) for target in targets)
-        holder, _ = self._write_record(FLAG_TOMBSTONE, b"", b"", payload, crc32c.crc32c(payload), check_capacity=False)
+        holder, _ = self._must_write(
+            self._write_record, FLAG_TOMBSTONE, b"", b"", payload, crc32c.crc32c(payload), check_capacity=False
+        )
         holder.tombstones += [target for target in targets if target >> 20 != holder.bucket_id]
         self._seal_if_full()
 
@@ -752,6 +782,44 @@ class BucketStore:
             self._used += bucket.end - bucket.allocated
             bucket.allocated = bucket.end
         return bucket, _location(bucket.bucket_id, offset)
+
+    def _must_write(self, write: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`write(*args)`; on ENOSPC, once more after giving back the reserve's space."""
+        try:
+            return write(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._release_reserve():
+                raise
+            return write(*args, **kwargs)
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's space back to the file system; whether there was any."""
+        try:
+            os.unlink(self._reserve_path)
+        except FileNotFoundError:
+            return False
+        logger.warning("file system full: SSD tier reserve given back for a write that must not fail dir=%s", self._dir)
+        return True
+
+    def _keep_reserve(self) -> None:
+        """(Re)create the reserve if it is missing; on a file system too full for it, try again later."""
+        if not self._reserve_bytes or os.path.exists(self._reserve_path):
+            return
+        tmp = self._reserve_path + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self._reserve_bytes)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._reserve_path)  # complete or absent, never a partial reserve
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            logger.warning("SSD tier reserve not taken dir=%s error=%s", self._dir, exc)
 
     def _cut_back(self, bucket: _Bucket) -> None:
         """Remove whatever a failed write left past the last complete record."""
@@ -834,9 +902,17 @@ class BucketStore:
         footer += locator + _U32.pack(crc32c.crc32c(locator))
         try:
             _pwrite_all(bucket.write_fd, [bytes(footer)], bucket.end)
+        except OSError:
+            self._cut_back(bucket)
+            raise
+        try:
             # Also makes every record of the bucket durable: sealing never leaves one behind a sync.
             os.fdatasync(bucket.write_fd)
-        except OSError:
+        except OSError as exc:
+            # The kernel reports a failed writeback once: a later fdatasync of this bucket would
+            # succeed although records appended since the last sync may be lost. The next sync()
+            # raises instead, so none of them is reported durable.
+            self._sync_failed = exc
             self._cut_back(bucket)
             raise
         if self._group_fd is not None and self._group_fd[0] == bucket.bucket_id:
@@ -857,14 +933,19 @@ class BucketStore:
 
         After it returns, every record appended before the call survives a crash. An OSError means the
         appends since the last successful sync may be lost: treat them as not durable (a retry that
-        succeeds does not prove otherwise, the kernel may have dropped the failed pages).
+        succeeds does not prove otherwise, the kernel may have dropped the failed pages). It is also
+        raised when an fdatasync of a seal failed since the last sync (even one swallowed by a
+        deferred seal), for the same reason.
         """
+        failed, self._sync_failed = self._sync_failed, None
         for bucket in list(self._dirty):
             os.fdatasync(bucket.write_fd)
             self._dirty.discard(bucket)
         if self._dir_dirty:
             self._fsync_dir()
             self._dir_dirty = False
+        if failed is not None:
+            raise OSError(failed.errno, f"an earlier fdatasync failed: {failed.strerror}")
 
     def _fsync_dir(self) -> None:
         fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1136,6 +1217,7 @@ class BucketStore:
                     unlinked += 1
         if unlinked:
             self._fsync_dir()  # deleted buckets stay deleted after a crash
+            self._keep_reserve()
         logger.info("buckets deleted ids=%s deferred=%d used=%d", sorted(doomed), len(doomed) - unlinked, self._used)
 
     def _destroy(self, bucket: _Bucket) -> None:

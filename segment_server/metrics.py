@@ -198,6 +198,18 @@ class SegmentCollector(Collector):
                 self._name,
                 verifier.store.unverified_bytes,
             )
+        failures = CounterMetricFamily(
+            "kvtier_segment_tier_write_failures",
+            "Tier tasks that failed here and left no copy the master hands out, by op (offload, promote, "
+            "forget) and reason (no_space, io_error, checksum, deadline, missing, invalid_range, abandoned: "
+            "copies written for offloads the master had given up on, or whose report no master took).",
+            labels=["segment", "op", "reason"],
+        )
+        for (op, reason), count in sorted(
+            dict(worker.failures).items() if worker is not None else ()
+        ):  # copied at once (GIL)
+            failures.add_metric([self._name, op, reason], count)
+        yield failures
         if self._store is not None:
             yield _one(
                 GaugeMetricFamily,

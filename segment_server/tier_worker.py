@@ -33,11 +33,13 @@ bounded engine of kvtier.segment_server.diskio instead.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +48,7 @@ import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
+from kvtier.segment_server import failpoints
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
 from kvtier.segment_server.group_writer import GroupWriter, OffloadItem, Outcome
@@ -60,6 +63,16 @@ _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MAX_S = 3.0
 _OK = int(Status.OK)
 _PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the report and clocks
+_KIND_NAMES = {pb.OFFLOAD: "offload", pb.PROMOTE: "promote", pb.FORGET: "forget"}
+# A failed task's status -> the reason label of kvtier_segment_tier_write_failures_total
+_FAILURE_REASONS = {
+    int(Status.NO_SPACE): "no_space",
+    int(Status.INTERNAL): "io_error",
+    int(Status.CHECKSUM_MISMATCH): "checksum",
+    int(Status.TIMEOUT): "deadline",
+    int(Status.NOT_FOUND): "missing",
+    int(Status.INVALID_RANGE): "invalid_range",
+}
 
 
 class _BadRange(Exception):
@@ -94,6 +107,16 @@ class TierWorker:
         self.offloaded_bytes = 0
         self.promoted = 0
         self.forgotten = 0
+        # (op, reason) -> tasks that failed here: kvtier_segment_tier_write_failures_total. A failed
+        # task never leaves a copy the master hands out (see `_run_tasks`).
+        self.failures: Counter[tuple[str, str]] = Counter()
+        # Locations written for OFFLOADs of the batch in hand, not yet answered by a master: left out
+        # of an inventory reported meanwhile (a re-mount), since no master may ever register them.
+        self._unreported: set[int] = set()
+        self._unreported_lock = threading.Lock()
+        # Taken around each store write: the store has one writer at a time, and besides this thread
+        # the master link's writes tombstones of stale copies during a mount (report_inventory).
+        self._store_lock = threading.RLock()
 
     def start(self) -> None:
         self._thread.start()
@@ -118,9 +141,10 @@ class TierWorker:
                 self._stop.wait(0.05)
                 continue
             try:
-                self._evict_buckets(segment_id)
-                if self.verifier is not None:
-                    self.verifier.apply(self._stub, segment_id)
+                with self._store_lock:
+                    self._evict_buckets(segment_id)
+                    if self.verifier is not None:
+                        self.verifier.apply(self._stub, segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
                         segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
@@ -189,45 +213,108 @@ class TierWorker:
             locations.append(location)
         if forgets:
             try:
-                self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
+                with self._store_lock:
+                    self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
                 appended = True
                 self.forgotten += len(forgets)
-            except OSError as exc:
+            except OSError as exc:  # the master sends them again (after a pause)
+                failed = int(Status.NO_SPACE if isinstance(exc, DiskFull) else Status.INTERNAL)
                 for i in forgets:
-                    statuses[i] = int(Status.INTERNAL)
-                first_error = first_error or f"INTERNAL {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
+                    statuses[i] = failed
+                first_error = first_error or f"{Status(failed).name} {reply.keys[forgets[0]]!r:.80}: disk error: {exc}"
         if appended:
             try:
-                self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
+                if offloaded:
+                    failpoints.hit("tier.offload_sync")
+                with self._store_lock:
+                    self.store.sync()  # durable before reported: the master may drop the DRAM copy at once
                 self.offloaded += offloaded
                 self.offloaded_bytes += offloaded_bytes
             except OSError as exc:
-                statuses = [s if s != _OK else int(Status.INTERNAL) for s in statuses]
                 first_error = first_error or f"fdatasync failed: {exc}"
+                unsynced = [
+                    location
+                    for kind, status, location in zip(reply.kinds, statuses, locations, strict=True)
+                    if kind == pb.OFFLOAD and status == _OK
+                ]
+                failed = int(Status.NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Status.INTERNAL)
+                statuses = [s if s != _OK else failed for s in statuses]
+                locations = [0] * len(locations)
+                self._withdraw(unsynced)
+            if offloaded and all(s == _OK for s in statuses):
+                failpoints.hit("tier.offload_synced")
+        for kind, status in zip(reply.kinds, statuses, strict=True):
+            if status != _OK:
+                self.failures[_KIND_NAMES.get(kind, "unknown"), _FAILURE_REASONS.get(status, "other")] += 1
         if first_error:
-            logger.warning("tier tasks failed segment_id=%d: %s", segment_id, first_error)
-        done = self._stub.TierTasksDone(
-            pb.TierTasksDoneRequest(
-                segment_id=segment_id,
-                epoch=self._epoch,
-                task_ids=list(reply.task_ids),
-                statuses=statuses,
-                disk_locations=locations,
-                error=first_error,
-            ),
-            timeout=_RPC_TIMEOUT_S,
-        )
-        # A copy written for an offload the master no longer waits for (it expired) is an orphan
-        # nobody will ever read or forget: tombstone it now.
-        orphans = [
-            location
-            for kind, status, location, answer in zip(reply.kinds, statuses, locations, done.statuses, strict=False)
-            if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
-        ]
-        if orphans:
-            self.store.tombstone_many(orphans)
-            self.store.sync()
-            logger.warning("tombstoned %d disk copies of offloads the master had given up on", len(orphans))
+            logger.warning("tier tasks failed segment_id=%d error=%s", segment_id, first_error)
+        try:
+            done = self._report(
+                segment_id,
+                pb.TierTasksDoneRequest(
+                    segment_id=segment_id,
+                    epoch=self._epoch,
+                    task_ids=list(reply.task_ids),
+                    statuses=statuses,
+                    disk_locations=locations,
+                    error=first_error,
+                ),
+            )
+            written = [
+                location
+                for kind, status, location in zip(reply.kinds, statuses, locations, strict=True)
+                if kind == pb.OFFLOAD and status == _OK
+            ]
+            if done is None or done.status != _OK:
+                # No master took the report (it restarted, or dropped this segment meanwhile): these
+                # copies are registered nowhere, and the inventory of any new mount left them out.
+                orphans = written
+            else:
+                # A copy written for an offload the master no longer waits for (it expired) is an
+                # orphan nobody will ever read or forget.
+                orphans = [
+                    location
+                    for kind, status, location, answer in zip(
+                        reply.kinds, statuses, locations, done.statuses, strict=False
+                    )
+                    if kind == pb.OFFLOAD and status == _OK and answer == Status.NOT_PENDING
+                ]
+            if orphans:
+                self.failures["offload", "abandoned"] += len(orphans)
+                self._withdraw(orphans)
+                logger.warning("tombstoned %d disk copies of offloads no master registered", len(orphans))
+        finally:
+            with self._unreported_lock:
+                self._unreported.clear()
+
+    def _report(self, segment_id: int, request: pb.TierTasksDoneRequest) -> Any:
+        """TierTasksDone, retried while this mount lasts (the master answers a repeated report alike);
+        None once it is over (a re-mount, or stopping): then no master holds these outcomes."""
+        backoff = 0.05
+        while True:
+            try:
+                return self._stub.TierTasksDone(request, timeout=_RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if self._stop.is_set() or self._session() != (segment_id, self._epoch):
+                    return None
+                logger.warning("tier tasks report failed code=%s; retrying in %.2fs", exc.code(), backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _withdraw(self, locations: list[int]) -> None:
+        """Records appended for offloads that are reported failed: never served, never reported at a
+        mount, and tombstoned so a restart does not bring them back (their key may be removed meanwhile,
+        and the master never knew these copies). If even the tombstone cannot be written (the disk is
+        failing), they are dropped from the live set all the same; a restart re-verifies every record."""
+        if not locations:
+            return
+        with self._store_lock:
+            try:
+                self.store.tombstone_many(locations)
+                self.store.sync()
+            except OSError as exc:
+                logger.warning("cannot tombstone %d disk copies: %s", len(locations), exc)
+            self.store.withdraw(locations)
 
     def _offload_all(self, segment_id: int, reply: pb.PollTierTasksResponse) -> dict[int, Outcome]:
         """Write the batch's OFFLOADs as one group (kvtier.segment_server.group_writer): task index ->
@@ -250,7 +337,10 @@ class TierWorker:
             )
             indexes.append(i)
         if items:
-            outcomes = self._writer.write(items, on_full=lambda: self._evict_buckets(segment_id))
+            with self._store_lock:  # the master link writes tombstones and reports during a mount
+                outcomes = self._writer.write(items, on_full=lambda: self._evict_buckets(segment_id))
+                with self._unreported_lock:  # before a mount's inventory can see them (see report_inventory)
+                    self._unreported.update(o for o in outcomes if isinstance(o, int))
             out.update(zip(indexes, outcomes, strict=True))
         return out
 
@@ -273,6 +363,7 @@ class TierWorker:
             payload = BucketStore.payload_of(view, plan, namespace, key, self.store.cluster_id)
             if plan.size != size or crc32c.crc32c(payload) != checksum:
                 return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
+            failpoints.hit("tier.promote_read")
             if time.monotonic() > deadline:
                 return int(Status.TIMEOUT), "promotion came too late: its DRAM range may be reused"
             self._region[dram_offset : dram_offset + size] = payload
@@ -290,7 +381,9 @@ class TierWorker:
 
     def report_inventory(self, stub: Any, segment_id: int, epoch: int) -> None:
         """Report every disk copy to the master (called by the master link after each mount)."""
-        records = self.store.records()
+        with self._unreported_lock:
+            unreported = set(self._unreported)
+        records = [r for r in self.store.records() if r.location not in unreported]
         stale = []
         for lo in range(0, len(records), _REPORT_BATCH):
             chunk = records[lo : lo + _REPORT_BATCH]
@@ -299,8 +392,18 @@ class TierWorker:
                 raise InventoryRefused(f"ReportDiskObjects: {Status(reply.status).name}: {reply.error}")
             stale += [r for r, s in zip(chunk, reply.statuses, strict=True) if s == Status.CHECKSUM_MISMATCH]
         if stale:  # the master holds these keys with other bytes: they must never come back
-            self.store.tombstone_many(record.location for record in stale)
-            self.store.sync()
+            locations = [record.location for record in stale]
+            with self._store_lock:
+                try:
+                    self.store.tombstone_many(locations)
+                    self.store.sync()
+                except OSError as exc:
+                    # Never served or reported again by this process, and refused by this master at
+                    # any later mount; the mount goes on (a failing disk must not keep DRAM out of service).
+                    failed = "no_space" if isinstance(exc, DiskFull) else "io_error"
+                    self.failures["forget", failed] += len(locations)
+                    logger.error("stale disk copies not tombstoned count=%d error=%s", len(locations), exc)
+                self.store.withdraw(locations)
         logger.info("reported disk inventory segment_id=%d objects=%d stale=%d", segment_id, len(records), len(stale))
 
     def _evict_buckets(self, segment_id: int) -> bool:

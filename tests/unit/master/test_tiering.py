@@ -500,3 +500,84 @@ def test_a_segment_that_does_not_acknowledge_forgets_is_not_waited_for_until_it_
     disk.poll(ack_forgets=False)
     state.tiering.done(seg, [], [], [])  # it answers again (any report)
     assert [t.disk_location for t in state.tiering.pending_forgets()] == [1], "waited for again"
+
+
+@pytest.mark.parametrize("removed", [True, False])
+def test_an_offload_never_reported_fences_its_key_only_if_it_changed_meanwhile(state, clock, removed):
+    # given an offload handed out and never reported (the segment dies between its fdatasync and
+    # TierTasksDone: the copy may be durable, the master does not know where). (Expired or not: an
+    # expiry does not settle it. Expired, its object is dropped by the next watermark pass, which
+    # counts as a change too: the master cannot tell an eviction from a removal afterwards.)
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    (task,) = disk.poll()
+    # when its object is removed (or not) before the segment is dropped
+    if removed:
+        assert state.remove(NS, [task.name.split("\x00", 1)[1]]) == [OK]
+    assert state.unmount_segment(seg) == OK
+    # then a removed object's name is taken for the segment's fence (a returning copy is refused);
+    # an untouched one may come back (its bytes are right)
+    assert state.tiering.unsettled_offload_names("a") == ({task.name} if removed else set())
+    assert state.tiering.unsettled_offload_names("a") == set(), "taken once"
+    assert_consistent(state)
+
+
+def test_a_reported_offload_is_settled_even_after_it_expired(state, clock):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = disk.poll()
+    advance_alive(state, clock, state.config.put_timeout_s + 1)
+    state.tick()
+    assert disk.complete(tasks) == [Status.NOT_PENDING] * len(tasks)  # the segment withdraws the copies
+    for task in tasks:  # (dropped already by the watermark pass after the expiry)
+        state.remove(NS, [task.name.split("\x00", 1)[1]])
+    assert state.unmount_segment(seg) == OK
+    assert state.tiering.unsettled_offload_names("a") == set()
+    assert state.tiering.failures["offload", "TIMEOUT"] == len(tasks)
+
+
+def test_a_failed_forget_is_sent_again_after_a_pause_not_at_once(state, clock):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    disk.complete(disk.poll())
+    assert state.remove(NS, ["k0"]) == [OK]
+    forgets = [t for t in state.tiering.poll(seg, 10) if t.kind is TaskKind.FORGET]
+    assert len(forgets) == 1
+    # when the segment cannot write the tombstone (its disk is full)
+    ids = [forgets[0].task_id]
+    assert state.tiering.done(seg, ids, [int(Status.NO_SPACE)], [0]) == [OK]
+    assert state.tiering.failures["forget", "NO_SPACE"] == 1
+    # then it is not handed out again at once (no loop between master and segment) ...
+    state.tick()
+    assert state.tiering.poll(seg, 10) == []
+    # ... but after the pause, until acknowledged
+    advance_alive(state, clock, 1.5)
+    state.tick()
+    again = state.tiering.poll(seg, 10)
+    assert [t.disk_location for t in again] == [forgets[0].disk_location]
+    assert state.tiering.done(seg, [again[0].task_id], [int(OK)], [0]) == [OK]
+    assert state.tiering.pending_forgets() == []
+    assert_consistent(state)
+
+
+def test_a_repeated_offload_report_is_answered_alike_not_as_expired(state):
+    # given an offload the segment reported, whose answer it lost (it retries the same report)
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    (task,) = disk.poll()
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [42]) == [OK]
+    # then the retry gets OK again (NOT_PENDING would make it withdraw the copy now registered) ...
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [42]) == [OK]
+    assert 42 in [replica_offset(r) for r in state.record(NS, "k0").replicas]
+    # ... and a report that differs, or comes from another segment, is still refused
+    assert state.tiering.done(seg, [task.task_id], [int(OK)], [43]) == [Status.NOT_PENDING]
+    assert state.tiering.done(seg + 1, [task.task_id], [int(OK)], [42]) == [Status.NOT_PENDING]
+    assert_consistent(state)

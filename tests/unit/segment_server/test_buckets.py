@@ -1245,3 +1245,47 @@ def test_random_histories_recover_to_the_model(ops):
                 assert read(store, location, key) == data
         finally:
             store.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    """A 2 MiB tmpfs: a file system that really runs out of room."""
+    import subprocess
+
+    from tests.capability import require
+
+    path = tmp_path / "tiny"
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "kvtier-unit", str(path)], capture_output=True)
+    require("root", done.returncode == 0, f"mount -t tmpfs: {done.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_the_reserve_lets_tombstones_and_recovery_write_on_a_full_file_system(stores, tiny_fs):
+    capacity = 4 << 20  # more than the file system holds: it, not the store, runs out
+    kwargs = {"bucket_size": 64 * ALIGN, "bucket_keys": 1000}
+    store = stores(tiny_fs, capacity=capacity, **kwargs)
+    store.recover()
+    reserve = tiny_fs / buckets.RESERVE_NAME
+    assert reserve.stat().st_size == capacity // 8, "taken at recovery, 1/8 of a small capacity"
+    assert store.used < capacity // 8, "and not counted as the tier's use"
+    written = []
+    with pytest.raises(DiskFull):
+        for i in range(1000):
+            written.append(put(store, f"k{i}", blob(i, 60_000)))
+    store.sync()
+    with open(tiny_fs / "filler", "wb", buffering=0) as f:  # not one free page left
+        with pytest.raises(OSError):
+            while f.write(b"\0" * ALIGN):
+                pass
+    # a removal on the full file system still gets its tombstone, from the reserve's space
+    store.tombstone_many(written[:1])
+    store.sync()
+    assert not reserve.exists()
+    # and a restart on it recovers (it may have to open a new bucket) without the removed record
+    store, records = reopen(stores, store, tiny_fs, capacity=capacity, **kwargs)
+    assert {r.location for r in records} == set(written[1:])
+    # once buckets are deleted there is room for the reserve again
+    store.delete_buckets([bucket_id for bucket_id, _ in store.eviction_candidates()[:3]] or [written[1] >> 20])
+    assert reserve.exists()
