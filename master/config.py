@@ -66,6 +66,15 @@ class MasterConfig:
     # them in DRAM, so that eviction (and a put that needs room) later drops copies already safe.
     # Above high_watermark it changes nothing (eviction offloads there anyway).
     offload_watermark: float = 0.80
+    # When a put finds DRAM full of objects whose only copy is in DRAM and not yet on SSD (docs/
+    # architecture.md, "The SSD tier"): "wait" (the put waits for offload, at most put_backpressure_s,
+    # then those keys fail OFFLOAD_BEHIND: nothing acknowledged is dropped while the tier has room)
+    # or "drop" (such copies are dropped, lost to recompute; puts never wait).
+    dram_full_policy: str = "wait"
+    put_backpressure_s: float = 5.0
+    # DRAM bytes a segment may have being offloaded at once (at least eviction_ratio of it, at most
+    # a quarter): enough fdatasync groups in flight to keep its disk busy.
+    offload_in_flight: str = "256MiB"
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     alignment: int = 64  # allocation granularity inside a region, bytes
@@ -152,6 +161,15 @@ class MasterConfig:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
+        if self.dram_full_policy not in ("wait", "drop"):
+            raise ValueError(f"dram_full_policy must be wait or drop, got {self.dram_full_policy!r}")
+        # A put that waited keeps the rest of its write grant, min(put_timeout_s, lease_s), to write.
+        if not 0 <= self.put_backpressure_s * 2 <= min(self.put_timeout_s, self.lease_s):
+            raise ValueError(
+                f"put_backpressure_s must be between 0 and half of min(put_timeout_s, lease_s) (the write "
+                f"grant a waiting put uses up), got {self.put_backpressure_s}"
+            )
+        check_field("offload_in_flight", parse_size, self.offload_in_flight)
         if self.promote_after_reads < 0:
             raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
         if self.fence_max_keys < 0:
@@ -221,6 +239,10 @@ class MasterConfig:
     def saves_state_to(self) -> str:
         """The directory the standalone master saves its state in; empty when it saves none."""
         return "" if self.state_dir in ("", STATE_DIR_NONE) else self.state_dir
+
+    @property
+    def offload_in_flight_bytes(self) -> int:
+        return parse_size(self.offload_in_flight)
 
     @property
     def message_limit(self) -> int:

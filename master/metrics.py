@@ -19,9 +19,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.master.backpressure import WaitHistogram
 from kvtier.master.fastpath import FastPathStats
 from kvtier.master.servicer import MasterHandlers
 from kvtier.proto.latency import LatencyHistogram
@@ -47,6 +48,10 @@ class _Snapshot:
     corrupt_stale: int
     lease_expiries: dict[str, int]
     tiering: dict[str, int]
+    dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
+    put_waits: WaitHistogram
+    put_failed_keys: int
+    offload_queues: dict[str, tuple[int, float]]  # segment -> (tasks queued or in flight, oldest's age)
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
     role: str
@@ -97,6 +102,10 @@ class MasterCollector(Collector):
             corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             tiering=h.events(),
+            dropped_without_ssd_copy=dict(state.pressure.dropped),
+            put_waits=WaitHistogram(list(state.pressure.waited.counts), state.pressure.waited.total),
+            put_failed_keys=state.pressure.failed_keys,
+            offload_queues=state.pressure.offload_queues(),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
             role=h.role,
@@ -206,6 +215,36 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "event",
         s.tiering,
     )
+    dropped = CounterMetricFamily(
+        "kvtier_master_dropped_without_ssd_copy",
+        "Objects dropped (evicted) without any SSD copy, by reason: policy_drop (dram_full_policy drop), "
+        "offload_failed (offload paused after a failure), too_large, not_admitted, no_ssd_tier, quota, corrupt.",
+        labels=["reason"],
+    )
+    for reason, count in sorted(s.dropped_without_ssd_copy.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    waits = HistogramMetricFamily(
+        "kvtier_master_put_backpressure_seconds",
+        "How long PutStarts waited for offload to make room (dram_full_policy wait).",
+    )
+    waits.add_metric([], s.put_waits.buckets(), s.put_waits.total)
+    yield waits
+    yield CounterMetricFamily(
+        "kvtier_master_put_backpressure_failed_keys",
+        "Keys answered OFFLOAD_BEHIND: no room after waiting put_backpressure_s; nothing stored.",
+        value=s.put_failed_keys,
+    )
+    depth = GaugeMetricFamily(
+        "kvtier_master_offload_queue_depth", "Offload tasks queued or in flight, per segment.", labels=["segment"]
+    )
+    lag = GaugeMetricFamily(
+        "kvtier_master_offload_lag_seconds", "Age of the oldest offload not yet done, per segment.", labels=["segment"]
+    )
+    for name, (count, age) in sorted(s.offload_queues.items()):
+        depth.add_metric([name], count)
+        lag.add_metric([name], age)
+    yield from (depth, lag)
     quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
     quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])
     quota_objects = GaugeMetricFamily("kvtier_quota_objects", "Objects a rank owns.", labels=["instance", "rank"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import grpc
 
 from kvtier.master import inspection_rpc
 from kvtier.master.auth import Authenticator
+from kvtier.master.backpressure import HeldPut, PutWaiter
 from kvtier.master.capabilities import Minter
 from kvtier.master.commits import PutAcknowledgement, notice_pin
 from kvtier.master.corrupt import CorruptReport
@@ -73,6 +75,13 @@ class MasterHandlers:
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
+        self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
+        self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart
+
+    def take_put_hold(self) -> HeldPut | None:
+        """After PutStart: the put whose answer must wait for offload (kvtier.master.backpressure)."""
+        held, self.put_held = self.put_held, None
+        return held
 
     def events(self) -> dict[str, int]:
         """Tiering, commit-log and returning-segment counters (Status's `tiering`, kvtier_master_tiering)."""
@@ -80,6 +89,7 @@ class MasterHandlers:
         return (
             dict(state.tiering.counters)
             | dict(state.commits.counters)
+            | state.pressure.counters()
             | {
                 # returning segments (master/fences.py), and PutEnd keys whose segment was lost meanwhile
                 "fence_copies_readopted": state.fences.readopted,
@@ -204,7 +214,18 @@ class MasterHandlers:
             preferred_segment=request.preferred_segment,
             client_host=request.client_host,
         )
+        started = time.monotonic()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
+        if int(Status.OFFLOAD_BEHIND) in result.statuses:  # the door awaits put_waiter.finish instead
+            wait_s = self.state.config.put_backpressure_s
+            wait_s = min(wait_s, request.wait_ms / 1000) if request.wait_ms else wait_s
+            self.put_held = HeldPut(namespace, request, options, result, started, wait_s)
+            return pb.PutStartResponse(status=Status.OK)
+        return self.put_reply(request, result, 0.0)
+
+    def put_reply(self, request, result, waited_s: float):
+        """The PutStartResponse of `result`; `waited_s` after its first allocation (backpressure),
+        which its write grant has used up: tags never outlive the ranges' reservation (_reuse_at)."""
         reply = pb.PutStartResponse(
             status=Status.OK,
             error=result.first_error,
@@ -216,7 +237,7 @@ class MasterHandlers:
             put_id=result.put_id,
         )
         if result.replica_segments:  # writable for capability_ttl_s (_reuse_at); frames carry the deadline
-            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s)
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s - waited_s)
         if self.minter.enabled and result.replica_segments:
             reply.replica_tags = self.minter.replica_tags(
                 self.state.segments.get, self.epoch, result.replica_counts, result.replica_segments,
@@ -728,6 +749,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         barrier = self.waiter.barrier()
         return reply if barrier is None else await self.waiter.finish(reply, barrier)
 
+    async def PutStart(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        reply = self.handlers.PutStart(request)
+        held = self.handlers.take_put_hold()
+        return reply if held is None else await self.handlers.put_waiter.finish(held)
+
     async def PutEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer_when_acknowledged("PutEnd", request)
 
@@ -798,5 +824,12 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    if _name not in ("PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects", *WAITING_CALLS):
+    if _name not in (
+        "PutStart",
+        "PollTierTasks",
+        "PollCommits",
+        "RegisterInstance",
+        "ReportDramObjects",
+        *WAITING_CALLS,
+    ):  # noqa: E501
         setattr(MasterServicer, _name, _delegate(_name))

@@ -81,6 +81,7 @@ class TierTask:
     dram_offset: int = 0
     disk_location: int = 0
     deadline: float = 0.0  # set when handed out
+    queued_at: float = 0.0  # OFFLOAD: when queued (the offload lag, kvtier.master.backpressure)
 
 
 def dram_key(segment_id: int) -> int:
@@ -160,6 +161,16 @@ class Tiering:
             and self._offload_paused_until.get(segment.segment_id, 0.0) <= self.state.clock()
         )
 
+    def refusal(self, record: ObjectRecord, segment: SegmentRecord) -> str | None:
+        """Why `record` will never be offloaded to `segment`'s SSD tier (a reason of
+        kvtier.master.backpressure.DROP_REASONS), or None when it can be (now or once a paused
+        offload resumes). The one place that decides it: eviction does not wait for such objects."""
+        if not segment.offload or segment.ssd_capacity <= 0:
+            return "no_ssd_tier"
+        if segment.ssd_max_object and record.size > segment.ssd_max_object:
+            return "too_large"  # the segment could never serve it back
+        return None
+
     def offloading_bytes(self, segment_id: int) -> int:
         return self._offloading_bytes[segment_id]
 
@@ -168,8 +179,8 @@ class Tiering:
         segment_id = segment.segment_id
         if record.name in self.offloading or not self.can_offload(segment):
             return False
-        if segment.ssd_max_object and record.size > segment.ssd_max_object:
-            return False  # the segment could never serve it back: drop it instead
+        if self.refusal(record, segment) is not None:
+            return False  # drop it instead
         dram = dram_key(segment_id)
         source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
         if source is None or any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
@@ -183,6 +194,7 @@ class Tiering:
             record.size,
             record.checksum,
             dram_offset=source & OFFSET_MASK,
+            queued_at=self.state.clock(),
         )
         self.offloading[record.name] = task
         self._offloading_bytes[segment_id] += self.state._aligned(record.size)
@@ -276,6 +288,7 @@ class Tiering:
         """Apply a segment's reports. Per task: OK, or NOT_PENDING for a task it does not hold (expired)."""
         self._forgets_stalled.discard(self._names.get(segment_id, ""))
         out = []
+        offloaded = False
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
             if task is None or task.segment_id != segment_id:
@@ -284,11 +297,14 @@ class Tiering:
             del self._in_flight[task_id]
             if task.kind is TaskKind.OFFLOAD:
                 self._offload_done(task, status, location)
+                offloaded = True
             elif task.kind is TaskKind.PROMOTE:
                 self._promote_done(task, status)
             else:
                 self._forget_done(task, status)
             out.append(_OK)
+        if offloaded:
+            self.state.pressure.progress({segment_id})  # refill its pipeline at once, wake waiting puts
         if self.on_ack is not None:
             self.on_ack()
         return out

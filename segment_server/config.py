@@ -62,6 +62,9 @@ class SegmentConfig:
     ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
+    # Offload bandwidth cap in bytes/s (e.g. 500MiB), keeping disk bandwidth for reads; 0 = unlimited.
+    # A put that needs room waits for offload (the master's dram_full_policy), so a low cap slows writers.
+    ssd_write_limit: str = "0"
     # Data-plane connection limits: a client beyond max_connections is refused with a clear
     # error; a connection idle this long, or a request (or its response) stalled this long, is cut.
     max_connections: int = 4096
@@ -88,6 +91,10 @@ class SegmentConfig:
     def ssd_bytes(self) -> int:
         return parse_size(self.ssd_size) if self.ssd_dir else 0
 
+    @property
+    def ssd_write_limit_bytes(self) -> int:
+        return parse_size(self.ssd_write_limit)
+
     def validate(self) -> SegmentConfig:
         check_field("master", check_master_spec, self.master)
         if self.metrics:
@@ -101,7 +108,7 @@ class SegmentConfig:
                 f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
                 "this segment's data plane at"
             )
-        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers"):
+        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_write_limit"):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")

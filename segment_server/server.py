@@ -129,6 +129,7 @@ async def serve(config: SegmentConfig) -> int:
         )
         if store is not None:
             worker = TierWorker(channels.stub, store, region.view, link.session)
+            worker.write_limit.rate = config.ssd_write_limit_bytes
             worker.start()
         feed = CommitFeed(channels.stub, index, link.session)
         feed.start()

@@ -44,6 +44,7 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
 from kvtier.segment_server.dram_index import InventoryRefused
+from kvtier.segment_server.write_limit import WriteLimit
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class TierWorker:
         self._epoch = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
+        self.write_limit = WriteLimit(0, self._stop)  # --ssd-write-limit (the server sets the rate)
         self.offloaded = 0
         self.offloaded_bytes = 0
         self.promoted = 0
@@ -142,6 +144,7 @@ class TierWorker:
                     if offset + size > len(self._region):
                         status, error = int(Status.INVALID_RANGE), f"offload range {offset}+{size} outside the region"
                     else:
+                        self.write_limit.take(size)  # --ssd-write-limit: paced per record
                         location = self._append(
                             segment_id, namespace, key, self._region[offset : offset + size], checksum
                         )
