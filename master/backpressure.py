@@ -181,6 +181,13 @@ class Pressure:
         if self.notify is not None:
             self.notify()
 
+    @property
+    def max_wait_s(self) -> float:
+        """put_backpressure_s, at most half of a PutStart's write grant (min(put_timeout_s, lease_s),
+        kvtier.master.capabilities): a put that waited keeps the rest to write its bytes."""
+        config = self.state.config
+        return min(config.put_backpressure_s, min(config.put_timeout_s, config.lease_s) / 2)
+
     def no_room(self) -> Status:
         """The status of a key that found no room in this PutStart."""
         return Status.OFFLOAD_BEHIND if self.blocked else Status.NO_SPACE

@@ -217,7 +217,7 @@ class MasterHandlers:
         started = time.monotonic()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
         if int(Status.OFFLOAD_BEHIND) in result.statuses:  # the door awaits put_waiter.finish instead
-            wait_s = self.state.config.put_backpressure_s
+            wait_s = self.state.pressure.max_wait_s
             wait_s = min(wait_s, request.wait_ms / 1000) if request.wait_ms else wait_s
             self.put_held = HeldPut(namespace, request, options, result, started, wait_s)
             return pb.PutStartResponse(status=Status.OK)
