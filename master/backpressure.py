@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,6 +187,15 @@ class Pressure:
         config = self.state.config
         return min(config.put_backpressure_s, min(config.put_timeout_s, config.lease_s) / 2)
 
+    def hold(
+        self, namespace: str, request: Any, options: PutOptions, result: PutStartResult, started: float
+    ) -> HeldPut | None:
+        """After a PutStart: the put to hold (its door awaits PutWaiter.finish) when keys wait for offload."""
+        if _BEHIND not in result.statuses:
+            return None
+        wait_s = min(self.max_wait_s, request.wait_ms / 1000) if request.wait_ms else self.max_wait_s
+        return HeldPut(namespace, request, options, result, started, wait_s)
+
     def no_room(self) -> Status:
         """The status of a key that found no room in this PutStart."""
         return Status.OFFLOAD_BEHIND if self.blocked else Status.NO_SPACE
@@ -232,7 +240,7 @@ class HeldPut:
     request: Any  # pb.PutStartRequest
     options: PutOptions
     result: PutStartResult
-    started: float  # time.monotonic() of the first attempt
+    started: float  # the state's clock at the first attempt (its allocations' started_at)
     wait_s: float  # the longest it may wait
 
 
@@ -303,7 +311,7 @@ class PutWaiter:
                 put_id=result.put_id,
             )
             merge(result, retry, waiting)
-        waited = time.monotonic() - held.started
+        waited = state.clock() - held.started
         pressure.waited.observe(waited)
         failed = result.statuses.count(_BEHIND)
         if failed:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -214,14 +213,10 @@ class MasterHandlers:
             preferred_segment=request.preferred_segment,
             client_host=request.client_host,
         )
-        started = time.monotonic()
+        started = self.state.clock()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
-        if int(Status.OFFLOAD_BEHIND) in result.statuses:  # the door awaits put_waiter.finish instead
-            wait_s = self.state.pressure.max_wait_s
-            wait_s = min(wait_s, request.wait_ms / 1000) if request.wait_ms else wait_s
-            self.put_held = HeldPut(namespace, request, options, result, started, wait_s)
-            return pb.PutStartResponse(status=Status.OK)
-        return self.put_reply(request, result, 0.0)
+        self.put_held = self.state.pressure.hold(namespace, request, options, result, started)
+        return self.put_reply(request, result, 0.0) if self.put_held is None else pb.PutStartResponse()
 
     def put_reply(self, request, result, waited_s: float):
         """The PutStartResponse of `result`; `waited_s` after its first allocation (backpressure),
@@ -815,6 +810,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return handlers.PollTierTasks(request)
 
 
+_AWAITED = ("PutStart", "PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects")  # not delegated
+
+
 def _delegate(name: str):
     async def method(self: MasterServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return getattr(self.handlers, name)(request)
@@ -824,12 +822,5 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    if _name not in (
-        "PutStart",
-        "PollTierTasks",
-        "PollCommits",
-        "RegisterInstance",
-        "ReportDramObjects",
-        *WAITING_CALLS,
-    ):  # noqa: E501
+    if _name not in (*_AWAITED, *WAITING_CALLS):
         setattr(MasterServicer, _name, _delegate(_name))
