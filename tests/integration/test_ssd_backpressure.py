@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.client import Status
+from kvtier.client import KvtierError, Status
 from tests.cluster import Cluster
 from tests.integration.test_metrics import scrape, value
 from tests.integration.test_ssd_tier import segment_info, start_ssd_segment, value_for
@@ -23,11 +23,12 @@ from tests.integration.test_ssd_tier import segment_info, start_ssd_segment, val
 BATCH = 32
 
 
-def burst(client, keys: list[str]) -> dict[str, Status]:
-    """Put `keys` in 32-key batches, back to back; the status per key."""
+def burst(client, keys: list[str], size: int = BATCH) -> dict[str, Status]:
+    """Put `keys` in batches of `size` keys, back to back; the status per key. (A batch's keys are
+    all pending until it is written: one larger than the region gets NO_SPACE for the rest.)"""
     out: dict[str, Status] = {}
-    for lo in range(0, len(keys), BATCH):
-        batch = keys[lo : lo + BATCH]
+    for lo in range(0, len(keys), size):
+        batch = keys[lo : lo + size]
         out.update(zip(batch, client.batch_put(batch, [value_for(k) for k in batch]), strict=True))
     return out
 
@@ -76,20 +77,23 @@ def test_writer_faster_than_the_disk_waits_then_fails_visibly(bare_cluster: Clus
     start_ssd_segment(bare_cluster, ssd_dir, "--ssd-write-limit", "2MiB", dram="16MiB")
     keys = [f"slow/{i:04d}" for i in range(64)]
     with bare_cluster.client(timeout=10.0) as client:
-        statuses = burst(client, keys)
+        statuses = burst(client, keys, 8)
         acked = [k for k, s in statuses.items() if s == Status.OK]
         failed = [k for k, s in statuses.items() if s == Status.OFFLOAD_BEHIND]
         assert failed, {s.name for s in statuses.values()}
         assert set(acked) | set(failed) == set(keys), {s.name for s in statuses.values()}
+        with pytest.raises(KvtierError, match="OFFLOAD_BEHIND.*put_backpressure_s") as raised:
+            for i in range(16):  # DRAM is still full of objects not on SSD: a put waits, then raises
+                client.put(f"single/{i}", value_for(f"single/{i}"))
+                acked.append(f"single/{i}")
+        assert raised.value.status == Status.OFFLOAD_BEHIND
+        failed.append(f"single/{i}")
         assert sorted(readable(client, acked)) == sorted(acked)  # every acknowledged put is readable
         assert readable(client, failed) == []  # nothing stored for a failed one
         counters = tiering(client)
         assert counters["put_backpressure_failed_keys"] >= len(failed)
         assert counters["put_backpressure_waits"] >= 1
         assert not any(v for k, v in counters.items() if k.startswith("dropped_without_ssd_copy.")), counters
-        with pytest.raises(Exception, match="OFFLOAD_BEHIND.*put_backpressure_s"):
-            for i in range(16):  # DRAM is still full: a single put waits, then raises
-                client.put(f"single/{i}", value_for(f"single/{i}"))
 
 
 def test_drop_policy_keeps_dropping_and_counts_it(bare_cluster: Cluster, ssd_dir: Path):
@@ -97,7 +101,7 @@ def test_drop_policy_keeps_dropping_and_counts_it(bare_cluster: Cluster, ssd_dir
     start_ssd_segment(bare_cluster, ssd_dir, "--ssd-write-limit", "2MiB", dram="16MiB")
     keys = [f"drop/{i:04d}" for i in range(64)]
     with bare_cluster.client(timeout=10.0) as client:
-        statuses = burst(client, keys)
+        statuses = burst(client, keys, 8)
         assert set(statuses.values()) == {Status.OK}  # nobody waits: every put is acknowledged...
         got = readable(client, keys)
         assert len(got) < len(keys)  # ...and what offload could not keep up with is gone
@@ -112,7 +116,7 @@ def test_status_json_and_metrics_show_backpressure(bare_cluster: Cluster, ssd_di
     start_ssd_segment(bare_cluster, ssd_dir, "--ssd-write-limit", "1MiB", dram="16MiB")
     keys = [f"m/{i:04d}" for i in range(40)]
     with bare_cluster.client(timeout=10.0) as client:
-        failed = [k for k, s in burst(client, keys).items() if s == Status.OFFLOAD_BEHIND]
+        failed = [k for k, s in burst(client, keys, 8).items() if s == Status.OFFLOAD_BEHIND]
     assert failed
     result = subprocess.run(
         [sys.executable, "-m", "kvtier.client.cli", "status", "--json", "--master", bare_cluster.master_address],
