@@ -104,7 +104,10 @@ class TierWorker:
                 self._evict_buckets(segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
-                        segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
+                        segment_id=segment_id,
+                        epoch=self._epoch,
+                        max_tasks=self.write_limit.max_tasks(_MAX_TASKS),
+                        wait_ms=_POLL_WAIT_MS,
                     ),
                     timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
                 )

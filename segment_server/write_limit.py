@@ -43,6 +43,11 @@ class WriteLimit:
         self._tokens = tokens - nbytes
         return wait
 
+    def max_tasks(self, default: int) -> int:
+        """Tasks to ask per poll: under a cap, about one second of records (taken at 1 MiB each), so
+        that a poll's batch is written long before its tasks' deadline (the master's put timeout)."""
+        return default if self.rate <= 0 else max(1, min(default, self.rate >> 20))
+
     @property
     def burst(self) -> float:
         return float(max(self.rate // 10, 1))

@@ -32,3 +32,10 @@ def test_a_record_larger_than_the_burst_goes_then_its_debt_is_paid():
 
 def test_the_segment_option_takes_human_sizes():
     assert SegmentConfig(master="127.0.0.1:1", ssd_write_limit="2MiB").ssd_write_limit_bytes == 2 << 20
+
+
+def test_a_capped_worker_asks_for_about_a_second_of_records_per_poll():
+    assert WriteLimit(0).max_tasks(256) == 256
+    assert WriteLimit(2 << 20).max_tasks(256) == 2
+    assert WriteLimit(100 << 10).max_tasks(256) == 1
+    assert WriteLimit(10 << 30).max_tasks(256) == 256
