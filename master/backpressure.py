@@ -148,9 +148,16 @@ class Pressure:
         dram, ssd = dram_key(segment_id), ssd_key(segment_id)
         offloading = tiering.offloading
 
+        refusal = tiering.refusal
+
         def uncopied(record: ObjectRecord) -> bool:
             tiers = [r >> TIER_SHIFT for r in record.replicas]
-            return dram in tiers and ssd not in tiers and record.name not in offloading
+            return (
+                dram in tiers
+                and ssd not in tiers
+                and record.name not in offloading
+                and refusal(record, segment) is None  # would never be offloaded: takes no budget
+            )
 
         state = self.state
         queued = 0
