@@ -87,6 +87,7 @@ class Pressure:
         self.dropped: Counter[str] = Counter()  # reason -> objects dropped without an SSD copy
         self.waited = WaitHistogram()  # puts that waited, and how long
         self.failed_keys = 0  # keys answered OFFLOAD_BEHIND
+        self.waiting = 0  # PutStarts waiting now
         self.notify: Callable[[], None] | None = None  # wakes waiting puts (PutWaiter)
 
     # ------------------------------------------------------------------ decisions
@@ -230,6 +231,7 @@ class Pressure:
         out = {f"dropped_without_ssd_copy.{reason}": count for reason, count in self.dropped.items()}
         out["put_backpressure_waits"] = sum(self.waited.counts)
         out["put_backpressure_failed_keys"] = self.failed_keys
+        out["put_backpressure_waiting"] = self.waiting
         for name, (depth, lag) in self.offload_queues().items():
             out[f"offload_queue_depth.{name}"] = depth
             out[f"offload_lag_ms.{name}"] = int(lag * 1000)
@@ -289,35 +291,16 @@ class PutWaiter:
         state = handlers.state
         pressure = state.pressure
         pressure.notify = self.wake
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + held.wait_s
-        result = held.result
-        request = held.request
-        tick_s = state.config.tick_interval_s
-        while True:
-            waiting = [i for i, status in enumerate(result.statuses) if status == _BEHIND]
-            remaining = deadline - loop.time()
-            if not waiting or remaining <= 0:
-                break
-            event = self._event
-            try:
-                # Woken by offload progress; the tick bound catches room freed otherwise (removes, leases).
-                await asyncio.wait_for(event.wait(), min(remaining, tick_s))
-            except TimeoutError:
-                pass
-            if handlers.state is not state or not handlers.leadership.is_leader():
-                return pb.PutStartResponse(
-                    status=Status.UNAVAILABLE, error="master changed while the put waited for offload; retry"
-                )
-            retry = state.put_start(
-                held.namespace,
-                [request.keys[i] for i in waiting],
-                [request.sizes[i] for i in waiting],
-                request.replicas,
-                held.options,
-                put_id=result.put_id,
+        pressure.waiting += 1
+        try:
+            changed = await self._retry(held, state)
+        finally:
+            pressure.waiting -= 1
+        if changed:
+            return pb.PutStartResponse(
+                status=Status.UNAVAILABLE, error="master changed while the put waited for offload; retry"
             )
-            merge(result, retry, waiting)
+        result, request = held.result, held.request
         waited = state.clock() - held.started
         pressure.waited.observe(waited)
         failed = result.statuses.count(_BEHIND)
@@ -329,3 +312,34 @@ class PutWaiter:
                 f"{request.wait_ms}); nothing was stored for them"
             )
         return handlers.put_reply(request, result, waited)
+
+    async def _retry(self, held: HeldPut, state: MasterState) -> bool:
+        """Retry the OFFLOAD_BEHIND keys of `held` until none is left or its wait is over, merging
+        into held.result. True when the master changed meanwhile (its answer is UNAVAILABLE)."""
+        handlers = self._handlers
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + held.wait_s
+        result, request = held.result, held.request
+        tick_s = state.config.tick_interval_s
+        while True:
+            waiting = [i for i, status in enumerate(result.statuses) if status == _BEHIND]
+            remaining = deadline - loop.time()
+            if not waiting or remaining <= 0:
+                return False
+            event = self._event
+            try:
+                # Woken by offload progress; the tick bound catches room freed otherwise (removes, leases).
+                await asyncio.wait_for(event.wait(), min(remaining, tick_s))
+            except TimeoutError:
+                pass
+            if handlers.state is not state or not handlers.leadership.is_leader():
+                return True
+            retry = state.put_start(
+                held.namespace,
+                [request.keys[i] for i in waiting],
+                [request.sizes[i] for i in waiting],
+                request.replicas,
+                held.options,
+                put_id=result.put_id,
+            )
+            merge(result, retry, waiting)

@@ -51,6 +51,7 @@ class _Snapshot:
     dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
     put_waits: WaitHistogram
     put_failed_keys: int
+    put_waiting: int
     offload_queues: dict[str, tuple[int, float]]  # segment -> (tasks queued or in flight, oldest's age)
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
@@ -105,6 +106,7 @@ class MasterCollector(Collector):
             dropped_without_ssd_copy=dict(state.pressure.dropped),
             put_waits=WaitHistogram(list(state.pressure.waited.counts), state.pressure.waited.total),
             put_failed_keys=state.pressure.failed_keys,
+            put_waiting=state.pressure.waiting,
             offload_queues=state.pressure.offload_queues(),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
@@ -234,6 +236,9 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "kvtier_master_put_backpressure_failed_keys",
         "Keys answered OFFLOAD_BEHIND: no room after waiting put_backpressure_s; nothing stored.",
         value=s.put_failed_keys,
+    )
+    yield GaugeMetricFamily(
+        "kvtier_master_put_backpressure_waiting", "PutStarts waiting for offload now.", value=s.put_waiting
     )
     depth = GaugeMetricFamily(
         "kvtier_master_offload_queue_depth", "Offload tasks queued or in flight, per segment.", labels=["segment"]
