@@ -96,8 +96,14 @@ class Pressure:
         """A predicate of the copies on `segment` that must not be dropped for room, or None when
         none is protected there (policy drop, no tier, offload paused after a failure)."""
         tiering = self.state.tiering
-        if not self.waits or not tiering.can_offload(segment):
+        if not self.waits:
             return None
+        if not tiering.can_offload(segment):
+            # Paused after a failure: drop, except copies whose offload is queued or in flight. Those
+            # end soon either way, and dropping one makes its offload fail the segment's checksum
+            # check, which would pause offload again (a cascade of drops).
+            offloading = tiering.offloading
+            return (lambda record: record.name in offloading) if offloading else None
         refusal = tiering.refusal
         # One replica = this DRAM copy is the only one (the caller looks at copies on this segment).
         return lambda record: len(record.replicas) == 1 and refusal(record, segment) is None

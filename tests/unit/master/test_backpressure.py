@@ -58,6 +58,23 @@ def test_offload_failing_falls_back_to_dropping_with_its_reason():
     assert state.pressure.dropped == {"offload_failed": 1}
 
 
+def test_while_offload_is_paused_a_copy_with_an_offload_in_flight_is_not_dropped():
+    state = make_state(FakeClock(), offload_in_flight="2KiB")
+    seg = mount_ssd(state, "a", 4 * KiB)
+    for i in range(4):
+        put(state, f"k{i}")
+    assert put_status(state, "new") == BEHIND  # queues k0 (in flight: at most a quarter of the segment)
+    disk = FakeDisk(state, seg)
+    first = disk.poll()
+    assert [t.name for t in first] == ["ns\x00k0"]
+    state.tiering.offload(state.record(NS, "k1"), state.segments[seg])  # another one queued
+    disk.complete(first, Status.NO_SPACE)  # offload pauses
+    # k1's offload is still queued: dropping its copy would make it fail the checksum check
+    assert put_status(state, "new") == OK
+    assert "k1" in stored(state) and "k0" not in stored(state)
+    assert state.pressure.dropped == {"offload_failed": 1}
+
+
 def test_objects_the_tier_refuses_are_not_protected():
     state = make_state(FakeClock())
     seg = mount_ssd(state, "a", 4 * KiB)
