@@ -72,6 +72,21 @@ def test_burst_faster_than_offload_loses_nothing_acknowledged(bare_cluster: Clus
         assert segment_info(client).ssd_objects > 0
 
 
+@pytest.mark.slow
+def test_issue_17_burst_1GiB_through_128MiB_of_dram(bare_cluster: Cluster, ssd_dir: Path):
+    # The issue's reproduction at full size: 1,024 puts of 1 MiB in 32-key batches, as fast as one
+    # client goes, into 128 MiB of DRAM and a 4 GiB tier (before: 308 of them readable afterwards).
+    bare_cluster.start_master()
+    bare_cluster.start_segment("ssd0", "128MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "4GiB")
+    keys = [f"issue/{i:04d}" for i in range(1024)]
+    with bare_cluster.client(timeout=20.0) as client:
+        statuses = burst(client, keys)
+        acked = [k for k, s in statuses.items() if s == Status.OK]
+        assert len(acked) >= 0.95 * len(keys), {s.name for s in statuses.values()}
+        got = readable(client, acked)
+        assert len(got) >= 0.99 * len(acked), f"{len(acked) - len(got)} acknowledged objects lost"
+
+
 @pytest.mark.parametrize("door", ["fast", "grpc"])
 def test_writer_faster_than_the_disk_waits_then_fails_visibly(bare_cluster: Cluster, ssd_dir: Path, door: str):
     # The disk takes 2 MiB/s; a put waits 0.5 s at most: most puts of a burst fail OFFLOAD_BEHIND.
