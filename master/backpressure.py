@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.master.eviction import pick_victims
 from kvtier.master.placement import REDUNDANT_SCAN
-from kvtier.master.records import TIER_SHIFT, ObjectRecord
+from kvtier.master.records import TIER_SHIFT, ObjectRecord, replica_segment
 from kvtier.master.tiering import dram_key, is_dram, ssd_key
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
@@ -88,6 +88,8 @@ class Pressure:
         self.waited = WaitHistogram()  # puts that waited, and how long
         self.failed_keys = 0  # keys answered OFFLOAD_BEHIND
         self.waiting = 0  # PutStarts waiting now
+        # segment id -> when a PutEnd's feed found nothing to queue there (not tried again for a tick)
+        self._nothing_to_feed: dict[int, float] = {}
         self.notify: Callable[[], None] | None = None  # wakes waiting puts (PutWaiter)
 
     # ------------------------------------------------------------------ decisions
@@ -176,6 +178,30 @@ class Pressure:
                 queued += state._replica_bytes(victim)
         return queued
 
+    def committed(self, records: list[ObjectRecord]) -> None:
+        """Objects just completed (PutEnd): feed offload on their segments above the offload watermark
+        whose pipeline is under half its budget, without waiting for the tick. A segment where a feed
+        found nothing to queue is skipped for a tick interval or until an offload completes there
+        (no scan per PutEnd when nothing qualifies)."""
+        state = self.state
+        now = state.clock()
+        offload_at = state.config.offload_watermark
+        quiet_until = now - state.config.tick_interval_s
+        seen: set[int] = set()
+        for record in records:
+            segment_id = replica_segment(record.replicas[0]) if record.replicas else 0
+            if segment_id in seen or self._nothing_to_feed.get(segment_id, -1.0) > quiet_until:
+                continue
+            seen.add(segment_id)
+            segment = state.segments.get(segment_id)
+            if (
+                segment is not None
+                and segment.used > offload_at * segment.capacity
+                and state.tiering.offloading_bytes(segment_id) * 2 < self.in_flight_budget(segment)
+                and not self.feed(segment)
+            ):
+                self._nothing_to_feed[segment_id] = now
+
     def behind(self, segment: SegmentRecord, need: int) -> None:
         """A put found room on `segment` only by dropping protected copies: feed offload now."""
         self.blocked.add(segment.segment_id)
@@ -184,6 +210,8 @@ class Pressure:
     def progress(self, segment_ids: set[int]) -> None:
         """Offloads completed on these segments: keep their pipelines full, wake waiting puts."""
         offload_at = self.state.config.offload_watermark
+        for segment_id in segment_ids:
+            self._nothing_to_feed.pop(segment_id, None)
         for segment_id in segment_ids:
             segment = self.state.segments.get(segment_id)
             if segment is not None and segment.used > offload_at * segment.capacity:

@@ -462,6 +462,7 @@ class MasterState:
                 out.append(_OK)
         if done:
             self.commits.committed_records(done)  # replicas all DRAM while pending
+            self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
             if self.fences.recording:
                 self.fences.touch_many(r.name for r in done)
         return out

@@ -117,6 +117,16 @@ def test_offload_feeding_keeps_a_budget_in_flight_and_refills_on_completion():
     assert depth == 2 and lag == 0.0
 
 
+def test_offload_starts_at_the_put_end_that_crosses_the_offload_watermark():
+    state = make_state(FakeClock())
+    seg = mount_ssd(state, "a", 10 * KiB)
+    for i in range(8):
+        put(state, f"k{i}")  # 80%: not above the offload watermark yet
+    assert not state.tiering.has_tasks(seg)
+    put(state, "k8")  # 90%: this PutEnd queues the LRU objects' offload, no tick needed
+    assert state.tiering.has_tasks(seg) and "ns\x00k0" in state.tiering.offloading
+
+
 def test_waiter_retries_as_offload_completes_with_the_same_put_id():
     async def scenario():
         state, seg = full_segment()
