@@ -174,7 +174,7 @@ class Pressure:
             state._objects.values(), state.clock(), budget, state._replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN
         )
         for victim in victims:
-            if tiering.offload(victim, segment):
+            if tiering.offload(victim, segment, ahead=True):
                 queued += state._replica_bytes(victim)
         return queued
 

@@ -781,18 +781,13 @@ class MasterState:
         (their bytes are freed when the copy is durable), else drop their copies there."""
         tiering = self.tiering
         segment_id = segment.segment_id
-        need -= tiering.offloading_bytes(segment_id)  # already on their way out
+        need -= tiering.evicting_bytes(segment_id)  # already on their way out
         if need <= 0:
             return
         on_segment = self._on_segment(segment_id)
-        offloading = tiering.offloading
-        victims = pick_victims(
-            self._objects.values(),
-            self.clock(),
-            need,
-            self._replica_bytes,
-            lambda r: r.name not in offloading and on_segment(r),
-        )
+        evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
+        eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
+        victims = pick_victims(self._objects.values(), self.clock(), need, self._replica_bytes, eligible)
         offload = tiering.can_offload(segment)
         for victim in victims:
             if offload and tiering.offload(victim, segment):

@@ -82,6 +82,8 @@ class TierTask:
     disk_location: int = 0
     deadline: float = 0.0  # set when handed out
     queued_at: float = 0.0  # OFFLOAD: when queued (the offload lag, kvtier.master.backpressure)
+    # OFFLOAD: copied ahead of need (the DRAM copy stays when done) rather than to free room (it goes)
+    ahead: bool = False
 
 
 def dram_key(segment_id: int) -> int:
@@ -104,6 +106,7 @@ class Tiering:
         self._in_flight: dict[int, TierTask] = {}  # task id -> handed out, waiting for TierTasksDone
         self.offloading: dict[str, TierTask] = {}  # object name -> its OFFLOAD task (queued or in flight)
         self._offloading_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being offloaded
+        self._evicting_bytes: Counter[int] = Counter()  # ... of which to free room (not ahead)
         self._promoting: dict[str, TierTask] = {}
         self._disk_reads: dict[str, int] = {}  # reads of disk-only objects, for promotion
         self._offload_paused_until: dict[int, float] = {}
@@ -174,10 +177,28 @@ class Tiering:
     def offloading_bytes(self, segment_id: int) -> int:
         return self._offloading_bytes[segment_id]
 
-    def offload(self, record: ObjectRecord, segment: SegmentRecord) -> bool:
-        """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there."""
+    def evicting_bytes(self, segment_id: int) -> int:
+        """DRAM bytes being offloaded to free room: freed when their disk copies are durable."""
+        return self._evicting_bytes[segment_id]
+
+    def evicting(self, name: str) -> bool:
+        task = self.offloading.get(name)
+        return task is not None and not task.ahead
+
+    def offload(self, record: ObjectRecord, segment: SegmentRecord, ahead: bool = False) -> bool:
+        """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there.
+        `ahead`: a copy ahead of need, whose DRAM copy stays when done (eviction later drops the least
+        recently used such copies first); otherwise its DRAM copy goes when done, to free room. An
+        offload queued ahead becomes one to free room when asked for again without `ahead`."""
         segment_id = segment.segment_id
-        if record.name in self.offloading or not self.can_offload(segment):
+        queued = self.offloading.get(record.name)
+        if queued is not None:
+            if ahead or not queued.ahead or queued.segment_id != segment_id:
+                return False
+            queued.ahead = False
+            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
+            return True
+        if not self.can_offload(segment):
             return False
         if self.refusal(record, segment) is not None:
             return False  # drop it instead
@@ -195,9 +216,12 @@ class Tiering:
             record.checksum,
             dram_offset=source & OFFSET_MASK,
             queued_at=self.state.clock(),
+            ahead=ahead,
         )
         self.offloading[record.name] = task
         self._offloading_bytes[segment_id] += self.state._aligned(record.size)
+        if not ahead:
+            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
         self._enqueue(task)
         return True
 
@@ -354,9 +378,9 @@ class Tiering:
         dram = dram_key(task.segment_id)
         segment = state.segments[task.segment_id]
         target = (state.config.high_watermark - state.config.eviction_ratio) * segment.capacity
-        # Offloaded to make room (above the eviction target): the DRAM copy goes. Copied ahead of
-        # need (below it): both stay, and eviction drops this DRAM copy first when room is needed.
-        if segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
+        # Offloaded to make room (and still above the eviction target): the DRAM copy goes. Copied
+        # ahead of need: both stay, and eviction drops the least recently used such copies first.
+        if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
             state._drop_dram_replica(record, task.segment_id)
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
@@ -397,6 +421,8 @@ class Tiering:
         if self.offloading.get(task.name) is task:
             del self.offloading[task.name]
             self._offloading_bytes[task.segment_id] -= self.state._aligned(task.size)
+            if not task.ahead:
+                self._evicting_bytes[task.segment_id] -= self.state._aligned(task.size)
 
     def _promote_done(self, task: TierTask, status: int) -> None:
         state = self.state
@@ -539,6 +565,7 @@ class Tiering:
             if task.segment_id == segment_id:
                 del self.offloading[name]
         self._offloading_bytes.pop(segment_id, None)
+        self._evicting_bytes.pop(segment_id, None)
         for name, task in list(self._promoting.items()):
             if task.segment_id == segment_id:
                 del self._promoting[name]
