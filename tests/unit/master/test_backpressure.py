@@ -13,7 +13,7 @@ from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_eviction import NS, KiB, make_state, put, put_status, stored
 from tests.unit.master.test_state import FakeClock
-from tests.unit.master.test_tiering import FakeDisk, mount_ssd
+from tests.unit.master.test_tiering import FakeDisk, mount_ssd, tiers
 
 OK = Status.OK
 BEHIND = Status.OFFLOAD_BEHIND
@@ -125,6 +125,23 @@ def test_offload_starts_at_the_put_end_that_crosses_the_offload_watermark():
     assert not state.tiering.has_tasks(seg)
     put(state, "k8")  # 90%: this PutEnd queues the LRU objects' offload, no tick needed
     assert state.tiering.has_tasks(seg) and "ns\x00k0" in state.tiering.offloading
+
+
+def test_an_offload_ahead_keeps_the_dram_copy_unless_the_watermark_pass_claims_it():
+    state = make_state(FakeClock())
+    seg = mount_ssd(state, "a", 10 * KiB)
+    for i in range(9):
+        put(state, f"k{i}")  # 90%: k8's PutEnd queues copies ahead of need (k0..k2: a quarter)
+    tiering = state.tiering
+    assert tiering.offloading_bytes(seg) == 3 * KiB and tiering.evicting_bytes(seg) == 0
+    put(state, "k9")  # 100%: over the high watermark
+    state.tick()  # the watermark pass (down to 85%) claims k0 and k1 (LRU): their offloads free room now
+    assert tiering.evicting("ns\x00k0") and tiering.evicting("ns\x00k1") and not tiering.evicting("ns\x00k2")
+    disk = FakeDisk(state, seg)
+    disk.complete(disk.poll())
+    dram = [f"k{i}" for i in range(10) if any(t == 0 for _, t in tiers(state, f"k{i}"))]
+    assert "k0" not in dram and "k1" not in dram and "k2" in dram  # freed to make room / copied ahead, kept
+    assert_consistent(state)
 
 
 def test_waiter_retries_as_offload_completes_with_the_same_put_id():
