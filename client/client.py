@@ -161,6 +161,9 @@ class Client:
         if rank < 0:
             raise ValueError(f"rank must not be negative, got {rank}")
         self._master = MasterClient(master, timeout, credentials=self.config.credentials(secret))
+        # How long PutStart may wait for room while the SSD tier catches up (OFFLOAD_BEHIND, see
+        # batch_put): the call's timeout but a second (half of it when under 2 s), kept for the answer.
+        self._put_wait_ms = int(max(timeout / 2, timeout - 1.0) * 1000)
         self._request_ids = RequestIds()
         # by segment name: (endpoints, connector, last used)
         self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
@@ -297,6 +300,12 @@ class Client:
         the rank's quota). `preferred_segment` names the segment for the first
         replica when it has room; otherwise segments on this host come first,
         then the emptiest.
+
+        `Status.OFFLOAD_BEHIND` for a key: the segments' DRAM is full of objects
+        not yet copied to their SSD tier; the master waited for offload (its
+        put_backpressure_s, at most this client's timeout less a second) and
+        stored nothing for the key. Slow down or retry; `put` raises it as
+        KvtierError. NO_SPACE and QUOTA_EXCEEDED likewise store nothing.
         """
         keys = [check_key(k) for k in keys]
         if pin not in _PINS:
@@ -325,6 +334,7 @@ class Client:
                     pin_ttl_ms=pin_ttl_ms,
                     preferred_segment=preferred_segment,
                     client_host=local_host_id(),
+                    wait_ms=self._put_wait_ms,
                 ),
             )
         except KvtierError as exc:

@@ -68,6 +68,16 @@ class MasterConfig:
     # them in DRAM, so that eviction (and a put that needs room) later drops copies already safe.
     # Above high_watermark it changes nothing (eviction offloads there anyway).
     offload_watermark: float = 0.80
+    # When a put finds DRAM full of objects whose only copy is in DRAM and not yet on SSD (docs/
+    # architecture.md, "The SSD tier"): "wait" (the put waits for offload, at most put_backpressure_s,
+    # then those keys fail OFFLOAD_BEHIND: nothing acknowledged is dropped while the tier has room)
+    # or "drop" (such copies are dropped, lost to recompute; puts never wait).
+    dram_full_policy: str = "wait"
+    # At most half of the write grant, min(put_timeout_s, lease_s): a put that waited keeps the rest to write.
+    put_backpressure_s: float = 5.0
+    # DRAM bytes a segment may have being offloaded at once (at least eviction_ratio of it, at most
+    # a quarter): enough fdatasync groups in flight to keep its disk busy.
+    offload_in_flight: str = "256MiB"
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     # SSD write admission (master/admission.py): objects smaller than this, or read (while in DRAM)
@@ -162,6 +172,11 @@ class MasterConfig:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
+        if self.dram_full_policy not in ("wait", "drop"):
+            raise ValueError(f"dram_full_policy must be wait or drop, got {self.dram_full_policy!r}")
+        if self.put_backpressure_s < 0:
+            raise ValueError(f"put_backpressure_s must be >= 0, got {self.put_backpressure_s}")
+        check_field("offload_in_flight", parse_size, self.offload_in_flight)
         if self.promote_after_reads < 0:
             raise ValueError(f"promote_after_reads must be >= 0, got {self.promote_after_reads}")
         if not 0 <= self.ssd_admit_after_reads <= READS_CAP:
@@ -244,6 +259,10 @@ class MasterConfig:
     @property
     def promotion_budget_bytes(self) -> int:
         return parse_size(self.promotion_budget)
+
+    @property
+    def offload_in_flight_bytes(self) -> int:
+        return parse_size(self.offload_in_flight)
 
     @property
     def message_limit(self) -> int:

@@ -61,6 +61,7 @@ _SCRATCH = memoryview(bytearray(BASE_BUFFER))  # shared by closed connections: w
 _LOG_LINES_PER_S = 20  # refusals and cuts logged per second per listener; the rest counted
 
 _WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcframe.METHOD_IDS}
+_PUT_START = rpcframe.METHOD_IDS["PutStart"]  # may wait for offload (kvtier.master.backpressure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ class FastPathProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._refused = False
         self._closing = False
-        self._waiting = False  # a PutEnd answer is waiting for acknowledgements
+        self._waiting = False  # a PutEnd answer waits for acknowledgements, a PutStart's for offload
         self._budget_wait = False  # queued for the shared budget
         self._write_paused = False
         self._reading = True
@@ -396,11 +397,16 @@ class FastPathProtocol(asyncio.BufferedProtocol):
                 response = handler(request)
             finally:
                 current_principal.reset(principal)
-            if method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
+            wait = None
+            if method == _PUT_START and (held := self._handlers.take_put_hold()) is not None:
+                wait = self._handlers.put_waiter.finish(held)
+            elif method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
+                wait = self._waiter.finish(response, barrier)
+            if wait is not None:
                 self._start = consumed
                 self._waiting = True
                 self._update_reading()
-                asyncio.get_running_loop().create_task(self._answer_later(method, request_id, response, barrier))
+                asyncio.get_running_loop().create_task(self._answer_later(method, request_id, response, wait))
                 return
             reply = response.SerializeToString()
             self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
@@ -410,11 +416,11 @@ class FastPathProtocol(asyncio.BufferedProtocol):
             self._start = consumed
         self._fit()
 
-    async def _answer_later(self, method: int, request_id: int, response, barrier) -> None:
+    async def _answer_later(self, method: int, request_id: int, response, wait) -> None:
         try:
-            response = await self._waiter.finish(response, barrier)
+            response = await wait
         except Exception:  # never leave the connection paused: answer, and let the client retry
-            logger.exception("waiting for acknowledgements failed")
+            logger.exception("waiting for acknowledgements or offload failed")
             response = type(response)(status=-1, error="internal error while waiting for acknowledgements")
         transport = self._transport
         if transport is None or self._closing:

@@ -19,10 +19,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.master import admission, prefetch
+from kvtier.master.backpressure import WaitHistogram
 from kvtier.master.fastpath import FastPathStats
 from kvtier.master.servicer import MasterHandlers
 from kvtier.proto.latency import LatencyHistogram
@@ -49,6 +50,11 @@ class _Snapshot:
     lease_expiries: dict[str, int]
     tiering: dict[str, int]
     tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
+    dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
+    put_waits: WaitHistogram
+    put_failed_keys: int
+    put_waiting: int
+    offload_queues: dict[str, tuple[int, float]]  # segment -> (tasks queued or in flight, oldest's age)
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
     role: str
@@ -100,6 +106,11 @@ class MasterCollector(Collector):
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             tiering=h.events(),
             tier_failures=dict(state.tiering.failures),
+            dropped_without_ssd_copy=dict(state.pressure.dropped),
+            put_waits=WaitHistogram(list(state.pressure.waited.counts), state.pressure.waited.total),
+            put_failed_keys=state.pressure.failed_keys,
+            put_waiting=state.pressure.waiting,
+            offload_queues=state.pressure.offload_queues(),
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
             role=h.role,
@@ -236,6 +247,39 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     for (op, status), count in sorted(s.tier_failures.items()):
         failures.add_metric([op, status], count)
     yield failures
+    dropped = CounterMetricFamily(
+        "kvtier_master_dropped_without_ssd_copy",
+        "Objects dropped (evicted) without any SSD copy, by reason: policy_drop (dram_full_policy drop), "
+        "offload_failed (offload paused after a failure), too_large, not_admitted, no_ssd_tier, quota, corrupt.",
+        labels=["reason"],
+    )
+    for reason, count in sorted(s.dropped_without_ssd_copy.items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    waits = HistogramMetricFamily(
+        "kvtier_master_put_backpressure_seconds",
+        "How long PutStarts waited for offload to make room (dram_full_policy wait).",
+    )
+    waits.add_metric([], s.put_waits.buckets(), s.put_waits.total)
+    yield waits
+    yield CounterMetricFamily(
+        "kvtier_master_put_backpressure_failed_keys",
+        "Keys answered OFFLOAD_BEHIND: no room after waiting put_backpressure_s; nothing stored.",
+        value=s.put_failed_keys,
+    )
+    yield GaugeMetricFamily(
+        "kvtier_master_put_backpressure_waiting", "PutStarts waiting for offload now.", value=s.put_waiting
+    )
+    depth = GaugeMetricFamily(
+        "kvtier_master_offload_queue_depth", "Offload tasks queued or in flight, per segment.", labels=["segment"]
+    )
+    lag = GaugeMetricFamily(
+        "kvtier_master_offload_lag_seconds", "Age of the oldest offload not yet done, per segment.", labels=["segment"]
+    )
+    for name, (count, age) in sorted(s.offload_queues.items()):
+        depth.add_metric([name], count)
+        lag.add_metric([name], age)
+    yield from (depth, lag)
     quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
     quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])
     quota_objects = GaugeMetricFamily("kvtier_quota_objects", "Objects a rank owns.", labels=["instance", "rank"])

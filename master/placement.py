@@ -80,14 +80,22 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         if offset is not None:
             return segment, offset
     need = state._aligned(size)
+    pressure = state.pressure
     for segment in candidates:
-        if segment.capacity < need:
+        if segment.capacity < need or segment.segment_id in pressure.blocked:
             continue
         # Evict only where it will work: the victims' ranges plus the free extents must
         # form a contiguous run of `need` bytes (a refused put must not destroy anything).
         # The least recently used victims that add up to `need` usually do; otherwise
         # check everything evictable here; if even that cannot make room, evict nothing.
-        eligible = state._on_segment(segment.segment_id)
+        on_segment = state._on_segment(segment.segment_id)
+        # Under dram_full_policy "wait", an object's only copy that the SSD tier could take is
+        # never dropped for room (kvtier.master.backpressure): the put waits for offload instead.
+        protected = pressure.protected(segment)
+        if protected is None:
+            eligible = on_segment
+        else:
+            eligible = lambda r, on_segment=on_segment, protected=protected: on_segment(r) and not protected(r)  # noqa: E731
         now = state.clock()
         # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
         # go first: dropping them loses nothing. A bounded look only, then plain LRU.
@@ -96,7 +104,7 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
             now,
             need,
             state._replica_bytes,
-            lambda r, eligible=eligible: len(r.replicas) > 1 and eligible(r),
+            lambda r, on_segment=on_segment: len(r.replicas) > 1 and on_segment(r),
             scan_limit=REDUNDANT_SCAN,
         )
         if not fits_after(state, segment, victims, need):
@@ -104,6 +112,12 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         if not fits_after(state, segment, victims, need):
             victims = pick_victims(state._objects.values(), now, segment.capacity, state._replica_bytes, eligible)
             if not fits_after(state, segment, victims, need):
+                if protected is not None:
+                    everything = pick_victims(
+                        state._objects.values(), now, segment.capacity, state._replica_bytes, on_segment
+                    )
+                    if fits_after(state, segment, everything, need):
+                        pressure.behind(segment, need)  # room once offload catches up: the put waits
                 continue
         # One victim at a time, least recently used first, stopping as soon as it fits.
         for victim in victims:

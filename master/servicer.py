@@ -22,6 +22,7 @@ import grpc
 
 from kvtier.master import inspection_rpc
 from kvtier.master.auth import Authenticator
+from kvtier.master.backpressure import HeldPut, PutWaiter
 from kvtier.master.capabilities import Minter
 from kvtier.master.commits import PutAcknowledgement, notice_pin
 from kvtier.master.corrupt import CorruptReport
@@ -74,6 +75,13 @@ class MasterHandlers:
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
+        self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
+        self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart
+
+    def take_put_hold(self) -> HeldPut | None:
+        """After PutStart: the put whose answer must wait for offload (kvtier.master.backpressure)."""
+        held, self.put_held = self.put_held, None
+        return held
 
     def events(self) -> dict[str, int]:
         """Tiering, commit-log and returning-segment counters (Status's `tiering`, kvtier_master_tiering)."""
@@ -81,6 +89,7 @@ class MasterHandlers:
         return (
             dict(state.tiering.counters)
             | dict(state.commits.counters)
+            | state.pressure.counters()
             | {
                 # returning segments (master/fences.py), and PutEnd keys whose segment was lost meanwhile
                 "fence_copies_readopted": state.fences.readopted,
@@ -205,7 +214,14 @@ class MasterHandlers:
             preferred_segment=request.preferred_segment,
             client_host=request.client_host,
         )
+        started = self.state.clock()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
+        self.put_held = self.state.pressure.hold(namespace, request, options, result, started)
+        return self.put_reply(request, result, 0.0) if self.put_held is None else pb.PutStartResponse()
+
+    def put_reply(self, request, result, waited_s: float):
+        """The PutStartResponse of `result`; `waited_s` after its first allocation (backpressure),
+        which its write grant has used up: tags never outlive the ranges' reservation (_reuse_at)."""
         reply = pb.PutStartResponse(
             status=Status.OK,
             error=result.first_error,
@@ -217,7 +233,7 @@ class MasterHandlers:
             put_id=result.put_id,
         )
         if result.replica_segments:  # writable for capability_ttl_s (_reuse_at); frames carry the deadline
-            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s)
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s - waited_s)
         if self.minter.enabled and result.replica_segments:
             reply.replica_tags = self.minter.replica_tags(
                 self.state.segments.get, self.epoch, result.replica_counts, result.replica_segments,
@@ -730,6 +746,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         barrier = self.waiter.barrier()
         return reply if barrier is None else await self.waiter.finish(reply, barrier)
 
+    async def PutStart(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        reply = self.handlers.PutStart(request)
+        held = self.handlers.take_put_hold()
+        return reply if held is None else await self.handlers.put_waiter.finish(held)
+
     async def PutEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer_when_acknowledged("PutEnd", request)
 
@@ -791,6 +812,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return handlers.PollTierTasks(request)
 
 
+_AWAITED = ("PutStart", "PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects")  # not delegated
+
+
 def _delegate(name: str):
     async def method(self: MasterServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return getattr(self.handlers, name)(request)
@@ -800,5 +824,5 @@ def _delegate(name: str):
 
 
 for _name in RPC_NAMES:
-    if _name not in ("PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects", *WAITING_CALLS):
+    if _name not in (*_AWAITED, *WAITING_CALLS):
         setattr(MasterServicer, _name, _delegate(_name))

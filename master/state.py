@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.master.allocator import OffsetAllocator
+from kvtier.master.backpressure import Pressure
 from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
@@ -41,7 +42,7 @@ from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
-from kvtier.master.placement import REDUNDANT_SCAN, place, static_rank
+from kvtier.master.placement import place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
     MAX_SEGMENT_CAPACITY,
@@ -72,7 +73,7 @@ from kvtier.master.state_types import (
     SegmentState,
     master_key_problem,
 )
-from kvtier.master.tiering import Tiering, dram_key, is_dram, ssd_key
+from kvtier.master.tiering import Tiering, dram_key, is_dram
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class MasterState:
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
         self.tiering = Tiering(self)
+        self.pressure = Pressure(self)  # which DRAM copies may go for room (kvtier.master.backpressure)
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
@@ -318,6 +320,7 @@ class MasterState:
         sizes: Sequence[int],
         replicas: int,
         options: PutOptions = _DEFAULT_PUT,
+        put_id: int = 0,
     ) -> PutStartResult:
         """Allocate `replicas` ranges on distinct segments for each key.
 
@@ -327,10 +330,13 @@ class MasterState:
         hold it; NO_REPLICA when fewer segments take allocations than replicas
         asked; QUOTA_EXCEEDED when the rank's quota is full of objects that
         cannot be evicted; NO_SPACE when the segments are full of objects that
-        cannot be evicted. Evicts (LRU, see the module docstring) to make room.
+        cannot be evicted; OFFLOAD_BEHIND when room needs DRAM copies not yet on
+        SSD (kvtier.master.backpressure: the caller waits and retries the key
+        with the same `put_id`). Evicts (LRU, see the module docstring) to make room.
         """
         now = self.clock()
-        put_id = next(self._put_ids)
+        put_id = put_id or next(self._put_ids)
+        self.pressure.blocked.clear()
         result = PutStartResult(put_id, [], [], [], [])
 
         if options.instance and not self.quotas.rank_allowed(options.instance, options.rank):
@@ -398,7 +404,7 @@ class MasterState:
             if status == _OK:
                 placed = place(self, active, static, size, replicas)
                 if placed is None:
-                    status = Status.NO_SPACE
+                    status = self.pressure.no_room()
                 else:
                     for victim in quota_victims:
                         if owner.over_by(charge) and objects.get(victim.name) is victim:
@@ -461,6 +467,7 @@ class MasterState:
                 out.append(_OK)
         if done:
             self.commits.committed_records(done)  # replicas all DRAM while pending
+            self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
             if self.fences.recording:
                 self.fences.touch_many(r.name for r in done)
         return out
@@ -673,6 +680,7 @@ class MasterState:
 
     def _evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
+        self.pressure.evicting(record, reason, segment_id)
         if self.history is not None:
             replica = bool(segment_id) and len(record.replicas) > 1
             name = self.segments[segment_id].name if segment_id in self.segments else ""
@@ -757,8 +765,10 @@ class MasterState:
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:
                 self._evict_to_watermark(segment, segment.used - int(target * segment.capacity))
-            elif segment.used > offload_at * segment.capacity and self.tiering.can_offload(segment):
-                self._offload_ahead(segment)
+            elif segment.used > offload_at * segment.capacity:
+                # Copy LRU objects to SSD ahead of need (they keep their DRAM copy), so eviction
+                # later drops copies already safe instead of objects only DRAM held.
+                self.pressure.feed(segment)
 
     def forgive_deafness(self, gap_s: float) -> None:
         """The master did not run for `gap_s` (SIGSTOP, a stalled loop, a suspended VM): it heard
@@ -771,44 +781,18 @@ class MasterState:
             segment.last_heartbeat += gap_s
         self.commits.forgive(gap_s)
 
-    def _offload_ahead(self, segment: SegmentRecord) -> None:
-        """Between the offload and high watermarks: copy least recently used objects to SSD (they
-        keep their DRAM copy), at most eviction_ratio of the segment in flight, so that eviction
-        later drops copies that are already safe instead of objects only DRAM held."""
-        tiering = self.tiering
-        segment_id = segment.segment_id
-        budget = int(self.config.eviction_ratio * segment.capacity) - tiering.offloading_bytes(segment_id)
-        if budget <= 0:
-            return
-        dram, ssd = dram_key(segment_id), ssd_key(segment_id)
-        offloading, refused = tiering.offloading, tiering.refusal  # refused ones are dropped when evicted
-
-        def uncopied(record: ObjectRecord) -> bool:
-            tiers = [r >> TIER_SHIFT for r in record.replicas]
-            return dram in tiers and ssd not in tiers and record.name not in offloading and not refused(record, segment)
-
-        for victim in pick_victims(
-            self._objects.values(), self.clock(), budget, self._replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN
-        ):
-            tiering.offload(victim, segment)
-
     def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
         """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
         (their bytes are freed when the copy is durable), else drop their copies there."""
         tiering = self.tiering
         segment_id = segment.segment_id
-        need -= tiering.offloading_bytes(segment_id)  # already on their way out
+        need -= tiering.evicting_bytes(segment_id)  # already on their way out
         if need <= 0:
             return
         on_segment = self._on_segment(segment_id)
-        offloading = tiering.offloading
-        victims = pick_victims(
-            self._objects.values(),
-            self.clock(),
-            need,
-            self._replica_bytes,
-            lambda r: r.name not in offloading and on_segment(r),
-        )
+        evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
+        eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
+        victims = pick_victims(self._objects.values(), self.clock(), need, self._replica_bytes, eligible)
         offload = tiering.can_offload(segment)
         for victim in victims:
             if offload and tiering.offload(victim, segment):

@@ -84,6 +84,9 @@ class TierTask:
     disk_location: int = 0
     deadline: float = 0.0  # set when handed out
     prefetch: bool = False  # a PROMOTE started by a lookup's prefetch (kvtier.master.prefetch)
+    queued_at: float = 0.0  # OFFLOAD: when queued (the offload lag, kvtier.master.backpressure)
+    # OFFLOAD: copied ahead of need (the DRAM copy stays when done) rather than to free room (it goes)
+    ahead: bool = False
 
 
 def dram_key(segment_id: int) -> int:
@@ -106,6 +109,7 @@ class Tiering:
         self._in_flight: dict[int, TierTask] = {}  # task id -> handed out, waiting for TierTasksDone
         self.offloading: dict[str, TierTask] = {}  # object name -> its OFFLOAD task (queued or in flight)
         self._offloading_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being offloaded
+        self._evicting_bytes: Counter[int] = Counter()  # ... of which to free room (not ahead)
         self._promoting: dict[str, TierTask] = {}
         self._promoting_bytes: Counter[int] = Counter()  # segment id -> DRAM bytes being promoted
         self.admission = state.config.admission  # SSD write admission (kvtier.master.admission)
@@ -185,27 +189,45 @@ class Tiering:
         return self._offloading_bytes[segment_id]
 
     def refusal(self, record: ObjectRecord, segment: SegmentRecord) -> str | None:
-        """Why `record` will never be offloaded to `segment`'s SSD tier, or None when it may be:
-        "too_large" (the segment could never serve it back), or an admission veto ("min_size",
-        "reads": kvtier.master.admission). Pure: counts nothing. Its DRAM copy may be dropped
-        (to recompute) without waiting for an offload that will not come."""
+        """Why `record` will never be offloaded to `segment`'s SSD tier, or None when it can be (now or
+        once a paused offload resumes): "no_ssd_tier", "too_large" (the segment could never serve it
+        back), or an admission veto ("min_size", "reads": kvtier.master.admission). Pure: counts
+        nothing. The one place that decides it: eviction does not wait for such objects
+        (kvtier.master.backpressure), and drops them to recompute."""
+        if not segment.offload or segment.ssd_capacity <= 0:
+            return "no_ssd_tier"
         if segment.ssd_max_object and record.size > segment.ssd_max_object:
             return "too_large"
         return self.admission.veto(record)
 
-    def offload(self, record: ObjectRecord, segment: SegmentRecord) -> bool:
+    def evicting_bytes(self, segment_id: int) -> int:
+        """DRAM bytes being offloaded to free room: freed when their disk copies are durable."""
+        return self._evicting_bytes[segment_id]
+
+    def evicting(self, name: str) -> bool:
+        task = self.offloading.get(name)
+        return task is not None and not task.ahead
+
+    def offload(self, record: ObjectRecord, segment: SegmentRecord, ahead: bool = False) -> bool:
         """Queue an OFFLOAD of `record`'s DRAM copy on `segment`; False when it cannot be offloaded there.
-        An admission veto is counted here (`admission_veto_<reason>`): the caller then drops the copy."""
+        `ahead`: a copy ahead of need, whose DRAM copy stays when done (eviction later drops the least
+        recently used such copies first); otherwise its DRAM copy goes when done, to free room. An
+        offload queued ahead becomes one to free room when asked for again without `ahead`."""
         segment_id = segment.segment_id
-        if record.name in self.offloading or not self.can_offload(segment):
+        queued = self.offloading.get(record.name)
+        if queued is not None:
+            if ahead or not queued.ahead or queued.segment_id != segment_id:
+                return False
+            queued.ahead = False
+            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
+            return True
+        if not self.can_offload(segment):
             return False
+        if self.refusal(record, segment) is not None:
+            return False  # drop it instead
         dram = dram_key(segment_id)
         source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
         if source is None or any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
-            return False
-        if reason := self.refusal(record, segment):
-            if reason != "too_large":
-                self.counters[f"admission_veto_{reason}"] += 1
             return False
         task = TierTask(
             next(self._ids),
@@ -216,9 +238,13 @@ class Tiering:
             record.size,
             record.checksum,
             dram_offset=source & OFFSET_MASK,
+            queued_at=self.state.clock(),
+            ahead=ahead,
         )
         self.offloading[record.name] = task
         self._offloading_bytes[segment_id] += self.state._aligned(record.size)
+        if not ahead:
+            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
         self._enqueue(task)
         return True
 
@@ -344,6 +370,7 @@ class Tiering:
                 for task_id in task_ids:
                     unsettled.pop(task_id, None)
         out = []
+        offloaded = False
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
             if task is None or task.segment_id != segment_id:
@@ -359,11 +386,14 @@ class Tiering:
                 self.failures[task.kind.name.lower(), status_name(status)] += 1
             if task.kind is TaskKind.OFFLOAD:
                 self._offload_done(task, status, location)
+                offloaded = True
             elif task.kind is TaskKind.PROMOTE:
                 self._promote_done(task, status)
             else:
                 self._forget_done(task, status)
             out.append(_OK)
+        if offloaded:
+            self.state.pressure.progress({segment_id})  # refill its pipeline at once, wake waiting puts
         if self.on_ack is not None:
             self.on_ack()
         return out
@@ -415,9 +445,9 @@ class Tiering:
         dram = dram_key(task.segment_id)
         segment = state.segments[task.segment_id]
         target = (state.config.high_watermark - state.config.eviction_ratio) * segment.capacity
-        # Offloaded to make room (above the eviction target): the DRAM copy goes. Copied ahead of
-        # need (below it): both stay, and eviction drops this DRAM copy first when room is needed.
-        if segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
+        # Offloaded to make room (and still above the eviction target): the DRAM copy goes. Copied
+        # ahead of need: both stay, and eviction drops the least recently used such copies first.
+        if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
             state._drop_dram_replica(record, task.segment_id)
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
@@ -458,6 +488,8 @@ class Tiering:
         if self.offloading.get(task.name) is task:
             del self.offloading[task.name]
             self._offloading_bytes[task.segment_id] -= self.state._aligned(task.size)
+            if not task.ahead:
+                self._evicting_bytes[task.segment_id] -= self.state._aligned(task.size)
 
     def _promote_done(self, task: TierTask, status: int) -> None:
         state = self.state
@@ -620,6 +652,7 @@ class Tiering:
             if task.segment_id == segment_id:
                 del self.offloading[name]
         self._offloading_bytes.pop(segment_id, None)
+        self._evicting_bytes.pop(segment_id, None)
         for name, task in list(self._promoting.items()):
             if task.segment_id == segment_id:
                 del self._promoting[name]

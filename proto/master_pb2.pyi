@@ -179,7 +179,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "request_id")
+    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class PutStartRequest(_message.Message):
     PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
@@ -201,8 +202,9 @@ class PutStartRequest(_message.Message):
     pin_ttl_ms: int
     preferred_segment: str
     client_host: str
+    wait_ms: int
     request_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., wait_ms: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id", "replica_tags", "tag_expiry_ms")

@@ -22,6 +22,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOT_PENDING: _ClassVar[Status]
     NO_SPACE: _ClassVar[Status]
     QUOTA_EXCEEDED: _ClassVar[Status]
+    OFFLOAD_BEHIND: _ClassVar[Status]
     SEGMENT_NOT_FOUND: _ClassVar[Status]
     INVALID_RANGE: _ClassVar[Status]
     CLUSTER_MISMATCH: _ClassVar[Status]
@@ -50,6 +51,7 @@ BUFFER_TOO_SMALL: Status
 NOT_PENDING: Status
 NO_SPACE: Status
 QUOTA_EXCEEDED: Status
+OFFLOAD_BEHIND: Status
 SEGMENT_NOT_FOUND: Status
 INVALID_RANGE: Status
 CLUSTER_MISMATCH: Status

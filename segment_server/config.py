@@ -67,6 +67,9 @@ class SegmentConfig:
     ssd_verify_rate: str = "64MiB"
     ssd_write_buffers: str = "64MiB"  # aligned staging buffers of the offload writer (4MiB each, >= 8MiB)
     ssd_write_threads: int = 4  # offload writes in flight (threads of the group writer)
+    # Offload bandwidth cap in bytes/s (e.g. 500MiB), keeping disk bandwidth for reads; 0 = unlimited.
+    # A put that needs room waits for offload (the master's dram_full_policy), so a low cap slows writers.
+    ssd_write_limit: str = "0"
     # Data-plane connection limits: a client beyond max_connections is refused with a clear
     # error; a connection idle this long, or a request (or its response) stalled this long, is cut.
     max_connections: int = 4096
@@ -93,6 +96,10 @@ class SegmentConfig:
     def ssd_bytes(self) -> int:
         return parse_size(self.ssd_size) if self.ssd_dir else 0
 
+    @property
+    def ssd_write_limit_bytes(self) -> int:
+        return parse_size(self.ssd_write_limit)
+
     def validate(self) -> SegmentConfig:
         check_field("master", check_master_spec, self.master)
         if self.metrics:
@@ -106,7 +113,15 @@ class SegmentConfig:
                 f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
                 "this segment's data plane at"
             )
-        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_verify_rate", "ssd_write_buffers"):
+        for name in (
+            "dram",
+            "ssd_size",
+            "ssd_bucket_size",
+            "ssd_read_buffers",
+            "ssd_verify_rate",
+            "ssd_write_buffers",
+            "ssd_write_limit",
+        ):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")

@@ -104,6 +104,8 @@ class GroupWriter:
         self._failed_at: int | None = None  # file offset of the first failed write of this run
         self._failure: Exception | None = None
         self.writes = 0  # pwritev calls (for tests and metrics: bytes per write)
+        # Called with each record's file span before it is staged (kvtier.segment_server.write_limit).
+        self.pace: Callable[[int], None] | None = None
 
     def close(self) -> None:
         """Stop the writer threads (after the writes queued) and unmap the buffers. Safe to call twice."""
@@ -173,8 +175,8 @@ class GroupWriter:
                 out[index] = exc
                 continue
             assert slot is not None
-            # Write limit (part BP, segment_server/write_limit.py): one `take(slot.span)` per record
-            # belongs here, before its bytes are staged, so a throttled record holds no buffer.
+            if self.pace is not None:  # --ssd-write-limit: paced before staging, so a waiting record holds no buffer
+                self.pace(slot.span)
             if staging is None:
                 staging = self._buffer(slot.offset)
             assert staging.offset + staging.length == slot.offset, "slots are contiguous within a run"

@@ -136,6 +136,7 @@ async def serve(config: SegmentConfig) -> int:
                 store, buffer_bytes=parse_size(config.ssd_write_buffers), threads=config.ssd_write_threads
             )
             worker = TierWorker(channels.stub, store, region.view, link.session, writer, verifier)
+            worker.write_limit.rate = config.ssd_write_limit_bytes
             worker.start()
             verifier.start()
         feed = CommitFeed(channels.stub, index, link.session)

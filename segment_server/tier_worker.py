@@ -53,6 +53,7 @@ from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, Rec
 from kvtier.segment_server.dram_index import InventoryRefused
 from kvtier.segment_server.group_writer import GroupWriter, OffloadItem, Outcome
 from kvtier.segment_server.verifier import Verifier
+from kvtier.segment_server.write_limit import WriteLimit
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class TierWorker:
         self._epoch = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
+        self.write_limit = WriteLimit(0, self._stop)  # --ssd-write-limit (the server sets the rate)
+        self._writer.pace = self.write_limit.take
         self.offloaded = 0
         self.offloaded_bytes = 0
         self.promoted = 0
@@ -147,7 +150,10 @@ class TierWorker:
                         self.verifier.apply(self._stub, segment_id)
                 reply = self._stub.PollTierTasks(
                     pb.PollTierTasksRequest(
-                        segment_id=segment_id, epoch=self._epoch, max_tasks=_MAX_TASKS, wait_ms=_POLL_WAIT_MS
+                        segment_id=segment_id,
+                        epoch=self._epoch,
+                        max_tasks=self.write_limit.max_tasks(_MAX_TASKS),
+                        wait_ms=_POLL_WAIT_MS,
                     ),
                     timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
                 )

@@ -14,7 +14,7 @@ from kvtier.master.state import MasterState
 from kvtier.master.tiering import TaskKind
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
-from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, read, stored
+from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, put_status, read, stored
 from tests.unit.master.test_state import FakeClock, advance_alive
 
 OK = Status.OK
@@ -47,6 +47,16 @@ def fill_past_watermark(state: MasterState) -> None:
     """Four 1 KiB objects k0..k3 on a 4 KiB segment: above the 0.90 watermark."""
     for i in range(4):
         put(state, f"k{i}")
+
+
+def put_waiting(state: MasterState, disk: FakeDisk, key: str, size: int = KiB, **options) -> None:
+    """A put the way a waiting PutStart sees it (kvtier.master.backpressure): while the answer is
+    OFFLOAD_BEHIND, the segment runs the offloads queued for it, then the put is tried again."""
+    for _ in range(4):
+        if put_status(state, key, size, **options) != Status.OFFLOAD_BEHIND:
+            return
+        disk.complete(disk.poll())
+    raise AssertionError(f"{key} still OFFLOAD_BEHIND after 4 offload rounds")
 
 
 class FakeDisk:
@@ -217,7 +227,8 @@ def test_promotion_waits_for_space_and_never_evicts(state):
     put(state, "k4")  # DRAM full again: 4 KiB of 4
     read(state, "k0")
     read(state, "k0")
-    assert disk.poll() == []
+    # no promotion (k4's PutEnd started an offload of k1: offload starts as soon as objects qualify)
+    assert [t.kind for t in disk.poll()] == [TaskKind.OFFLOAD]
     assert stored(state) == {"k0", "k1", "k2", "k3", "k4"}
     assert_consistent(state)
 
@@ -266,7 +277,10 @@ def test_segment_loss_drops_its_disk_replicas_and_tasks(state):
     state.tick()
     disk.complete(disk.poll())  # k0 on SSD
     put(state, "k4")
-    put(state, "k5", size=700)  # 4.7 KiB of 4: over the watermark again
+    # k5 needs a copy not on SSD yet: it waits (kvtier.master.backpressure), k1's offload starts at once
+    assert put_status(state, "k5", size=700) == Status.OFFLOAD_BEHIND
+    disk.complete(disk.poll())  # k1 on SSD
+    put(state, "k5", size=700)  # the retry: 4.7 KiB of 4, over the watermark again
     state.tick()
     in_flight = disk.poll()
     assert [t.kind for t in in_flight] == [TaskKind.OFFLOAD]
@@ -396,7 +410,7 @@ def test_quota_eviction_never_takes_a_ranks_disk_only_objects(state):
     assert tiers(state, "d0") == [(seg, TIER_SSD)] and tiers(state, "d1") == [(seg, TIER_SSD)]
     # when the rank fills its quota and goes over it
     for key in ("q0", "q1", "q2", "q3"):
-        put(state, key, instance="llm")
+        put_waiting(state, disk, key, instance="llm")
     # then its own DRAM objects made room, and its disk-only objects are untouched
     assert {"d0", "d1", "q3"} <= stored(state)
     assert "q0" not in stored(state)
@@ -434,8 +448,10 @@ def test_disk_copy_that_fails_verification_on_promotion_is_dropped_and_forgotten
     assert_consistent(state)
 
 
-def test_above_the_offload_watermark_lru_objects_are_copied_ahead_and_keep_their_dram_copy(state):
-    # given a segment at 85% (above the offload watermark 0.80, at the eviction target 0.85)
+def test_above_the_offload_watermark_lru_objects_are_copied_ahead_and_keep_their_dram_copy(clock):
+    # given a segment at 85% (above the offload watermark 0.80, at the eviction target 0.85), whose
+    # offloads in flight are bounded by eviction_ratio alone (no offload_in_flight floor)
+    state = make_state(clock, promote_after_reads=2, offload_in_flight="0")
     seg = mount_ssd(state, "a", 10 * KiB)
     disk = FakeDisk(state, seg)
     for i in range(17):
