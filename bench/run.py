@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="keys per batch call (default: %(default)s)")
     parser.add_argument("--bytes-per-run", default="256MiB", help="payload per measured run (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
-    parser.add_argument("--threads", type=int, default=1, help="client threads sharing one client (default: 1)")
+    parser.add_argument(
+        "--threads",
+        default="",
+        help="client threads sharing one client (default: 1; --tier ssd: a comma list, default 1,4)",
+    )
     parser.add_argument("--workloads", default="", help="comma list to run a subset, e.g. batch_put,batch_get_into")
     parser.add_argument("--transport", default="", help="force a transport scheme, e.g. tcp")
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
@@ -282,7 +286,17 @@ def run(opts: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2
-    if opts.batch < 1 or opts.repeat < 1 or opts.threads < 1 or not sizes:
+    try:
+        thread_counts = [int(t) for t in opts.threads.split(",") if t.strip()]
+        thread_counts = thread_counts or ([1, 4] if opts.tier == "ssd" else [1])
+    except ValueError:
+        print(f"kvtier bench: --threads takes whole numbers, got {opts.threads!r}", file=sys.stderr)
+        return 2
+    if opts.tier != "ssd" and len(thread_counts) != 1:
+        print("kvtier bench: a list of --threads is for --tier ssd only", file=sys.stderr)
+        return 2
+    opts.threads = thread_counts[0]
+    if opts.batch < 1 or opts.repeat < 1 or min(thread_counts) < 1 or not sizes:
         print("kvtier bench: --batch, --repeat, --threads and --sizes must be positive", file=sys.stderr)
         return 2
     if opts.secure and opts.master:
@@ -306,11 +320,21 @@ def run(opts: argparse.Namespace) -> int:
 
         return run_recovery(opts, machine_description())
     if opts.tier == "ssd":
-        from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
+        from kvtier.bench.ssd_bench import print_ssd_results, run_ssd_bench
 
-        size = sizes[0] if opts.sizes != DEFAULT_SIZES else 1 << 20  # 1 MiB objects by default
-        result = run_ssd_bench(parse_size(opts.ssd_bytes), size, opts.batch, opts.repeat, opts.ssd_dir)
-        print_ssd_result(result, opts.json, machine_description())
+        ssd_sizes = sizes if opts.sizes != DEFAULT_SIZES else [1 << 20, 4 << 20]  # issue 17's two sizes
+        ssd_results = []
+        for size in ssd_sizes:
+            ssd_results += run_ssd_bench(
+                parse_size(opts.ssd_bytes),
+                size,
+                opts.batch,
+                opts.repeat,
+                opts.ssd_dir,
+                thread_counts,
+                _progress("kvtier"),
+            )
+        print_ssd_results(ssd_results, opts.json, machine_description(), opts.repeat)
         return 0
     selected = {w for w in opts.workloads.split(",") if w}
     local = None
