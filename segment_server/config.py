@@ -59,7 +59,10 @@ class SegmentConfig:
     ssd_queue_depth: int = 32  # disk reads in flight, whatever the number of requests
     ssd_threads: int = 4  # threads of the `threads` engine; for io_uring, the cap on the kernel's io-wq workers
     ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
-    ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
+    ssd_read_ahead: int = 4  # reads of one request in flight or waiting to be sent
+    # Adjacent records of one request (same bucket, one after the other) are read with one I/O of
+    # up to this many bytes (at most half of ssd_read_buffers); 0 reads every record alone.
+    ssd_read_coalesce: str = "4MiB"
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads where the file system allows it (not on tmpfs)
     # Data-plane connection limits: a client beyond max_connections is refused with a clear
@@ -101,7 +104,7 @@ class SegmentConfig:
                 f"listen {self.listen!r} is every interface: set advertise = HOST, the address clients reach "
                 "this segment's data plane at"
             )
-        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers"):
+        for name in ("dram", "ssd_size", "ssd_bucket_size", "ssd_read_buffers", "ssd_read_coalesce"):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
             raise ValueError(f"--dram must be at least 1MiB, got {self.dram!r}")
@@ -138,6 +141,12 @@ class SegmentConfig:
             raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:
             raise ValueError(f"--ssd-read-buffers must be at least 1MiB, got {self.ssd_read_buffers!r}")
+        coalesce = parse_size(self.ssd_read_coalesce)
+        if coalesce and not 64 << 10 <= coalesce <= parse_size(self.ssd_read_buffers) // 2:
+            raise ValueError(
+                "--ssd-read-coalesce must be 0 (off) or between 64KiB and half of --ssd-read-buffers "
+                f"({self.ssd_read_buffers}), got {self.ssd_read_coalesce!r}"
+            )
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("idle_timeout_s", "request_timeout_s"):

@@ -54,6 +54,10 @@ def test_dram_sizes(shm, dram, expected):
         ({"cluster_id": "c" * 65}, "cluster_id"),
         ({"name": "a/b"}, "name"),
         ({"name": "n" * 121}, "name"),
+        ({"ssd_read_coalesce": "60KiB"}, "ssd-read-coalesce"),
+        ({"ssd_read_coalesce": "33MiB"}, "half of --ssd-read-buffers"),  # of the default 64MiB
+        ({"ssd_read_coalesce": "3MiB", "ssd_read_buffers": "4MiB"}, "ssd-read-coalesce"),
+        ({"ssd_read_coalesce": "many"}, "invalid size"),
     ],
 )
 def test_validate_rejects_bad_values(shm, changes, message):
@@ -124,3 +128,8 @@ def test_parse_args_exits_2_on_invalid_environment(monkeypatch, shm, capsys):
         parse_args(["--shm-dir", shm])
     assert excinfo.value.code == 2
     assert "invalid size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("coalesce", ["0", "64KiB", "4MiB", "32MiB"])
+def test_ssd_read_coalesce_accepts_off_and_sizes_up_to_half_the_read_buffers(shm, coalesce):
+    SegmentConfig(shm_dir=shm, ssd_read_coalesce=coalesce).validate()
