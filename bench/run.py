@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", choices=["dram", "ssd"], default="dram", help="ssd: reads from the SSD tier vs dd")
     parser.add_argument("--ssd-bytes", default="1GiB", help="--tier ssd: bytes put on the SSD tier")
     parser.add_argument("--ssd-dir", default="", help="--tier ssd: a directory on the disk to measure (.kvtier)")
+    parser.add_argument(
+        "--ssd-read-coalesce",
+        default="",
+        help="--tier ssd: the segment's --ssd-read-coalesce (default: the segment's; 0 reads every record alone)",
+    )
     add_master_arguments(parser)
     add_recovery_arguments(parser)
 
@@ -333,6 +338,7 @@ def run(opts: argparse.Namespace) -> int:
                 opts.ssd_dir,
                 thread_counts,
                 _progress("kvtier"),
+                segment_args=("--ssd-read-coalesce", opts.ssd_read_coalesce) if opts.ssd_read_coalesce else (),
             )
         print_ssd_results(ssd_results, opts.json, machine_description(), opts.repeat)
         return 0

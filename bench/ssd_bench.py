@@ -54,6 +54,7 @@ class SsdResult:
     disk_engine: str
     ssd_bytes_served: int  # segment's counter over the measured reads
     disk_bytes_read: int  # segment process's physical reads over the measured reads (/proc/<pid>/io)
+    segment_args: str = ""  # options given to the segment beyond the bench's own (e.g. --ssd-read-coalesce 0)
 
 
 def _pid_read_bytes(pid: int) -> int:
@@ -197,6 +198,7 @@ def run_ssd_bench(
                         disk_engine=engine,
                         ssd_bytes_served=served,
                         disk_bytes_read=disk_read,
+                        segment_args=" ".join(segment_args),
                     )
                 )
         return results
@@ -217,6 +219,7 @@ def print_ssd_results(results: list[SsdResult], as_json: bool, machine: dict, re
     if results:
         first = results[0]
         print(f"disk engine {first.disk_engine}; batch_get_into in batches of {first.batch}, median of {repeat}")
+        print(f"segment options: {first.segment_args or 'defaults'} (see kvtier-segment --help)")
     print("  'threads': client threads sharing one Client, each reading its own slice of the objects;")
     print("  'dd': dd iflag=direct over the same bucket files just before each pass (one sequential reader)")
     heading = f"  {'object':>7} {'threads':>7} {'objects':>7} {'from SSD':>10} {'dd':>10} {'ratio':>6}"
