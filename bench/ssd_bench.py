@@ -78,6 +78,12 @@ def _dd_direct(files: list[Path], block: int) -> float:
     return total / (time.perf_counter() - started) / 1e9
 
 
+def _served(client) -> int:
+    """The segment's ssd_bytes_served once a heartbeat (1 s by default) carried what was served so far."""
+    time.sleep(1.2)
+    return client.cluster_status().segments[0].ssd_bytes_served
+
+
 def _read_pass(client, keys: list[str], size: int, batch: int, threads: int) -> float:
     """GB/s of one pass over `keys` by `threads` threads sharing `client`, each over its own slice."""
     step = -(-len(keys) // threads)
@@ -170,7 +176,7 @@ def run_ssd_bench(
             block = max(MiB, size)
             results = []
             for n in threads:
-                served_before = client.cluster_status().segments[0].ssd_bytes_served
+                served_before = _served(client)
                 disk_read = 0
                 rates, baselines = [], []
                 for r in range(repeat):
@@ -181,8 +187,7 @@ def run_ssd_bench(
                     disk_before = _pid_read_bytes(pid)
                     rates.append(_read_pass(client, disk_keys, size, batch, n))
                     disk_read += _pid_read_bytes(pid) - disk_before
-                time.sleep(0.5)  # one heartbeat carries the segment's counters to the master
-                served = client.cluster_status().segments[0].ssd_bytes_served - served_before
+                served = _served(client) - served_before
                 baseline = statistics.median(baselines)
                 get_rate = statistics.median(rates)
                 results.append(
