@@ -16,7 +16,9 @@ promotion off so reads stay on disk):
   blocks of the object size, at least 1 MiB (the baseline: what the disk
   gives one sequential direct reader, under the same conditions as the pass
   that follows; medians of both are compared);
-- report both, their ratio per (size, threads) case, and the segment's own
+- report both medians, the median of each pass's ratio to the dd run just
+  before it (paired: the disk's speed drifts between runs, a pair shares the
+  conditions of its moment) per (size, threads) case, and the segment's own
   counters: object bytes served from SSD vs physical bytes the process read
   (/proc/<pid>/io), so the figure cannot come from the page cache unnoticed.
 """
@@ -50,7 +52,7 @@ class SsdResult:
     get_gb_per_s: float  # median over repeats, all threads together
     baseline_gb_per_s: float  # dd iflag=direct over the same bucket files, median, next to each pass
     baseline_block: int  # dd's bs
-    ratio: float
+    ratio: float  # median over passes of (pass rate / the dd rate measured just before it)
     disk_engine: str
     ssd_bytes_served: int  # segment's counter over the measured reads
     disk_bytes_read: int  # segment process's physical reads over the measured reads (/proc/<pid>/io)
@@ -190,6 +192,9 @@ def run_ssd_bench(
                 served = _served(client) - served_before
                 baseline = statistics.median(baselines)
                 get_rate = statistics.median(rates)
+                # Each pass against the dd run just before it: the disk's speed drifts (other load,
+                # the host's cache), and a pair shares the conditions of its moment.
+                paired = statistics.median(r / b for r, b in zip(rates, baselines, strict=True) if b)
                 results.append(
                     SsdResult(
                         object_size=size,
@@ -199,7 +204,7 @@ def run_ssd_bench(
                         get_gb_per_s=get_rate,
                         baseline_gb_per_s=baseline,
                         baseline_block=block,
-                        ratio=get_rate / baseline if baseline else 0.0,
+                        ratio=paired,
                         disk_engine=engine,
                         ssd_bytes_served=served,
                         disk_bytes_read=disk_read,
@@ -227,6 +232,7 @@ def print_ssd_results(results: list[SsdResult], as_json: bool, machine: dict, re
         print(f"segment options: {first.segment_args or 'defaults'} (see kvtier-segment --help)")
     print("  'threads': client threads sharing one Client, each reading its own slice of the objects;")
     print("  'dd': dd iflag=direct over the same bucket files just before each pass (one sequential reader)")
+    print("  'ratio': median over passes of (pass / the dd run just before it)")
     heading = f"  {'object':>7} {'threads':>7} {'objects':>7} {'from SSD':>10} {'dd':>10} {'ratio':>6}"
     print(f"{heading}  target >= {TARGET:.0%}")
     for r in results:
