@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="keys per batch call (default: %(default)s)")
     parser.add_argument("--bytes-per-run", default="256MiB", help="payload per measured run (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is reported")
-    parser.add_argument("--threads", type=int, default=1, help="client threads sharing one client (default: 1)")
+    parser.add_argument(
+        "--threads",
+        default="",
+        help="client threads sharing one client (default: 1; --tier ssd: a comma list, default 1,4)",
+    )
     parser.add_argument("--workloads", default="", help="comma list to run a subset, e.g. batch_put,batch_get_into")
     parser.add_argument("--transport", default="", help="force a transport scheme, e.g. tcp")
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
@@ -89,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--tier ssd --write: what to measure, comma list of group (the segment's write path alone), "
         "serial (one append per record, the path before the group writer), cluster (a local master and "
         "segment under a fast writer) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ssd-read-coalesce",
+        default="",
+        help="--tier ssd: the segment's --ssd-read-coalesce (default: the segment's; 0 reads every record alone)",
     )
     add_master_arguments(parser)
     add_recovery_arguments(parser)
@@ -338,7 +347,17 @@ def run(opts: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2
-    if opts.batch < 1 or opts.repeat < 1 or opts.threads < 1 or not sizes:
+    try:
+        thread_counts = [int(t) for t in opts.threads.split(",") if t.strip()]
+        thread_counts = thread_counts or ([1, 4] if opts.tier == "ssd" else [1])
+    except ValueError:
+        print(f"kvtier bench: --threads takes whole numbers, got {opts.threads!r}", file=sys.stderr)
+        return 2
+    if opts.tier != "ssd" and len(thread_counts) != 1:
+        print("kvtier bench: a list of --threads is for --tier ssd only", file=sys.stderr)
+        return 2
+    opts.threads = thread_counts[0]
+    if opts.batch < 1 or opts.repeat < 1 or min(thread_counts) < 1 or not sizes:
         print("kvtier bench: --batch, --repeat, --threads and --sizes must be positive", file=sys.stderr)
         return 2
     if opts.secure and opts.master:
@@ -372,11 +391,22 @@ def run(opts: argparse.Namespace) -> int:
     if opts.tier == "ssd" and opts.write:
         return _run_ssd_write(opts)
     if opts.tier == "ssd":
-        from kvtier.bench.ssd_bench import print_ssd_result, run_ssd_bench
+        from kvtier.bench.ssd_bench import print_ssd_results, run_ssd_bench
 
-        size = sizes[0] if opts.sizes != DEFAULT_SIZES else 1 << 20  # 1 MiB objects by default
-        result = run_ssd_bench(parse_size(opts.ssd_bytes), size, opts.batch, opts.repeat, opts.ssd_dir)
-        print_ssd_result(result, opts.json, machine_description())
+        ssd_sizes = sizes if opts.sizes != DEFAULT_SIZES else [1 << 20, 4 << 20]  # issue 17's two sizes
+        ssd_results = []
+        for size in ssd_sizes:
+            ssd_results += run_ssd_bench(
+                parse_size(opts.ssd_bytes),
+                size,
+                opts.batch,
+                opts.repeat,
+                opts.ssd_dir,
+                thread_counts,
+                _progress("kvtier"),
+                segment_args=("--ssd-read-coalesce", opts.ssd_read_coalesce) if opts.ssd_read_coalesce else (),
+            )
+        print_ssd_results(ssd_results, opts.json, machine_description(), opts.repeat)
         return 0
     selected = {w for w in opts.workloads.split(",") if w}
     local = None

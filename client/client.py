@@ -174,8 +174,9 @@ class Client:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
-        # records in flight on the segment); measured in docs/benchmarks.md.
-        self._disk_streams = min(self.config.io_threads, self.config.connections_per_segment, 2)
+        # reads in flight on the segment): more of them start the disk sooner after each batch's
+        # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
+        self._disk_streams = min(self.config.io_threads, self.config.connections_per_segment, 4)
         if metrics if metrics is not None else ClientConfig.metrics_override():
             from kvtier.client.metrics import track  # prometheus-client only when asked for
 

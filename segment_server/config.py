@@ -59,7 +59,10 @@ class SegmentConfig:
     ssd_queue_depth: int = 32  # disk reads in flight, whatever the number of requests
     ssd_threads: int = 4  # threads of the `threads` engine; for io_uring, the cap on the kernel's io-wq workers
     ssd_read_buffers: str = "64MiB"  # aligned read buffers, shared by all disk reads
-    ssd_read_ahead: int = 4  # records of one request read ahead of the one being sent
+    ssd_read_ahead: int = 4  # reads of one request in flight or waiting to be sent
+    # Adjacent records of one request (same bucket, one after the other) are read with one I/O of
+    # up to this many bytes (capped at half of ssd_read_buffers); 0 reads every record alone.
+    ssd_read_coalesce: str = "4MiB"
     ssd_send_timeout_s: float = 30.0  # a client that reads nothing of a disk response this long is cut off
     ssd_direct_io: bool = True  # O_DIRECT reads and offload writes where the file system allows it
     # Mounting reads record headers only; payloads found at mount are verified in the background at
@@ -121,6 +124,7 @@ class SegmentConfig:
             "ssd_verify_rate",
             "ssd_write_buffers",
             "ssd_write_limit",
+            "ssd_read_coalesce",
         ):
             check_field(name, parse_size, getattr(self, name))
         if self.dram_bytes < MIN_DRAM:
@@ -162,6 +166,10 @@ class SegmentConfig:
             raise ValueError(f"--ssd-write-buffers must be at least 8MiB, got {self.ssd_write_buffers!r}")
         if not 1 <= self.ssd_write_threads <= 64:
             raise ValueError(f"--ssd-write-threads must be between 1 and 64, got {self.ssd_write_threads}")
+        # Above half of ssd_read_buffers it is capped there (DiskReader): a small pool stays valid
+        # with the default.
+        if 0 < parse_size(self.ssd_read_coalesce) < 64 << 10:
+            raise ValueError(f"--ssd-read-coalesce must be 0 (off) or at least 64KiB, got {self.ssd_read_coalesce!r}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         for name in ("idle_timeout_s", "request_timeout_s"):

@@ -294,7 +294,14 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
     return (
         store,
         engine,
-        DiskReader(store, engine, pool, window=config.ssd_read_ahead, send_timeout_s=config.ssd_send_timeout_s),
+        DiskReader(
+            store,
+            engine,
+            pool,
+            window=config.ssd_read_ahead,
+            send_timeout_s=config.ssd_send_timeout_s,
+            coalesce_bytes=parse_size(config.ssd_read_coalesce),
+        ),
     )
 
 

@@ -79,6 +79,19 @@ def test_invalid_arguments_exit_2_with_one_line(args):
     assert len(lines) == 1 and "error" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--threads", "1,4"], "for --tier ssd only"),  # the DRAM bench takes one thread count
+        (["--tier", "ssd", "--threads", "1,x"], "whole numbers"),
+        (["--tier", "ssd", "--threads", "0,4"], "must be positive"),
+    ],
+)
+def test_bench_refuses_bad_thread_counts_before_starting_anything(args, message):
+    result = kvtier("bench", *args, check=False)
+    assert result.returncode == 2 and message in result.stderr.decode(), result.stderr
+
+
 def test_help_lists_every_command_and_each_ops_command_takes_json():
     text = kvtier("--help").stdout.decode()
     commands = "up status segments quotas keys stat drain evict top put get bench".split()

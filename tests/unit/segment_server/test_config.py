@@ -56,6 +56,9 @@ def test_dram_sizes(shm, dram, expected):
         ({"name": "n" * 121}, "name"),
         ({"ssd_verify_rate": "fast"}, "ssd_verify_rate.*invalid size"),
         ({"ssd_verify_rate": "-1MiB"}, "ssd_verify_rate.*invalid size"),
+        ({"ssd_read_coalesce": "60KiB"}, "ssd-read-coalesce"),
+        ({"ssd_read_coalesce": "1"}, "ssd-read-coalesce"),
+        ({"ssd_read_coalesce": "many"}, "invalid size"),
     ],
 )
 def test_validate_rejects_bad_values(shm, changes, message):
@@ -126,3 +129,13 @@ def test_parse_args_exits_2_on_invalid_environment(monkeypatch, shm, capsys):
         parse_args(["--shm-dir", shm])
     assert excinfo.value.code == 2
     assert "invalid size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("coalesce", "buffers"),
+    [("0", "64MiB"), ("64KiB", "64MiB"), ("4MiB", "64MiB"), ("1GiB", "64MiB"), ("4MiB", "1MiB")],
+)
+def test_ssd_read_coalesce_is_off_or_at_least_64kib_whatever_the_read_buffers(shm, coalesce, buffers):
+    # Above half of --ssd-read-buffers the reader caps it there: the default stays valid with the
+    # smallest pool (1MiB).
+    SegmentConfig(shm_dir=shm, ssd_read_coalesce=coalesce, ssd_read_buffers=buffers).validate()
