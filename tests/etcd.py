@@ -105,6 +105,21 @@ class EtcdServer:
         """SIGSTOP: connections stay open but nothing is answered, like a frozen host."""
         self.popen.send_signal(signal.SIGSTOP)
         self.paused = True
+        # kill() returns before every thread of the process has stopped: wait until the kernel says
+        # it has (state T), so nothing sent after pause() is answered.
+        deadline = time.monotonic() + 5.0
+        tasks = f"/proc/{self.popen.pid}/task"
+        while time.monotonic() < deadline:
+            try:
+                states = []
+                for tid in os.listdir(tasks):
+                    with open(f"{tasks}/{tid}/stat") as f:
+                        states.append(f.read().rpartition(")")[2].split()[0])
+            except OSError:
+                return
+            if all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.005)
 
     def resume(self) -> None:
         self.popen.send_signal(signal.SIGCONT)

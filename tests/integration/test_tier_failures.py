@@ -16,11 +16,13 @@ import random
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvtier.client import Client
+from kvtier.proto.status import Status
 from tests.capability import missing, require
 from tests.cluster import Cluster
 from tests.integration.test_history_log import events
@@ -192,6 +194,22 @@ def test_disk_full_mid_offload_leaves_no_partial_copy_and_recovery_only_complete
 # ---------------------------------------------------------------------------------------- SIGKILL
 
 
+def put_until(client: Client, keys: list[str], reached: Callable[[], bool]) -> list[str]:
+    """Put `keys` one at a time until `reached()`; the keys acknowledged. With the tier stalled on a
+    failpoint, DRAM can fill before the failpoint's log line is seen: the put that finds no room then
+    waits for offload and fails OFFLOAD_BEHIND (nothing stored), which ends the fill too."""
+    acknowledged: list[str] = []
+    for key in keys:
+        status = client.batch_put([key], [value_for(key)])[0]
+        if status == Status.OFFLOAD_BEHIND:
+            break
+        assert status == 0, Status(status).name
+        acknowledged.append(key)
+        if reached():
+            break
+    return acknowledged
+
+
 def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_cluster, tmp_path, monkeypatch):
     """The window between fdatasync and TierTasksDone: the copies are on disk, the master never heard
     of them. Keys removed meanwhile must never come back from them; the rest may (right bytes)."""
@@ -202,12 +220,9 @@ def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_clus
     monkeypatch.delenv("KVTIER_FAILPOINTS")
     keys = [f"window/{i:03d}" for i in range(20)]
     with bare_cluster.client() as client:
-        for key in keys:  # fill past the offload watermark without waiting for the stalled tier
-            assert client.batch_put([key], [value_for(key)]) == [0]
-            if "failpoint tier.offload_synced reached" in proc.tail(200):
-                break
+        # fill past the offload watermark without waiting for the stalled tier
+        put = put_until(client, keys, lambda: "failpoint tier.offload_synced reached" in proc.tail(200))
         assert bare_cluster.wait_for(lambda: "failpoint tier.offload_synced reached" in proc.tail(200), timeout=20)
-        put = keys[: keys.index(key) + 1]
         # while the durable copies wait to be reported: remove half of what was put
         removed = put[::2]
         for k in removed:
@@ -232,12 +247,8 @@ def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluste
     keys = [f"mr/{i:03d}" for i in range(20)]
     reached = "failpoint tier.offload_synced reached"
     with bare_cluster.client() as client:
-        for key in keys:
-            assert client.batch_put([key], [value_for(key)]) == [0]
-            if reached in proc.tail(200):
-                break
+        put = put_until(client, keys, lambda: reached in proc.tail(200))
         assert bare_cluster.wait_for(lambda: reached in proc.tail(200), timeout=20)
-        put = keys[: keys.index(key) + 1]
         removed = put[::2]
         for k in removed:
             client.remove(k)

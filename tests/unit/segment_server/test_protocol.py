@@ -536,6 +536,7 @@ def test_frames_without_a_deadline_or_past_their_grant_touch_nothing(conn):
         (1, FAR, Status.LEASE_EXPIRED),  # a deadline entry shortens the capability's grant
         (FAR, 1, Status.LEASE_EXPIRED),  # and never lengthens it
     ],
+    ids=["both-ahead", "deadline-past", "expiry-past"],  # stable names: FAR is read from the clock
 )
 def test_trace_deadline_and_capability_entries_together(conn, deadline, expiry, status):
     conn.region[:3] = b"abc"
