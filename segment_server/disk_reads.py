@@ -40,7 +40,8 @@ from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status
-from kvtier.segment_server.buckets import BucketStore, ReadPlan, RecordError
+from kvtier.segment_server.bucket_format import ReadPlan, RecordError
+from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.diskio import BufferPool, DiskEngine, read_fully
 
 if TYPE_CHECKING:
