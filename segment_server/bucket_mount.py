@@ -125,7 +125,7 @@ def _runs(entries: list[_Entry], ends: list[int]) -> list[int]:
 
 
 class BucketRecovery:
-    """The recovery half of BucketStore (see its docstring): a mixin, no state of its own."""
+    """BucketStore's recovery (mounting), split out of it: a mixin with no state of its own."""
 
     # --- recovery ---------------------------------------------------------------------------
 
