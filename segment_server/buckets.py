@@ -1,55 +1,6 @@
-"""The SSD tier's bucket store: append-only bucket files of checksummed records.
-
-On-disk format (all integers little-endian, ALIGN = 4096):
-
-- A bucket is a file ``bucket-<id as 16 hex digits>.kvb`` in the store's directory. Bucket ids are
-  assigned increasing (max existing id + 1 on start), never reused.
-- File header, the first 4096 bytes: magic ``b"KVTB"``, format version u16 (=1), reserved u16,
-  bucket id u64, created unix time f64, cluster id length u16 + cluster id bytes (UTF-8, <= 64 bytes),
-  then CRC32C u32 of all preceding header bytes; zero padding to 4096.
-- Records start at 4096-aligned offsets. Record header: magic ``b"KVTR"``, version u16 (=1),
-  flags u16 (0 = object, 1 = tombstone), header_len u32 (bytes of the header including the names
-  below, excluding padding: 36 + namespace_len + key_len), namespace_len u16, key_len u16, size u64
-  (payload bytes), payload_crc u32 (CRC32C of the payload), cluster_crc u32 (CRC32C of the UTF-8
-  cluster id), header_crc u32 (CRC32C of the header bytes with this field set to zero), then namespace
-  bytes and key bytes (UTF-8). Field offsets: magic 0, version 4, flags 6, header_len 8, namespace_len
-  12, key_len 14, size 16, payload_crc 24, cluster_crc 28, header_crc 32, names 36. The payload
-  follows the header immediately (at record offset + header_len). The next record starts at the next
-  4096-aligned offset after the payload. The bucket header holds the full cluster id; each record
-  holds a CRC32C tag of it, so a record can be recognised as this cluster's on its own (recovery drops
-  a record whose tag is not ours, like one whose payload CRC fails).
-- A tombstone record (empty namespace and key) has a payload of N >= 1 u64 locations (size a positive
-  multiple of 8), each naming a record it declares dead (written when the master removes objects that
-  had a disk copy, so a restart does not resurrect them). One record carries many locations, so a mass
-  removal costs a page per 8192 locations (writers cap a record at 64 KiB of locations; readers accept
-  any count). A tombstone whose size is not a positive multiple of 8 is an invalid record.
-- Sealing: when a bucket reaches ``bucket_size`` bytes or ``bucket_keys`` records (whichever first),
-  it is sealed: an index footer is appended at a 4096-aligned offset: magic ``b"KVTI"``, count u32,
-  then per record (offset u64, header_len u32, size u64, flags u16), then CRC32C u32 over the footer;
-  then the last 16 bytes of the file are a locator: footer offset u64 + magic ``b"KVTE"`` + CRC32C u32
-  of those 12 bytes. The file is fdatasync'ed after sealing and a new bucket is opened for appends.
-  An entry with header_len 0 marks a stretch recovery found unreadable (see Recovery); it keeps the
-  entries tiling the file and names no record.
-- Reserve: a file ``reserve.kvr`` of up to 4 MiB (1/8 of the capacity at most), preallocated, whose
-  space is given back at the first ENOSPC of a tombstone or of a recovery write (see RESERVE_NAME).
-- Location: an int < 2**48 naming a record: ``bucket_id << 20 | (record_offset // 4096)``. Hence
-  bucket_size <= 4 GiB (2**20 * 4096) and bucket ids < 2**28.
-
-Recovery (mounting) reads record headers, never object payloads, so it takes seconds however large
-the tier: a sealed bucket with a valid locator and footer is read through its footer entries (one page
-per record, or one pread for a run of small records; all of a bucket's reads queued at once); a record
-whose header fails verification there is dropped alone. Otherwise (the open bucket, or a footer that is
-invalid) records are scanned linearly. At an invalid record header the scan probes the following
-4096-aligned offsets for the next valid header (magic, version, header CRC, payload within the file):
-if there is one, the stretch before it is dropped (logged) and the scan goes on from there; if not,
-the rest is a torn tail, cut off in an open bucket (a record whose payload would extend past the end of
-the file is torn: this is decided from headers alone). A valid record is never truncated. In either
-path a record whose cluster tag is not ours is dropped alone, and tombstone payloads are read and
-checked (they decide which records are dead). Every object record recovered starts unverified: its
-payload CRC is checked later by the background verifier (kvtier.segment_server.verifier; never-sealed
-buckets first, then oldest first), which has a record whose payload is corrupt or torn tombstoned then,
-not at mount. Until then readers are safe all the same: the client checks every payload against the
-master's checksum and a promotion checks it before copying.
+"""The SSD tier's bucket store: append-only bucket files of checksummed records (appends, group
+commits, reads, eviction, background-verification bookkeeping). The byte layout is in
+kvtier.segment_server.bucket_format, mounting (recovery) in kvtier.segment_server.bucket_mount.
 
 Threading: one writer at a time calls everything except `pin`/`unpin`/`plan_read` (the event loop, the
 verifier) and `next_unverified`/`verified` (the verifier thread), which may come from other threads;
@@ -65,102 +16,54 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 import crc32c
 
 from kvtier.proto.keys import cluster_id_problem
+from kvtier.segment_server.bucket_format import (
+    _BUCKET_HEAD,
+    _INDEX_ENTRY,
+    _INDEX_HEAD,
+    _LOCATOR_BODY,
+    _LOCATOR_SIZE,
+    _MAX_TOMBSTONE_TARGETS,
+    _RECORD_HEAD,
+    _U32,
+    _U64,
+    ALIGN,
+    BUCKET_MAGIC,
+    FLAG_OBJECT,
+    FLAG_TOMBSTONE,
+    FORMAT_VERSION,
+    INDEX_MAGIC,
+    LOCATOR_MAGIC,
+    MAX_BUCKET_ID,
+    MAX_BUCKET_SIZE,
+    MAX_NAME_BYTES,
+    RESERVE_NAME,
+    DiskRecord,
+    ReadPlan,
+    RecordError,
+    Slot,
+    _align,
+    _Bucket,
+    _Head,
+    _location,
+    _parse_header,
+    _record_header,
+)
+from kvtier.segment_server.bucket_mount import BucketRecovery
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
-FORMAT_VERSION = 1
-FLAG_OBJECT = 0
-FLAG_TOMBSTONE = 1
-BUCKET_MAGIC = b"KVTB"
-RECORD_MAGIC = b"KVTR"
-INDEX_MAGIC = b"KVTI"
-LOCATOR_MAGIC = b"KVTE"
-MAX_BUCKET_SIZE = (1 << 20) * ALIGN  # the location keeps 20 bits of aligned offset
-MAX_BUCKET_ID = 1 << 28  # bucket_id << 20 stays below 2**48
-MAX_CLUSTER_ID_BYTES = 64
-MAX_NAME_BYTES = 0xFFFF
-
-_BUCKET_HEAD = struct.Struct("<4sHHQdH")  # magic, version, reserved, bucket id, created, cluster id length
-# magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc
-_RECORD_HEAD = struct.Struct("<4sHHIHHQIII")
-_HEADER_CRC_AT = 32  # offset of header_crc inside the record header (the last fixed field)
-_INDEX_HEAD = struct.Struct("<4sI")
-_INDEX_ENTRY = struct.Struct("<QIQH")
-_LOCATOR_BODY = struct.Struct("<Q4s")
-_LOCATOR_SIZE = _LOCATOR_BODY.size + 4
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_TOMBSTONE_TARGET = _U64.size  # bytes per location in a tombstone payload
-_MAX_TOMBSTONE_TARGETS = 8192  # locations per tombstone record written (64 KiB of payload)
-_MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
-_SMALL_RECORD = 64 << 10  # at mount, runs of records this small (file span) are read with one pread...
-_RUN_READ = 1 << 20  # ...of up to this many bytes; a larger record costs one page read for its header
-_NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
-# Space set aside on the file system for the writes that must not fail when it is full: tombstones
-# (a FORGET, a stale copy refused at mount), a new open bucket and a footer at recovery. Given back
-# at the first ENOSPC of such a write, taken again once buckets are deleted. Not counted in `used`.
-RESERVE_NAME = "reserve.kvr"
 _RESERVE_BYTES = 4 << 20
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-_Entry = tuple[int, int, int, int]  # footer entry: offset, header_len, size, flags
-
-
-@dataclass(slots=True, frozen=True)
-class DiskRecord:
-    """One live object on disk."""
-
-    location: int
-    namespace: str
-    key: str
-    size: int  # payload bytes
-    checksum: int  # CRC32C of the payload (== the object's checksum in the master)
-
-
-@dataclass(slots=True, frozen=True)
-class ReadPlan:
-    """How a caller reads one record with one aligned read (offset and length are 4096-aligned)."""
-
-    fd: int  # open fd of the bucket file (valid while the caller holds a pin, see BucketStore.pin)
-    file_offset: int  # 4096-aligned record start
-    read_length: int  # header_len + size rounded up to 4096; may extend past EOF (reads may return short)
-    header_len: int
-    size: int
-
-
-@dataclass(slots=True, frozen=True)
-class Slot:
-    """Room reserved at the end of the open bucket for one object record (see `BucketStore.reserve`)."""
-
-    bucket_id: int
-    offset: int  # 4096-aligned record start in the bucket file
-    header: bytes  # the record header, payload_crc = the object's checksum
-    size: int  # payload bytes
-    span: int  # header + payload rounded up to 4096: the next slot starts at offset + span
-    namespace: str
-    key: str
-    checksum: int
-
-    @property
-    def location(self) -> int:
-        return _location(self.bucket_id, self.offset)
-
-
-class RecordError(Exception):
-    """A record that cannot be verified; the message says why."""
 
 
 class DiskFull(OSError):
@@ -168,186 +71,6 @@ class DiskFull(OSError):
 
     def __init__(self, message: str) -> None:
         super().__init__(errno.ENOSPC, message)
-
-
-@dataclass(slots=True, frozen=True)
-class _Head:
-    """A parsed and CRC-verified record header."""
-
-    flags: int
-    header_len: int
-    size: int
-    payload_crc: int
-    cluster_crc: int  # CRC32C of the writer's cluster id: checked by the caller, not by _parse_header
-    namespace: str
-    key: str
-
-
-@dataclass(slots=True, eq=False)
-class _Bucket:
-    bucket_id: int
-    path: str
-    read_fd: int  # handed out in ReadPlans; O_DIRECT when enabled and supported
-    write_fd: int = -1  # -1 once sealed: a sealed bucket is never written again
-    end: int = ALIGN  # next record offset (sealed: the footer offset)
-    length: int = ALIGN  # file length, to cut a failed write back off
-    allocated: int = ALIGN  # bytes counted in `used`
-    count: int = 0  # records (objects and tombstones) in the file
-    sealed: bool = False
-    entries: list[_Entry] = field(default_factory=list)  # the future footer; emptied once sealed
-    live: dict[int, DiskRecord] = field(default_factory=dict)  # location -> live object record
-    tombstones: list[int] = field(default_factory=list)  # tombstoned locations in *other* buckets
-    pins: int = 0
-    doomed: bool = False  # deleted while pinned: unlinked at the last unpin
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
-
-
-def _location(bucket_id: int, offset: int) -> int:
-    return bucket_id << 20 | offset // ALIGN
-
-
-def _header_crc(header: bytes | memoryview) -> int:
-    """CRC32C of a record header with its header_crc field read as zero."""
-    value = crc32c.crc32c(header[:_HEADER_CRC_AT])
-    value = crc32c.crc32c(bytes(4), value=value)
-    return crc32c.crc32c(header[_HEADER_CRC_AT + 4 :], value=value)
-
-
-def _record_header(flags: int, namespace: bytes, key: bytes, size: int, payload_crc: int, cluster_crc: int) -> bytes:
-    n, k = len(namespace), len(key)
-    header_len = _RECORD_HEAD.size + n + k
-    header = bytearray(
-        _RECORD_HEAD.pack(RECORD_MAGIC, FORMAT_VERSION, flags, header_len, n, k, size, payload_crc, cluster_crc, 0)
-    )
-    header += namespace + key
-    _U32.pack_into(header, _HEADER_CRC_AT, crc32c.crc32c(header))
-    return bytes(header)
-
-
-def _parse_header(buf: bytes | memoryview) -> _Head:
-    """Parse and verify the record header at the start of `buf`; RecordError says what is wrong."""
-    if len(buf) < _RECORD_HEAD.size:
-        raise RecordError(f"record header truncated: {len(buf)} bytes")
-    magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc = (
-        _RECORD_HEAD.unpack_from(buf)
-    )
-    if magic != RECORD_MAGIC:
-        raise RecordError(f"bad record magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise RecordError(f"unknown record version {version}")
-    if flags not in (FLAG_OBJECT, FLAG_TOMBSTONE):
-        raise RecordError(f"unknown record flags {flags}")
-    if header_len != _RECORD_HEAD.size + ns_len + key_len:
-        raise RecordError(f"header_len {header_len} does not match name lengths {ns_len}+{key_len}")
-    if len(buf) < header_len:
-        raise RecordError(f"record header truncated: {len(buf)} of {header_len} bytes")
-    if _header_crc(buf[:header_len]) != header_crc:
-        raise RecordError("record header CRC mismatch")
-    if flags == FLAG_TOMBSTONE and (size == 0 or size % _TOMBSTONE_TARGET):
-        raise RecordError(f"tombstone payload of {size} bytes")
-    names = _RECORD_HEAD.size
-    try:
-        namespace = bytes(buf[names : names + ns_len]).decode()
-        key = bytes(buf[names + ns_len : header_len]).decode()
-    except UnicodeDecodeError as exc:
-        raise RecordError(f"record name is not UTF-8: {exc}") from None
-    return _Head(flags, header_len, size, payload_crc, cluster_crc, namespace, key)
-
-
-class _Pages:
-    """A bucket file's bytes as mounting reads them: each read is one pread, unless it falls inside the
-    previous one (a run of small records read together, see `_from_footer`)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._buf = b""
-        self._at = 0
-
-    def pread(self, length: int, offset: int, ahead: int = 0) -> bytes:
-        """`length` bytes at `offset` (fewer at the end of the file); a miss reads max(length, ahead)."""
-        start = offset - self._at
-        if 0 <= start and offset + length <= self._at + len(self._buf):
-            return self._buf[start : start + length]
-        self._buf = os.pread(self.fd, max(length, ahead), offset)
-        self._at = offset
-        return self._buf[:length]
-
-
-def _read_head(pages: _Pages, offset: int, limit: int, ahead: int = ALIGN) -> _Head:
-    """The verified header of the record at `offset`; RecordError if torn, invalid or ending past `limit`.
-    Reads its first page (or `ahead` bytes) and, only for names longer than that, the rest."""
-    buf = pages.pread(ALIGN, offset, ahead)
-    if len(buf) >= _RECORD_HEAD.size and buf[:4] == RECORD_MAGIC:
-        header_len = _U32.unpack_from(buf, 8)[0]
-        if len(buf) < header_len <= _MAX_HEADER_LEN:
-            buf = pages.pread(header_len, offset)
-    head = _parse_header(buf)
-    if offset + head.header_len + head.size > limit:
-        raise RecordError(f"payload of {head.size} bytes runs past the end of the file")
-    return head
-
-
-def _next_head(pages: _Pages, offset: int, limit: int) -> tuple[int, _Head] | None:
-    """The first valid record (offset, header) at a 4096-aligned offset after `offset` whose payload ends
-    by `limit`; None if there is none. Reads 4 bytes per page (a header only where the magic matches)."""
-    offset += ALIGN
-    while offset < limit:
-        if os.pread(pages.fd, len(RECORD_MAGIC), offset) == RECORD_MAGIC:
-            try:
-                return offset, _read_head(pages, offset, limit)
-            except RecordError:
-                pass
-        offset += ALIGN
-    return None
-
-
-def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None]:
-    """(footer offset, entries) of a sealed bucket; (None, None) without a valid locator, and entries
-    None when the footer is invalid or does not tile the file exactly (so it can never point into the
-    middle of a payload)."""
-    if file_len < ALIGN + _INDEX_HEAD.size + 4 + _LOCATOR_SIZE:
-        return None, None
-    raw = os.pread(fd, _LOCATOR_SIZE, file_len - _LOCATOR_SIZE)
-    footer_off, magic = _LOCATOR_BODY.unpack_from(raw)
-    if magic != LOCATOR_MAGIC or crc32c.crc32c(raw[:12]) != _U32.unpack_from(raw, 12)[0]:
-        return None, None
-    if footer_off % ALIGN or not ALIGN <= footer_off <= file_len - _LOCATOR_SIZE - _INDEX_HEAD.size - 4:
-        return None, None
-    raw = os.pread(fd, file_len - _LOCATOR_SIZE - footer_off, footer_off)
-    magic, count = _INDEX_HEAD.unpack_from(raw)
-    if magic != INDEX_MAGIC or len(raw) != _INDEX_HEAD.size + count * _INDEX_ENTRY.size + 4:
-        return footer_off, None
-    if crc32c.crc32c(raw[:-4]) != _U32.unpack_from(raw, len(raw) - 4)[0]:
-        return footer_off, None
-    entries = [_INDEX_ENTRY.unpack_from(raw, _INDEX_HEAD.size + i * _INDEX_ENTRY.size) for i in range(count)]
-    expected = ALIGN
-    for offset, header_len, size, _ in entries:
-        if offset != expected:
-            return footer_off, None
-        expected = _align(offset + header_len + size)
-    return footer_off, entries if expected == footer_off else None
-
-
-def _runs(entries: list[_Entry], ends: list[int]) -> list[int]:
-    """Per footer entry, the bytes mounting reads from its offset: a page for a large record, a run of
-    small records (up to _RUN_READ) for the first of them, 0 for the others of a run."""
-    out = []
-    run_end = 0
-    for i, (offset, *_) in enumerate(entries):
-        if offset < run_end:
-            out.append(0)
-            continue
-        run_end = offset + ALIGN
-        if ends[i] - offset <= _SMALL_RECORD:
-            j = i
-            while j < len(entries) and ends[j] - entries[j][0] <= _SMALL_RECORD and ends[j] - offset <= _RUN_READ:
-                run_end = ends[j]
-                j += 1
-        out.append(run_end - offset)
-    return out
 
 
 def _pwrite_all(fd: int, buffers: Sequence[bytes], offset: int) -> None:
@@ -375,7 +98,7 @@ def _disk_error(exc: OSError, what: str) -> OSError:
     return exc
 
 
-class BucketStore:
+class BucketStore(BucketRecovery):
     """Bucket files in one directory: appends, group-committed syncs, recovery, reads and eviction.
 
     Lifecycle: construct (touches no file), `recover()` once, then use, then `close()`. The open
@@ -438,244 +161,6 @@ class BucketStore:
         self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
         self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8 // ALIGN * ALIGN)
         self._state = "new"  # new -> recovered -> closed
-
-    # --- recovery ---------------------------------------------------------------------------
-
-    def recover(self) -> list[DiskRecord]:
-        """Load every bucket of ours, repair the open one's torn tail, and return the live objects.
-
-        Reads record headers (and tombstone payloads), never object payloads: every object returned
-        starts unverified (see `next_unverified`). Files of another cluster or format, or with a bad
-        header, are logged and left untouched (not counted in `used`). Records whose header fails or
-        whose cluster tag is not ours are dropped (the scan goes on past them, see Recovery in the
-        module docstring); tombstoned records are dead.
-        Ends with an open bucket for appends (creating one if needed). Call once, before anything else.
-        """
-        if self._state != "new":
-            raise RuntimeError("recover() must be called once, on a new store")
-        started = time.monotonic()
-        found = sorted(
-            (int(m.group(1), 16), entry.name)
-            for entry in os.scandir(self._dir)
-            if (m := _NAME_RE.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False)
-        )
-        # Ignored files keep their ids taken too: creating a bucket must never collide with one.
-        self._next_id = max((i + 1 for i, _ in found if i < MAX_BUCKET_ID), default=0)
-        loaded = [b for bucket_id, name in found if (b := self._load(bucket_id, os.path.join(self._dir, name)))]
-        for bucket in loaded:
-            self._buckets[bucket.bucket_id] = bucket
-            self._by_fd[bucket.read_fd] = bucket
-            self._used += bucket.allocated
-        for bucket in loaded:
-            for target in bucket.tombstones:
-                holder = self._buckets.get(target >> 20)
-                if holder is not None:
-                    holder.live.pop(target, None)
-            # Keep only what a later delete of this bucket must carry forward (see delete_buckets).
-            bucket.tombstones = [
-                t for t in bucket.tombstones if (t >> 20) != bucket.bucket_id and (t >> 20) in self._buckets
-            ]
-        self._state = "recovered"
-        # Verification order: buckets that were never sealed first (only they can hold records torn by
-        # a crash: sealing syncs a whole bucket), then the sealed ones, oldest first.
-        for bucket in sorted(loaded, key=lambda b: (b.sealed, b.bucket_id)):
-            for location, record in bucket.live.items():
-                self._unverified[location] = record
-                self._unverified_bytes += record.size
-        for bucket in loaded[:-1]:
-            if not bucket.sealed:  # only the newest bucket may stay open
-                self._must_write(self._seal, bucket)
-        last = loaded[-1] if loaded else None
-        if last is not None and not last.sealed and not self._full(last):
-            self._open = last
-        else:
-            if last is not None and not last.sealed:
-                self._must_write(self._seal, last)
-            self._open = self._must_write(self._create_bucket)
-            self._register(self._open)
-        self._keep_reserve()
-        records = self.records()
-        logger.info(
-            "buckets recovered dir=%s buckets=%d records=%d used=%d unverified_bytes=%d seconds=%.2f",
-            self._dir,
-            len(loaded),
-            len(records),
-            self._used,
-            self._unverified_bytes,
-            time.monotonic() - started,
-        )
-        return records
-
-    def _load(self, bucket_id: int, path: str) -> _Bucket | None:
-        """Scan one bucket file; None (logged) when it is not ours to serve."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            file_len = os.fstat(fd).st_size
-            problem = self._header_problem(os.pread(fd, ALIGN, 0), bucket_id)
-            if problem:
-                logger.warning("bucket file ignored path=%s reason=%s", path, problem)
-                return None
-            bucket = _Bucket(bucket_id, path, read_fd=-1)
-            pages = _Pages(fd)
-            items, stop, torn = self._scan(bucket, pages, file_len)
-            for offset, head, _ in items:
-                if head is not None:
-                    self._admit(bucket, pages, offset, head)
-            bucket.count = len(items)
-            bucket.end = stop
-            if bucket.sealed:
-                bucket.length = file_len
-            else:
-                # A dropped stretch keeps an entry (header_len 0) so the future footer tiles the file.
-                bucket.entries = [
-                    (off, h.header_len, h.size, h.flags) if h is not None else (off, 0, end - off, FLAG_OBJECT)
-                    for off, h, end in items
-                ]
-                bucket.write_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                if torn is not None:
-                    # The torn tail never reached a completed sync (or is garbage): cut it off.
-                    logger.warning("torn bucket tail truncated path=%s offset=%d reason=%s", path, stop, torn)
-                    os.ftruncate(bucket.write_fd, stop)
-                    os.fdatasync(bucket.write_fd)
-                    file_len = stop
-                bucket.length = file_len
-            bucket.allocated = _align(bucket.length)
-            bucket.read_fd = self._open_read_fd(path)
-            return bucket
-        finally:
-            os.close(fd)
-
-    def _header_problem(self, raw: bytes, bucket_id: int) -> str | None:
-        if len(raw) < ALIGN:
-            return f"file shorter than its {ALIGN}-byte header"
-        magic, version, _, header_id, _, cluster_len = _BUCKET_HEAD.unpack_from(raw)
-        if magic != BUCKET_MAGIC:
-            return f"bad magic {magic!r}"
-        if bucket_id >= MAX_BUCKET_ID:
-            return "bucket id not below 2**28"
-        if version != FORMAT_VERSION:
-            return f"format version {version}, expected {FORMAT_VERSION}"
-        end = _BUCKET_HEAD.size + cluster_len
-        if cluster_len > MAX_CLUSTER_ID_BYTES or crc32c.crc32c(raw[:end]) != _U32.unpack_from(raw, end)[0]:
-            return "bad header CRC"
-        if raw[_BUCKET_HEAD.size : end] != self._cluster:
-            return f"cluster id {raw[_BUCKET_HEAD.size : end].decode(errors='replace')!r}"
-        if header_id != bucket_id:
-            return f"header names bucket {header_id}"
-        return None
-
-    def _scan(
-        self, bucket: _Bucket, pages: _Pages, file_len: int
-    ) -> tuple[list[tuple[int, _Head | None, int]], int, str | None]:
-        """The bucket's records in file order as (offset, verified header, aligned end), where the scan
-        stopped, and why it stopped early (a torn tail, open buckets only) or None.
-
-        A header of None marks a dropped stretch from offset to end: a record whose header is invalid
-        (or, in a footer, disagrees with its entry), logged. A valid locator marks the bucket sealed;
-        its footer, when valid (it then tiles the file exactly), gives the record offsets. Otherwise
-        records are scanned linearly, probing past an invalid header for the next valid one.
-        """
-        footer_off, entries = _read_index(pages.fd, file_len)
-        limit = file_len
-        if footer_off is not None:
-            bucket.sealed = True
-            limit = footer_off
-            if entries is not None:
-                return self._from_footer(bucket, pages, entries, footer_off), footer_off, None
-            logger.warning("bucket footer invalid, scanning records path=%s", bucket.path)
-        items: list[tuple[int, _Head | None, int]] = []
-        offset = ALIGN
-        while offset < limit:
-            try:
-                # One page per header: the kernel's read-ahead serves a sequential scan of small records.
-                head = _read_head(pages, offset, limit)
-            except RecordError as exc:
-                found = _next_head(pages, offset, limit)
-                if found is None:
-                    if bucket.sealed:
-                        logger.warning(
-                            "sealed bucket scan stopped path=%s offset=%d reason=%s", bucket.path, offset, exc
-                        )
-                        return items, limit, None
-                    return items, offset, str(exc)
-                following, head = found
-                logger.warning(
-                    "bucket stretch dropped: invalid record header path=%s offset=%d end=%d reason=%s",
-                    bucket.path,
-                    offset,
-                    following,
-                    exc,
-                )
-                items.append((offset, None, following))
-                offset = following
-            end = _align(offset + head.header_len + head.size)
-            items.append((offset, head, end))
-            offset = end
-        return items, offset, None
-
-    def _from_footer(
-        self, bucket: _Bucket, pages: _Pages, entries: list[_Entry], footer_off: int
-    ) -> list[tuple[int, _Head | None, int]]:
-        """The records a valid footer names; one whose header fails verification is dropped alone.
-
-        Reads one page per record, or, for a run of small records, one pread of up to _RUN_READ bytes
-        for the whole run (small payloads come along unread: fewer system calls and disk requests).
-        Read-ahead is off: between the headers of large records lie payloads nobody reads here."""
-        os.posix_fadvise(pages.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        ends = [e[0] for e in entries[1:]] + [footer_off]
-        aheads = _runs(entries, ends)
-        for (offset, *_), ahead in zip(entries, aheads, strict=True):
-            if ahead:  # queue every read now: the disk serves them in parallel, the loop below waits less
-                os.posix_fadvise(pages.fd, offset, ahead, os.POSIX_FADV_WILLNEED)
-        items: list[tuple[int, _Head | None, int]] = []
-        for i, (offset, header_len, size, flags) in enumerate(entries):
-            end = ends[i]
-            head: _Head | None = None
-            try:
-                if header_len == 0:
-                    raise RecordError("stretch found unreadable before the bucket was sealed")
-                head = _read_head(pages, offset, end, ahead=max(ALIGN, aheads[i]))
-                if (head.header_len, head.size, head.flags) != (header_len, size, flags):
-                    raise RecordError(
-                        f"header says header_len={head.header_len} size={head.size} flags={head.flags}, "
-                        f"footer says {header_len} {size} {flags}"
-                    )
-            except RecordError as exc:
-                head = None
-                logger.warning(
-                    "bucket stretch dropped: invalid record header path=%s offset=%d end=%d reason=%s",
-                    bucket.path,
-                    offset,
-                    end,
-                    exc,
-                )
-            items.append((offset, head, end))
-        return items
-
-    def _admit(self, bucket: _Bucket, pages: _Pages, offset: int, head: _Head) -> None:
-        """Keep a record with a valid header as live (payload unverified) or apply its tombstone (whose
-        payload is read and checked here) if its cluster tag is ours; otherwise drop it (logged)."""
-        if head.cluster_crc != self._cluster_crc:
-            logger.warning(
-                "record dropped: cluster tag %#010x is not ours (%#010x) path=%s offset=%d key=%.80s",
-                head.cluster_crc,
-                self._cluster_crc,
-                bucket.path,
-                offset,
-                head.key,
-            )
-            return
-        location = _location(bucket.bucket_id, offset)
-        if head.flags == FLAG_OBJECT:
-            # Its payload is verified later, in the background (kvtier.segment_server.verifier); until
-            # then every reader checks it against the master's checksum anyway.
-            bucket.live[location] = DiskRecord(location, head.namespace, head.key, head.size, head.payload_crc)
-            return
-        payload = pages.pread(head.size, offset + head.header_len)
-        if len(payload) == head.size and crc32c.crc32c(payload) == head.payload_crc:
-            bucket.tombstones += [target for (target,) in _U64.iter_unpack(payload)]
-            return
-        logger.warning("tombstone dropped: payload CRC mismatch path=%s offset=%d", bucket.path, offset)
 
     # --- appends ----------------------------------------------------------------------------
 

@@ -40,8 +40,10 @@ from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status
-from kvtier.segment_server.buckets import BucketStore, ReadPlan, RecordError
-from kvtier.segment_server.diskio import BufferPool, DiskEngine, read_fully
+from kvtier.segment_server.bucket_format import ReadPlan, RecordError
+from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.buffer_pool import BufferPool
+from kvtier.segment_server.diskio import DiskEngine, read_fully
 
 if TYPE_CHECKING:
     from kvtier.segment_server.protocol import DataPlaneStats

@@ -1,4 +1,6 @@
 """Bounded disk I/O for bucket files: one `DiskEngine` protocol, an io_uring and a thread-pool engine.
+Choosing one at start: kvtier.segment_server.diskio_probe (`open_engine`); aligned read buffers:
+kvtier.segment_server.buffer_pool (`BufferPool`).
 
 Why bounded: the event loop must never block on the disk, and the resources a read needs must not
 grow with request shape (keys x batch x concurrency x retries). A thread-per-I/O design hit the
@@ -21,10 +23,6 @@ cgroup pids limit in the field. So every engine has
     belongs to the submitting thread and is shared by every ring that thread uses: the last engine
     opened on a loop sets it. Idle workers linger for a few seconds after their last request.
 
-`open_engine()` is the entry point: it probes io_uring in a child process first, because a liburing
-build for the wrong CPU dies with SIGILL and a seccomp profile can kill or refuse io_uring_setup;
-neither may take the server down. The parent imports liburing only after a child proved it safe.
-
 liburing binding notes (liburing==2024.5.3, a Cython wrapper):
 - `io_uring_prep_read(sqe, fd, buf, nbytes, offset)` takes `buf` as a typed `unsigned char[:]`:
   any writable buffer of format "B" works, including a `memoryview` slice of an `mmap.mmap`, which
@@ -42,13 +40,12 @@ liburing binding notes (liburing==2024.5.3, a Cython wrapper):
   reads and writes back two, so the cap is set with a direct io_uring_register(2) call instead.
 
 Threading: an engine belongs to one event loop; call its coroutines and `close()` from that loop's
-thread. `BufferPool` likewise.
+thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import ctypes
 import errno
@@ -60,15 +57,10 @@ import itertools
 import logging
 import mmap
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -571,288 +563,3 @@ def _binding_constant(liburing: Any, module: str, name: str, default: int) -> in
         return int(getattr(enum, name))
     except (ImportError, AttributeError):
         return default
-
-
-# --- choosing an engine ----------------------------------------------------------------------------
-
-_PROBE_PREAMBLE = """\
-import resource
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing probe must not leave a core file
-"""
-
-# Exercises what IoUringEngine needs: import, ring setup, eventfd registration, one real 4 KiB read.
-_PROBE_CHILD = """\
-import errno, os, sys, tempfile
-try:
-    import liburing
-except ImportError as exc:
-    sys.exit(f"liburing not importable: {exc}")
-ring = liburing.io_uring()
-try:
-    liburing.io_uring_queue_init(4, ring, 0)
-except OSError as exc:
-    name = errno.errorcode.get(exc.errno, str(exc.errno))
-    if exc.errno in (errno.EPERM, errno.ENOSYS):
-        sys.exit(f"{name}: io_uring_setup blocked by seccomp or the kernel.io_uring_disabled sysctl")
-    sys.exit(f"{name}: io_uring_queue_init failed: {exc}")
-efd = os.eventfd(0, os.EFD_CLOEXEC)
-try:
-    liburing.io_uring_register_eventfd(ring, efd)
-    with tempfile.TemporaryFile() as f:
-        payload = os.urandom(4096)
-        f.write(payload)
-        f.flush()
-        buf = bytearray(4096)
-        sqe = liburing.io_uring_get_sqe(ring)
-        liburing.io_uring_prep_read(sqe, f.fileno(), buf, len(buf), 0)
-        sqe.user_data = 1
-        liburing.io_uring_submit(ring)
-        cqe = liburing.io_uring_cqe()
-        liburing.io_uring_wait_cqe(ring, cqe)
-        res = cqe.res
-        liburing.io_uring_cqe_seen(ring, cqe)
-    if res < 0:
-        sys.exit(f"{errno.errorcode.get(-res, -res)}: probe read failed: {os.strerror(-res)}")
-    if res != len(payload) or bytes(buf) != payload:
-        sys.exit(f"probe read returned {res} bytes, not the 4096 written")
-    if os.eventfd_read(efd) < 1:
-        sys.exit("eventfd was not signalled")
-finally:
-    liburing.io_uring_queue_exit(ring)
-    os.close(efd)
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    ok: bool
-    reason: str  # why not, or a short description when ok
-
-
-def probe_io_uring(child_code: str = _PROBE_CHILD, *, timeout: float = 20.0) -> ProbeResult:
-    """Run `child_code` in a fresh interpreter; io_uring is usable iff it exits 0.
-
-    A probe killed by a signal (SIGILL from a liburing built for another CPU, SIGSYS from seccomp)
-    is reported as "probe killed by signal SIGILL"; otherwise the reason is the child's last line of
-    stderr (the default probe writes e.g. "EPERM: io_uring_setup blocked by seccomp ..."). Blocks
-    for the child's lifetime (~0.1 s). Not cached: see `io_uring_probe`.
-    """
-    if not sys.platform.startswith("linux"):
-        return ProbeResult(False, f"io_uring needs Linux, this is {sys.platform}")
-    if child_code is _PROBE_CHILD and importlib.util.find_spec("liburing") is None:
-        return ProbeResult(False, "liburing is not installed")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE_PREAMBLE + child_code],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return ProbeResult(False, f"probe timed out after {timeout:g}s")
-    except OSError as exc:
-        return ProbeResult(False, f"cannot run probe: {exc}")
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    detail = lines[-1][:300] if lines else ""
-    if proc.returncode == 0:
-        return ProbeResult(True, "probe passed")
-    if proc.returncode < 0:
-        try:
-            sig = signal.Signals(-proc.returncode).name
-        except ValueError:
-            sig = str(-proc.returncode)
-        return ProbeResult(False, f"probe killed by signal {sig}" + (f" ({detail})" if detail else ""))
-    return ProbeResult(False, detail or f"probe exited with status {proc.returncode}")
-
-
-@functools.cache
-def io_uring_probe() -> ProbeResult:
-    """`probe_io_uring()` with the default child, run at most once per process."""
-    result = probe_io_uring()
-    logger.info("io_uring probe ok=%s reason=%s", result.ok, result.reason)
-    return result
-
-
-def open_engine(
-    kind: str = "auto",
-    *,
-    queue_depth: int = 32,
-    threads: int = 4,
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> tuple[DiskEngine, str]:
-    """The disk engine to use and a one-line human reason for the choice.
-
-    `kind`: "io_uring" (RuntimeError if unusable), "threads" (never probes) or "auto" (io_uring if
-    the child-process probe passes and the ring can be set up, else threads). `threads` is the
-    worker budget either way: pool threads for the thread engine, the io-wq kernel worker cap (at
-    least 2) for io_uring. Call from the loop's thread with that loop running, or pass `loop`; the first call
-    that probes blocks for the probe child (~0.1 s), later calls reuse its cached result.
-    """
-    if kind not in ("auto", "io_uring", "threads"):
-        raise ValueError(f"unknown disk engine kind {kind!r}: expected 'auto', 'io_uring' or 'threads'")
-    suffix = " (requested)"
-    if kind != "threads":
-        probe = io_uring_probe()
-        why = probe.reason
-        if probe.ok:
-            try:
-                engine = IoUringEngine(queue_depth=queue_depth, kernel_workers=max(2, threads), loop=loop)
-            except (OSError, ImportError) as exc:
-                why = f"ring setup failed: {exc}"
-            else:
-                version = getattr(_liburing(), "__version__", "?")
-                workers = engine.kernel_workers
-                reason = f"io_uring (liburing {version}), queue depth {queue_depth}, kernel workers <= {workers}"
-                logger.info("disk engine kind=io_uring reason=%s", reason)
-                return engine, reason
-        if kind == "io_uring":
-            raise RuntimeError(f"io_uring unavailable: {why}")
-        suffix = f": io_uring unavailable: {why}"
-    reason = f"threads x{threads}, queue depth {queue_depth}{suffix}"
-    logger.info("disk engine kind=threads reason=%s", reason)
-    return ThreadPoolEngine(queue_depth=queue_depth, threads=threads), reason
-
-
-# --- aligned buffers -------------------------------------------------------------------------------
-
-
-class BufferPool:
-    """Page-aligned buffers for O_DIRECT, carved from one anonymous mmap made at construction.
-
-    Memory bound: `capacity` bytes (rounded up to 4 KiB) of address space, mapped once and never
-    grown; resident memory grows as pages are first touched, up to that. Bookkeeping is O(leases).
-    Allocation is first-fit over a sorted, coalesced list of free page runs; `acquire` rounds up to
-    whole pages and returns a view of that rounded size, starting on a page boundary.
-
-    Backpressure: when no free run is large enough, `acquire` waits. Waiters are served strictly in
-    FIFO order, so a large request at the head holds back smaller ones behind it and cannot starve;
-    a request larger than the whole pool raises ValueError instead of waiting forever.
-    Loop-thread only.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        pages = -(-capacity // ALIGN)
-        self.capacity = pages * ALIGN
-        self._map = mmap.mmap(-1, self.capacity)
-        self._base: memoryview | None = memoryview(self._map)
-        self._free: list[tuple[int, int]] = [(0, pages)]  # (first page, page count), sorted, coalesced
-        self._leases: dict[int, tuple[memoryview, int, int]] = {}  # id(view) -> (view, first page, count)
-        self._waiters: deque[tuple[int, asyncio.Future[int]]] = deque()  # (page count, granted first page)
-        self._used_pages = 0
-        self._peak_pages = 0
-
-    @property
-    def used(self) -> int:
-        """Bytes leased out now."""
-        return self._used_pages * ALIGN
-
-    @property
-    def peak_used(self) -> int:
-        return self._peak_pages * ALIGN
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for _, fut in self._waiters if not fut.done())
-
-    async def acquire(self, nbytes: int) -> memoryview:
-        """A writable, page-aligned view of `nbytes` rounded up to 4 KiB; waits while the pool lacks room."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes must be positive, got {nbytes}")
-        pages = -(-nbytes // ALIGN)
-        if pages * ALIGN > self.capacity:
-            raise ValueError(f"{nbytes} bytes exceeds the whole buffer pool ({self.capacity} bytes)")
-        if self._base is None:
-            raise RuntimeError("buffer pool is closed")
-        if not self._waiters:
-            start = self._take(pages)
-            if start is not None:
-                return self._lease(start, pages)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        waiter = (pages, fut)
-        self._waiters.append(waiter)
-        try:
-            start = await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._give_back(fut.result(), pages)  # granted just before the cancellation landed
-            else:
-                self._waiters.remove(waiter)
-                self._grant()  # a smaller request may have been queued behind this one
-            raise
-        return self._lease(start, pages)
-
-    def release(self, view: memoryview) -> None:
-        """Return a buffer from `acquire`. The view is released: later use raises ValueError.
-
-        Raises ValueError for a view this pool did not lease (or already took back) and BufferError,
-        freeing nothing, while something still holds an export of the view (e.g. numpy.frombuffer).
-        """
-        entry = self._leases.get(id(view))
-        if entry is None or entry[0] is not view:
-            raise ValueError("not a buffer leased from this pool, or already released")
-        view.release()
-        del self._leases[id(view)]
-        self._used_pages -= entry[2]
-        self._give_back(entry[1], entry[2])
-
-    def close(self) -> None:
-        """Unmap the pool. RuntimeError while buffers are leased, or while views sliced from them
-        are still alive. Idempotent."""
-        if self._map.closed:
-            return
-        if self._leases:
-            raise RuntimeError(f"buffer pool closed with {len(self._leases)} buffers still leased")
-        if self._base is not None:
-            self._base.release()
-            self._base = None
-        try:
-            self._map.close()
-        except BufferError:
-            raise RuntimeError("buffer pool closed while views of its buffers are still alive") from None
-
-    def _lease(self, start: int, pages: int) -> memoryview:
-        assert self._base is not None
-        view = self._base[start * ALIGN : (start + pages) * ALIGN]
-        self._leases[id(view)] = (view, start, pages)
-        self._used_pages += pages
-        self._peak_pages = max(self._peak_pages, self._used_pages)
-        return view
-
-    def _take(self, pages: int) -> int | None:
-        for i, (start, count) in enumerate(self._free):
-            if count >= pages:
-                if count == pages:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + pages, count - pages)
-                return start
-        return None
-
-    def _give_back(self, start: int, pages: int) -> None:
-        free = self._free
-        i = bisect.bisect_left(free, (start, 0))
-        end = start + pages
-        if i < len(free) and free[i][0] == end:  # merge with the run after
-            end += free[i][1]
-            del free[i]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:  # merge with the run before
-            start = free[i - 1][0]
-            i -= 1
-            del free[i]
-        free.insert(i, (start, end - start))
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters:
-            pages, fut = self._waiters[0]
-            if fut.done():  # cancelled while queued
-                self._waiters.popleft()
-                continue
-            start = self._take(pages)
-            if start is None:
-                return
-            self._waiters.popleft()
-            fut.set_result(start)

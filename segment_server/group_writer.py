@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import crc32c
 
-from kvtier.segment_server.buckets import ALIGN, BucketStore, DiskFull, RecordError, Slot
+from kvtier.segment_server.bucket_format import ALIGN, RecordError, Slot
+from kvtier.segment_server.buckets import BucketStore, DiskFull
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,12 @@ from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.region import host_id
 from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir
 from kvtier.proto.units import format_size, parse_size
-from kvtier.segment_server.buckets import ALIGN, BucketStore
+from kvtier.segment_server.bucket_format import ALIGN
+from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.disk_reads import DiskReader
-from kvtier.segment_server.diskio import BufferPool, open_engine
+from kvtier.segment_server.diskio_probe import open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.group_writer import GroupWriter
 from kvtier.segment_server.listeners import ShmListener, TcpListener

@@ -49,7 +49,8 @@ import grpc
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server import failpoints
-from kvtier.segment_server.buckets import BucketStore, DiskFull, DiskRecord, RecordError
+from kvtier.segment_server.bucket_format import DiskRecord, RecordError
+from kvtier.segment_server.buckets import BucketStore, DiskFull
 from kvtier.segment_server.dram_index import InventoryRefused
 from kvtier.segment_server.group_writer import GroupWriter, OffloadItem, Outcome
 from kvtier.segment_server.verifier import Verifier

@@ -39,7 +39,8 @@ import grpc
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.logs import LogBudget
 from kvtier.proto.status import Status
-from kvtier.segment_server.buckets import ALIGN, BucketStore, DiskRecord, RecordError
+from kvtier.segment_server.bucket_format import ALIGN, DiskRecord, RecordError
+from kvtier.segment_server.buckets import BucketStore
 
 logger = logging.getLogger(__name__)
 _corrupt_log = LogBudget(logger, "ssd record corrupt")  # a badly damaged disk must not flood the log

@@ -22,7 +22,7 @@ from tests.integration.test_ssd_tier import (
     start_ssd_segment,
 )
 
-_RECORD_HEAD_SIZE = 40  # segment_server/buckets.py _RECORD_HEAD: the record's names follow it
+_RECORD_HEAD_SIZE = 40  # segment_server/bucket_format.py _RECORD_HEAD: the record's names follow it
 
 
 def log_lines_with(proc, rid: str) -> list[str]:

@@ -75,7 +75,7 @@ def disk_location(client: Client, key: str) -> int:
 
 
 def bucket_file(ssd_dir: Path, location: int) -> tuple[Path, int]:
-    """The bucket file and byte offset of the record at a disk location (see segment_server/buckets.py)."""
+    """The bucket file and byte offset of the record at a disk location (see segment_server/bucket_format.py)."""
     return ssd_dir / f"bucket-{location >> 20:016x}.kvb", (location & 0xFFFFF) * ALIGN
 
 

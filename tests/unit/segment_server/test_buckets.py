@@ -18,15 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.segment_server import buckets
-from kvtier.segment_server.buckets import (
-    ALIGN,
-    BucketStore,
-    DiskFull,
-    DiskRecord,
-    ReadPlan,
-    RecordError,
-)
+from kvtier.segment_server import bucket_format, buckets
+from kvtier.segment_server.bucket_format import ALIGN, DiskRecord, ReadPlan, RecordError
+from kvtier.segment_server.buckets import BucketStore, DiskFull
 from kvtier.segment_server.verifier import Verifier
 
 CLUSTER = "test-cluster"
@@ -880,7 +874,7 @@ def test_tombstone_many_ignores_unknown_and_dead_locations(stores, ssd):
 
 
 def test_tombstone_many_past_the_per_record_cap_writes_several_records(stores, ssd, monkeypatch):
-    assert buckets._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
+    assert bucket_format._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
     monkeypatch.setattr(buckets, "_MAX_TOMBSTONE_TARGETS", 3)
     store = stores(ssd)
     store.recover()
@@ -1267,7 +1261,7 @@ def test_the_reserve_lets_tombstones_and_recovery_write_on_a_full_file_system(st
     kwargs = {"bucket_size": 64 * ALIGN, "bucket_keys": 1000}
     store = stores(tiny_fs, capacity=capacity, **kwargs)
     store.recover()
-    reserve = tiny_fs / buckets.RESERVE_NAME
+    reserve = tiny_fs / bucket_format.RESERVE_NAME
     assert reserve.stat().st_size == capacity // 8, "taken at recovery, 1/8 of a small capacity"
     assert store.used < capacity // 8, "and not counted as the tier's use"
     written = []

@@ -24,8 +24,9 @@ from kvtier.proto import frames
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
 from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.disk_reads import DiskReader
-from kvtier.segment_server.diskio import BufferPool, ThreadPoolEngine
+from kvtier.segment_server.diskio import ThreadPoolEngine
 from kvtier.segment_server.protocol import DataPlaneStats
 
 CLUSTER = "readtest"

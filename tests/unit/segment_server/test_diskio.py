@@ -16,18 +16,16 @@ from pathlib import Path
 import pytest
 import uvloop
 
+from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.diskio import (
     _CLOSE_DRAIN_SECONDS,
     ALIGN,
-    BufferPool,
     DiskEngine,
     IoUringEngine,
     ThreadPoolEngine,
-    io_uring_probe,
-    open_engine,
-    probe_io_uring,
     read_fully,
 )
+from kvtier.segment_server.diskio_probe import io_uring_probe, open_engine, probe_io_uring
 from tests.capability import missing
 
 KINDS = ["threads", "io_uring"]

@@ -19,7 +19,8 @@ import crc32c
 import pytest
 
 from kvtier.segment_server import buckets
-from kvtier.segment_server.buckets import ALIGN, BucketStore, DiskFull, RecordError
+from kvtier.segment_server.bucket_format import ALIGN, RecordError
+from kvtier.segment_server.buckets import BucketStore, DiskFull
 from kvtier.segment_server.group_writer import GroupWriter, OffloadItem
 
 CLUSTER = "test-cluster"

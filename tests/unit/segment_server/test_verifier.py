@@ -8,7 +8,8 @@ from pathlib import Path
 import crc32c
 import pytest
 
-from kvtier.segment_server.buckets import ALIGN, BucketStore
+from kvtier.segment_server.bucket_format import ALIGN
+from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.verifier import Throttle, Verifier
 
 CLUSTER = "test-cluster"
