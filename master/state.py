@@ -1,7 +1,7 @@
 """The master's tables: segments, objects, their replicas and read leases.
 
-Plain Python, no gRPC: the servicer parses requests, calls these methods and
-maps the results to responses. Time comes from an injected `clock` so the
+Plain Python, no gRPC: the handlers (kvtier.master.handlers) parse requests, call these methods and
+map the results to responses. Time comes from an injected `clock` so the
 unit tests drive expiry without sleeping.
 
 Concurrency: one owner. Every method is called from the master's event loop
