@@ -12,7 +12,7 @@ numbered per segment and handed out in order by a long poll
 
 PutEnd, Remove and RemovePrefix answer only once every segment that keeps an
 index acknowledged every notice made before the answer (`barrier` /
-`acked`; the servicer's `Barrier` adds the FORGETs of SSD copies, see
+`acked`; kvtier.master.commit_wait's `Barrier` adds the FORGETs of SSD copies, see
 kvtier.master.tiering): an object a client saw committed is in a segment's
 index, and one it saw removed is in none, whatever happens to the master
 next. Waiting for all segments, not only those the call touched, also orders
@@ -32,7 +32,7 @@ A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along.
 
 Plain Python, owned by `MasterState`'s thread like everything else; the
-waiting itself is asyncio plumbing in the servicer.
+waiting itself is asyncio plumbing in kvtier.master.commit_wait.
 """
 
 from __future__ import annotations

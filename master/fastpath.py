@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from kvtier.master.auth import current_principal
-from kvtier.master.servicer import WAITING_CALLS, CommitWaiter, MasterHandlers
+from kvtier.master.commit_wait import WAITING_CALLS, CommitWaiter
+from kvtier.master.handlers import MasterHandlers
 from kvtier.proto import rpcframe
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.logs import LogBudget

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from kvtier.master.config import MasterConfig
 from kvtier.master.election import LeaderElection
+from kvtier.master.handlers import Leadership
 from kvtier.master.persist import SavedState, StateUnreadable
-from kvtier.master.servicer import Leadership
 from kvtier.proto.discovery import leader_key
 from kvtier.proto.etcd_client import EtcdClient, EtcdError, parse_etcd_url
 

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from kvtier.master import admission, prefetch
 from kvtier.master.backpressure import WaitHistogram
 from kvtier.master.fastpath import FastPathStats
-from kvtier.master.servicer import MasterHandlers
+from kvtier.master.handlers import MasterHandlers
 from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.metrics import histogram_family
 

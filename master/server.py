@@ -31,8 +31,10 @@ from google.protobuf.message import DecodeError
 
 from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
 from kvtier.master.capabilities import Minter
+from kvtier.master.commit_wait import CommitWaiter
 from kvtier.master.config import MasterConfig
 from kvtier.master.fastpath import FastPathLimits, start_fast_path
+from kvtier.master.handlers import MasterHandlers
 from kvtier.master.persist import (
     FileStateStore,
     NoStateStore,
@@ -41,7 +43,7 @@ from kvtier.master.persist import (
     StateUnreadable,
     next_standalone_epoch,
 )
-from kvtier.master.servicer import CommitWaiter, MasterHandlers, MasterServicer
+from kvtier.master.servicer import MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.auth import CLOCK_SKEW_MS, read_secret

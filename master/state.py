@@ -1,8 +1,9 @@
 """The master's tables: segments, objects, their replicas and read leases.
 
-Plain Python, no gRPC: the servicer parses requests, calls these methods and
-maps the results to responses. Time comes from an injected `clock` so the
-unit tests drive expiry without sleeping.
+Plain Python, no gRPC: the handlers (kvtier.master.handlers) parse requests, call these methods and
+map the results to responses. Time comes from an injected `clock` so the
+unit tests drive expiry without sleeping. Segment membership (mount, heartbeat, drop) is the
+`SegmentTable` mixin of kvtier.master.segment_table.
 
 Concurrency: one owner. Every method is called from the master's event loop
 thread; none blocks or awaits, so each call is atomic with respect to others.
@@ -33,7 +34,6 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.backpressure import Pressure
 from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
@@ -45,7 +45,6 @@ from kvtier.master.history import open_history
 from kvtier.master.placement import place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
-    MAX_SEGMENT_CAPACITY,
     OFFSET_MASK,
     PIN_HARD,
     PIN_SOFT,
@@ -58,15 +57,14 @@ from kvtier.master.records import (
     ObjectState,
     name_prefix,
     object_name,
-    on_segment,
     replica_offset,
     replica_segment,
 )
 from kvtier.master.recovery import Recovery
+from kvtier.master.segment_table import FEED_SILENT, HEARTBEAT_EXPIRED, SegmentTable
 from kvtier.master.state_types import (
     ClusterSnapshot,
     GetResult,
-    MountResult,
     PutOptions,
     PutStartResult,
     SegmentRecord,
@@ -85,12 +83,8 @@ _PENDING = ObjectState.PENDING
 
 _DEFAULT_PUT = PutOptions()  # frozen: safe to share as a default
 
-HEARTBEAT_EXPIRED = "heartbeat ttl expired"
-FEED_SILENT = "commit feed silent"
-EXPULSIONS = (HEARTBEAT_EXPIRED, FEED_SILENT)  # drops after which the segment's index is stale
 
-
-class MasterState:
+class MasterState(SegmentTable):
     """Segments, objects and leases of one cluster. See the module docstring."""
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -147,169 +141,6 @@ class MasterState:
         self.object_count = 0
         # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
         self.history = open_history(config.history_log, config.history_log_max_bytes)
-
-    # ------------------------------------------------------------------ segments
-
-    def mount_segment(
-        self,
-        cluster_id: str,
-        name: str,
-        host_id: str,
-        endpoints: Sequence[str],
-        capacity: int,
-        incarnation: str = "",
-        ssd_capacity: int = 0,
-        offload: bool = False,
-        disk_engine: str = "",
-        ssd_max_object: int = 0,
-        inventory: bool = False,
-    ) -> MountResult:
-        """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
-
-        With `inventory` the segment is RECOVERING (no allocations) until it has
-        reported the objects its region holds (kvtier.master.recovery).
-
-        A name that is already mounted is replaced: its old replicas are dropped
-        (the previous process under that name is gone; the region file lock on
-        the segment's host guarantees one live owner per name).
-        """
-        if cluster_id != self.config.cluster_id:
-            return MountResult(
-                Status.CLUSTER_MISMATCH,
-                error=f"segment is in cluster {cluster_id!r}, master in {self.config.cluster_id!r}",
-            )
-        if self.drainer.is_drained(name, incarnation):
-            return MountResult(Status.SEGMENT_DRAINED, error=f"segment {name!r} was drained; restart it to rejoin")
-        if not name or not endpoints or capacity < self.config.alignment:
-            return MountResult(Status.INVALID_ARGUMENT, error="a segment needs a name, an endpoint and capacity")
-        if capacity > MAX_SEGMENT_CAPACITY:
-            return MountResult(Status.INVALID_ARGUMENT, error=f"a segment holds at most {MAX_SEGMENT_CAPACITY} bytes")
-        old = self._segments_by_name.get(name)
-        if old is not None:
-            logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
-            self._drop_segment(old, reason="remounted")
-        now = self.clock()
-        # A segment's inventory is taken by a master rebuilding itself (recovering, with saved state
-        # telling whom it expelled), or through the fence this master opened when it dropped the
-        # segment (kvtier.master.fences). Otherwise removals and new puts may have happened that
-        # it would contradict; and an expelled segment without a fence can prove nothing.
-        fence = self.fences.get(name)
-        if fence is not None:
-            accepted = inventory and not fence.everything
-            disk_refused = fence.everything
-        else:
-            accepted = inventory and self.recovery.active and name not in self.expelled
-            disk_refused = name in self.expelled
-        segment = SegmentRecord(
-            segment_id=next(self._segment_ids),
-            name=name,
-            host_id=host_id,
-            endpoints=tuple(endpoints),
-            allocator=OffsetAllocator(capacity, self.config.alignment, track=False),
-            last_heartbeat=now,
-            mounted_at=now,
-            incarnation=incarnation,
-            ssd_capacity=ssd_capacity,
-            offload=offload and ssd_capacity > 0,
-            disk_engine=disk_engine,
-            ssd_max_object=ssd_max_object,
-            state=SegmentState.RECOVERING if inventory else SegmentState.ACTIVE,
-            inventory_accepted=accepted,
-            disk_refused=inventory and disk_refused,
-            saved=not self.save_mounts,
-        )
-        self.segments[segment.segment_id] = segment
-        self._segments_by_name[name] = segment.segment_id
-        self.tiering.mounted(segment)
-        self.commits.mounted(segment.segment_id, keeps_index=inventory)
-        self.saved_state_stale = True
-        if not inventory:
-            self.recovery.reported.add(name)
-        logger.info(
-            "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
-        )
-        return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
-
-    def begin_recovery(self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset()) -> None:
-        """Take segment inventories, and answer data RPCs with UNAVAILABLE until the `expected`
-        segments have reported theirs or `timeout_s` has passed (kvtier.master.recovery).
-        `expelled` segments (saved by an earlier incarnation) must discard their index."""
-        self.expelled = set(expelled)
-        self.recovery = Recovery(started_at=self.clock(), expected=set(expected), timeout_s=timeout_s)
-        self.recovery.check(self.clock())
-
-    def _mid_inventory(self) -> bool:
-        expected = self.recovery.expected
-        return any(s.state is SegmentState.RECOVERING and s.name in expected for s in self.segments.values())
-
-    @property
-    def serving(self) -> bool:
-        """False while recovering: data RPCs wait (clients retry) until the inventories are in."""
-        return self.recovery.finished_at is not None
-
-    def unmount_segment(self, segment_id: int) -> Status:
-        """Remove a segment and every replica on it. SEGMENT_NOT_FOUND or OK."""
-        if segment_id not in self.segments:
-            return Status.SEGMENT_NOT_FOUND
-        self._drop_segment(segment_id, reason="unmounted")
-        return Status.OK
-
-    def heartbeat(self, segment_id: int, ssd_used: int = 0, io_counters: dict[str, int] | None = None) -> Status:
-        """Keep a segment alive (and note what it reports). SEGMENT_NOT_FOUND tells it to mount again."""
-        segment = self.segments.get(segment_id)
-        if segment is None:
-            return Status.SEGMENT_NOT_FOUND
-        segment.last_heartbeat = self.clock()
-        segment.ssd_used = ssd_used
-        if io_counters:
-            segment.io_counters = io_counters
-        return Status.OK
-
-    def _drop_segment(self, segment_id: int, reason: str) -> None:
-        segment = self.segments.pop(segment_id)
-        if self._segments_by_name.get(segment.name) == segment_id:
-            del self._segments_by_name[segment.name]
-        self.tiering.segment_dropped(segment_id)
-        if reason in EXPULSIONS:
-            self.lease_expiries["segment"] += 1
-        if self.commits.keeps_index(segment_id):
-            # Its index and disk copies miss what happens from now on: fenced while this master runs,
-            # and saved as expelled for the next one (kvtier.master.fences).
-            seed = (
-                self.commits.unacked_names(segment_id)
-                | self.tiering.unacked_forget_names(segment.name)
-                | self.tiering.unsettled_offload_names(segment.name)
-            )
-            self.fences.open(segment.name, seed)
-            self.expelled.add(segment.name)
-            self.state_generation += 1
-        self.commits.segment_dropped(segment_id)
-        self.saved_state_stale = True
-        doomed = []
-        now_disk_only = []
-        dram = dram_key(segment_id)
-        for name, record in self.named_records():
-            if not on_segment(record.replicas, segment_id):
-                continue
-            if record.owner is not None and any(r >> TIER_SHIFT == dram for r in record.replicas):
-                record.owner.used -= self._aligned(record.size)
-            record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
-            if not record.replicas or record.state is _PENDING:
-                doomed.append(name)
-            elif name in self._objects and not any(is_dram(r) for r in record.replicas):
-                now_disk_only.append(name)
-        for name in doomed:
-            if self.history is not None:
-                self.history.left(self._lookup(name), f"segment:{reason}", segment.name)
-            self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
-        for name in now_disk_only:
-            self._disk_only[name] = self._objects.pop(name)
-        lost = len(doomed)
-        self._deferred = [d for d in self._deferred if d[2] != segment_id]
-        heapq.heapify(self._deferred)
-        logger.warning(
-            "segment dropped id=%d name=%s reason=%s objects_lost=%d", segment_id, segment.name, reason, lost
-        )
 
     # ------------------------------------------------------------------ writes
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.master.auth import Authenticator
+from kvtier.master.commit_wait import CommitWaiter
 from kvtier.master.config import MasterConfig
 from kvtier.master.fastpath import Connections, FastPathLimits, FastPathProtocol
-from kvtier.master.servicer import CommitWaiter, MasterHandlers
+from kvtier.master.handlers import MasterHandlers
 from kvtier.master.state import MasterState
 from kvtier.proto import rpcframe
 

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.servicer import RPC_NAMES, MasterHandlers
+from kvtier.master.handlers import RPC_NAMES, MasterHandlers
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent, segment_indexes

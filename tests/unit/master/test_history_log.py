@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.state import HEARTBEAT_EXPIRED, MasterState
+from kvtier.master.segment_table import HEARTBEAT_EXPIRED
+from kvtier.master.state import MasterState
 from kvtier.proto.status import Status
 from tests.unit.master.test_state import NS, FakeClock, mount, put
 

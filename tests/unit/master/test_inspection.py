@@ -3,7 +3,7 @@
 Given objects put, pending, pinned, leased or offloaded, when they are listed
 or inspected, then the answer says what the tables hold, and nothing changed:
 no lease, no recency, no promotion read. Every scenario ends by checking the
-books (`assert_consistent`). The servicer's plumbing of ListKeys, StatKeys
+books (`assert_consistent`). The handlers' plumbing of ListKeys, StatKeys
 and the new Status counters is checked at the end, without sockets.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.master.handlers import MasterHandlers
 from kvtier.master.inspection import (
     DEFAULT_LIST_LIMIT,
     MAX_LIST_LIMIT,
@@ -19,7 +20,6 @@ from kvtier.master.inspection import (
     stat_keys,
 )
 from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, TIER_DRAM, TIER_SSD, replica_offset
-from kvtier.master.servicer import MasterHandlers
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status

@@ -489,7 +489,7 @@ def test_below_the_offload_watermark_nothing_is_copied(state):
 
 
 def test_a_removal_waits_for_the_forget_of_its_disk_copy_unless_the_segment_stalls(state):
-    from kvtier.master.servicer import Barrier
+    from kvtier.master.commit_wait import Barrier
 
     seg, disk = offloaded_k0(state)
     assert state.tiering.pending_forgets() == []
@@ -504,7 +504,7 @@ def test_a_removal_waits_for_the_forget_of_its_disk_copy_unless_the_segment_stal
 
 
 def test_a_segment_that_does_not_acknowledge_forgets_is_not_waited_for_until_it_answers_again(state):
-    from kvtier.master.servicer import Barrier
+    from kvtier.master.commit_wait import Barrier
 
     seg, disk = offloaded_k0(state)
     assert state.remove(NS, ["k0"]) == [OK]

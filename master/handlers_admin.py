@@ -1,0 +1,161 @@
+"""The operator handlers of `MasterHandlers` (kvtier.master.handlers): drain and migration, quotas,
+status, and the read-only inspection calls (`ListKeys`, `StatKeys`, over kvtier.master.inspection).
+Inspection calls are data calls: a standby or a recovering master refuses them with UNAVAILABLE."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from kvtier.master.gates import rpc
+from kvtier.master.inspection import list_keys, stat_keys
+from kvtier.master.records import replica_offset, replica_segment
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.frames import Op
+from kvtier.proto.keys import check_namespace
+from kvtier.proto.status import Status
+
+
+class AdminCalls:
+    """Operators' RPCs; mixed into `MasterHandlers`, whose state and counters they use."""
+
+    @rpc(pb.DrainSegmentResponse)
+    def DrainSegment(self, request):
+        status, objects_left, bytes_left, state = self.state.drainer.drain(request.segment, request.finish)
+        error = "" if status == Status.OK else f"no segment named {request.segment!r}"
+        return pb.DrainSegmentResponse(
+            status=status, error=error, objects_left=objects_left, bytes_left=bytes_left, state=state
+        )
+
+    @rpc(pb.MigrateStartResponse)
+    def MigrateStart(self, request):
+        status, batch = self.state.drainer.migrate_start(request.segment, request.max_objects or 256)
+        if batch is None:
+            reason = "is not draining" if status == Status.INVALID_ARGUMENT else "does not exist"
+            return pb.MigrateStartResponse(status=status, error=f"segment {request.segment!r} {reason}")
+        reply = pb.MigrateStartResponse(
+            status=Status.OK, migration_id=batch.migration_id, source_segment=batch.source_segment
+        )
+        no_space = int(Status.NO_SPACE)
+        for item in batch.items:
+            record = item.record
+            reply.namespaces.append(record.namespace)
+            reply.keys.append(record.key)
+            reply.sizes.append(record.size)
+            reply.checksums.append(record.checksum)
+            reply.source_offsets.append(replica_offset(item.source))
+            reply.statuses.append(0 if item.target is not None else no_space)
+            reply.target_segments.append(replica_segment(item.target) if item.target is not None else 0)
+            reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
+        segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
+        reply.segments.extend(self._endpoints(segment_ids))
+        # Read the source, write the target, while the migration's lease holds (the frames' deadline).
+        reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.lease_s)
+        if self.minter.enabled:
+            moving = [i for i, status in enumerate(reply.statuses) if status == 0]
+            source = self.minter.key(self.state.segments.get(batch.source_segment), self.epoch)
+            reply.source_tags = b"".join(
+                source.tag(Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]) for i in moving
+            )
+            reply.target_tags = b"".join(
+                self.minter.key(self.state.segments.get(reply.target_segments[i]), self.epoch).tag(
+                    Op.WRITE, reply.tag_expiry_ms, reply.target_offsets[i], reply.sizes[i]
+                )
+                for i in moving
+            )
+        return reply
+
+    @rpc(pb.KeyStatusResponse)
+    def MigrateEnd(self, request):
+        if len(request.keys) != len(request.namespaces) or len(request.moved) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="namespaces, keys and moved differ")
+        moved = {(ns, key): ok for ns, key, ok in zip(request.namespaces, request.keys, request.moved, strict=True)}
+        status, statuses = self.state.drainer.migrate_end(request.migration_id, moved)
+        if status != Status.OK:
+            return pb.KeyStatusResponse(status=status, error=f"no migration {request.migration_id} in flight")
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    def _quota_infos(self) -> list[pb.QuotaInfo]:
+        return [
+            pb.QuotaInfo(
+                instance=o.instance,
+                rank=o.rank,
+                quota=o.quota,
+                used=o.used,
+                objects=o.objects,
+                tp_size=o.tp_size,
+                pp_size=o.pp_size,
+            )
+            for o in self.state.quotas.snapshot()
+        ]
+
+    @rpc(pb.QuotasResponse)
+    def Quotas(self, request):
+        return pb.QuotasResponse(status=Status.OK, quotas=self._quota_infos())
+
+    @rpc(pb.StatusResponse)
+    def Status(self, request):
+        snap = self.state.snapshot()
+        now = self.state.clock()
+        segments = [
+            pb.SegmentInfo(
+                segment_id=s.segment_id,
+                name=s.name,
+                host_id=s.host_id,
+                endpoints=s.endpoints,
+                dram_capacity=s.capacity,
+                dram_used=s.used,
+                objects=s.objects,
+                heartbeat_age_ms=int((now - s.last_heartbeat) * 1000),
+                state=s.state.name,
+                ssd_capacity=s.ssd_capacity,
+                ssd_used=s.ssd_used,
+                ssd_objects=s.ssd_objects,
+                disk_engine=s.disk_engine,
+                offload=s.offload,
+                **s.io_counters,
+            )
+            for s in snap.segments
+        ]
+        return pb.StatusResponse(
+            cluster_id=self.state.config.cluster_id,
+            master_epoch=str(self.epoch),
+            epoch=self.epoch,
+            role=self.role,
+            leader=self.leadership.leader(),
+            recovery=self.state.recovery.figures(now),
+            objects=snap.objects,
+            pending_puts=snap.pending_puts,
+            capacity=sum(s.capacity for s in snap.segments),
+            used=sum(s.used for s in snap.segments),
+            segments=segments,
+            uptime_s=now - self.state.started_at,
+            rpc_requests=dict(self.requests),
+            rpc_failures=dict(self.failures),
+            quotas=self._quota_infos(),
+            evictions=[
+                pb.EvictionInfo(reason=reason, objects=objects, bytes=size)
+                for reason, (objects, size) in sorted(self.state.evictions.items())
+            ],
+            tiering=self.events(),
+            lookup_keys=dict(self.lookup_keys),
+            lookup_hits=dict(self.lookup_hits),
+            lookup_hits_disk_only=self.lookup_hits_disk_only,
+        )
+
+    # -------------------------------------------------------------- inspection
+
+    @rpc(pb.ListKeysResponse)
+    def ListKeys(self, request):
+        r = request
+        page = list_keys(self.state, check_namespace(r.namespace), r.prefix, r.start_after, r.limit, r.include_pending)
+        entries = [pb.KeyEntry(**asdict(entry)) for entry in page.entries]
+        return pb.ListKeysResponse(status=Status.OK, entries=entries, next_start_after=page.next_start_after)
+
+    @rpc(pb.StatKeysResponse)
+    def StatKeys(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.StatKeysResponse):
+            return rejected
+        statuses, infos = stat_keys(self.state, namespace, request.keys)
+        objects = [pb.ObjectInfo(**asdict(info)) if info else pb.ObjectInfo() for info in infos]
+        return pb.StatKeysResponse(status=Status.OK, statuses=statuses, objects=objects)

@@ -1,0 +1,184 @@
+"""The client handlers of `MasterHandlers` (kvtier.master.handlers): hello, puts, reads, existence,
+removal, corruption reports and instance registration."""
+
+from __future__ import annotations
+
+from kvtier.master.commits import PutAcknowledgement
+from kvtier.master.corrupt import CorruptReport
+from kvtier.master.gates import rpc
+from kvtier.master.inspection import disk_only_hits
+from kvtier.master.prefetch import prefetch
+from kvtier.master.state import PutOptions
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.frames import Op
+from kvtier.proto.keys import check_namespace
+from kvtier.proto.status import Status
+
+
+class DataCalls:
+    """Clients' RPCs; mixed into `MasterHandlers`, whose state and counters they use."""
+
+    @rpc(pb.HelloResponse)
+    def Hello(self, request):
+        config = self.state.config
+        return pb.HelloResponse(
+            status=Status.OK,
+            cluster_id=config.cluster_id,
+            master_epoch=str(self.epoch),
+            fast_endpoint=self.fast_endpoint,
+            max_batch_keys=config.max_batch_keys,
+            lease_ms=int(config.lease_s * 1000),
+            epoch=self.epoch,
+            role=self.role,
+            leader=self.leadership.leader(),
+        )
+
+    # -------------------------------------------------------------- objects
+
+    @rpc(pb.PutStartResponse)
+    def PutStart(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.PutStartResponse):
+            return rejected
+        if len(request.sizes) != len(request.keys):
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="keys and sizes differ in length")
+        if request.replicas < 1:
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="replicas must be at least 1")
+        if request.pin not in (pb.PIN_NONE, pb.PIN_SOFT, pb.PIN_HARD):
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error=f"unknown pin value {request.pin}")
+        options = PutOptions(
+            instance=request.instance,
+            rank=request.rank,
+            pin=request.pin,
+            pin_ttl_s=request.pin_ttl_ms / 1000,
+            preferred_segment=request.preferred_segment,
+            client_host=request.client_host,
+        )
+        started = self.state.clock()
+        result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
+        self.put_held = self.state.pressure.hold(namespace, request, options, result, started)
+        return self.put_reply(request, result, 0.0) if self.put_held is None else pb.PutStartResponse()
+
+    def put_reply(self, request, result, waited_s: float):
+        """The PutStartResponse of `result`; `waited_s` after its first allocation (backpressure),
+        which its write grant has used up: tags never outlive the ranges' reservation (_reuse_at)."""
+        reply = pb.PutStartResponse(
+            status=Status.OK,
+            error=result.first_error,
+            statuses=result.statuses,
+            replica_counts=result.replica_counts,
+            replica_segments=result.replica_segments,
+            replica_offsets=result.replica_offsets,
+            segments=self._endpoints(result.replica_segments),
+            put_id=result.put_id,
+        )
+        if result.replica_segments:  # writable for capability_ttl_s (_reuse_at); frames carry the deadline
+            reply.tag_expiry_ms = self.minter.expiry_in(self.state.capability_ttl_s - waited_s)
+        if self.minter.enabled and result.replica_segments:
+            reply.replica_tags = self.minter.replica_tags(
+                self.state.segments.get, self.epoch, result.replica_counts, result.replica_segments,
+                result.replica_offsets, request.sizes, reply.tag_expiry_ms, op=Op.WRITE,
+            )  # fmt: skip
+        return reply
+
+    @rpc(pb.KeyStatusResponse)
+    def PutEnd(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        if len(request.checksums) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="keys and checksums differ in length")
+        # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
+        # barrier(), which the caller asks for right after this returns, on this thread.
+        self.put_ack = ack = PutAcknowledgement()
+        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @rpc(pb.KeyStatusResponse)
+    def PutRevoke(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        statuses = self.state.put_revoke(namespace, request.keys, request.put_id)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @rpc(pb.GetReplicasResponse)
+    def GetReplicas(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
+            return rejected
+        r = self.state.get_replicas(namespace, request.keys)
+        self.lookup_keys["GetReplicas"] += len(request.keys)
+        self.lookup_hits["GetReplicas"] += r.statuses.count(0)
+        self.lookup_hits_disk_only += disk_only_hits(r.replica_counts, r.replica_tiers)
+        reply = pb.GetReplicasResponse(
+            status=Status.OK,
+            statuses=r.statuses,
+            sizes=r.sizes,
+            checksums=r.checksums,
+            replica_counts=r.replica_counts,
+            replica_segments=r.replica_segments,
+            replica_offsets=r.replica_offsets,
+            replica_tiers=r.replica_tiers,
+            segments=self._endpoints(r.replica_segments),
+            lease_ms=r.lease_ms,
+        )
+        # The lease is what keeps the bytes in place: the frames' deadline (and the tags) end with it.
+        reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
+        if self.minter.enabled:
+            reply.replica_tags = self.minter.replica_tags(
+                self.state.segments.get, self.epoch, r.replica_counts, r.replica_segments, r.replica_offsets, r.sizes,
+                reply.tag_expiry_ms, tiers=r.replica_tiers,
+            )  # fmt: skip
+        return reply
+
+    @rpc(pb.ExistsResponse)
+    def Exists(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.ExistsResponse):
+            return rejected
+        found, prefix = self.state.exists(namespace, request.keys)
+        prefetch(self.state, namespace, request.keys, found, request.prefetch)  # kvtier.master.prefetch
+        self.lookup_keys["Exists"] += len(request.keys)
+        self.lookup_hits["Exists"] += found.count(True)
+        return pb.ExistsResponse(status=Status.OK, exists=found, prefix_count=prefix)
+
+    @rpc(pb.RemoveResponse)
+    def Remove(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.RemoveResponse):
+            return rejected
+        statuses = self.state.remove(namespace, request.keys)
+        return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
+
+    @rpc(pb.KeyStatusResponse)
+    def ReportCorrupt(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        columns = (request.segment_ids, request.tiers, request.offsets, request.checksums)
+        if any(len(column) != len(request.keys) for column in columns):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        names = request.segment_names
+        if names and len(names) != len(request.keys):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        reports = [
+            CorruptReport(key, segment_id, tier, offset, checksum, names[i] if names else "")
+            for i, (key, segment_id, tier, offset, checksum) in enumerate(zip(request.keys, *columns, strict=True))
+        ]
+        return pb.KeyStatusResponse(status=Status.OK, statuses=self.state.corrupt.report(namespace, reports))
+
+    @rpc(pb.RemoveResponse)
+    def RemovePrefix(self, request):
+        namespace = check_namespace(request.namespace)
+        return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
+
+    @rpc(pb.RegisterInstanceResponse)
+    def RegisterInstance(self, request):
+        try:
+            quota = self.state.register_instance(
+                request.instance, request.tp_size, request.pp_size, request.budget_bytes
+            )
+        except ValueError as exc:
+            return pb.RegisterInstanceResponse(status=Status.INVALID_ARGUMENT, error=str(exc))
+        return pb.RegisterInstanceResponse(status=Status.OK, quota_per_rank=quota)

@@ -1,0 +1,198 @@
+"""The segment-server handlers of `MasterHandlers` (kvtier.master.handlers): mount, unmount,
+heartbeat, tier tasks and disk inventories, the commit log and DRAM inventories after a master restart."""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.master.commits import notice_pin
+from kvtier.master.gates import rpc
+from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import Status
+
+logger = logging.getLogger(__name__)
+
+# Per-segment byte counters a heartbeat carries and Status repeats (see HeartbeatRequest).
+_IO_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
+
+
+class SegmentCalls:
+    """Segment servers' RPCs; mixed into `MasterHandlers`, whose state and counters they use."""
+
+    @rpc(pb.MountSegmentResponse)
+    def MountSegment(self, request):
+        result = self.state.mount_segment(
+            request.cluster_id,
+            request.name,
+            request.host_id,
+            list(request.endpoints),
+            request.dram_capacity,
+            request.incarnation,
+            ssd_capacity=request.ssd_capacity,
+            offload=request.offload,
+            disk_engine=request.disk_engine,
+            ssd_max_object=request.ssd_max_object,
+            inventory=request.inventory,
+        )
+        if result.segment is None:
+            return pb.MountSegmentResponse(status=result.status, error=result.error)
+        config = self.state.config
+        return pb.MountSegmentResponse(
+            status=Status.OK,
+            segment_id=result.segment.segment_id,
+            heartbeat_interval_ms=int(config.heartbeat_interval_s * 1000),
+            ttl_ms=int(config.segment_ttl_s * 1000),
+            master_epoch=str(self.epoch),
+            epoch=self.epoch,
+            discard_index=result.discard_index,
+        )
+
+    @rpc(pb.UnmountSegmentResponse)
+    def UnmountSegment(self, request):
+        return pb.UnmountSegmentResponse(status=self.state.unmount_segment(request.segment_id))
+
+    @rpc(pb.HeartbeatResponse)
+    def Heartbeat(self, request):
+        counters = {name: getattr(request, name) for name in _IO_COUNTERS}
+        status = self.state.heartbeat(request.segment_id, request.ssd_used, counters)
+        return pb.HeartbeatResponse(status=status, master_epoch=str(self.epoch), epoch=self.epoch)
+
+    # -------------------------------------------------------------- tiering
+
+    @rpc(pb.PollTierTasksResponse)
+    def PollTierTasks(self, request):
+        """Non-blocking: the tasks queued now (the gRPC servicer adds the long poll)."""
+        if request.segment_id not in self.state.segments:
+            return pb.PollTierTasksResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        reply = pb.PollTierTasksResponse(status=Status.OK, task_ttl_ms=int(self.state.tiering.task_ttl_s * 1000))
+        for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
+            namespace, _, key = task.name.partition("\x00")
+            reply.task_ids.append(task.task_id)
+            reply.kinds.append(int(task.kind))
+            reply.namespaces.append(namespace)
+            reply.keys.append(key)
+            reply.sizes.append(task.size)
+            reply.checksums.append(task.checksum)
+            reply.dram_offsets.append(task.dram_offset)
+            reply.disk_locations.append(task.disk_location)
+        return reply
+
+    @rpc(pb.KeyStatusResponse)
+    def TierTasksDone(self, request):
+        if request.segment_id not in self.state.segments:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        if not len(request.task_ids) == len(request.statuses) == len(request.disk_locations):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="task_ids, statuses, locations differ")
+        if request.error:
+            logger.warning("tier tasks failed segment_id=%d first_error=%s", request.segment_id, request.error)
+        statuses = self.state.tiering.done(
+            request.segment_id, list(request.task_ids), list(request.statuses), list(request.disk_locations)
+        )
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    def _disk_objects_problem(self, request) -> pb.KeyStatusResponse | None:
+        if request.segment_id not in self.state.segments:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        n = len(request.keys)
+        if (
+            not n
+            == len(request.namespaces)
+            == len(request.sizes)
+            == len(request.checksums)
+            == len(request.disk_locations)
+        ):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        return self._too_many(request.keys, pb.KeyStatusResponse)
+
+    @rpc(pb.KeyStatusResponse)
+    def ReportDiskObjects(self, request):
+        if problem := self._disk_objects_problem(request):
+            return problem
+        statuses = self.state.tiering.report_disk_objects(
+            request.segment_id,
+            list(request.namespaces),
+            list(request.keys),
+            list(request.sizes),
+            list(request.checksums),
+            list(request.disk_locations),
+        )
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @rpc(pb.KeyStatusResponse)
+    def DropDiskReplicas(self, request):
+        if problem := self._disk_objects_problem(request):
+            return problem
+        self.state.tiering.drop_disk_replicas(
+            request.segment_id, list(request.namespaces), list(request.keys), list(request.disk_locations)
+        )
+        return pb.KeyStatusResponse(status=Status.OK)
+
+    # -------------------------------------------------------------- commit log and recovery
+
+    @rpc(pb.PollCommitsResponse)
+    def PollCommits(self, request):
+        """Non-blocking: acknowledge, then the notices queued now (the gRPC servicer adds the long poll)."""
+        notices = self.state.commits.poll(request.segment_id, request.acked_seq, request.max_notices or 4096)
+        if notices is None:
+            return pb.PollCommitsResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        reply = pb.PollCommitsResponse(status=Status.OK, epoch=self.epoch, first_seq=notices.first_seq)
+        items = notices.items
+        if not items:
+            return reply
+        # Column by column (list comprehensions, bulk extends): thousands of notices per poll.
+        records = [item[1] for item in items]
+        metas = [record.meta for record in records]
+        reply.drops.extend([item[2] for item in items])
+        reply.offsets.extend([item[0] for item in items])
+        reply.sizes.extend([meta >> 32 for meta in metas])
+        reply.checksums.extend([meta & 0xFFFF_FFFF for meta in metas])
+        reply.names.extend([record.name for record in records])
+        owners = [record.owner for record in records]
+        if any(owners):
+            reply.instances.extend([owner.instance if owner is not None else "" for owner in owners])
+            reply.ranks.extend([owner.rank if owner is not None else 0 for owner in owners])
+        if any(record.pin_until for record in records):
+            now = self.state.clock()
+            pins = [notice_pin(record, now) for record in records]
+            reply.pins.extend([pin for pin, _ in pins])
+            reply.pin_ttl_ms.extend([ttl for _, ttl in pins])
+        return reply
+
+    @rpc(pb.KeyStatusResponse)
+    def ReportDramObjects(self, request):
+        segment = self.state.segments.get(request.segment_id)
+        if segment is None:
+            return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
+        columns = (
+            request.keys,
+            request.sizes,
+            request.checksums,
+            request.offsets,
+            request.instances,
+            request.ranks,
+            request.pins,
+            request.pin_ttl_ms,
+        )
+        if any(len(column) != len(request.namespaces) for column in columns):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        statuses = report_dram_objects(
+            self.state,
+            request.segment_id,
+            DramObjects(
+                request.namespaces,
+                request.keys,
+                request.sizes,
+                request.checksums,
+                request.offsets,
+                request.instances,
+                request.ranks,
+                request.pins,
+                request.pin_ttl_ms,
+            ),
+        )
+        if request.done:
+            inventory_done(self.state, request.segment_id)
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
