@@ -295,6 +295,8 @@ def test_clusters_elect_independently(candidates, etcd: EtcdServer):
     assert (held_a.create_revision, held_b.create_revision) == (leader_a.election.epoch, leader_b.election.epoch)
     for group, leader in ((a, leader_a), (b, leader_b)):
         for c in group:
+            # a standby learns the holder at its next poll of etcd: wait for it, then it must be its own
+            wait_for(lambda c=c: c.election.leader_info() is not None, 3.0, "each candidate to see a leader")
             assert c.election.leader_info()["address"] == leader.address, "each sees its own cluster's leader"
 
 
