@@ -73,7 +73,8 @@ class DiskFull(OSError):
         super().__init__(errno.ENOSPC, message)
 
 
-def _pwrite_all(fd: int, buffers: Sequence[bytes], offset: int) -> None:
+def pwrite_all(fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> None:
+    """Write every buffer at `offset` on, looping over short writes (ENOSPC when nothing is written)."""
     views = [memoryview(b) for b in buffers if b]
     while views:
         written = os.pwritev(fd, views, offset)
@@ -254,7 +255,7 @@ class BucketStore(BucketRecovery):
             bucket = self._roll()
         offset = bucket.end
         try:
-            _pwrite_all(bucket.write_fd, [header, data], offset)
+            pwrite_all(bucket.write_fd, [header, data], offset)
         except OSError as exc:
             self._cut_back(bucket)
             raise _disk_error(exc, f"writing bucket {bucket.path}") from exc
@@ -368,7 +369,7 @@ class BucketStore(BucketRecovery):
             header = bytearray(_BUCKET_HEAD.pack(BUCKET_MAGIC, FORMAT_VERSION, 0, bucket_id, time.time(), len(cluster)))
             header += cluster
             header += _U32.pack(crc32c.crc32c(header))
-            _pwrite_all(fd, [bytes(header).ljust(ALIGN, b"\0")], 0)
+            pwrite_all(fd, [bytes(header).ljust(ALIGN, b"\0")], 0)
             read_fd = self._open_read_fd(path)
         except BaseException:
             os.close(fd)
@@ -386,7 +387,7 @@ class BucketStore(BucketRecovery):
         locator = _LOCATOR_BODY.pack(bucket.end, LOCATOR_MAGIC)
         footer += locator + _U32.pack(crc32c.crc32c(locator))
         try:
-            _pwrite_all(bucket.write_fd, [bytes(footer)], bucket.end)
+            pwrite_all(bucket.write_fd, [bytes(footer)], bucket.end)
         except OSError:
             self._cut_back(bucket)
             raise
@@ -538,7 +539,7 @@ class BucketStore(BucketRecovery):
             # headers only (payloads are verified later): a failed write must never be listed, so its
             # header is zeroed and the footer marks the slot an unreadable stretch.
             try:
-                _pwrite_all(bucket.write_fd, [bytes(len(slot.header))], slot.offset)
+                pwrite_all(bucket.write_fd, [bytes(len(slot.header))], slot.offset)
             except OSError as exc:
                 logger.warning("cannot erase a failed record's header path=%s error=%s", bucket.path, exc)
             bucket.entries.append((slot.offset, 0, slot.span, FLAG_OBJECT))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
-import os
 import queue
 import threading
 from collections import deque
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import crc32c
 
 from kvtier.segment_server.bucket_format import ALIGN, RecordError, Slot
-from kvtier.segment_server.buckets import BucketStore, DiskFull
+from kvtier.segment_server.buckets import BucketStore, DiskFull, pwrite_all
 
 logger = logging.getLogger(__name__)
 
@@ -283,22 +282,16 @@ class GroupWriter:
     def _pwrite(self, write: _Write, fd: int, direct: bool) -> None:
         """Runs on a writer thread; the GIL is released inside pwritev."""
         view = write.buffer[: write.length]
-        offset = write.offset
         try:
-            while view:
-                try:
-                    written = os.pwritev(fd, [view], offset)
-                except OSError as exc:
-                    if not (direct and exc.errno == errno.EINVAL):
-                        raise
-                    # The file system refused O_DIRECT here: this and later writes go buffered.
-                    self._store.direct_writes_refused()
-                    fd, direct = self._store.buffered_fd(), False
-                    continue
-                if written <= 0:  # a regular file only writes nothing when the device is full
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                view = view[written:]
-                offset += written
+            try:
+                pwrite_all(fd, [view], write.offset)
+            except OSError as exc:
+                if not (direct and exc.errno == errno.EINVAL):
+                    raise
+                # The file system refused O_DIRECT here: this and later writes go buffered (the whole
+                # buffer again: whatever part went through is the same bytes at the same offsets).
+                self._store.direct_writes_refused()
+                pwrite_all(self._store.buffered_fd(), [view], write.offset)
         finally:
             view.release()
 

@@ -264,8 +264,6 @@ def test_payloads_of_any_buffer_format_are_written_as_their_bytes(opened, tmp_pa
 
 
 def test_o_direct_refused_at_write_time_is_retried_buffered(opened, tmp_path, monkeypatch):
-    from kvtier.segment_server import group_writer
-
     store = open_store(opened, tmp_path, direct_io=True)
     writer = open_writer(opened, store)
     direct_fd, direct = store.group_fd()
@@ -279,7 +277,7 @@ def test_o_direct_refused_at_write_time_is_retried_buffered(opened, tmp_path, mo
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(group_writer.os, "pwritev", pwritev)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     items = items_of([3000, 3 * CHUNK, 10])
     assert all(isinstance(o, int) for o in writer.write(items))
     assert refused and store.group_fd()[1] is False
