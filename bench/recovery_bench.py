@@ -64,10 +64,10 @@ from pathlib import Path
 
 import grpc
 
+from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.errors import KvtierError
-from kvtier.proto.units import format_size, parse_size
 
 READY_TIMEOUT_S = 30.0
 SERVE_DEADLINE_S = 60.0  # a wait for the cluster to serve again gives up after this long
@@ -265,7 +265,7 @@ class Processes:
 
     def start_etcd(self, binary: str) -> str:
         """A single-member etcd on free loopback ports (default raft timings); its client endpoint."""
-        from kvtier.proto.etcd_client import EtcdClient, EtcdError
+        from kvtier.common.etcd_client import EtcdClient, EtcdError
 
         port, peer_port = _free_port(), _free_port()
         client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer_port}"

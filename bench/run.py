@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
-from kvtier.proto.units import format_size, parse_size
+from kvtier.common.units import format_size, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 
@@ -338,8 +338,8 @@ def _run_ssd_write(opts: argparse.Namespace) -> int:
 
 
 def run(opts: argparse.Namespace) -> int:
+    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
-    from kvtier.client.local_cluster import LocalCluster
 
     try:
         sizes = [parse_size(s) for s in opts.sizes.split(",") if s]

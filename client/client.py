@@ -39,10 +39,10 @@ from kvtier.client.transport import check_transport, connect
 from kvtier.client.transport.base import Caps, Connector
 from kvtier.client.transport.shm import local_host_id
 from kvtier.client.transport.tcp import TcpConnector
+from kvtier.common.latency import LatencyHistogram
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import ConnectError, KvtierError, TransportError
 from kvtier.proto.keys import check_key
-from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)

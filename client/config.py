@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvtier.common.channels import Credentials
+from kvtier.common.units import check_master_spec
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
-from kvtier.proto.channels import Credentials
 from kvtier.proto.keys import check_namespace
-from kvtier.proto.units import check_master_spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Failure handling, written once here:
   restart, or is a standby) is retried the same way; the master answered
   before doing anything, so every call, PutStart included, may be repeated.
 - The master can move (`address` is a list or etcd://..., see
-  kvtier.proto.discovery): after a failure or a standby's refusal the client
+  kvtier.common.discovery): after a failure or a standby's refusal the client
   asks its `MasterLocator` for the leader (a standby's `leader=` hint first)
   and reconnects there, fast path included. Each attempt then gets at most
   ATTEMPT_S of the caller's timeout: a leader that hangs (paused, cut off)
@@ -43,17 +43,17 @@ from typing import Any
 import grpc
 
 from kvtier.client.sockpool import SocketPool, recv_exact, send_all
+from kvtier.common.channels import Credentials, open_channel
+from kvtier.common.discovery import MasterLocator, leader_hint
+from kvtier.common.logs import request_id as current_request_id
+from kvtier.common.units import parse_hostport
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc, rpcframe
-from kvtier.proto.channels import Credentials, open_channel
-from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.errors import ConnectError, KvtierError, ProtocolError, TransportError
-from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, to_status
-from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
-# Requests that carry the client call's request id (kvtier.proto.logs).
+# Requests that carry the client call's request id (kvtier.common.logs).
 _TRACED = frozenset(
     (
         pb.KeysRequest,

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.proto.latency import LatencyHistogram
+from kvtier.common.latency import LatencyHistogram
 
 if TYPE_CHECKING:
     from kvtier.client.client import Client

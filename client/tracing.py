@@ -1,7 +1,7 @@
 """Request ids for client calls: one id per public call, on everything the call sends.
 
 Each `Client` draws a random 32-bit tag; its calls are numbered after it (one
-u64 per call, `tttttttt-ssssssss` in logs: kvtier.proto.logs). `traced` sets the
+u64 per call, `tttttttt-ssssssss` in logs: kvtier.common.logs). `traced` sets the
 id for the duration of a call (a nested call, `put` -> `batch_put`, keeps the
 outer one); the master requests and data-plane frames the call sends read it
 from the context, the I/O pool's jobs run in a copy of it, and a `KvtierError`
@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvtier.common.logs import RequestIdFilter, format_request_id, request_id
 from kvtier.proto.errors import KvtierError
-from kvtier.proto.logs import RequestIdFilter, format_request_id, request_id
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _filter = RequestIdFilter()
-for _name in ("kvtier.client.client", "kvtier.client.master", "kvtier.client.transport.tcp", "kvtier.client.drain"):
+for _name in ("kvtier.client.client", "kvtier.client.master", "kvtier.client.transport.tcp", "kvtier.cli.drain"):
     logging.getLogger(_name).addFilter(_filter)
 
 

@@ -7,10 +7,10 @@ import gc
 import logging
 import sys
 
+from kvtier.common.logs import setup_logging
+from kvtier.common.startup import run_main
 from kvtier.master.config import parse_args
 from kvtier.master.server import serve
-from kvtier.proto.logs import setup_logging
-from kvtier.proto.startup import run_main
 
 
 def main(argv: list[str] | None = None) -> int:

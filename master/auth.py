@@ -29,9 +29,9 @@ from typing import Any
 
 import grpc
 
+from kvtier.common.config import read_toml
+from kvtier.common.logs import LogBudget
 from kvtier.proto.auth import AUTH_METADATA, CLUSTER_PRINCIPAL, principal_problem, read_secret, verify_token
-from kvtier.proto.config import read_toml
-from kvtier.proto.logs import LogBudget
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The master's configuration: one dataclass of defaults, validated once at start.
 
 Loaded by the entry point from a TOML file (`--config`), `KVTIER_MASTER_*` environment variables
-and flags (flags win; kvtier.proto.config); nothing deeper in the master reads the environment.
+and flags (flags win; kvtier.common.config); nothing deeper in the master reads the environment.
 """
 
 from __future__ import annotations
@@ -10,14 +10,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvtier.master.admission import Admission
-from kvtier.master.auth import load_tenants
-from kvtier.master.records import READS_CAP
-from kvtier.proto.auth import read_secret
-from kvtier.proto.config import check_log_level, load_config
-from kvtier.proto.keys import cluster_id_problem
-from kvtier.proto.rpcframe import MESSAGE_LIMIT
-from kvtier.proto.units import (
+from kvtier.common.config import check_log_level, load_config
+from kvtier.common.units import (
     check_field,
     check_master_spec,
     is_loopback,
@@ -25,6 +19,12 @@ from kvtier.proto.units import (
     parse_hostport,
     parse_size,
 )
+from kvtier.master.admission import Admission
+from kvtier.master.auth import load_tenants
+from kvtier.master.records import READS_CAP
+from kvtier.proto.auth import read_secret
+from kvtier.proto.keys import cluster_id_problem
+from kvtier.proto.rpcframe import MESSAGE_LIMIT
 
 STATE_DIR_NONE = "none"  # state_dir = "none" (--state-dir none): save nothing, explicitly
 SERVICE_STATE_ROOT = "/var/lib/kvtier"  # a service's state (systemd StateDirectory=kvtier, a volume)

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.common.logs import LogBudget
 from kvtier.master.records import OFFSET_MASK, TIER_DRAM, TIER_SSD, ObjectState, name_prefix, replica
-from kvtier.proto.logs import LogBudget
 from kvtier.proto.status import Status
 
 if TYPE_CHECKING:

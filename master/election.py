@@ -1,7 +1,7 @@
 """Master leader election on etcd: one leader per cluster, standbys waiting to take over.
 
 The leader holds the key `/kvtier/<cluster>/leader` (see
-`kvtier.proto.discovery.leader_key`) attached to a lease it keeps alive; its
+`kvtier.common.discovery.leader_key`) attached to a lease it keeps alive; its
 value is the leader's info as JSON. A candidate creates the key only if it does
 not exist (one etcd transaction), so at most one holds it. When the leader
 resigns its lease is revoked and the key vanishes at once; when it dies or is
@@ -42,8 +42,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier.proto.discovery import leader_key, leader_value, parse_leader_value
-from kvtier.proto.etcd_client import EtcdClient, EtcdError, EtcdValue
+from kvtier.common.discovery import leader_key, leader_value, parse_leader_value
+from kvtier.common.etcd_client import EtcdClient, EtcdError, EtcdValue
 from kvtier.proto.keys import cluster_id_problem
 
 logger = logging.getLogger(__name__)

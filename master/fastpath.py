@@ -43,13 +43,13 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from kvtier.common.logs import LogBudget
+from kvtier.common.units import parse_hostport
 from kvtier.master.auth import current_principal
 from kvtier.master.commit_wait import WAITING_CALLS, CommitWaiter
 from kvtier.master.handlers import MasterHandlers
 from kvtier.proto import rpcframe
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
-from kvtier.proto.logs import LogBudget
-from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 _HEADER = rpcframe.HEADER
@@ -154,7 +154,7 @@ class Connections:
     # ------------------------------------------------------------ logging
 
     def log(self, message: str, fields: dict) -> bool:
-        """Log one warning within the listener's budget (kvtier.proto.logs.LogBudget)."""
+        """Log one warning within the listener's budget (kvtier.common.logs.LogBudget)."""
         return self._log_budget.log(logging.WARNING, message, extra={"fields": fields})
 
 

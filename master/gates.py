@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.common.latency import LatencyHistogram
+from kvtier.common.logs import LogBudget
+from kvtier.common.logs import request_id as current_request_id
 from kvtier.master.auth import current_principal
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.errors import InvalidKeyError
-from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.logs import LogBudget
-from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, status_name
 
 logger = logging.getLogger("kvtier.master.servicer")

@@ -22,12 +22,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from kvtier.common.discovery import leader_key
+from kvtier.common.etcd_client import EtcdClient, EtcdError, parse_etcd_url
 from kvtier.master.config import MasterConfig
 from kvtier.master.election import LeaderElection
 from kvtier.master.handlers import Leadership
 from kvtier.master.persist import SavedState, StateUnreadable
-from kvtier.proto.discovery import leader_key
-from kvtier.proto.etcd_client import EtcdClient, EtcdError, parse_etcd_url
 
 if TYPE_CHECKING:
     from kvtier.master.server import Roles

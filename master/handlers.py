@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.common.latency import LatencyHistogram
 from kvtier.master.auth import Authenticator
 from kvtier.master.backpressure import HeldPut, PutWaiter
 from kvtier.master.capabilities import Minter
@@ -31,7 +32,6 @@ from kvtier.master.handlers_data import DataCalls
 from kvtier.master.handlers_segment import SegmentCalls
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.latency import LatencyHistogram
 from kvtier.proto.status import Status
 
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.common.latency import LatencyHistogram
+from kvtier.common.metrics import histogram_family
 from kvtier.master import admission, prefetch
 from kvtier.master.backpressure import WaitHistogram
 from kvtier.master.fastpath import FastPathStats
 from kvtier.master.handlers import MasterHandlers
-from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.metrics import histogram_family
 
 logger = logging.getLogger(__name__)
 

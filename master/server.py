@@ -29,6 +29,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvtier.common.channels import read_file
+from kvtier.common.config import write_ready_file
+from kvtier.common.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
+from kvtier.common.units import parse_hostport
 from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
 from kvtier.master.capabilities import Minter
 from kvtier.master.commit_wait import CommitWaiter
@@ -47,11 +51,7 @@ from kvtier.master.servicer import MasterServicer
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.auth import CLOCK_SKEW_MS, read_secret
-from kvtier.proto.channels import read_file
-from kvtier.proto.config import write_ready_file
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
-from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
-from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def grpc_options(config: MasterConfig) -> list[tuple[str, int]]:
     """The gRPC server's limits from the config: message size, streams per connection, keepalive."""
     return [
         ("grpc.max_receive_message_length", config.message_limit),
-        ("grpc.max_send_message_length", MESSAGE_LIMIT),  # what clients accept (kvtier.proto.channels)
+        ("grpc.max_send_message_length", MESSAGE_LIMIT),  # what clients accept (kvtier.common.channels)
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         ("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000)),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -352,8 +352,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             ) from None
     metrics_address = ""
     if config.metrics:
+        from kvtier.common.metrics import serve_metrics
         from kvtier.master.metrics import MasterCollector
-        from kvtier.proto.metrics import serve_metrics
 
         try:
             metrics_address = serve_metrics(

@@ -20,7 +20,7 @@ class KvtierError(Exception):
     """A failed kvtier operation; `status` says which kind of failure."""
 
     retryable = False
-    request_id = ""  # of the client call that failed (kvtier.proto.logs): find it in server logs
+    request_id = ""  # of the client call that failed (kvtier.common.logs): find it in server logs
 
     def __init__(self, status: Status, message: str = "") -> None:
         self.status = Status(status)

@@ -9,7 +9,7 @@ UTF-8 message. Responses come in request order; `request_id` echoes the
 request's so a pipelining client can check the pairing.
 
 A request whose flags have FLAG_TRACED set carries the client's request id
-(kvtier.proto.logs: the id the client's master calls and errors carry too) as
+(kvtier.common.logs: the id the client's master calls and errors carry too) as
 the first entry of its range table, (request id, 0), counted in `nranges`;
 the ranges follow it. The server logs it with anything it reports about the
 request.

@@ -6,8 +6,8 @@ import asyncio
 import logging
 import sys
 
-from kvtier.proto.logs import setup_logging
-from kvtier.proto.startup import StartupError, run_main
+from kvtier.common.logs import setup_logging
+from kvtier.common.startup import StartupError, run_main
 from kvtier.segment_server.config import parse_args
 from kvtier.segment_server.server import FdLimitError, serve
 

@@ -1,7 +1,7 @@
 """The segment server's configuration: one dataclass of defaults, validated once at start.
 
 Loaded by the entry point from a TOML file (`--config`), `KVTIER_SEGMENT_*` environment
-variables and flags (flags win; kvtier.proto.config); nothing deeper reads the environment.
+variables and flags (flags win; kvtier.common.config); nothing deeper reads the environment.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import socket
 import uuid
 from dataclasses import dataclass, fields
 
-from kvtier.proto.auth import read_secret
-from kvtier.proto.channels import Credentials
-from kvtier.proto.config import check_log_level, load_config
-from kvtier.proto.keys import cluster_id_problem, segment_name_problem
-from kvtier.proto.units import (
+from kvtier.common.channels import Credentials
+from kvtier.common.config import check_log_level, load_config
+from kvtier.common.units import (
     check_field,
     check_master_spec,
     is_loopback,
@@ -24,6 +22,8 @@ from kvtier.proto.units import (
     parse_hostport,
     parse_size,
 )
+from kvtier.proto.auth import read_secret
+from kvtier.proto.keys import cluster_id_problem, segment_name_problem
 from kvtier.segment_server.region import MAX_SOCKET_PATH, grant_socket_path
 from kvtier.segment_server.shm_grant import parse_uids
 

@@ -36,9 +36,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtier.common.logs import request_id as current_request_id
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
-from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status
 from kvtier.segment_server.bucket_format import ReadPlan, RecordError
 from kvtier.segment_server.buckets import BucketStore

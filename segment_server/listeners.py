@@ -14,7 +14,7 @@ import os
 from typing import Protocol
 from urllib.parse import quote, urlencode
 
-from kvtier.proto.units import parse_hostport
+from kvtier.common.units import parse_hostport
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.protocol import (
     CapabilityCheck,

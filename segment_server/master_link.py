@@ -14,7 +14,7 @@ A new mount happens when the master answers SEGMENT_NOT_FOUND (it expired
 us, restarted, or another master was elected). UNAVAILABLE (a standby, or a
 leader that lost its lease for a moment) keeps the mount: the link follows
 the leader it names, or asks etcd / the next address (see
-kvtier.proto.discovery), and the next heartbeat tells whether that master
+kvtier.common.discovery), and the next heartbeat tells whether that master
 knows us. A mount's answer may say `discard_index`: the master does not take
 our DRAM index (it serves already and never fenced us, or it was restarted
 since it expelled us and can prove nothing), so it is emptied first. A
@@ -33,10 +33,10 @@ from typing import Any
 
 import grpc
 
+from kvtier.common.channels import Credentials, open_channel
+from kvtier.common.discovery import MasterLocator, leader_hint
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
-from kvtier.proto.channels import Credentials, open_channel
-from kvtier.proto.discovery import MasterLocator, leader_hint
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 

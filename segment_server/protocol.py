@@ -47,11 +47,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.common.latency import LatencyHistogram
+from kvtier.common.logs import LogBudget, format_request_id
 from kvtier.proto import frames
 from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
 from kvtier.proto.frames import Op
-from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.logs import LogBudget, format_request_id
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
 

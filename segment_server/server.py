@@ -8,12 +8,12 @@ import os
 import resource
 import signal
 
+from kvtier.common.config import write_ready_file
+from kvtier.common.discovery import MasterLocator
+from kvtier.common.startup import StartupError, check_bindable, check_writable_dir
+from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.config import write_ready_file
-from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.region import host_id
-from kvtier.proto.startup import StartupError, check_bindable, check_writable_dir
-from kvtier.proto.units import format_size, parse_size
 from kvtier.segment_server.bucket_format import ALIGN
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.buffer_pool import BufferPool
@@ -145,7 +145,7 @@ async def serve(config: SegmentConfig) -> int:
         feed.start()
         metrics_address = ""
         if config.metrics:
-            from kvtier.proto.metrics import serve_metrics
+            from kvtier.common.metrics import serve_metrics
             from kvtier.segment_server.metrics import SegmentCollector
 
             collector = SegmentCollector(

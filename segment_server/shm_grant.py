@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvtier.proto.logs import LogBudget
+from kvtier.common.logs import LogBudget
 from kvtier.proto.region import GRANT_REQUEST
 from kvtier.segment_server.region import remove_stale_socket
 

@@ -36,8 +36,8 @@ from typing import Any
 import crc32c
 import grpc
 
+from kvtier.common.logs import LogBudget
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.logs import LogBudget
 from kvtier.proto.status import Status
 from kvtier.segment_server.bucket_format import ALIGN, DiskRecord, RecordError
 from kvtier.segment_server.buckets import BucketStore

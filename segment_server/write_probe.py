@@ -22,7 +22,7 @@ from pathlib import Path
 
 import crc32c
 
-from kvtier.proto.units import parse_size
+from kvtier.common.units import parse_size
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.group_writer import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS, GroupWriter, OffloadItem
 

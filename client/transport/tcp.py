@@ -21,12 +21,12 @@ import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, send_all
 from kvtier.client.transport.base import Buffer, Caps
+from kvtier.common.logs import request_id as current_request_id
+from kvtier.common.units import parse_hostport
 from kvtier.proto import frames
 from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
 from kvtier.proto.frames import Op
-from kvtier.proto.logs import request_id as current_request_id
 from kvtier.proto.status import Status, to_status
-from kvtier.proto.units import parse_hostport
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-KVTIER = [sys.executable, "-m", "kvtier.client.cli"]
+KVTIER = [sys.executable, "-m", "kvtier.cli.main"]
 
 
 def kvtier(*args: str, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -26,9 +26,9 @@ import yaml
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.common.units import parse_size
 from kvtier.master.config import SERVICE_STATE_ROOT, MasterConfig, default_state_dir
 from kvtier.proto.region import HEADER_SIZE
-from kvtier.proto.units import parse_size
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.server import FD_RESERVE, max_buckets
 from tests.capability import require

@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 def drain(cluster, segment: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.client.cli", "drain", segment, "--master", cluster.master_address, "--json"],
+        [sys.executable, "-m", "kvtier.cli.main", "drain", segment, "--master", cluster.master_address, "--json"],
         capture_output=True,
         timeout=120,
     )
@@ -79,7 +79,7 @@ def test_objects_without_room_elsewhere_are_dropped_never_corrupted(cluster):
 
 def test_draining_an_unknown_segment_fails_cleanly(cluster):
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.client.cli", "drain", "nope", "--master", cluster.master_address],
+        [sys.executable, "-m", "kvtier.cli.main", "drain", "nope", "--master", cluster.master_address],
         capture_output=True,
         timeout=60,
     )

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kvtier.common.discovery import MasterLocator, leader_key
+from kvtier.common.etcd_client import EtcdClient, EtcdError
 from kvtier.master.election import LeaderElection
-from kvtier.proto.discovery import MasterLocator, leader_key
-from kvtier.proto.etcd_client import EtcdClient, EtcdError
 from tests.etcd import EtcdServer, _free_port
 
 TTL_S = 1.0

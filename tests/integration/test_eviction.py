@@ -25,7 +25,7 @@ MiB = 1 << 20
 KiB = 1 << 10
 SEGMENT = 64 * MiB
 ROOT = Path(__file__).resolve().parents[2]
-KVTIER = [sys.executable, "-m", "kvtier.client.cli"]
+KVTIER = [sys.executable, "-m", "kvtier.cli.main"]
 EVICTION_REASONS = {"watermark", "allocation", "quota"}
 
 

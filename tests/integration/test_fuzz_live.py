@@ -25,11 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.common.units import parse_hostport
 from kvtier.proto import frames, rpcframe
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
-from kvtier.proto.units import parse_hostport
 from tests.integration.rawframes import IO_TIMEOUT_S, far_deadline
 from tests.unit.master.messages import SERVICE, messages, request_type
 

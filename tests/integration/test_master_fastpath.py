@@ -16,10 +16,10 @@ import struct
 import crc32c
 import pytest
 
+from kvtier.common.units import parse_hostport
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import rpcframe
 from kvtier.proto.status import Status
-from kvtier.proto.units import parse_hostport
 from tests.integration.rawframes import IO_TIMEOUT_S, is_closed_by_peer, recv_exact
 
 HEADER = rpcframe.HEADER

@@ -9,9 +9,9 @@ import time
 import grpc
 import pytest
 
+from kvtier.common.discovery import leader_hint
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
-from kvtier.proto.discovery import leader_hint
 from kvtier.proto.status import Status
 from tests.integration.test_master_restart import check_final_state, finish_load, start_load
 from tests.integration.test_metrics import probe

@@ -223,7 +223,7 @@ def test_kvtier_status_shows_the_new_epoch_and_what_recovery_rebuilt(durable):
 
 def _kvtier(*args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.client.cli", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvtier.cli.main", *args], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     return result.stdout

@@ -23,7 +23,7 @@ import pytest
 from kvtier.proto import master_pb2 as pb
 from tests.cluster import Cluster
 
-KVTIER = [sys.executable, "-m", "kvtier.client.cli"]
+KVTIER = [sys.executable, "-m", "kvtier.cli.main"]
 MiB = 1 << 20
 
 

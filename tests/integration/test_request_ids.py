@@ -8,11 +8,11 @@ import socket
 import pytest
 
 from kvtier.client import KvtierError
+from kvtier.common.logs import format_request_id, request_id
+from kvtier.common.units import parse_hostport
 from kvtier.proto import frames
 from kvtier.proto.frames import Op
-from kvtier.proto.logs import format_request_id, request_id
 from kvtier.proto.status import Status
-from kvtier.proto.units import parse_hostport
 from tests.integration.rawframes import far_deadline, recv_response
 from tests.integration.test_ssd_tier import (
     bucket_file,

@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from kvtier.client import KvtierError
+from kvtier.common.units import parse_hostport
 from kvtier.proto import auth, frames, master_pb2_grpc, rpcframe
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
-from kvtier.proto.units import parse_hostport
 from tests.integration.rawframes import connect, is_closed_by_peer, recv_response
 
 SECRET = b"0123456789abcdef0123456789abcdef"

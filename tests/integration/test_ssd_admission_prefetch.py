@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cli.ops import status_dict
 from kvtier.client import Client
-from kvtier.client.ops_cli import status_dict
 from tests.cluster import Cluster
 from tests.integration.test_metrics import scrape, value
 from tests.integration.test_ssd_tier import put_and_offload, segment_info, start_ssd_segment, value_for

@@ -163,7 +163,7 @@ def test_status_json_and_metrics_show_backpressure(bare_cluster: Cluster, ssd_di
         failed = [k for k, s in burst(client, keys, 8).items() if s == Status.OFFLOAD_BEHIND]
     assert failed
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.client.cli", "status", "--json", "--master", bare_cluster.master_address],
+        [sys.executable, "-m", "kvtier.cli.main", "status", "--json", "--master", bare_cluster.master_address],
         capture_output=True,
         text=True,
         timeout=60,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KVTIER = [sys.executable, "-m", "kvtier.client.cli", "bench", "--tier", "ssd", "--write"]
+KVTIER = [sys.executable, "-m", "kvtier.cli.main", "bench", "--tier", "ssd", "--write"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

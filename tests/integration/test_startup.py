@@ -201,13 +201,13 @@ def test_segment_name_in_use_is_one_line(master):
 
 
 def test_kvtier_up_with_its_port_taken_is_one_line(tmp_path: Path, taken: str):
-    args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", taken, "--dram", "16MiB", "--ssd", "0"]
+    args = [sys.executable, "-m", "kvtier.cli.main", "up", "--listen", taken, "--dram", "16MiB", "--ssd", "0"]
     line = _one_line_failure([*args, "--state-dir", str(tmp_path / "state")], "--listen")
     assert taken in line and "in use" in line
 
 
 def test_kvtier_up_with_a_region_larger_than_memory_is_one_line(tmp_path: Path):
     too_big = _more_than_available()
-    args = [sys.executable, "-m", "kvtier.client.cli", "up", "--listen", f"127.0.0.1:{free_port()}", "--ssd", "0"]
+    args = [sys.executable, "-m", "kvtier.cli.main", "up", "--listen", f"127.0.0.1:{free_port()}", "--ssd", "0"]
     line = _one_line_failure([*args, "--dram", too_big, "--state-dir", str(tmp_path / "state")], "--dram")
     assert line.startswith("kvtier-segment: ")

@@ -135,7 +135,7 @@ def test_capability_tags_bind_segment_epoch_range_operation_and_expiry():
 
 
 def test_credentials_never_show_their_secrets_in_a_repr():
-    from kvtier.proto.channels import Credentials
+    from kvtier.common.channels import Credentials
 
     credentials = Credentials.load(secret=SECRET)
     assert credentials.token and credentials.token not in repr(credentials)

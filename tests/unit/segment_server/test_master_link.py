@@ -15,9 +15,9 @@ from concurrent import futures
 import grpc
 import pytest
 
+from kvtier.common.discovery import MasterLocator
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
-from kvtier.proto.discovery import MasterLocator
 from kvtier.proto.status import Status
 from kvtier.segment_server.dram_index import DramIndex
 from kvtier.segment_server.master_link import MasterChannels, MasterLink

@@ -94,7 +94,7 @@ def test_segment_server_start_fails_with_one_line_and_exit_2(tmp_path: Path, mon
         ]
     )  # fmt: skip
     err = capsys.readouterr().err
-    assert code == 2  # a start-up failure (kvtier.proto.startup)
+    assert code == 2  # a start-up failure (kvtier.common.startup)
     lines = [line for line in err.splitlines() if line.startswith("kvtier-segment:")]
     assert len(lines) == 1
     assert "--ssd-size 64.0 GiB" in lines[0] and "--ssd-bucket-size 4.0 MiB" in lines[0] and "4096" in lines[0]

@@ -3,7 +3,7 @@
 A server's entry point runs its `serve()` under `run_main`; anything that stops a start for a
 reason outside the program (a port in use, a directory it cannot write, a region larger than
 /dev/shm, etcd unreachable) is raised as `StartupError` with that one line. Exit status 2 is also
-what a bad flag or config key gets (kvtier.proto.config), so a service manager that does not
+what a bad flag or config key gets (kvtier.common.config), so a service manager that does not
 restart on 2 (systemd RestartPreventExitStatus=2) does not loop on either.
 """
 
@@ -45,7 +45,7 @@ def check_bindable(address: str, option: str) -> None:
     gRPC reports a bind failure as a C-core log line plus a RuntimeError that hides the reason; a
     plain socket bound first (with SO_REUSEADDR, as gRPC and asyncio bind) names it. Port 0 always binds.
     """
-    from kvtier.proto.units import parse_hostport
+    from kvtier.common.units import parse_hostport
 
     host, port = parse_hostport(address)
     if port == 0:

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 
-from kvtier.proto.etcd_client import ETCD_SCHEME, EtcdClient, EtcdError, parse_etcd_url
+from kvtier.common.etcd_client import ETCD_SCHEME, EtcdClient, EtcdError, parse_etcd_url
 
 logger = logging.getLogger(__name__)
 

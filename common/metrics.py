@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.proto.latency import LatencyHistogram
-from kvtier.proto.units import parse_hostport
+from kvtier.common.latency import LatencyHistogram
+from kvtier.common.units import parse_hostport
 
 
 def histogram_family(name: str, documentation: str, label: str, histograms: dict[str, LatencyHistogram]) -> Metric:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.proto.units import format_size, parse_hostport, parse_size
+from kvtier.common.units import format_size, parse_hostport, parse_size
 
 
 @pytest.mark.parametrize(

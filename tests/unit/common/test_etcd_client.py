@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.common.etcd_client import EtcdClient, EtcdError, normalize_endpoint, parse_etcd_url, prefix_range_end
 from kvtier.proto.errors import TransportError
-from kvtier.proto.etcd_client import EtcdClient, EtcdError, normalize_endpoint, parse_etcd_url, prefix_range_end
 from kvtier.proto.status import Status
 
 

@@ -1,6 +1,6 @@
 """Fixed-bucket latency histograms, cheap enough for every request on a hot path.
 
-Kept apart from kvtier.proto.metrics so that the client library can time its
+Kept apart from kvtier.common.metrics so that the client library can time its
 calls without importing prometheus-client (the engine's metrics are opt-in).
 """
 

@@ -57,9 +57,9 @@ def parse_hostport(text: str, *, default_host: str = "127.0.0.1") -> tuple[str, 
 
 def check_master_spec(spec: str) -> str:
     """Validate a `--master` value: HOST:PORT, a comma list of them, or etcd://HOST:PORT[,...]/CLUSTER
-    (see kvtier.proto.discovery); raise ValueError when malformed."""
+    (see kvtier.common.discovery); raise ValueError when malformed."""
     if spec.startswith("etcd://"):
-        from kvtier.proto.etcd_client import parse_etcd_url  # the etcd stubs load only when used
+        from kvtier.common.etcd_client import parse_etcd_url  # the etcd stubs load only when used
 
         parse_etcd_url(spec)
         return spec

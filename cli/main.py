@@ -16,8 +16,8 @@
     kvtier bench [--master ADDR] ...                         throughput and latency
 
 Every command but `up` takes `--master`: from the flag, else `KVTIER_MASTER`,
-else 127.0.0.1:50051. The ops commands live in kvtier.client.ops_cli and
-kvtier.client.top; README.md, "Operating with the kvtier CLI", documents
+else 127.0.0.1:50051. The ops commands live in kvtier.cli.ops and
+kvtier.cli.top; README.md, "Operating with the kvtier CLI", documents
 their flags and JSON fields. `--json` output goes to stdout alone; progress
 of drain, evict and bench goes to stderr. Invalid arguments print one line
 and exit with status 2; a miss or a failed operation exits with status 1.
@@ -31,8 +31,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from kvtier.common.units import parse_hostport, parse_size
 from kvtier.proto.errors import KvtierError
-from kvtier.proto.units import parse_hostport, parse_size
 
 DEFAULT_MASTER = "127.0.0.1:50051"
 
@@ -229,7 +229,7 @@ def _up_state_dir(state_dir: str, cluster_id: str) -> str:
 
 
 def cmd_up(opts: argparse.Namespace) -> int:
-    from kvtier.client.local_cluster import LocalCluster, StartupFailed
+    from kvtier.cli.local_cluster import LocalCluster, StartupFailed
 
     # Explicit handlers: SIGINT may be inherited as ignored (background jobs), and
     # service managers stop us with SIGTERM; both must stop the children cleanly.
@@ -269,8 +269,8 @@ def cmd_up(opts: argparse.Namespace) -> int:
 
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
-    from kvtier.client import ops_cli
-    from kvtier.client.top import run_top
+    from kvtier.cli import ops as ops_cli
+    from kvtier.cli.top import run_top
 
     return {
         "up": cmd_up,

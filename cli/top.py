@@ -30,8 +30,8 @@ import threading
 import time
 from typing import Any, TextIO
 
-from kvtier.client.ops_cli import percent, print_table, status_dict
-from kvtier.proto.units import format_size
+from kvtier.cli.ops import percent, print_table, status_dict
+from kvtier.common.units import format_size
 
 SEGMENT_COUNTERS = ("dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
 _MASTER_COUNTER_MAPS = ("lookup_keys", "lookup_hits", "rpc_requests", "rpc_failures", "evictions")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvtier.proto.logs import KeyValueFormatter, quote, request_id, split_message
+from kvtier.common.logs import KeyValueFormatter, quote, request_id, split_message
 
 _FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S*)')
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvtier.proto.discovery import MasterLocator, leader_hint, leader_key, leader_value, parse_leader_value
+from kvtier.common.discovery import MasterLocator, leader_hint, leader_key, leader_value, parse_leader_value
 
 
 @pytest.mark.parametrize(

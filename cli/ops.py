@@ -1,7 +1,7 @@
-"""The operator's commands of `kvtier` (the dispatcher and argument parser are in kvtier.client.cli).
+"""The operator's commands of `kvtier` (the dispatcher and argument parser are in kvtier.cli.main).
 
 `status`, `segments`, `quotas`, `keys`, `stat`, `drain`, `evict` here;
-`top` in kvtier.client.top. Each prints aligned tables, or with `--json`
+`top` in kvtier.cli.top. Each prints aligned tables, or with `--json`
 one JSON document on stdout. Progress of long operations goes to stderr
 (rewritten in place on a terminal, one line per step otherwise), so stdout
 stays parseable; `--quiet` silences it.
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from kvtier.proto.units import format_size
+from kvtier.common.units import format_size
 
 
 def print_table(rows: Sequence[Sequence[str]], out: TextIO | None = None) -> None:
@@ -335,7 +335,7 @@ def cmd_stat(opts: argparse.Namespace) -> int:
 def cmd_drain(opts: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from kvtier.client.drain import drain_segment
+    from kvtier.cli.drain import drain_segment
 
     progress = Progress(opts.quiet)
 
@@ -375,7 +375,7 @@ def cmd_drain(opts: argparse.Namespace) -> int:
 def cmd_evict(opts: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from kvtier.client.keys import evict_prefix
+    from kvtier.cli.evict import evict_prefix
 
     progress = Progress(opts.quiet)
     verb = "would remove" if opts.dry_run else "removed"

@@ -1,12 +1,12 @@
-"""`kvtier top`'s arithmetic (kvtier.client.top.frame) on hand-made Status snapshots: no cluster."""
+"""`kvtier top`'s arithmetic (kvtier.cli.top.frame) on hand-made Status snapshots: no cluster."""
 
 from __future__ import annotations
 
 import copy
 import io
 
-from kvtier.client.ops_cli import Progress, print_table
-from kvtier.client.top import _COLUMNS, _row, frame, plain_row
+from kvtier.cli.ops import Progress, print_table
+from kvtier.cli.top import _COLUMNS, _row, frame, plain_row
 
 MiB = 1 << 20
 

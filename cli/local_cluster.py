@@ -21,7 +21,7 @@ from pathlib import Path
 READY_TIMEOUT_S = 30.0
 
 
-STARTUP_EXIT = 2  # a server's start-up failure (kvtier.proto.startup): it printed one line saying why
+STARTUP_EXIT = 2  # a server's start-up failure (kvtier.common.startup): it printed one line saying why
 
 
 class StartupFailed(RuntimeError):
