@@ -189,6 +189,7 @@ class Supervisor:
         argv: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
         log: Path | bool | None = True,
         quiet: bool = False,
         ready_file: Path | None = None,
@@ -199,12 +200,13 @@ class Supervisor:
     ) -> Child:
         """Start `argv` and wait until it is ready; the Child.
 
-        `env`: added to this process's environment. `log`: a file its stdout and stderr are appended
-        to (True: `<workdir>/<name>.log`); None or False: they go where ours go, or nowhere when
-        `quiet`. Readiness: `ready_file` (removed first; it must be passed in `argv` as the child
-        expects it, e.g. `--ready-file`), `ready_line` (a regular expression searched in the log),
-        `probe` (called until it returns something true; its exceptions propagate); checked in that
-        order, every `poll_s`, up to `timeout` seconds; with none of them the child counts as ready
+        `env`: added to this process's environment; `cwd`: its working directory (ours by default).
+        `log`: a file its stdout and stderr are appended to (True: `<workdir>/<name>.log`); None or
+        False: they go where ours go, or nowhere when `quiet`. Readiness: `ready_file` (removed
+        first; it must be passed in `argv` as the child expects it, e.g. `--ready-file`),
+        `ready_line` (a regular expression searched in the log), `probe` (called until it returns
+        something true; its exceptions propagate); checked in that order, every `poll_s`, up to
+        `timeout` seconds; with none of them the child counts as ready
         once started. Raises ChildExited or ChildNotReady (after killing it).
         """
         if log is True:
@@ -217,11 +219,11 @@ class Supervisor:
         if log:
             with open(log, "ab") as out:
                 popen = subprocess.Popen(
-                    list(argv), stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True
+                    list(argv), stdout=out, stderr=subprocess.STDOUT, env=child_env, cwd=cwd, start_new_session=True
                 )
         else:
             out = subprocess.DEVNULL if quiet else None
-            popen = subprocess.Popen(list(argv), stdout=out, stderr=out, env=child_env, start_new_session=True)
+            popen = subprocess.Popen(list(argv), stdout=out, stderr=out, env=child_env, cwd=cwd, start_new_session=True)
         child = Child(name, popen, log or None, ready_file)
         with self._lock:
             self.children[name] = child

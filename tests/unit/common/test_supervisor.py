@@ -169,11 +169,12 @@ def test_start_retrying_outlasts_a_failure(tmp_path: Path):
             sup.start_retrying("never", python("raise SystemExit(3)"), retry_s=0.2, gap_s=0.01, ready_line="x")
 
 
-def test_env_and_quiet_output(tmp_path: Path, capfd):
-    code = "import os; print('env=' + os.environ['KVTIER_TEST_X'], flush=True); import time; time.sleep(60)"
+def test_env_cwd_and_quiet_output(tmp_path: Path, capfd):
+    code = "import os, time; print('env=' + os.environ['KVTIER_TEST_X'], os.getcwd(), flush=True); time.sleep(60)"
+    (tmp_path / "sub").mkdir()
     with Supervisor(tmp_path) as sup:
-        child = sup.start("srv", python(code), env={"KVTIER_TEST_X": "42"}, ready_line="env=42")
-        assert child.tail() == "env=42"
+        child = sup.start("srv", python(code), env={"KVTIER_TEST_X": "42"}, cwd=tmp_path / "sub", ready_line="env=42")
+        assert child.tail() == f"env=42 {tmp_path / 'sub'}"
         quiet = sup.start("quiet", python("print('hidden', flush=True)"), log=None, quiet=True)
         quiet.popen.wait()
         assert quiet.tail() == "(no log)" and quiet.returncode == 0
