@@ -170,7 +170,7 @@ class Supervisor:
     """
 
     def __init__(self, workdir: Path | None = None, *, grace_s: float = STOP_GRACE_S) -> None:
-        """`workdir`: where `start(..., log=True)` puts `<name>.log` and ready files go by default."""
+        """`workdir`: where `start(..., log=True)` puts `<name>.log`; `grace_s`: SIGTERM to SIGKILL."""
         self.workdir = workdir
         self.grace_s = grace_s
         self.children: dict[str, Child] = {}
@@ -205,9 +205,9 @@ class Supervisor:
         False: they go where ours go, or nowhere when `quiet`. Readiness: `ready_file` (removed
         first; it must be passed in `argv` as the child expects it, e.g. `--ready-file`),
         `ready_line` (a regular expression searched in the log), `probe` (called until it returns
-        something true; its exceptions propagate); checked in that order, every `poll_s`, up to
-        `timeout` seconds; with none of them the child counts as ready
-        once started. Raises ChildExited or ChildNotReady (after killing it).
+        something true; its exceptions propagate, the child left running for `close()`); checked in
+        that order, every `poll_s`, up to `timeout` seconds; with none of them the child counts as
+        ready once started. Raises ChildExited or ChildNotReady (after killing it).
         """
         if log is True:
             if self.workdir is None:
