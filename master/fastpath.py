@@ -92,12 +92,13 @@ class Connections(ConnectionSet["FastPathProtocol"]):
     """The live connections of one listener, their limit and sweep (kvtier.common.framed_listener),
     and the shared buffer budget."""
 
+    limits: FastPathLimits
+    stats: FastPathStats
+
     def __init__(self, limits: FastPathLimits, stats: FastPathStats | None = None) -> None:
         if limits.max_buffered_bytes < limits.max_message_bytes:
             raise ValueError("max_buffered_bytes must hold at least one message of max_message_bytes")
         super().__init__(limits, stats or FastPathStats())
-        self.limits: FastPathLimits = limits
-        self.stats: FastPathStats = self.stats
         self._waiters: deque[FastPathProtocol] = deque()
         self._log_budget = LogBudget(logger, "fast path", _LOG_LINES_PER_S)
 
