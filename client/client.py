@@ -238,20 +238,12 @@ class Client:
         )
 
     def _cached(
-        self,
-        table: dict[str, tuple[tuple[str, ...], C, float]],
-        segment: pb.SegmentEndpoint,
-        make: Callable[[tuple[str, ...]], C],
+        self, table: dict[str, tuple[tuple[str, ...], C, float]], segment: pb.SegmentEndpoint, make: Callable[..., C]
     ) -> C:
-        """`table`'s connector for a segment, by name; a restarted segment (new endpoints) gets a new one.
-
-        Connectors unused for `connector_idle_s` are closed (a dead segment's
-        mapping would otherwise pin its region's memory); a closed connector
-        finishes the copies already in flight.
-        """
-        endpoints = tuple(segment.endpoints)
-        name = segment.name
-        now = time.monotonic()
+        """`table`'s connector for a segment, by name, or `make(endpoints)`'s when the segment is new or
+        restarted (new endpoints). Connectors unused for `connector_idle_s` are closed (a dead segment's
+        mapping would otherwise pin its region's memory), after the copies already in flight."""
+        endpoints, name, now = tuple(segment.endpoints), segment.name, time.monotonic()
         stale: list[Connector] = []
         with self._lock:
             if now >= self._next_prune:
