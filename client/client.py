@@ -25,9 +25,9 @@ import math
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 
@@ -35,17 +35,17 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
 from kvtier.client.master import MasterClient
 from kvtier.client.tracing import RequestIds, traced
-from kvtier.client.transport import check_transport, connect
-from kvtier.client.transport.base import Caps, Connector
+from kvtier.client.transport import check_transport, connect, connect_disk
+from kvtier.client.transport.base import Caps, Connector, DiskConnector
 from kvtier.client.transport.shm import local_host_id
-from kvtier.client.transport.tcp import TcpConnector
 from kvtier.common.latency import LatencyHistogram
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.errors import ConnectError, KvtierError, TransportError
+from kvtier.proto.errors import KvtierError, TransportError
 from kvtier.proto.keys import check_key
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)
+C = TypeVar("C", bound=Connector)  # a connector kind: one cache per kind (_cached)
 
 _OK = 0
 _NOT_FOUND = int(Status.NOT_FOUND)
@@ -165,8 +165,9 @@ class Client:
         # batch_put): the call's timeout but a second (half of it when under 2 s), kept for the answer.
         self._put_wait_ms = int(max(timeout / 2, timeout - 1.0) * 1000)
         self._request_ids = RequestIds()
-        # by segment name: (endpoints, connector, last used)
+        # by segment name: (endpoints, connector, last used); those for the SSD tier apart
         self._connectors: dict[str, tuple[tuple[str, ...], Connector, float]] = {}
+        self._disk_connectors: dict[str, tuple[tuple[str, ...], DiskConnector, float]] = {}
         self._next_prune = 0.0
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
@@ -195,7 +196,8 @@ class Client:
             if self._closed:
                 return
             self._closed = True
-            connectors, self._connectors = list(self._connectors.values()), {}
+            connectors = list(self._connectors.values()) + list(self._disk_connectors.values())
+            self._connectors, self._disk_connectors = {}, {}
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -224,42 +226,43 @@ class Client:
         with self._lock:
             return {m: LatencyHistogram(list(h.counts), h.total) for m, h in self._latency.items()}
 
-    def _connector(self, segment: pb.SegmentEndpoint, disk: bool = False) -> Connector:
-        """The connector for a segment, by name; a restarted segment (new endpoints) gets a new one.
+    def _connector(self, segment: pb.SegmentEndpoint) -> Connector:
+        """The connector for a segment's DRAM region (kvtier.client.transport.connect), by name."""
+        return self._cached(self._connectors, segment, lambda endpoints: connect(endpoints, self.config))
 
-        `disk`: the one for reads of its SSD tier, always over TCP (the segment
-        server reads its own files; a client never maps or opens them).
+    def _disk_connector(self, segment: pb.SegmentEndpoint) -> DiskConnector:
+        """The connector for reads of a segment's SSD tier (kvtier.client.transport.connect_disk): the
+        segment server reads its own files; a client never maps or opens them."""
+        return self._cached(
+            self._disk_connectors, segment, lambda endpoints: connect_disk(endpoints, self.config, segment.name)
+        )
 
-        Connectors unused for `connector_idle_s` are closed (a dead segment's
-        mapping would otherwise pin its region's memory); a closed connector
-        finishes the copies already in flight.
-        """
-        endpoints = tuple(e for e in segment.endpoints if not disk or e.startswith("tcp://"))
-        name = segment.name + "\x00ssd" if disk else segment.name
-        now = time.monotonic()
+    def _cached(
+        self, table: dict[str, tuple[tuple[str, ...], C, float]], segment: pb.SegmentEndpoint, make: Callable[..., C]
+    ) -> C:
+        """`table`'s connector for a segment, by name, or `make(endpoints)`'s when the segment is new or
+        restarted (new endpoints). Connectors unused for `connector_idle_s` are closed (a dead segment's
+        mapping would otherwise pin its region's memory), after the copies already in flight."""
+        endpoints, name, now = tuple(segment.endpoints), segment.name, time.monotonic()
         stale: list[Connector] = []
         with self._lock:
             if now >= self._next_prune:
                 self._next_prune = now + min(self.config.connector_idle_s, 10.0)
-                for idle_name, (_, old, used) in list(self._connectors.items()):
-                    if now - used > self.config.connector_idle_s:
-                        del self._connectors[idle_name]
-                        stale.append(old)
-            known = self._connectors.get(name)
+                for idle in (self._connectors, self._disk_connectors):
+                    for idle_name, (_, old, used) in list(idle.items()):
+                        if now - used > self.config.connector_idle_s:
+                            del idle[idle_name]
+                            stale.append(old)
+            known = table.get(name)
             if known is not None and known[0] == endpoints:
                 connector = known[1]
             else:
                 if self._closed:
                     raise KvtierError(Status.CANCELLED, "client is closed")
-                if disk:
-                    if not endpoints:
-                        raise ConnectError(f"segment {segment.name} serves no TCP endpoint for its SSD tier")
-                    connector = TcpConnector(endpoints[0], self.config)
-                else:
-                    connector = connect(endpoints, self.config)
+                connector = make(endpoints)
                 if known is not None:
                     stale.append(known[1])
-            self._connectors[name] = (endpoints, connector, now)
+            table[name] = (endpoints, connector, now)
         for old in stale:
             old.close()
         return connector
@@ -639,21 +642,20 @@ class Client:
         offsets = [reply.replica_offsets[j] for j in positions]
         caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
         try:
-            if tier == pb.SSD:  # the segment reads its own files; only its TCP endpoint serves them
-                connector = self._connector(segment, disk=True)
+            if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
+                disk = self._disk_connector(segment)
                 prefix = self.namespace.encode() + b"\x00"
                 items = [
                     (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
                 ]
                 into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
-                results = connector.read_disk(items, into, crcs, caps=caps)  # type: ignore[attr-defined]
-                return results, crcs, connector.scheme
+                return disk.read_disk(items, into, crcs, caps=caps), crcs, disk.scheme
             connector = self._connector(segment)
             if views is None:
                 ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
                 return connector.read(ranges, caps=caps), crcs, connector.scheme
             ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
-            return connector.read_into(ranges, crcs, caps=caps), crcs, connector.scheme  # type: ignore[return-value]
+            return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
             return [int(exc.status)] * len(indices), crcs, ""

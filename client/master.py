@@ -8,7 +8,8 @@ same handlers.
 
 Failure handling, written once here:
 - gRPC UNAVAILABLE (master restarting, connection refused) is retried with
-  exponential back-off from 50 ms to 1 s until the caller's deadline.
+  exponential back-off from 50 ms to 1 s, with jitter (kvtier.common.poller.Backoff),
+  until the caller's deadline.
 - A reply whose status is UNAVAILABLE (the master is recovering after a
   restart, or is a standby) is retried the same way; the master answered
   before doing anything, so every call, PutStart included, may be repeated.
@@ -46,6 +47,7 @@ from kvtier.client.sockpool import SocketPool, recv_exact, send_all
 from kvtier.common.channels import Credentials, open_channel
 from kvtier.common.discovery import MasterLocator, leader_hint
 from kvtier.common.logs import request_id as current_request_id
+from kvtier.common.poller import Backoff
 from kvtier.common.units import parse_hostport
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc, rpcframe
@@ -76,6 +78,11 @@ _UNAVAILABLE = int(Status.UNAVAILABLE)
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
 ATTEMPT_S = 2.0  # longest single attempt when the master can move (a list of masters, or etcd)
+
+
+def _backoff() -> Backoff:
+    """One call's retries (kvtier.common.poller): 50 ms doubling to 1 s, with jitter, within its deadline."""
+    return Backoff(0.05, 1.0)
 
 
 class MasterClient:
@@ -112,16 +119,16 @@ class MasterClient:
         if (number := current_request_id.get()) and type(request) in _TRACED:
             request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
-        backoff = 0.05
+        backoff = _backoff()
         while True:
             reply = self._call_once(method, request, deadline)
             status = getattr(reply, "status", 0)
-            if status != _UNAVAILABLE or deadline - time.monotonic() <= backoff:
+            if status != _UNAVAILABLE or deadline - time.monotonic() <= backoff.current_s:
                 return self._check(method, reply)
-            logger.debug("master refused method=%s (%s); retrying in %.2fs", method, reply.error, backoff)
+            delay = backoff.next()
+            logger.debug("master refused method=%s (%s); retrying in %.2fs", method, reply.error, delay)
             self._moved(reply.error)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            time.sleep(delay)
 
     def _call_once(self, method: str, request: Any, deadline: float) -> Any:
         method_id = rpcframe.METHOD_IDS.get(method)
@@ -273,7 +280,7 @@ class MasterClient:
     # ------------------------------------------------------------------ gRPC
 
     def _call_grpc(self, method: str, request: Any, deadline: float) -> Any:
-        backoff = 0.05
+        backoff = _backoff()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -285,11 +292,11 @@ class MasterClient:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._locator.is_multi:
                     code = grpc.StatusCode.UNAVAILABLE  # this master hangs: look for the leader elsewhere
-                if code in _RETRYABLE and deadline - time.monotonic() > backoff:
-                    logger.debug("master unavailable method=%s; retrying in %.2fs", method, backoff)
+                if code in _RETRYABLE and deadline - time.monotonic() > backoff.current_s:
+                    delay = backoff.next()
+                    logger.debug("master unavailable method=%s; retrying in %.2fs", method, delay)
                     self._moved()
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 1.0)
+                    time.sleep(delay)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} timed out") from None

@@ -13,8 +13,9 @@ acknowledge the commit log (`CommitWaiter`). The connection then stops
 reading and parsing until that answer is written, so answers stay in
 request order.
 
-Limits (`FastPathLimits`, from the master's config), as on the segments' data
-plane (kvtier.segment_server.protocol.Connections):
+Limits (`FastPathLimits`, from the master's config), kept with the segments'
+data plane in one base (kvtier.common.framed_listener; this module keeps the
+frame codec, the dispatch and the shared buffer budget):
 - at most `max_connections` at once: one more gets an ERROR_METHOD frame that
   names the limit, then the close;
 - a connection's buffer is `BASE_BUFFER` bytes, or exactly one frame (header
@@ -36,13 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from kvtier.common.framed_listener import ConnectionSet, FramedConnection, ListenerLimits, serve
 from kvtier.common.logs import LogBudget
 from kvtier.common.units import parse_hostport
 from kvtier.master.auth import current_principal
@@ -57,7 +58,6 @@ _HEADER_SIZE = _HEADER.size
 # Every connection's own buffer: many small pipelined frames per read; larger frames borrow from
 # the listener's budget. 16 KiB x 4096 connections = 64 MiB at the connection limit.
 BASE_BUFFER = 16 << 10
-SWEEP_INTERVAL_S = 1.0
 _SCRATCH = memoryview(bytearray(BASE_BUFFER))  # shared by closed connections: what they read is dropped
 _LOG_LINES_PER_S = 20  # refusals and cuts logged per second per listener; the rest counted
 
@@ -88,34 +88,19 @@ class FastPathStats:
     buffered_bytes: int = 0  # of the shared budget, held now
 
 
-class Connections:
-    """The live connections of one listener, their limit, the shared buffer budget and the sweep."""
+class Connections(ConnectionSet["FastPathProtocol"]):
+    """The live connections of one listener, their limit and sweep (kvtier.common.framed_listener),
+    and the shared buffer budget."""
+
+    limits: FastPathLimits
+    stats: FastPathStats
 
     def __init__(self, limits: FastPathLimits, stats: FastPathStats | None = None) -> None:
         if limits.max_buffered_bytes < limits.max_message_bytes:
             raise ValueError("max_buffered_bytes must hold at least one message of max_message_bytes")
-        self.limits = limits
-        self.stats = stats or FastPathStats()
-        self.live: set[FastPathProtocol] = set()
+        super().__init__(limits, stats or FastPathStats())
         self._waiters: deque[FastPathProtocol] = deque()
-        self._timer: asyncio.TimerHandle | None = None
         self._log_budget = LogBudget(logger, "fast path", _LOG_LINES_PER_S)
-
-    def start(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for connection in list(self.live):
-            if reason := connection.stalled(now, self.limits):
-                self.stats.timed_out_connections += 1
-                connection.abort(reason)
-        self._timer = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
 
     # ------------------------------------------------------------ the shared budget
 
@@ -158,33 +143,28 @@ class Connections:
         return self._log_budget.log(logging.WARNING, message, extra={"fields": fields})
 
 
-class FastPathProtocol(asyncio.BufferedProtocol):
+class FastPathProtocol(FramedConnection):
     """One client connection. Its receive buffer holds `self._buf[self._start:self._end]`."""
 
     def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter, connections: Connections | None = None) -> None:
+        connections = connections if connections is not None else Connections(FastPathLimits())
+        super().__init__(connections, connections.stats, connections.limits.max_message_bytes)
+        self._connections: Connections = connections
         self._handlers = handlers
         # Who this connection speaks for: nobody until its AUTH frame when credentials are required.
         self._principal = "" if handlers.auth.enabled else CLUSTER_PRINCIPAL
         self._waiter = waiter
-        self._connections = connections if connections is not None else Connections(FastPathLimits())
-        self._max_message = self._connections.limits.max_message_bytes
         self._buf = bytearray(BASE_BUFFER)
         self._start = 0  # first byte not parsed yet
         self._end = 0  # end of the bytes received
         self._reserved = 0  # bytes of the shared budget this connection's buffer holds
         self.wanted_bytes = 0  # while queued for the budget: how many more it needs
         self._wanted_size = 0  # ... for a buffer of this size
-        self._transport: asyncio.Transport | None = None
-        self._refused = False
         self._closing = False
         self._waiting = False  # a PutEnd answer waits for acknowledgements, a PutStart's for offload
         self._budget_wait = False  # queued for the shared budget
-        self._write_paused = False
         self._reading = True
-        now = time.monotonic()
-        self._since = now  # idle: since the last byte; a frame pending: since its first byte
-        self._connected_at = now
-        self._paused_since = 0.0  # when answers backed up
+        self._since = self._connected_at  # idle: since the last byte; a frame pending: since its first byte
         self._dispatch = {
             method: (getattr(handlers, name), request_type)
             for method, (name, request_type, _) in rpcframe.METHODS.items()
@@ -192,49 +172,22 @@ class FastPathProtocol(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- asyncio hooks
 
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-        connections = self._connections
-        if len(connections.live) >= connections.limits.max_connections:
-            connections.stats.refused_connections += 1
-            self._refused = True
-            self._closing = True
-            limit = connections.limits.max_connections
-            connections.log("fast path connection refused", {"peer": self._peer(), "reason": "too many connections"})
-            message = f"too many connections: this master's fast path serves {limit} at most; retry later".encode()
-            transport.write(_HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, 0, len(message)) + message)
-            transport.close()
-            return
-        connections.live.add(self)
-        connections.stats.connections += 1
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def refusal(self, limit: int) -> bytes:
+        self._connections.log("fast path connection refused", {"peer": self._peer(), "reason": "too many connections"})
+        message = f"too many connections: this master's fast path serves {limit} at most; retry later".encode()
+        return _HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, 0, len(message)) + message
 
-    def connection_lost(self, exc) -> None:
-        self._transport = None
-        self._closing = True
-        if self._refused:
-            return
-        connections = self._connections
-        connections.live.discard(self)
-        connections.stats.connections -= 1
+    def _lost(self) -> None:
         if self._budget_wait:
             self._budget_wait = False
-            connections.forget(self)
+            self._connections.forget(self)
         self._drop_buffer()
 
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self._paused_since = time.monotonic()
+    def _writing_paused(self) -> None:
         self._update_reading()
 
-    def resume_writing(self) -> None:
-        self._write_paused = False
+    def _writing_resumed(self) -> None:
         self._update_reading()
-
-    def eof_received(self) -> bool:
-        return False  # close our side too
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._closing:
@@ -263,28 +216,28 @@ class FastPathProtocol(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- limits
 
-    def stalled(self, now: float, limits: FastPathLimits) -> str:
-        """Why this connection should be cut now ("" = it is fine)."""
-        if self._transport is None or self._closing:
-            return ""
-        if self._write_paused and now - self._paused_since > limits.request_timeout_s:
-            return f"the peer has read no answer for {limits.request_timeout_s:g}s"
-        if self._waiting or self._budget_wait:  # the master is the one late (CommitWaiter has its own timeout)
-            return ""
+    def _is_closed(self) -> bool:
+        return self._closing
+
+    def _mark_closed(self) -> None:
+        self._closing = True
+
+    def _server_busy(self) -> bool:
+        return self._waiting or self._budget_wait  # the master is the one late (CommitWaiter has its own timeout)
+
+    def _stalled_early(self, now: float, limits: ListenerLimits) -> str:
         if not self._principal and now - self._connected_at > limits.request_timeout_s:
             return f"no AUTH frame within {limits.request_timeout_s:g}s"
-        waited = now - self._since
-        if self._start == self._end:
-            return f"idle for {limits.idle_timeout_s:g}s" if waited > limits.idle_timeout_s else ""
-        if waited > limits.request_timeout_s:
-            return f"a request still incomplete after {limits.request_timeout_s:g}s"
         return ""
 
-    def abort(self, reason: str) -> None:
+    def _between_requests(self) -> bool:
+        return self._start == self._end
+
+    def _request_since(self) -> float:
+        return self._since
+
+    def _log_abort(self, reason: str) -> None:
         self._connections.log("fast path connection cut", {"peer": self._peer(), "reason": reason})
-        self._closing = True
-        if self._transport is not None:
-            self._transport.abort()
 
     def granted(self) -> None:
         """The budget this connection queued for is its own now: take the larger buffer, read on."""
@@ -378,10 +331,10 @@ class FastPathProtocol(asyncio.BufferedProtocol):
             entry = self._dispatch.get(method)
             if magic != rpcframe.MAGIC or entry is None:
                 return self._fatal(request_id, f"bad frame: magic={magic:#x} method={method} size={size}")
-            if size > self._max_message:
+            if not self.frame_fits(size):
                 return self._fatal(
                     request_id,
-                    f"bad frame: magic={magic:#x} method={method} size={size} over the limit of {self._max_message}",
+                    f"bad frame: magic={magic:#x} method={method} size={size} over the limit of {self.max_frame_bytes}",
                 )
             frame_end = consumed + _HEADER_SIZE + size
             if end < frame_end:
@@ -442,10 +395,6 @@ class FastPathProtocol(asyncio.BufferedProtocol):
         self._drop_buffer()
         self._transport.close()
 
-    def _peer(self) -> str:
-        peer = self._transport.get_extra_info("peername") if self._transport is not None else None
-        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
-
 
 class FastPathListener:
     """A bound fast path: its server, its connections and their counters."""
@@ -472,15 +421,9 @@ async def start_fast_path(
 ) -> FastPathListener:
     """Listen on `listen` (HOST:PORT, port 0 = any); set `handlers.fast_endpoint` (with
     `advertise_host` in place of the bound host when given)."""
-    host, port = parse_hostport(listen)
-    loop = asyncio.get_running_loop()
     connections = Connections(limits or FastPathLimits())
-    server = await loop.create_server(
-        lambda: FastPathProtocol(handlers, waiter, connections), host=host, port=port, reuse_address=True, backlog=512
+    server, handlers.fast_endpoint = await serve(
+        parse_hostport(listen), lambda: FastPathProtocol(handlers, waiter, connections), connections, advertise_host
     )
-    connections.start()
-    bound_host, bound_port = server.sockets[0].getsockname()[:2]
-    bound_host = advertise_host or bound_host
-    handlers.fast_endpoint = f"tcp://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
     logger.info("fast path listening endpoint=%s", handlers.fast_endpoint)
     return FastPathListener(server, connections)

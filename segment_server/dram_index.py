@@ -30,6 +30,7 @@ from typing import Any
 import crc32c
 import grpc
 
+from kvtier.common.poller import Backoff, MasterPoller
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status, status_name
 
@@ -204,63 +205,58 @@ class CommitFeed:
         self.index = index
         self._session = session
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-commit-feed", daemon=True)
+        # Unreachable masters are logged at DEBUG: the master link's thread says it already.
+        self._poller = MasterPoller(
+            "commit feed",
+            self._step,
+            retryable=(grpc.RpcError, grpc.FutureCancelledError),
+            backoff=Backoff(0.05, _BACKOFF_MAX_S),
+            stop=self._stop,
+            thread_name="kvtier-commit-feed",
+            logger=logger,
+            level=logging.DEBUG,
+        )
         self._call: Any = None  # the long poll in flight: cancelled by stop()
+        self._polled: tuple[int, int] = (0, 0)  # the session the notices acknowledged so far belong to
+        self._acked = 0
         self.applied = 0
 
     def start(self) -> None:
-        self._thread.start()
+        self._poller.start()
 
     def stop(self) -> None:
         self._stop.set()
         call = self._call
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S)
+        self._poller.stop(timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S)
 
-    def _run(self) -> None:
-        backoff = 0.05
-        acked = 0
-        polled: tuple[int, int] = (0, 0)
-        while not self._stop.is_set():
-            session = self._session()
-            if not session[0]:
-                self._stop.wait(0.02)
-                continue
-            if session != polled:
-                polled, acked = session, 0  # a new mount numbers its notices from 1
-            segment_id, epoch = session
-            try:
-                self._call = self._stub().PollCommits.future(
-                    pb.PollCommitsRequest(
-                        segment_id=segment_id,
-                        epoch=epoch,
-                        acked_seq=acked,
-                        wait_ms=_POLL_WAIT_MS,
-                        max_notices=_MAX_NOTICES,
-                    ),
-                    timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
-                )
-                if self._stop.is_set():
-                    self._call.cancel()
-                reply = self._call.result()
-                if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
-                    self._stop.wait(0.05)
-                    continue
-                applied = self.index.apply(reply, session)
-                if applied < 0:
-                    continue  # mounted again meanwhile: these notices belong to the old mount
-                self.applied += applied
-                acked = reply.first_seq + applied - 1
-                backoff = 0.05
-            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
-                if self._stop.is_set():
-                    return
-                if isinstance(exc, grpc.RpcError):
-                    logger.debug("commit feed: master unreachable code=%s", exc.code())
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            except Exception:  # never die silently: the index would go stale
-                logger.exception("commit feed failed; retrying")
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+    def _step(self) -> float:
+        """One long poll and the notices it brought (the poller's step): the wait before the next."""
+        session = self._session()
+        if not session[0]:
+            return 0.02
+        if session != self._polled:
+            self._polled, self._acked = session, 0  # a new mount numbers its notices from 1
+        segment_id, epoch = session
+        self._call = self._stub().PollCommits.future(
+            pb.PollCommitsRequest(
+                segment_id=segment_id,
+                epoch=epoch,
+                acked_seq=self._acked,
+                wait_ms=_POLL_WAIT_MS,
+                max_notices=_MAX_NOTICES,
+            ),
+            timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+        )
+        if self._stop.is_set():
+            self._call.cancel()
+        reply = self._call.result()
+        if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
+            return 0.05
+        applied = self.index.apply(reply, session)
+        if applied < 0:
+            return 0.0  # mounted again meanwhile: these notices belong to the old mount
+        self.applied += applied
+        self._acked = reply.first_seq + applied - 1
+        return 0.0

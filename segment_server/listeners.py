@@ -14,6 +14,7 @@ import os
 from typing import Protocol
 from urllib.parse import quote, urlencode
 
+from kvtier.common.framed_listener import serve
 from kvtier.common.units import parse_hostport
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.protocol import (
@@ -62,19 +63,13 @@ class TcpListener:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
+        self._server, endpoint = await serve(
+            (self._host, self._port),
             lambda: DataProtocol(self._region, self._stats, self._disk, self._connections, self._caps),
-            host=self._host,
-            port=self._port,
-            reuse_address=True,
-            backlog=512,
+            self._connections,
+            self._advertise,
         )
-        host, port = self._server.sockets[0].getsockname()[:2]
-        host = self._advertise or host
-        endpoint = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
         logger.info("listening endpoint=%s", endpoint)
-        self._connections.start()
         return endpoint
 
     async def stop(self) -> None:

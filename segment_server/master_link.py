@@ -2,8 +2,10 @@
 
 Runs on its own thread with a synchronous gRPC channel, so heartbeats are
 never delayed by data-plane work on the event loop (a field lesson: heartbeats
-starved by I/O expire healthy nodes). Failures back off exponentially from
-50 ms to 0.5 s (a restarted master must find its segments back quickly).
+starved by I/O expire healthy nodes). The loop is a
+kvtier.common.poller.MasterPoller: failures back off exponentially from 50 ms
+to 0.5 s, with jitter (a restarted master must find its segments back
+quickly).
 
 Every mount is followed by the inventory (kvtier.master.recovery): the DRAM
 objects of the index kept by kvtier.segment_server.dram_index, then the SSD
@@ -35,6 +37,7 @@ import grpc
 
 from kvtier.common.channels import Credentials, open_channel
 from kvtier.common.discovery import MasterLocator, leader_hint
+from kvtier.common.poller import Backoff, MasterPoller, StopPolling
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.status import Status, status_name
@@ -117,8 +120,15 @@ class MasterLink:
         self._on_fatal = on_fatal
         self._report = report
         self._report_disk = report_disk
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-master-link", daemon=True)
+        self._poller = MasterPoller(
+            "master link",
+            self._step,
+            retryable=(grpc.RpcError, InventoryRefused, _Retry),
+            backoff=Backoff(_BACKOFF_MIN_S, _BACKOFF_MAX_S),
+            on_failure=self._failed,
+            thread_name="kvtier-master-link",
+            logger=logger,
+        )
         self._interval_s = 1.0
         self._last_heartbeat = time.monotonic()  # of the last heartbeat (or mount) the master answered
         # The verified index while no mount holds (it cannot change then): retried mounts against a
@@ -148,11 +158,10 @@ class MasterLink:
         return ""
 
     def start(self) -> None:
-        self._thread.start()
+        self._poller.start()
 
     def stop(self, unmount: bool = True) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._poller.stop(timeout=5)
         segment_id, epoch = self._index.session
         if unmount and segment_id:
             try:
@@ -163,52 +172,45 @@ class MasterLink:
             except grpc.RpcError as exc:
                 logger.warning("unmount failed segment_id=%d code=%s", segment_id, exc.code())
 
-    def _run(self) -> None:
-        backoff = _BACKOFF_MIN_S
-        while not self._stop.is_set():
-            try:
-                if not self._index.session[0]:
-                    self._mount()
-                else:
-                    segment_id, epoch = self._index.session
-                    extra = self._report() if self._report is not None else {}
-                    reply = self._channels.stub().Heartbeat(
-                        pb.HeartbeatRequest(segment_id=segment_id, epoch=epoch, **extra), timeout=_RPC_TIMEOUT_S
+    def _step(self) -> float:
+        """One mount or heartbeat (the poller's step): the wait before the next one."""
+        try:
+            if not self._index.session[0]:
+                self._mount()
+            else:
+                segment_id, epoch = self._index.session
+                extra = self._report() if self._report is not None else {}
+                reply = self._channels.stub().Heartbeat(
+                    pb.HeartbeatRequest(segment_id=segment_id, epoch=epoch, **extra), timeout=_RPC_TIMEOUT_S
+                )
+                if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
+                    self._channels.failed(reply.error)
+                    raise _Retry(f"master refused the heartbeat: {reply.error}")
+                if reply.status != Status.OK:
+                    logger.warning(
+                        "master dropped segment_id=%d (%s: %s); mounting again",
+                        segment_id,
+                        status_name(reply.status),
+                        reply.error,
                     )
-                    if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
-                        self._channels.failed(reply.error)
-                        raise _Retry(f"master refused the heartbeat: {reply.error}")
-                    if reply.status != Status.OK:
-                        logger.warning(
-                            "master dropped segment_id=%d (%s: %s); mounting again",
-                            segment_id,
-                            status_name(reply.status),
-                            reply.error,
-                        )
-                        self._index.set_session((0, 0))
-                        continue
-                self._last_heartbeat = time.monotonic()
-                backoff = _BACKOFF_MIN_S
-                self._stop.wait(self._interval_s)
-            except (grpc.RpcError, InventoryRefused, _Retry) as exc:
-                if isinstance(exc, grpc.RpcError) and exc.code() in _CREDENTIALS_REFUSED:
-                    # Wrong or missing credentials do not fix themselves: stop with the reason (exit 2,
-                    # a configuration error, which systemd units do not restart).
-                    self._on_fatal(f"the master refused this segment's credentials: {exc.details()}", 2)
-                    return
-                detail = exc.code() if isinstance(exc, grpc.RpcError) else exc
-                logger.warning("master unreachable (%s); retrying in %.2fs", detail, backoff)
-                if not isinstance(exc, _Retry):  # a refusal already named where to go
-                    self._channels.failed()
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            except _Fatal as exc:
-                self._on_fatal(str(exc), exc.exit_code)
-                return
-            except Exception:  # never die silently: the segment would stop heartbeating yet serve on
-                logger.exception("master link failed; retrying")
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                    self._index.set_session((0, 0))
+                    return 0.0
+        except _Fatal as exc:
+            self._on_fatal(str(exc), exc.exit_code)
+            raise StopPolling from exc
+        self._last_heartbeat = time.monotonic()
+        return self._interval_s
+
+    def _failed(self, exc: BaseException) -> str:
+        """A mount or heartbeat failed (the poller backs off): what to log."""
+        if isinstance(exc, grpc.RpcError) and exc.code() in _CREDENTIALS_REFUSED:
+            # Wrong or missing credentials do not fix themselves: stop with the reason (exit 2,
+            # a configuration error, which systemd units do not restart).
+            self._on_fatal(f"the master refused this segment's credentials: {exc.details()}", 2)
+            raise StopPolling
+        if not isinstance(exc, _Retry):  # a refusal already named where to go
+            self._channels.failed()
+        return str(exc.code()) if isinstance(exc, grpc.RpcError) else str(exc)
 
     def _mount(self) -> None:
         self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.common.framed_listener import ConnectionSet, FramedConnection
 from kvtier.common.latency import LatencyHistogram
 from kvtier.common.logs import LogBudget, format_request_id
 from kvtier.proto import frames
@@ -124,8 +124,9 @@ class ConnectionLimits:
     request_timeout_s: float = 60.0  # from a request's first byte to its response handed to the kernel
 
 
-class Connections:
-    """The live connections of one listener, their limit, and a sweep that closes stalled ones.
+class Connections(ConnectionSet["DataProtocol"]):
+    """The live connections of one listener, their limit, and a sweep that closes stalled ones
+    (kvtier.common.framed_listener).
 
     A sweep every second (one timer per listener, none per connection) aborts a
     connection idle past `idle_timeout_s`, one whose request has been arriving
@@ -135,29 +136,13 @@ class Connections:
     """
 
     def __init__(self, limits: ConnectionLimits, stats: DataPlaneStats) -> None:
-        self.limits = limits
-        self.stats = stats
-        self.live: set[DataProtocol] = set()
-        self._timer: asyncio.TimerHandle | None = None
-
-    def start(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(1.0, self._sweep)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for connection in list(self.live):
-            if reason := connection.stalled(now, self.limits):
-                self.stats.timed_out_connections += 1
-                connection.abort(reason)
-        self._timer = asyncio.get_running_loop().call_later(1.0, self._sweep)
+        super().__init__(limits, stats)
 
 
-class DataProtocol(asyncio.BufferedProtocol):
+class DataProtocol(FramedConnection):
     """One client connection. Created per connection by the TCP listener."""
+
+    ANSWERS = "response"
 
     def __init__(
         self,
@@ -167,6 +152,8 @@ class DataProtocol(asyncio.BufferedProtocol):
         connections: Connections | None = None,
         caps: CapabilityCheck | None = None,
     ) -> None:
+        # The largest frame is a WRITE of the whole region.
+        super().__init__(connections, stats, len(region))
         self._region = region
         self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
         self._cap_tags: bytes | None = None  # of the current request
@@ -180,15 +167,11 @@ class DataProtocol(asyncio.BufferedProtocol):
         self._reads: deque[tuple[int, float, int, int]] = deque()
         self._read_timer: asyncio.TimerHandle | None = None
         self._read_timer_at = 0.0
-        self._connections = connections
         self._request_start = time.monotonic()  # first byte of the current (or last) request
-        self._paused_since = 0.0  # when writes backed up (0: they flow)
         self._disk = disk
-        self._write_paused = False
         self._drained: asyncio.Event | None = None  # set while the transport accepts writes (READ_DISK waits on it)
         self._capacity = len(region)
         self._stats = stats
-        self._transport = None
         self._header = bytearray(frames.REQUEST.size)
         self._header_view = memoryview(self._header)
         self._table = bytearray(0)
@@ -211,33 +194,11 @@ class DataProtocol(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- asyncio hooks
 
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-        connections = self._connections
-        if connections is not None:
-            if len(connections.live) >= connections.limits.max_connections:
-                self._stats.refused_connections += 1
-                self._state = _CLOSED
-                message = f"too many connections: this segment serves {connections.limits.max_connections} at most"
-                data = message.encode()
-                transport.write(frames.pack_response(0, 0, Status.TOO_MANY_CONNECTIONS, len(data)) + data)
-                transport.close()
-                return
-            connections.live.add(self)
-        self._stats.connections += 1
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def refusal(self, limit: int) -> bytes:
+        data = f"too many connections: this segment serves {limit} at most".encode()
+        return frames.pack_response(0, 0, Status.TOO_MANY_CONNECTIONS, len(data)) + data
 
-    def connection_lost(self, exc) -> None:
-        if self._connections is not None and self in self._connections.live:
-            self._connections.live.discard(self)
-        elif self._connections is not None:  # refused at connection_made: never counted
-            self._transport = None
-            return
-        self._state = _CLOSED
-        self._stats.connections -= 1
-        self._transport = None
+    def _lost(self) -> None:
         self._reads.clear()
         if self._read_timer is not None:
             self._read_timer.cancel()
@@ -245,48 +206,39 @@ class DataProtocol(asyncio.BufferedProtocol):
         if self._drained is not None:
             self._drained.set()  # wake a disk request so it notices the connection is gone
 
-    def stalled(self, now: float, limits: ConnectionLimits) -> str:
-        """Why this connection should be cut now ("" = it is fine)."""
-        if self._transport is None or self._state == _CLOSED:
-            return ""
-        if self._write_paused and now - self._paused_since > limits.request_timeout_s:
-            return f"the peer has read no response for {limits.request_timeout_s:.0f}s"
-        if self._state == _BUSY:  # a disk response: its sender has its own send timeout
-            return ""
-        waited = now - self._request_start
-        if self._state == _HEADER and self._filled == 0:
-            return f"idle for {limits.idle_timeout_s:.0f}s" if waited > limits.idle_timeout_s else ""
-        if waited > limits.request_timeout_s:
-            return f"a request still incomplete after {limits.request_timeout_s:.0f}s"
-        return ""
+    def _is_closed(self) -> bool:
+        return self._state == _CLOSED
 
-    def abort(self, reason: str) -> None:
+    def _mark_closed(self) -> None:
+        self._state = _CLOSED
+
+    def _server_busy(self) -> bool:
+        return self._state == _BUSY  # a disk response: its sender has its own send timeout
+
+    def _between_requests(self) -> bool:
+        return self._state == _HEADER and self._filled == 0
+
+    def _request_since(self) -> float:
+        return self._request_start
+
+    def _log_abort(self, reason: str) -> None:
         _log.log(
             logging.INFO,
             "connection closed",
             extra={"rid": format_request_id(self._trace), "fields": {"peer": self._peer(), "reason": reason}},
         )
-        self._state = _CLOSED
-        if self._transport is not None:
-            self._transport.abort()
 
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self._paused_since = time.monotonic()
+    def _writing_paused(self) -> None:
         if self._drained is not None:
             self._drained.clear()
         if self._transport is not None:
             self._transport.pause_reading()
 
-    def resume_writing(self) -> None:
-        self._write_paused = False
+    def _writing_resumed(self) -> None:
         if self._drained is not None:
             self._drained.set()
         if self._transport is not None and self._state not in (_CLOSED, _BUSY):
             self._transport.resume_reading()
-
-    def eof_received(self) -> bool:
-        return False  # close our side too
 
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self._state
@@ -373,7 +325,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             return self._fatal(f"unknown op {op}")
         if nranges > frames.MAX_RANGES_PER_FRAME:
             return self._fatal(f"{nranges} ranges in one frame; the limit is {frames.MAX_RANGES_PER_FRAME}")
-        if op == Op.WRITE and payload_len > self._capacity:
+        if op == Op.WRITE and not self.frame_fits(payload_len):
             return self._fatal(f"write payload of {payload_len} bytes exceeds the region ({self._capacity})")
         if flags & frames.FLAG_TRACED and nranges == 0:
             return self._fatal("a traced frame without its trace entry")
@@ -594,10 +546,6 @@ class DataProtocol(asyncio.BufferedProtocol):
         if self._cap_tags is None:
             return "this segment serves only ranges with capabilities from the master (the cluster has a secret)"
         return key.check(op, self._cap_expiry, self._ranges, self._cap_tags)
-
-    def _peer(self) -> str:
-        peer = self._transport.get_extra_info("peername")
-        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
     def _fatal(self, message: str) -> None:
         self._stats.protocol_errors += 1

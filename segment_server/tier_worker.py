@@ -24,7 +24,8 @@ store's writer thread, and reported to the master. When the store passes its
 high watermark it tells the master which copies go (`DropDiskReplicas`)
 before unlinking their buckets.
 
-Its own thread and its own gRPC channel: the heartbeat thread and the data
+Its own thread (a kvtier.common.poller.MasterPoller: back-off from 50 ms to
+3 s with jitter while the master is unreachable) and its own gRPC channel: the heartbeat thread and the data
 plane never wait behind disk I/O. Offload writes go through the group
 writer's fixed pool of writer threads and staging buffers, then one
 fdatasync on this thread; the data plane's disk reads go through the
@@ -46,6 +47,7 @@ from typing import Any
 import crc32c
 import grpc
 
+from kvtier.common.poller import Backoff, MasterPoller, retry_call
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from kvtier.segment_server import failpoints
@@ -62,6 +64,7 @@ _POLL_WAIT_MS = 1000
 _MAX_TASKS = 256
 _REPORT_BATCH = 10_000
 _RPC_TIMEOUT_S = 10.0
+_BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 3.0
 _OK = int(Status.OK)
 _PROMOTE_TTL_SHARE = 0.5  # of the task's time: the rest is margin for the report and clocks
@@ -104,7 +107,15 @@ class TierWorker:
         self.verifier = verifier
         self._epoch = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-tier-worker", daemon=True)
+        self._poller = MasterPoller(
+            "tier worker",
+            self._step,
+            retryable=(grpc.RpcError,),
+            backoff=Backoff(_BACKOFF_MIN_S, _BACKOFF_MAX_S),
+            stop=self._stop,
+            thread_name="kvtier-tier-worker",
+            logger=logger,
+        )
         self.write_limit = WriteLimit(0, self._stop)  # --ssd-write-limit (the server sets the rate)
         self._writer.pace = self.write_limit.take
         self.offloaded = 0
@@ -123,12 +134,10 @@ class TierWorker:
         self._store_lock = threading.RLock()
 
     def start(self) -> None:
-        self._thread.start()
+        self._poller.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=_RPC_TIMEOUT_S + 2)
-        if not self._thread.is_alive():
+        if self._poller.stop(timeout=_RPC_TIMEOUT_S + 2):
             self._writer.close()
 
     @property
@@ -137,42 +146,29 @@ class TierWorker:
 
     # ------------------------------------------------------------------ loop
 
-    def _run(self) -> None:
-        backoff = 0.05
-        while not self._stop.is_set():
-            segment_id, self._epoch = self._session()
-            if not segment_id:
-                self._stop.wait(0.05)
-                continue
-            try:
-                with self._store_lock:
-                    self._evict_buckets(segment_id)
-                    if self.verifier is not None:
-                        self.verifier.apply(self._stub, segment_id)
-                reply = self._stub.PollTierTasks(
-                    pb.PollTierTasksRequest(
-                        segment_id=segment_id,
-                        epoch=self._epoch,
-                        max_tasks=self.write_limit.max_tasks(_MAX_TASKS),
-                        wait_ms=_POLL_WAIT_MS,
-                    ),
-                    timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
-                )
-                if reply.status != _OK:  # SEGMENT_NOT_FOUND: the master link re-mounts us
-                    self._stop.wait(0.1)
-                    continue
-                if reply.task_ids:
-                    self._run_tasks(segment_id, reply)
-                backoff = 0.05
-            except grpc.RpcError as exc:
-                if not self._stop.is_set():
-                    logger.warning("tier worker: master unreachable code=%s; retrying in %.2fs", exc.code(), backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
-            except Exception:  # never let the worker die silently: log, back off, go on
-                logger.exception("tier worker failed; retrying")
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+    def _step(self) -> float:
+        """One poll for tasks, and their run and report (the poller's step): the wait before the next."""
+        segment_id, self._epoch = self._session()
+        if not segment_id:
+            return 0.05
+        with self._store_lock:
+            self._evict_buckets(segment_id)
+            if self.verifier is not None:
+                self.verifier.apply(self._stub, segment_id)
+        reply = self._stub.PollTierTasks(
+            pb.PollTierTasksRequest(
+                segment_id=segment_id,
+                epoch=self._epoch,
+                max_tasks=self.write_limit.max_tasks(_MAX_TASKS),
+                wait_ms=_POLL_WAIT_MS,
+            ),
+            timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+        )
+        if reply.status != _OK:  # SEGMENT_NOT_FOUND: the master link re-mounts us
+            return 0.1
+        if reply.task_ids:
+            self._run_tasks(segment_id, reply)
+        return 0.0
 
     def _run_tasks(self, segment_id: int, reply: pb.PollTierTasksResponse) -> None:
         # A PROMOTE may write its DRAM range only well within the task's time: after that the
@@ -297,16 +293,15 @@ class TierWorker:
     def _report(self, segment_id: int, request: pb.TierTasksDoneRequest) -> Any:
         """TierTasksDone, retried while this mount lasts (the master answers a repeated report alike);
         None once it is over (a re-mount, or stopping): then no master holds these outcomes."""
-        backoff = 0.05
-        while True:
-            try:
-                return self._stub.TierTasksDone(request, timeout=_RPC_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                if self._stop.is_set() or self._session() != (segment_id, self._epoch):
-                    return None
-                logger.warning("tier tasks report failed code=%s; retrying in %.2fs", exc.code(), backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        return retry_call(
+            lambda: self._stub.TierTasksDone(request, timeout=_RPC_TIMEOUT_S),
+            retryable=(grpc.RpcError,),
+            go_on=lambda: self._session() == (segment_id, self._epoch),
+            stop=self._stop,
+            what="tier tasks report",
+            backoff=Backoff(_BACKOFF_MIN_S, _BACKOFF_MAX_S),
+            logger=logger,
+        )
 
     def _withdraw(self, locations: list[int]) -> None:
         """Records appended for offloads that are reported failed: never served, never reported at a

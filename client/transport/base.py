@@ -5,22 +5,31 @@ region. It is created per segment endpoint, shared by threads, and bounds its
 own resources (sockets, mappings) by configuration. Every method returns one
 status per range (`Status.OK` = 0) and never raises for data-plane failures:
 a failed range is a failed key, the rest of the batch goes on.
+
+Reads of a segment's SSD tier are a capability: the segment server reads its
+own files and streams the verified records, so only a connector that talks to
+the server process (tcp) can carry them; one that maps the region (shm)
+cannot. A connector says so in `reads_disk`, and those that do are
+`DiskConnector`s; the registry (kvtier.client.transport.connect_disk) picks one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 Buffer = memoryview  # a flat, byte-formatted view ("B", contiguous)
 # Capabilities for a call's ranges, from the master (kvtier.proto.auth): (expiry_ms, one 16-byte tag
 # per range, in order), or None when the cluster has no secret. Connectors that go through the
 # segment server (tcp) send them; those that map the region (shm) have no use for them.
 Caps = tuple[int, Sequence[bytes]] | None
+# One object of a segment's SSD tier: (disk location, size, b"namespace\0key").
+DiskItem = tuple[int, int, bytes]
 
 
 class Connector(Protocol):
-    scheme: str
+    scheme: ClassVar[str]
+    reads_disk: ClassVar[bool]  # a DiskConnector: it can read the segment's SSD tier (read_disk)
 
     def write(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
@@ -43,3 +52,18 @@ class Connector(Protocol):
         """The bytes of each (offset, length) range, or a negative status."""
 
     def close(self) -> None: ...
+
+
+class DiskConnector(Connector, Protocol):
+    """A connector with `reads_disk = True`: it also reads objects of the segment's SSD tier."""
+
+    def read_disk(
+        self,
+        items: Sequence[DiskItem],
+        views: Sequence[Buffer] | None = None,
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
+    ) -> list[bytes | int]:
+        """Per item the bytes (or, with `views`, OK after filling views[i]) or a negative status; one
+        bad record fails only its item. `checksums` as for `read_into`. The segment reads, checks and
+        streams the records (READ_DISK in kvtier.proto.frames); the client never opens a file."""

@@ -176,6 +176,7 @@ def check_sealed(fd: int, path: str) -> None:
 
 class ShmConnector:
     scheme = "shm"
+    reads_disk = False  # it maps the region; the SSD tier is read by the segment server (a tcp connector)
 
     def __init__(self, endpoint: str, config: ClientConfig) -> None:
         self.endpoint = endpoint

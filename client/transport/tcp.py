@@ -20,7 +20,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, send_all
-from kvtier.client.transport.base import Buffer, Caps
+from kvtier.client.transport.base import Buffer, Caps, DiskItem
 from kvtier.common.logs import request_id as current_request_id
 from kvtier.common.units import parse_hostport
 from kvtier.proto import frames
@@ -39,6 +39,7 @@ _MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the tra
 
 class TcpConnector:
     scheme = "tcp"
+    reads_disk = True  # a DiskConnector (kvtier.client.transport.base): the segment streams its SSD records
 
     def __init__(self, endpoint: str, config: ClientConfig) -> None:
         self.endpoint = endpoint
@@ -178,11 +179,11 @@ class TcpConnector:
 
     def read_disk(
         self,
-        items: Sequence[tuple[int, int, bytes]],
+        items: Sequence[DiskItem],
         views: Sequence[Buffer] | None = None,
         checksums: list[int | None] | None = None,
         caps: Caps = None,
-    ) -> list:
+    ) -> list[bytes | int]:
         """Objects on the segment's SSD tier: items are (disk location, size, b"namespace\\0key").
 
         Per item the bytes (or, with `views`, OK after filling views[i]) or a
@@ -191,7 +192,7 @@ class TcpConnector:
         (see READ_DISK in kvtier.proto.frames); this side never opens a file.
         """
         sizes = [item[1] for item in items]
-        results: list = [_FAILED] * len(items)
+        results: list[bytes | int] = [_FAILED] * len(items)
         status_buf = bytearray(frames.DISK_STATUS.size)
         trace = current_request_id.get()  # the client call's id: the segment logs it
         try:

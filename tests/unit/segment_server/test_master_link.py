@@ -9,6 +9,7 @@ leader, the exits (drained: 0, refused: 1, credentials: 2), and the unmount on s
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent import futures
 
@@ -225,3 +226,20 @@ def test_a_mount_that_discards_the_index_reports_nothing_of_it(master, links):
         assert all(len(r.keys) == 0 for r in reported), "nothing of the discarded index is reported"
     finally:
         link.stop(unmount=False)
+
+
+def test_an_outage_is_logged_once_and_its_end_noted(master, links, caplog):
+    link = links(master)
+    assert wait_until(lambda: link.link.session() == (1, 11))
+    with caplog.at_level(logging.DEBUG, logger="kvtier.segment_server.master_link"):
+        master.abort_with = grpc.StatusCode.UNAVAILABLE
+        attempts = len(master.methods())
+        assert wait_until(lambda: len(master.methods()) >= attempts + 4)
+        master.abort_with = None
+        assert wait_until(lambda: any("master answers again" in r.getMessage() for r in caplog.records))
+    beats = master.methods().count("Heartbeat")
+    assert wait_until(lambda: master.methods().count("Heartbeat") > beats), "heartbeats resume"
+    outage = [r for r in caplog.records if "master link: master unreachable (StatusCode.UNAVAILABLE)" in r.getMessage()]
+    assert len(outage) >= 4
+    assert [r.levelno for r in outage].count(logging.WARNING) == 1, "one warning per outage, not per attempt"
+    assert master.methods().count("MountSegment") == 1 and link.link.session() == (1, 11)

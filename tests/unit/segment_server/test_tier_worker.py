@@ -10,12 +10,14 @@ copies nobody will read again are tombstoned.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import random
 from pathlib import Path
 
 import crc32c
+import grpc
 import pytest
 
 from kvtier.proto import master_pb2 as pb
@@ -273,3 +275,90 @@ def test_a_tier_full_mid_batch_reports_the_records_before_it_and_no_location_aft
     finally:
         worker.stop()
         store.close()
+
+
+# ------------------------------------------------------------------ an unreachable master (kvtier.common.poller)
+
+
+class Unreachable(grpc.RpcError):
+    """What a gRPC stub raises when the master does not answer."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class FlakyMaster(ScriptedMaster):
+    """A ScriptedMaster whose first `down_polls` polls and `down_reports` reports fail as unreachable;
+    `on_failed_report` runs at each failed report."""
+
+    def __init__(self, down_polls: int = 0, down_reports: int = 0) -> None:
+        super().__init__()
+        self.down_polls, self.down_reports = down_polls, down_reports
+        self.failed_polls = self.failed_reports = 0
+        self.on_failed_report = lambda: None
+
+    def PollTierTasks(self, request, timeout):  # noqa: N802
+        if self.failed_polls < self.down_polls:
+            self.failed_polls += 1
+            raise Unreachable()
+        return super().PollTierTasks(request, timeout)
+
+    def TierTasksDone(self, request, timeout):  # noqa: N802
+        if self.failed_reports < self.down_reports:
+            self.failed_reports += 1
+            self.on_failed_report()
+            raise Unreachable()
+        return super().TierTasksDone(request, timeout)
+
+
+def test_an_unreachable_master_is_polled_again_and_its_tasks_then_run(store, region, caplog):
+    master = FlakyMaster(down_polls=4)
+    payload = blob(11, 4000)
+    region[:4000] = payload
+    master.batches.put(tasks((1, pb.OFFLOAD, "k", 4000, crc32c.crc32c(payload), 0, 0)))
+    worker = TierWorker(lambda: master, store, region, lambda: (SEGMENT_ID, EPOCH))
+    with caplog.at_level(logging.DEBUG, logger="kvtier.segment_server.tier_worker"):
+        worker.start()
+        try:
+            report = master.report()
+        finally:
+            worker.stop()
+    assert master.failed_polls == 4 and list(report.statuses) == [OK]
+    unreachable = [r for r in caplog.records if "tier worker: master unreachable" in r.getMessage()]
+    assert [r.levelno for r in unreachable] == [logging.WARNING] + [logging.DEBUG] * 3, "one warning per outage"
+    assert any("master answers again after 4 failures" in r.getMessage() for r in caplog.records)
+
+
+def test_a_report_the_master_did_not_take_is_sent_again_while_the_mount_lasts(store, region):
+    master = FlakyMaster(down_reports=3)
+    payload = blob(12, 4000)
+    region[:4000] = payload
+    master.batches.put(tasks((1, pb.OFFLOAD, "k", 4000, crc32c.crc32c(payload), 0, 0)))
+    worker = TierWorker(lambda: master, store, region, lambda: (SEGMENT_ID, EPOCH))
+    worker.start()
+    try:
+        report = master.report()
+    finally:
+        worker.stop()
+    assert master.failed_reports == 3 and list(report.statuses) == [OK]
+    assert [r.location for r in store.records()] == list(report.disk_locations), "the reported copy stays"
+
+
+def test_a_report_no_master_took_before_a_remount_is_abandoned_and_its_copy_tombstoned(store, ssd, region):
+    master = FlakyMaster(down_reports=1000)
+    session = [(SEGMENT_ID, EPOCH)]
+    master.on_failed_report = lambda: (
+        session.__setitem__(0, (SEGMENT_ID, EPOCH + 1)) if master.failed_reports > 2 else None
+    )
+    payload = blob(13, 4000)
+    region[:4000] = payload
+    master.batches.put(tasks((1, pb.OFFLOAD, "k", 4000, crc32c.crc32c(payload), 0, 0)))
+    worker = TierWorker(lambda: master, store, region, lambda: session[0])
+    worker.start()
+    try:
+        assert wait_until(lambda: worker.failures["offload", "abandoned"] == 1)
+        assert master.failed_reports == 3, "retried under the mount, given up once it ended"
+        assert store.records() == []
+    finally:
+        worker.stop()
+    assert restarted(worker, store, ssd) == {}

@@ -1,0 +1,169 @@
+"""The tcp connector (client/transport/tcp.py) against a real segment data plane, and how the client
+picks the connector for SSD reads (`connect_disk`, client/transport/__init__.py).
+
+The segment side is the shipped TcpListener on uvloop, on its own thread, over a real DRAM buffer
+and a real BucketStore read by a real DiskReader; nothing is mocked. Checked: a DRAM write/read
+round trip; READ_DISK through the connector gives each record's bytes (or fills the caller's views,
+with their CRC32C), fails only the item that does not match, and splits a batch into frames of at
+most `frame_bytes`; the registry hands SSD reads to a connector that `reads_disk` (tcp), whatever
+transport is forced, and says why when a segment serves none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from pathlib import Path
+
+import crc32c
+import pytest
+import uvloop
+
+from kvtier.client.config import ClientConfig
+from kvtier.client.transport import CONNECTORS, DISK_CONNECTORS, connect_disk
+from kvtier.client.transport.shm import ShmConnector
+from kvtier.client.transport.tcp import TcpConnector
+from kvtier.proto.errors import ConnectError
+from kvtier.proto.status import Status
+from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.buffer_pool import BufferPool
+from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.diskio import ThreadPoolEngine
+from kvtier.segment_server.listeners import TcpListener
+from kvtier.segment_server.protocol import DataPlaneStats
+
+CLUSTER = "tcptest"
+OK = int(Status.OK)
+REGION = 1 << 20
+
+
+class Segment:
+    """A segment's TCP data plane on its own uvloop thread: region, SSD store, listener."""
+
+    def __init__(self, directory: Path) -> None:
+        self.region = memoryview(bytearray(REGION))
+        self.store = BucketStore(directory, 64 << 20, CLUSTER, bucket_size=8 << 20)
+        self.store.recover()
+        self.stats = DataPlaneStats()
+        self._engine = ThreadPoolEngine(queue_depth=4, threads=2)
+        self._loop = uvloop.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(20), "the data plane did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        reader = DiskReader(self.store, self._engine, BufferPool(4 << 20))
+        self.listener = TcpListener("127.0.0.1:0", self.region, self.stats, reader)
+        self.endpoint = self._loop.run_until_complete(self.listener.start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def put_disk(self, key: str, data: bytes) -> int:
+        location = self.store.append("ns", key, data, crc32c.crc32c(data))
+        self.store.sync()
+        return location
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.listener.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+        self._engine.close()
+        self.store.close()
+
+
+@pytest.fixture
+def segment(tmp_path: Path):
+    segment = Segment(tmp_path / "ssd")
+    yield segment
+    segment.close()
+
+
+def config(transport: str = "", frame_bytes: int = 0) -> ClientConfig:
+    extra = {"frame_bytes": frame_bytes} if frame_bytes else {}
+    return ClientConfig(master="127.0.0.1:1", transport=transport, **extra)
+
+
+def blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def name(key: str) -> bytes:
+    return b"ns\x00" + key.encode()
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def test_only_connectors_that_read_disk_serve_the_ssd_tier():
+    assert DISK_CONNECTORS == {"tcp": TcpConnector}
+    assert TcpConnector.reads_disk and not ShmConnector.reads_disk
+    assert all(hasattr(cls, "reads_disk") for cls in CONNECTORS.values())
+
+
+@pytest.mark.parametrize("forced", ["", "tcp", "shm"])
+def test_ssd_reads_get_the_tcp_connector_whatever_transport_is_forced(forced):
+    endpoints = ["shm:///dev/shm/nowhere?nonce=00&host=h&uid=0", "tcp://127.0.0.1:1"]
+    connector = connect_disk(endpoints, config(forced), "seg0")
+    try:
+        assert isinstance(connector, TcpConnector) and connector.endpoint == "tcp://127.0.0.1:1"
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("endpoints", [[], ["shm:///dev/shm/nowhere"], ["rdma://10.0.0.1:4791"]])
+def test_a_segment_without_a_disk_reading_endpoint_is_a_connect_error(endpoints):
+    with pytest.raises(ConnectError, match="segment seg0 serves no TCP endpoint for its SSD tier"):
+        connect_disk(endpoints, config(), "seg0")
+
+
+# ------------------------------------------------------------------ the connector on a live data plane
+
+
+def test_read_disk_returns_each_record_and_fails_only_the_one_that_does_not_match(segment):
+    data = [blob(i, 1000 + 4096 * i) for i in range(4)]
+    locations = [segment.put_disk(f"k{i}", d) for i, d in enumerate(data)]
+    items = [(loc, len(d), name(f"k{i}")) for i, (loc, d) in enumerate(zip(locations, data, strict=True))]
+    items[2] = (locations[2], len(data[2]), name("another key"))  # the record holds k2: never its bytes
+    connector = connect_disk([segment.endpoint], config(), "seg0")
+    try:
+        results = connector.read_disk(items)
+    finally:
+        connector.close()
+    assert results[0] == data[0] and results[1] == data[1] and results[3] == data[3]
+    assert isinstance(results[2], int) and results[2] < 0
+    assert segment.stats.ssd_read_errors == 1
+
+
+def test_read_disk_into_views_fills_them_with_their_checksums_over_several_frames(segment):
+    data = [blob(100 + i, 20_000) for i in range(5)]
+    locations = [segment.put_disk(f"v{i}", d) for i, d in enumerate(data)]
+    items = [(loc, len(d), name(f"v{i}")) for i, (loc, d) in enumerate(zip(locations, data, strict=True))]
+    views = [memoryview(bytearray(len(d))) for d in data]
+    checksums: list[int | None] = [None] * len(items)
+    requests_before = segment.stats.requests
+    connector = connect_disk([segment.endpoint], config(frame_bytes=40_000), "seg0")
+    try:
+        assert connector.read_disk(items, views, checksums) == [OK] * len(items)
+    finally:
+        connector.close()
+    assert [bytes(v) for v in views] == data
+    assert checksums == [crc32c.crc32c(d) for d in data]
+    assert segment.stats.requests - requests_before == 3, "frames of at most frame_bytes: 2 + 2 + 1 records"
+
+
+def test_dram_ranges_round_trip_through_the_same_connector(segment):
+    payload = blob(7, 30_000)
+    connector = TcpConnector(segment.endpoint, config())
+    deadline = int(time.time() * 1000) + 60_000
+    try:
+        # Without a cluster secret a READ or WRITE carries its grant's deadline (FLAG_DEADLINE).
+        assert connector.write([(4096, memoryview(payload))], caps=(deadline, [])) == [OK]
+        assert connector.read([(4096, len(payload))], caps=(deadline, [])) == [payload]
+    finally:
+        connector.close()
+    assert bytes(segment.region[4096 : 4096 + len(payload)]) == payload
