@@ -4,6 +4,10 @@ The servers run as separate processes (`python -m kvtier.master`, `python -m
 kvtier.segment_server`), never imported: the client stays thin, and the
 benchmark's client is in a different process from the segment server, as in
 production. Readiness comes from each server's `--ready-file`.
+
+It lives in the shared runtime, not in kvtier.cli: `kvtier up` (kvtier.cli) and the benchmarks
+(kvtier.bench, which kvtier.cli imports) both start clusters with it, and the command package is
+imported by nothing (the import contracts in pyproject.toml, run by `make lint`).
 """
 
 from __future__ import annotations
