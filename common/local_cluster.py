@@ -169,8 +169,14 @@ class LocalCluster:
             return 0
 
     def stop(self) -> None:
-        """SIGTERM segments first (they unmount cleanly), then the master."""
-        for child in reversed(self.children):
+        """SIGTERM the master first, then the segments.
+
+        In that order the master's saved state still names the segments, so the next `kvtier up` on
+        the same --state-dir and --ssd-dir waits for them and re-adopts their SSD copies. A segment
+        stopped first would unmount: the master drops its objects, and a restarted master refuses
+        copies of a segment it saw leave (docs/architecture.md, "Returning segments: fences").
+        """
+        for child in self.children:
             if child.popen.poll() is None:
                 child.popen.send_signal(signal.SIGTERM)
                 try:
