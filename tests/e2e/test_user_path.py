@@ -12,88 +12,22 @@ that the pieces a user strings together still fit.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
-import time
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvtier.client import Client, Status
+from tests.e2e.terminal import Up, free_port, kvtier, kvtier_json, wait_for
 
 MiB = 1 << 20
-# The console script of the install under test (pip puts it beside the interpreter), not `python -m`:
-# its entry point is part of what a user's path goes through.
-KVTIER = Path(sys.executable).with_name("kvtier")
-CLI_TIMEOUT_S = 60
 
 
 def value_for(key: str, size: int = MiB) -> bytes:
     return random.Random(zlib.crc32(key.encode())).randbytes(size)
-
-
-def kvtier(*args: str, stdin: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    assert KVTIER.exists(), f"the install has no `kvtier` script beside {sys.executable}"
-    result = subprocess.run([str(KVTIER), *args], input=stdin, capture_output=True, timeout=CLI_TIMEOUT_S)
-    if check and result.returncode != 0:
-        raise AssertionError(f"kvtier {' '.join(args)} exited {result.returncode}: {result.stderr.decode()}")
-    return result
-
-
-def kvtier_json(*args: str) -> dict:
-    return json.loads(kvtier(*args, "--json").stdout)
-
-
-def wait_for(predicate: Callable[[], object], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Up:
-    """`kvtier up` as a user runs it in a terminal: started, read until it says how to stop it, Ctrl-C."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        self._err = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen([str(KVTIER), "up", *args], stdout=subprocess.PIPE, stderr=self._err)
-        self.lines: list[str] = []
-        while "Ctrl-C stops" not in (line := self.proc.stdout.readline().decode()):
-            assert line, f"kvtier up exited during start-up: {self.lines} {log.read_text()[-2000:]}"
-            self.lines.append(line)
-
-    def ctrl_c(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        code = self.proc.wait(timeout=CLI_TIMEOUT_S)
-        self.lines += self.proc.stdout.read().decode().splitlines()
-        self._err.close()
-        return code
-
-    def kill(self) -> None:
-        """Stop it whatever state the test left it in: SIGTERM stops its servers too (SIGKILL would orphan them)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=CLI_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        self._err.close()
 
 
 @pytest.fixture
