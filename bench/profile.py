@@ -93,20 +93,24 @@ def main(argv: list[str] | None = None) -> int:
         print("py-spy is not installed (pip install py-spy)", file=sys.stderr)
         return 1
     from kvtier.common.local_cluster import LocalCluster
+    from kvtier.common.supervisor import Supervisor
 
     size = parse_size(opts.size)
     print(f"Profiles: batches of {opts.batch} x {opts.size}, {opts.seconds:.0f} s per path, py-spy --idle.\n")
     with (
         LocalCluster(dram="2GiB", quiet=True, cluster_id=f"profile{os.getpid()}") as cluster,
         tempfile.TemporaryDirectory() as tmp,
+        Supervisor() as workers,  # a worker left running by an error is stopped on the way out
     ):
         segment_pid = cluster.children[1].popen.pid
         for transport, op in PATHS:
             warmup = 1.5
-            proc = subprocess.Popen(
+            proc = workers.start(
+                f"{transport}-{op}",
                 [sys.executable, "-m", "kvtier.bench.profile", "--batch", str(opts.batch), "--worker",
-                 cluster.master_address, transport, op, str(size), str(opts.seconds + warmup + 1)]
-            )  # fmt: skip
+                 cluster.master_address, transport, op, str(size), str(opts.seconds + warmup + 1)],
+                log=None,
+            ).popen  # fmt: skip
             time.sleep(warmup)
             targets = [("client", proc.pid)] + ([("segment server", segment_pid)] if transport == "tcp" else [])
             recorders = []

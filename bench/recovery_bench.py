@@ -42,35 +42,22 @@ can miss a read while the object is safe, e.g. when a connection fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
-import grpc
-
+from kvtier.bench.recovery_procs import Probe, Processes, Watch
 from kvtier.common.units import format_size, parse_size
-from kvtier.proto import master_pb2 as pb
-from kvtier.proto import master_pb2_grpc
-from kvtier.proto.errors import KvtierError
 
-READY_TIMEOUT_S = 30.0
-SERVE_DEADLINE_S = 60.0  # a wait for the cluster to serve again gives up after this long
 PUT_BATCH = 1000
 SAMPLE = 1000
 EXISTS_BATCH = 10_000
@@ -81,12 +68,6 @@ RETRIES = 3
 RESTART_FIGURES = ("master_ready_s", "leader_s", "get_s", "exists_s")
 FAILOVER_FIGURES = ("elected_s", "leader_s", "gap_s")
 IN_FLIGHT_S = 0.1  # see the module docstring: a put ending this long after the kill was served by another master
-# Poll with fast reconnects: a channel's default back-off after a refused connection is 1 s and growing.
-_PROBE_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 20),
-    ("grpc.min_reconnect_backoff_ms", 20),
-    ("grpc.max_reconnect_backoff_ms", 100),
-]
 
 
 # ---------------------------------------------------------------------- data
@@ -159,279 +140,6 @@ def _count_missing(client, keys: list[str]) -> int:
     for lo in range(0, len(keys), EXISTS_BATCH):
         missing += client.batch_exists(keys[lo : lo + EXISTS_BATCH]).count(False)
     return missing
-
-
-# ---------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    info: dict = field(default_factory=dict)
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-class Processes:
-    """The processes and clients of one bench run; logs, state and data dirs in one temporary directory.
-
-    A context manager: on the way out (an exception included) it closes the
-    clients, stops every child (segments first, then masters, then etcd;
-    SIGKILL after 10 s), removes the cluster's region files from /dev/shm once
-    none of its segments is alive, and deletes the directory; after a failure
-    it prints the tail of every log first.
-    """
-
-    def __init__(self, prefix: str) -> None:
-        self.cluster_id = f"{prefix}{uuid.uuid4().hex[:6]}"
-        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-recovery-"))
-        self.children: dict[str, Child] = {}
-        self._logs: set[Path] = set()
-        self._closers: list = []
-
-    def __enter__(self) -> Processes:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and issubclass(exc_type, Exception):  # not for Ctrl-C or SIGTERM
-            print(
-                f"kvtier bench: {exc_type.__name__} in {self.cluster_id}; process logs:\n{self.tails()}",
-                file=sys.stderr,
-            )
-        self.close()
-
-    def client(self, master: str, timeout: float):
-        from kvtier.client import Client
-
-        client = Client(master, timeout=timeout)
-        self.on_close(client.close)
-        return client
-
-    def on_close(self, closer) -> None:
-        self._closers.append(closer)
-
-    def spawn(self, name: str, args: list[str]) -> Child:
-        """Start `python -m ...` with a ready file and wait until it is written."""
-        log = self.dir / f"{name}.log"
-        ready = self.dir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        child = self._popen(name, [sys.executable, *args, "--ready-file", str(ready)], log)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if not child.alive:
-                raise RuntimeError(f"{name} exited with {child.popen.returncode} before ready:\n{child.tail()}")
-            if time.monotonic() > deadline:
-                child.popen.kill()
-                child.popen.wait()
-                raise RuntimeError(f"{name} not ready after {READY_TIMEOUT_S:.0f}s:\n{child.tail()}")
-            time.sleep(0.005)
-        child.info = json.loads(ready.read_text())
-        return child
-
-    def respawn(self, name: str, args: list[str]) -> Child:
-        """spawn() again for up to 10 s: a killed process's port may linger for a moment."""
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                return self.spawn(name, args)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def _popen(self, name: str, argv: list[str], log: Path) -> Child:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.children[name] = child = Child(name, popen, log)
-        self._logs.add(log)
-        return child
-
-    def start_etcd(self, binary: str) -> str:
-        """A single-member etcd on free loopback ports (default raft timings); its client endpoint."""
-        from kvtier.common.etcd_client import EtcdClient, EtcdError
-
-        port, peer_port = _free_port(), _free_port()
-        client_url, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer_port}"
-        args = [
-            binary,
-            "--name", "etcd",
-            "--data-dir", str(self.dir / "etcd.data"),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"etcd={peer_url}",
-            "--initial-cluster-state", "new",
-            "--logger", "zap",
-            "--log-outputs", "stderr",
-        ]  # fmt: skip
-        child = self._popen("etcd", args, self.dir / "etcd.log")
-        endpoint = f"127.0.0.1:{port}"
-        probe = EtcdClient(endpoint, timeout=0.5)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:  # a linearizable read answers only once etcd has a raft leader
-                if not child.alive:
-                    raise RuntimeError(f"etcd exited with {child.popen.returncode}:\n{child.tail()}")
-                try:
-                    probe.get("/kvtier-bench-ready-probe")
-                    return endpoint
-                except EtcdError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"etcd not ready after {READY_TIMEOUT_S:.0f}s:\n{child.tail()}") from None
-                    time.sleep(0.05)
-        finally:
-            probe.close()
-
-    def kill(self, name: str) -> float:
-        """SIGKILL the child and reap it; the monotonic time the signal was sent."""
-        child = self.children[name]
-        killed_at = time.monotonic()
-        child.popen.kill()
-        child.popen.wait()
-        return killed_at
-
-    def log_findings(self, limit: int = 12) -> dict[str, object]:
-        """Warnings counted per log; error lines and tracebacks quoted (first `limit`, time stamps cut)."""
-        warnings: dict[str, int] = {}
-        errors: list[str] = []
-        for log in sorted(self._logs):
-            try:
-                lines = log.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            count = sum(1 for line in lines if "level=WARNING" in line or '"level":"warn"' in line)
-            if count:
-                warnings[log.stem] = count
-            for line in lines:
-                if any(m in line for m in ("level=ERROR", "level=CRITICAL", "Traceback", '"level":"error"')):
-                    text = f"{log.stem}: {line.split(' level=', 1)[-1][:200]}"
-                    if text not in errors and len(errors) < limit:
-                        errors.append(text)
-        return {"warnings": warnings, "errors": errors}
-
-    def tails(self) -> str:
-        return "\n".join(f"----- {c.name} (rc={c.popen.poll()}) -----\n{c.tail()}" for c in self.children.values())
-
-    def close(self) -> None:
-        for closer in reversed(self._closers):
-            with contextlib.suppress(Exception):  # the processes must be stopped whatever happens
-                closer()
-        self._closers.clear()
-
-        def group(child: Child) -> int:  # segments unmount while their master lives; etcd goes last
-            return 0 if child.name.startswith("seg") else 2 if child.name == "etcd" else 1
-
-        for rank in (0, 1, 2):
-            batch = [c for c in self.children.values() if group(c) == rank]
-            for child in batch:
-                if child.alive:
-                    child.popen.terminate()
-            for child in batch:
-                try:
-                    child.popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    child.popen.kill()
-                    child.popen.wait()
-        for path in Path("/dev/shm").glob(f"kvtier.{self.cluster_id}.*"):
-            path.unlink(missing_ok=True)  # every process of this cluster is gone: these are orphans
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _Probe:
-    """`Hello` on masters over channels of its own that reconnect fast (after a refused connection a
-    default channel waits 1 s, then longer, before it tries again)."""
-
-    def __init__(self) -> None:
-        self.channels: dict[str, grpc.Channel] = {}
-
-    def hello(self, address: str) -> pb.HelloResponse | None:
-        if address not in self.channels:
-            self.channels[address] = grpc.insecure_channel(address, options=_PROBE_OPTIONS)
-        try:
-            return master_pb2_grpc.MasterStub(self.channels[address]).Hello(pb.HelloRequest(), timeout=0.5)
-        except grpc.RpcError:
-            return None
-
-    def wait_leader(self, addresses: dict[str, str], timeout: float = READY_TIMEOUT_S) -> str:
-        """The name of the one master that says it leads and serves (waits for one)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            roles = {name: self.hello(address) for name, address in addresses.items()}
-            leaders = [name for name, hello in roles.items() if hello is not None and hello.role == "leader"]
-            if len(leaders) == 1:
-                return leaders[0]
-            time.sleep(0.02)
-        raise RuntimeError(f"no single leader among {sorted(addresses)} after {timeout:.0f}s")
-
-    def close(self) -> None:
-        for channel in self.channels.values():
-            channel.close()
-
-
-class _Watch:
-    """Waits that run in parallel threads from the kill on; each records when it first saw what it
-    waits for, in seconds from the kill (NaN when it never did within SERVE_DEADLINE_S)."""
-
-    def __init__(self) -> None:
-        self.killed_at = 0.0
-        self.first: dict[str, float] = {}
-        self.errors: list[str] = []
-        self.wrong = 0  # values read with other bytes than were put (must stay 0)
-        self._go = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def poll(self, what: str, predicate) -> None:
-        """From the kill, call predicate() every 10 ms until it is true (KvtierError counts as false)."""
-
-        def run() -> None:
-            self._go.wait()
-            try:
-                while time.monotonic() - self.killed_at < SERVE_DEADLINE_S:
-                    try:
-                        if predicate():
-                            self.mark(what)
-                            return
-                    except KvtierError:  # the master did not serve within the client's timeout
-                        pass
-                    time.sleep(0.01)
-            except Exception as exc:  # reported with the result, not lost in a thread
-                self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def start(self, killed_at: float) -> None:
-        self.killed_at = killed_at
-        self._go.set()
-
-    def join(self) -> None:
-        for thread in self._threads:
-            thread.join(SERVE_DEADLINE_S + 15)
-
-    def mark(self, what: str) -> None:
-        self.first.setdefault(what, time.monotonic() - self.killed_at)
-
-    def get(self, what: str) -> float:
-        return self.first.get(what, float("nan"))
 
 
 def _segment_dram(opts_dram: str, objects: int, extra: int) -> int:
@@ -508,8 +216,8 @@ def run_recovery_bench(objects: int, repeat: int, dram: str) -> RecoveryResult:
             sample = rng.sample(range(objects), min(SAMPLE, objects))
             sample_keys = [_key(n) for n in sample]
             epoch_before = checker.cluster_status().epoch
-            watch = _Watch()
-            probe = _Probe()
+            watch = Watch()
+            probe = Probe()
 
             def leader(probe=probe, epoch_before=epoch_before) -> bool:
                 hello = probe.hello(address)
@@ -645,7 +353,7 @@ def run_failover_bench(objects: int, repeat: int, dram: str, etcd_binary: str) -
         master_args = ["-m", "kvtier.master", "--listen", "127.0.0.1:0", "--cluster-id", procs.cluster_id]
         master_args += ["--etcd", spec]  # default --etcd-lease-ttl-s: 5 s
         addresses = {f"master{i}": procs.spawn(f"master{i}", master_args).info["address"] for i in range(3)}
-        probe = _Probe()
+        probe = Probe()
         procs.on_close(probe.close)
         probe.wait_leader(addresses)
         _start_segments(procs, spec, segment_dram)
@@ -660,7 +368,7 @@ def run_failover_bench(objects: int, repeat: int, dram: str, etcd_binary: str) -
             others = {name: address for name, address in addresses.items() if name != old}
             writer = _Writer(writer_client, payloads, base=(r + 1) * 1_000_000_000)
             time.sleep(2.0)
-            watch = _Watch()
+            watch = Watch()
             roles: dict[str, str] = {}
 
             def new_leader(others=others, roles=roles, watch=watch) -> bool:

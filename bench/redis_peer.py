@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import time
+
+from kvtier.common.supervisor import Supervisor
 
 
 def free_port() -> int:
@@ -33,23 +33,29 @@ class RedisPeer:
         except ImportError:
             raise RuntimeError("redis-py is not installed (pip install 'redis[hiredis]')") from None
         self.port = free_port()
-        self._server = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--maxmemory", "0", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
         self._redis = redis.Redis(host="127.0.0.1", port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
+
+        def answers() -> bool:
             try:
-                self._redis.ping()
-                break
+                return bool(self._redis.ping())
             except redis.ConnectionError:
-                if time.monotonic() > deadline or self._server.poll() is not None:
-                    self.close()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+                return False
+
+        self._supervisor = Supervisor()
+        try:
+            self._supervisor.start(
+                "redis-server",
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--maxmemory", "0", "--loglevel", "warning"],
+                log=None,
+                quiet=True,
+                probe=answers,
+                timeout=10.0,
+                poll_s=0.05,
+            )  # fmt: skip
+        except RuntimeError:
+            self.close()
+            raise RuntimeError("redis-server did not start") from None
         info = self._redis.info("server")
         self.version = info.get("redis_version", "?")
         try:
@@ -88,5 +94,4 @@ class RedisPeer:
 
     def close(self) -> None:
         self._redis.close()
-        self._server.terminate()
-        self._server.wait(timeout=10)
+        self._supervisor.close()  # SIGTERM; SIGKILL after 10 s

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -105,45 +104,40 @@ def _time_segment_start(directory: Path, cluster_id: str, tier_bytes: int, bucke
     """(seconds from spawn to mounted with the inventory reported, disk objects the master holds)."""
     from kvtier.client import Client
     from kvtier.common.local_cluster import LocalCluster
+    from kvtier.common.supervisor import Supervisor
 
     cluster = LocalCluster(quiet=True, cluster_id=cluster_id, segments=0).start()  # the master alone
     ready = directory.parent / f"{directory.name}.ready"
-    segment = None
     try:
-        started = time.perf_counter()
-        segment = subprocess.Popen(
-            [
-                sys.executable, "-m", "kvtier.segment_server",
-                "--master", cluster.master_address,
-                "--listen", "127.0.0.1:0",
-                "--dram", "64MiB",
-                "--cluster-id", cluster_id,
-                "--name", "mount-bench",
-                "--ssd-dir", str(directory),
-                "--ssd-size", str(tier_bytes + tier_bytes // 4),
-                "--ssd-bucket-size", str(bucket_size),
-                "--ready-file", str(ready),
-                "--log-level", "WARNING",
-            ],
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        while not ready.exists():  # written once mounted, after the master took the inventory
-            if segment.poll() is not None:
-                raise RuntimeError(f"the segment server exited with status {segment.returncode} while mounting")
-            time.sleep(0.005)
-        seconds = time.perf_counter() - started
-        with Client(cluster.master_address, namespace="mount-bench", timeout=60.0) as client:
-            objects = client.cluster_status().segments[0].ssd_objects
+        # The segment's log: <dir>.log beside the tier; 30 s to stop cleanly before a SIGKILL.
+        with Supervisor(directory.parent, grace_s=30.0) as supervisor:
+            started = time.perf_counter()
+            # Ready once mounted: the ready file is written after the master took the inventory.
+            # No deadline to speak of: a large tier on a slow disk may take long, which is the figure.
+            supervisor.start(
+                directory.name,
+                [
+                    sys.executable, "-m", "kvtier.segment_server",
+                    "--master", cluster.master_address,
+                    "--listen", "127.0.0.1:0",
+                    "--dram", "64MiB",
+                    "--cluster-id", cluster_id,
+                    "--name", "mount-bench",
+                    "--ssd-dir", str(directory),
+                    "--ssd-size", str(tier_bytes + tier_bytes // 4),
+                    "--ssd-bucket-size", str(bucket_size),
+                    "--ready-file", str(ready),
+                    "--log-level", "WARNING",
+                ],
+                ready_file=ready,
+                timeout=24 * 3600.0,
+                poll_s=0.005,
+            )  # fmt: skip
+            seconds = time.perf_counter() - started
+            with Client(cluster.master_address, namespace="mount-bench", timeout=60.0) as client:
+                objects = client.cluster_status().segments[0].ssd_objects
         return seconds, objects
     finally:
-        if segment is not None and segment.poll() is None:
-            segment.send_signal(signal.SIGTERM)
-            try:
-                segment.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                segment.kill()
-                segment.wait()
         ready.unlink(missing_ok=True)
         cluster.stop()
 

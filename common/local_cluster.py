@@ -3,7 +3,8 @@
 The servers run as separate processes (`python -m kvtier.master`, `python -m
 kvtier.segment_server`), never imported: the client stays thin, and the
 benchmark's client is in a different process from the segment server, as in
-production. Readiness comes from each server's `--ready-file`.
+production. Readiness comes from each server's `--ready-file`; the children are
+started, watched and stopped by the shared supervisor (kvtier.common.supervisor).
 
 It lives in the shared runtime, not in kvtier.cli: `kvtier up` (kvtier.cli) and the benchmarks
 (kvtier.bench, which kvtier.cli imports) both start clusters with it, and the command package is
@@ -12,20 +13,16 @@ imported by nothing (the import contracts in pyproject.toml, run by `make lint`)
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.common.startup import STARTUP_EXIT  # a server's start-up failure: it printed one line saying why
+from kvtier.common.supervisor import Child, ChildExited, ChildNotReady, Supervisor
+
 READY_TIMEOUT_S = 30.0
-
-
-STARTUP_EXIT = 2  # a server's start-up failure (kvtier.common.startup): it printed one line saying why
 
 
 class StartupFailed(RuntimeError):
@@ -34,13 +31,6 @@ class StartupFailed(RuntimeError):
     def __init__(self, name: str, returncode: int) -> None:
         super().__init__(f"{name} exited with status {returncode} during start-up")
         self.returncode = returncode
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen
-    info: dict = field(default_factory=dict)
 
 
 class LocalCluster:
@@ -75,31 +65,26 @@ class LocalCluster:
         self.segment_args = segment_args
         self.master_args = master_args
         self.state_dir = state_dir
-        self.children: list[Child] = []
+        self.children: list[Child] = []  # in start order: the master first
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-")
+        self._supervisor = Supervisor(Path(self._tmp.name))
         self.master_address = ""
 
     def _spawn(self, name: str, args: list[str]) -> Child:
+        """Start `python <args>`, its output on our terminal (or nowhere when quiet); wait for its ready file."""
         ready = Path(self._tmp.name) / f"{name}.ready"
-        out = subprocess.DEVNULL if self.quiet else None
-        popen = subprocess.Popen(
-            [sys.executable, *args, "--ready-file", str(ready), "--log-level", self.log_level],
-            stdout=out,
-            stderr=out,
-            start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
-        )
-        child = Child(name, popen)
+        argv = [sys.executable, *args, "--ready-file", str(ready), "--log-level", self.log_level]
+        try:
+            child = self._supervisor.start(
+                name, argv, log=None, quiet=self.quiet, ready_file=ready, timeout=READY_TIMEOUT_S
+            )
+        except ChildExited as exc:
+            if exc.returncode == STARTUP_EXIT:
+                raise StartupFailed(name, exc.returncode) from None
+            raise RuntimeError(f"{name} exited with status {exc.returncode} during start-up") from None
+        except ChildNotReady:
+            raise RuntimeError(f"{name} did not become ready within {READY_TIMEOUT_S:.0f}s") from None
         self.children.append(child)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if popen.poll() is not None:
-                if popen.returncode == STARTUP_EXIT:
-                    raise StartupFailed(name, popen.returncode)
-                raise RuntimeError(f"{name} exited with status {popen.returncode} during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not become ready within {READY_TIMEOUT_S:.0f}s")
-            time.sleep(0.02)
-        child.info = json.loads(ready.read_text())
         return child
 
     def start(self) -> LocalCluster:
@@ -169,7 +154,7 @@ class LocalCluster:
             return 0
 
     def stop(self) -> None:
-        """SIGTERM the master first, then the segments.
+        """SIGTERM the master first, then the segments, one at a time; SIGKILL after 10 s.
 
         In that order the master's saved state still names the segments, so the next `kvtier up` on
         the same --state-dir and --ssd-dir waits for them and re-adopts their SSD copies. A segment
@@ -177,14 +162,9 @@ class LocalCluster:
         copies of a segment it saw leave (docs/architecture.md, "Returning segments: fences").
         """
         for child in self.children:
-            if child.popen.poll() is None:
-                child.popen.send_signal(signal.SIGTERM)
-                try:
-                    child.popen.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    child.popen.kill()
-                    child.popen.wait()
+            child.stop(grace_s=10.0)
         self.children.clear()
+        self._supervisor.close()  # one that failed its start, if it still runs
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalCluster:

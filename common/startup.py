@@ -1,10 +1,11 @@
 """Start-up failures a user fixes: one line on stderr naming the cause and the option, exit status 2.
 
-A server's entry point runs its `serve()` under `run_main`; anything that stops a start for a
-reason outside the program (a port in use, a directory it cannot write, a region larger than
-/dev/shm, etcd unreachable) is raised as `StartupError` with that one line. Exit status 2 is also
-what a bad flag or config key gets (kvtier.common.config), so a service manager that does not
-restart on 2 (systemd RestartPreventExitStatus=2) does not loop on either.
+A server's entry point runs its `serve()` under `run_main` (kvtier.common.service.run_service
+does); anything that stops a start for a reason outside the program (a port in use, a directory it
+cannot write, a region larger than /dev/shm, etcd unreachable) is raised as `StartupError` with
+that one line. Exit status 2 is also what a bad flag or config key gets (kvtier.common.config), so
+a service manager that does not restart on 2 (systemd RestartPreventExitStatus=2) does not loop on
+either.
 """
 
 from __future__ import annotations

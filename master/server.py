@@ -21,7 +21,6 @@ import asyncio
 import logging
 import os
 import resource
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,6 +30,7 @@ from google.protobuf.message import DecodeError
 
 from kvtier.common.channels import read_file
 from kvtier.common.config import write_ready_file
+from kvtier.common.service import stop_on_signals
 from kvtier.common.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
 from kvtier.common.units import parse_hostport
 from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
@@ -385,8 +385,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         )
 
     stop = stop or asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop)
 
     async def ticker() -> None:
         while True:

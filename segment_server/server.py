@@ -6,10 +6,10 @@ import asyncio
 import logging
 import os
 import resource
-import signal
 
 from kvtier.common.config import write_ready_file
 from kvtier.common.discovery import MasterLocator
+from kvtier.common.service import stop_on_signals
 from kvtier.common.startup import StartupError, check_bindable, check_writable_dir
 from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
@@ -52,8 +52,7 @@ async def serve(config: SegmentConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     fatal: list[tuple[str, int]] = []  # (why, exit code) when the master will not have us
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop)
 
     check_startup(config)
     orphans = remove_orphans(config.shm_dir, config.cluster_id)

@@ -10,39 +10,20 @@ test's, and `stop()` checks that nothing of it is left behind.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.client import Client
+from kvtier.common.supervisor import Child, Supervisor
 
 READY_TIMEOUT_S = 20.0
 
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    ready_file: Path
-    info: dict = field(default_factory=dict)
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
+# A started process: name, popen (tests signal it directly), log, ready_file, info (the ready
+# file's JSON), tail(), alive. The shared supervisor's (kvtier.common.supervisor) child.
+Proc = Child
 
 
 class Cluster:
@@ -57,33 +38,19 @@ class Cluster:
         self.secret_file = ""  # set: every process started from here on, and every client, uses it
         self.segments: dict[str, Proc] = {}
         self._clients: list[Client] = []
+        self.supervisor = Supervisor(workdir)
 
     # ------------------------------------------------------------ processes
 
     def _spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> Proc:
-        log = self.workdir / f"{name}.log"
+        """Start `python <args>` (after `prefix`) with its log in the workdir; wait for its ready file."""
         ready = self.workdir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                [*(prefix or []), sys.executable, *args, "--ready-file", str(ready)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        proc = Proc(name, popen, log, ready)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.exists():
-            if popen.poll() is not None:
-                raise RuntimeError(f"{name} exited with {popen.returncode} before ready:\n{proc.tail()}")
-            if time.monotonic() > deadline:
-                popen.kill()
-                raise RuntimeError(f"{name} not ready after {READY_TIMEOUT_S}s:\n{proc.tail()}")
-            time.sleep(0.02)
-        proc.info = json.loads(ready.read_text())
-        return proc
+        return self.supervisor.start(
+            name,
+            [*(prefix or []), sys.executable, *args, "--ready-file", str(ready)],
+            ready_file=ready,
+            timeout=READY_TIMEOUT_S,
+        )
 
     def state_dir(self, name: str = "master") -> Path:
         """The per-test state directory master `name` is given (kept across restart_master)."""
@@ -160,8 +127,8 @@ class Cluster:
                 time.sleep(0.2)
 
     def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
-        proc.popen.send_signal(sig)
-        proc.popen.wait(timeout=10)
+        """Send `sig` and wait (10 s at most) for the process to exit."""
+        proc.kill(sig, timeout=10)
 
     def region_file(self, segment: str) -> Path:
         return Path(self.segments[segment].info["region"])
@@ -190,22 +157,15 @@ class Cluster:
     # ------------------------------------------------------------ teardown
 
     def logs(self) -> str:
-        procs = self._master_procs() + list(self.segments.values())
-        return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.tail()}" for p in procs)
+        return self.supervisor.report(children=self._master_procs() + list(self.segments.values()))
 
     def stop(self) -> None:
         for client in self._clients:
             client.close()
-        procs = list(self.segments.values()) + self._master_procs()
-        for proc in procs:
-            if proc.alive:
-                proc.popen.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+        # All at once (SIGTERM, SIGKILL after 10 s), then whatever else was started (earlier
+        # incarnations of a restarted process): nothing outlives the test.
+        self.supervisor.stop(*self.segments.values(), *self._master_procs(), grace_s=10.0)
+        self.supervisor.close()
 
     def _master_procs(self) -> list[Proc]:
         procs = list(self.masters.values())

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import grpc
 
+from kvtier.common.supervisor import Supervisor
 from kvtier.proto.etcd import rpc_pb2, rpc_pb2_grpc
 
 ETCD_BINARY = os.environ.get("KVTIER_TEST_ETCD", "/usr/bin/etcd")
@@ -61,13 +59,27 @@ class EtcdServer:
             "--logger", "zap",
             "--log-outputs", "stderr",
         ]  # fmt: skip
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.kill()
-            raise
+        self._supervisor = Supervisor(workdir, grace_s=5.0)
+        # gRPC waits 1 s before reconnecting after a refused connection by default: poll faster.
+        options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20)]
+        with grpc.insecure_channel(self.endpoint, options=options) as channel:
+            kv = rpc_pb2_grpc.KVStub(channel)
+
+            def answers() -> bool:  # a real linearizable read: etcd answers only once it has a raft leader
+                try:
+                    kv.Range(rpc_pb2.RangeRequest(key=b"/ready-probe"), timeout=0.5)
+                    return True
+                except grpc.RpcError:
+                    return False
+
+            try:
+                self.child = self._supervisor.start(
+                    name, args, log=self.log, probe=answers, timeout=READY_TIMEOUT_S, poll_s=0.05
+                )
+            except BaseException:
+                self._supervisor.close()
+                raise
+        self.popen = self.child.popen
 
     @property
     def endpoint(self) -> str:
@@ -77,67 +89,24 @@ class EtcdServer:
     def url(self) -> str:
         return f"http://{self.endpoint}"
 
-    def _wait_ready(self) -> None:
-        """Poll with a real linearizable read: etcd answers only once it has a raft leader."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        # gRPC waits 1 s before reconnecting after a refused connection by default: poll faster.
-        options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20)]
-        with grpc.insecure_channel(self.endpoint, options=options) as channel:
-            kv = rpc_pb2_grpc.KVStub(channel)
-            while True:
-                if self.popen.poll() is not None:
-                    raise RuntimeError(f"etcd exited with {self.popen.returncode}:\n{self.tail()}")
-                try:
-                    kv.Range(rpc_pb2.RangeRequest(key=b"/ready-probe"), timeout=0.5)
-                    return
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"etcd not ready after {READY_TIMEOUT_S}s:\n{self.tail()}") from None
-                    time.sleep(0.05)
-
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self.child.tail(lines)
 
     def pause(self) -> None:
-        """SIGSTOP: connections stay open but nothing is answered, like a frozen host."""
-        self.popen.send_signal(signal.SIGSTOP)
+        """SIGSTOP: connections stay open but nothing is answered, like a frozen host. Returns once
+        every thread of it has stopped, so nothing sent after pause() is answered."""
+        self.child.pause()
         self.paused = True
-        # kill() returns before every thread of the process has stopped: wait until the kernel says
-        # it has (state T), so nothing sent after pause() is answered.
-        deadline = time.monotonic() + 5.0
-        tasks = f"/proc/{self.popen.pid}/task"
-        while time.monotonic() < deadline:
-            try:
-                states = []
-                for tid in os.listdir(tasks):
-                    with open(f"{tasks}/{tid}/stat") as f:
-                        states.append(f.read().rpartition(")")[2].split()[0])
-            except OSError:
-                return
-            if all(state in ("T", "t") for state in states):
-                return
-            time.sleep(0.005)
 
     def resume(self) -> None:
-        self.popen.send_signal(signal.SIGCONT)
+        self.child.resume()
         self.paused = False
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM and wait; SIGKILL if it does not exit in time. Idempotent."""
-        if self.popen.poll() is not None:
-            return
-        if self.paused:
-            self.resume()
-        self.popen.terminate()
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        """SIGTERM (a paused etcd is resumed) and wait; SIGKILL if it does not exit in time. Idempotent."""
+        self._supervisor.stop(self.child, grace_s=timeout)
+        self._supervisor.close()
+        self.paused = False
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()  # works on a stopped process too
-        self.popen.wait()
+        self.child.kill()  # works on a stopped process too

@@ -171,11 +171,10 @@ class Harness:
             "--replicas", str(min(2, self.config.segments)),
             "--timeout", str(self.config.client_timeout_s),
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        with open(self.run_dir / f"worker-{name}.log", "ab") as log:
-            self.workers[name] = subprocess.Popen(
-                args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        # Under the cluster's supervisor: a run that fails half-way leaves no worker running.
+        log = self.run_dir / f"worker-{name}.log"
+        child = self.cluster.supervisor.start(f"worker-{name}", args, env={"PYTHONPATH": str(REPO)}, cwd=REPO, log=log)
+        self.workers[name] = child.popen
 
     # ------------------------------------------------------------ faults
 
