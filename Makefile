@@ -2,7 +2,7 @@
 #   make run    create .venv, install, start a local cluster (master + 1 GiB segment) in the foreground
 #   make test   create .venv, install with test extras, run the default suite (< 10 minutes)
 # Others: make test-slow (soak/slow tests), make test-chaos (history checker under faults, ~10 min),
-# make test-engines (engine adapters, own venv), make lint, make fuzz (atheris + long hypothesis runs),
+# make test-engines (engine adapters, own venv), make lint (ruff, import rules), make fuzz (atheris + long hypothesis runs),
 # make proto, make bench.
 
 PYTHON ?= python3
@@ -58,9 +58,12 @@ CHAOS_SECONDS ?= 600
 test-chaos: $(STAMP)
 	KVTIER_CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m pytest -m chaos -q -o timeout=$$(($(CHAOS_SECONDS) + 300)) tests/e2e
 
+# ruff, then the import rules (import-linter contracts in pyproject.toml: proto <- common <-
+# {master | segment_server | client} <- bench <- cli).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache --no-logo
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

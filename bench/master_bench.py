@@ -79,8 +79,8 @@ def _read_rate(master, method: str, namespace: str, keys: list[str], batch: int,
 
 
 def run_master_bench(objects: int, batch: int, cycles: int) -> MasterResult:
-    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
+    from kvtier.common.local_cluster import LocalCluster
 
     # Values are 64 B but allocations are aligned: leave the segment room for all of them.
     dram = max(256 << 20, objects * 128)

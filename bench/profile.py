@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("py-spy") is None:
         print("py-spy is not installed (pip install py-spy)", file=sys.stderr)
         return 1
-    from kvtier.cli.local_cluster import LocalCluster
+    from kvtier.common.local_cluster import LocalCluster
     from kvtier.common.supervisor import Supervisor
 
     size = parse_size(opts.size)

@@ -338,8 +338,8 @@ def _run_ssd_write(opts: argparse.Namespace) -> int:
 
 
 def run(opts: argparse.Namespace) -> int:
-    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
+    from kvtier.common.local_cluster import LocalCluster
 
     try:
         sizes = [parse_size(s) for s in opts.sizes.split(",") if s]

@@ -129,8 +129,8 @@ def run_ssd_bench(
     segment_args: Sequence[str] = (),
 ) -> list[SsdResult]:
     """One result per entry of `threads`, all over the same objects of `size` bytes."""
-    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
+    from kvtier.common.local_cluster import LocalCluster
 
     say = progress or (lambda _msg: None)
     base = Path(ssd_dir or ".kvtier")

@@ -102,8 +102,8 @@ def _time_recover(directory: Path, cluster_id: str, tier_bytes: int, bucket_size
 
 def _time_segment_start(directory: Path, cluster_id: str, tier_bytes: int, bucket_size: int) -> tuple[float, int]:
     """(seconds from spawn to mounted with the inventory reported, disk objects the master holds)."""
-    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
+    from kvtier.common.local_cluster import LocalCluster
     from kvtier.common.supervisor import Supervisor
 
     cluster = LocalCluster(quiet=True, cluster_id=cluster_id, segments=0).start()  # the master alone

@@ -131,8 +131,8 @@ def _pid_write_bytes(pid: int) -> int:
 
 def run_cluster_write_bench(ssd_bytes: int, size: int, repeat: int, ssd_dir: str, dram: str) -> WriteResult:
     """Offload rate of a local segment under a writer putting as fast as it can (see the module doc)."""
-    from kvtier.cli.local_cluster import LocalCluster
     from kvtier.client import Client
+    from kvtier.common.local_cluster import LocalCluster
 
     base = Path(ssd_dir or ".kvtier")
     base.mkdir(parents=True, exist_ok=True)

@@ -229,7 +229,7 @@ def _up_state_dir(state_dir: str, cluster_id: str) -> str:
 
 
 def cmd_up(opts: argparse.Namespace) -> int:
-    from kvtier.cli.local_cluster import LocalCluster, StartupFailed
+    from kvtier.common.local_cluster import LocalCluster, StartupFailed
 
     # Explicit handlers: SIGINT may be inherited as ignored (background jobs), and
     # service managers stop us with SIGTERM; both must stop the children cleanly.

@@ -86,10 +86,10 @@ def quota_dict(q: pb.QuotaInfo) -> dict[str, Any]:
 def as_bytes_view(value: Any) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous buffer (bytes, bytearray, numpy, ...)."""
     view = value if isinstance(value, memoryview) else memoryview(value)
+    if not view.c_contiguous:  # also a 1-D byte view with a stride (a numpy column): sockets refuse it
+        raise ValueError("buffers must be C-contiguous")
     if view.format == "B" and view.ndim == 1:
         return view
-    if not view.c_contiguous:
-        raise ValueError("buffers must be C-contiguous")
     return view.cast("B")
 
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 FORBIDDEN_TOP_LEVEL = {"uvloop", "numpy", "prometheus_client", "torch", "redis"}
-FORBIDDEN_KVTIER = {"kvtier.master", "kvtier.segment_server", "kvtier.bench"}
+FORBIDDEN_KVTIER = {"kvtier.master", "kvtier.segment_server", "kvtier.bench", "kvtier.cli"}
 
 
 def test_importing_the_client_pulls_in_only_its_declared_dependencies():

@@ -5,6 +5,10 @@ kvtier.segment_server`), never imported: the client stays thin, and the
 benchmark's client is in a different process from the segment server, as in
 production. Readiness comes from each server's `--ready-file`; the children are
 started, watched and stopped by the shared supervisor (kvtier.common.supervisor).
+
+It lives in the shared runtime, not in kvtier.cli: `kvtier up` (kvtier.cli) and the benchmarks
+(kvtier.bench, which kvtier.cli imports) both start clusters with it, and the command package is
+imported by nothing (the import contracts in pyproject.toml, run by `make lint`).
 """
 
 from __future__ import annotations
@@ -150,9 +154,14 @@ class LocalCluster:
             return 0
 
     def stop(self) -> None:
-        """SIGTERM segments first (they unmount cleanly), one at a time, then the master; SIGKILL
-        after 10 s."""
-        for child in reversed(self.children):
+        """SIGTERM the master first, then the segments, one at a time; SIGKILL after 10 s.
+
+        In that order the master's saved state still names the segments, so the next `kvtier up` on
+        the same --state-dir and --ssd-dir waits for them and re-adopts their SSD copies. A segment
+        stopped first would unmount: the master drops its objects, and a restarted master refuses
+        copies of a segment it saw leave (docs/architecture.md, "Returning segments: fences").
+        """
+        for child in self.children:
             child.stop(grace_s=10.0)
         self.children.clear()
         self._supervisor.close()  # one that failed its start, if it still runs

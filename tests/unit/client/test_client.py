@@ -1,0 +1,171 @@
+"""`Client` without a cluster (kvtier.client.client): what it refuses before sending anything, how a
+batch is cut and encoded, and what an unreachable master becomes for each kind of call.
+
+The client points at 127.0.0.1:1, where nothing listens: a call that reached the network would come
+back UNAVAILABLE, so an exception raised instead proves nothing was sent. Everything that needs a
+master and segments (placement, transports, verification, leases, retries across a restart) is in
+tests/integration/: test_put_get.py, test_batch.py, test_round_trips.py, test_errors.py,
+test_transports.py, test_namespaces.py, test_damaged_copies.py and test_master_restart.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.client import Client, Status
+from kvtier.client.client import _caps, _pin_ttl_ms, _split, as_bytes_view, as_writable_view
+from kvtier.proto.errors import InvalidKeyError, KvtierError
+
+NOWHERE = "127.0.0.1:1"
+
+
+@pytest.fixture
+def client():
+    with Client(NOWHERE, timeout=0.5) as client:
+        yield client
+
+
+BAD_KEYS = ["", "a\x00b", "k" * 1025, "é" * 600]  # empty, NUL, over 1 KiB, over 1 KiB of UTF-8
+BAD_KEY_IDS = ["empty", "nul", "long", "long-utf8"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=BAD_KEY_IDS)
+def test_an_invalid_key_is_refused_by_every_call_before_anything_is_sent(client: Client, key: str):
+    calls = [
+        lambda: client.put(key, b"v"),
+        lambda: client.batch_put(["ok", key], [b"v", b"v"]),
+        lambda: client.get(key),
+        lambda: client.batch_get(["ok", key]),
+        lambda: client.get_into(key, bytearray(8)),
+        lambda: client.exists(key),
+        lambda: client.longest_prefix(["ok", key]),
+        lambda: client.remove(key),
+        lambda: client.stat(key),
+        lambda: client.locate(key),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidKeyError) as raised:
+            call()
+        assert raised.value.status == Status.INVALID_KEY and isinstance(raised.value, ValueError)
+    assert client.stats() == {}, "nothing was counted: nothing was tried"
+
+
+def test_a_key_that_is_not_a_string_is_invalid(client: Client):
+    with pytest.raises(InvalidKeyError):
+        client.batch_put([b"bytes"], [b"v"])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pin": "forever"}, "pin must be one of"),
+        ({"pin_ttl": -1.0}, "pin_ttl must be between"),
+        ({"pin_ttl": math.nan}, "pin_ttl must be between"),
+        ({"pin_ttl": 5e6}, "pin_ttl must be between"),  # past the wire's uint32 of milliseconds
+        ({"replicas": 0}, "replicas must be at least 1"),
+    ],
+    ids=["pin", "negative-ttl", "nan-ttl", "huge-ttl", "no-replica"],
+)
+def test_put_options_are_checked_before_anything_is_sent(client: Client, options: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        client.batch_put(["k"], [b"v"], **options)
+    assert client.stats() == {}
+
+
+def test_batches_must_pair_keys_with_values_and_buffers(client: Client):
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        client.batch_put(["a", "b"], [b"v"])
+    with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+        client.batch_get_into(["a", "b"], [bytearray(4)])
+
+
+def test_buffers_must_be_contiguous_and_read_buffers_writable(client: Client):
+    with pytest.raises(TypeError, match="read-only"):
+        client.get_into("k", b"immutable")
+    column = np.zeros((4, 4), dtype=np.uint8)[:, 1]  # bytes, one dimension, but a stride of 4
+    with pytest.raises(ValueError, match="C-contiguous"):
+        client.get_into("k", column)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        client.put("k", column)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        client.put("k", np.zeros((4, 4), dtype=np.uint16).T)
+    assert client.stats() == {}
+
+
+def test_constructor_arguments_are_checked(client: Client):
+    with pytest.raises(ValueError, match="rank"):
+        Client(NOWHERE, rank=-1)
+    with pytest.raises(ValueError, match="instance"):
+        client.register_instance(1, 1, 1 << 30)  # a client without instance= has no quota to register
+
+
+def test_empty_batches_answer_at_once_without_the_master(client: Client):
+    assert client.batch_put([], []) == []
+    assert client.batch_get([]) == [] and client.batch_get_into([], []) == []
+    assert client.batch_exists([]) == [] and client.batch_remove([]) == [] and client.batch_stat([]) == []
+    assert client.longest_prefix([]) == 0
+    assert client.stats() == {}
+
+
+def test_an_unreachable_master_is_a_status_per_key_for_puts_and_a_miss_for_reads(client: Client):
+    assert client.batch_put(["a", "b"], [b"1", b"2"]) == [Status.UNAVAILABLE] * 2
+    with pytest.raises(KvtierError) as raised:
+        client.put("a", b"1")
+    assert raised.value.status == Status.UNAVAILABLE
+    assert "put of 'a' failed" in str(raised.value) and "PutStart" in str(raised.value), "it says why"
+    assert client.get("a") is None
+    assert client.batch_get(["a", "b"], with_source=True) == [(None, None)] * 2
+    assert client.get_into("a", bytearray(8)) == int(Status.UNAVAILABLE)
+    stats = client.stats()
+    assert stats["gets"] == stats["misses"] == 4 and stats["master_failures"] == 3
+
+
+def test_an_unreachable_master_raises_for_calls_whose_answer_is_not_a_miss(client: Client):
+    # "Not there" and "could not ask" must not look alike for exists/remove: an engine would recompute
+    # or believe a key removed.
+    for call in (lambda: client.exists("a"), lambda: client.remove("a"), lambda: client.cluster_status()):
+        with pytest.raises(KvtierError) as raised:
+            call()
+        assert raised.value.status == Status.UNAVAILABLE
+
+
+def test_a_batch_is_cut_into_contiguous_chunks_one_per_thread_for_four_keys_or_more():
+    assert _split(list(range(3)), 8) == [[0, 1, 2]], "small batches stay whole"
+    assert _split(list(range(10)), 4) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], "two parts: 10 // 4"
+    assert _split(list(range(16)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    for n in (1, 4, 7, 16, 33, 100):
+        for parts in (1, 2, 4, 8):
+            chunks = _split(list(range(n)), parts)
+            assert [i for chunk in chunks for i in chunk] == list(range(n)), "every key once, in order"
+            assert len(chunks) <= max(1, min(parts, n // 4)), "no more parts than threads, nor than n // 4"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "ms"),
+    [(0.0, 0), (0.0001, 1), (1.1, 1100), (2.5, 2500), (4294967.295, 4294967295)],
+    ids=["default", "never-rounds-to-default", "float-noise", "half", "max"],
+)
+def test_pin_ttl_goes_on_the_wire_as_milliseconds(seconds: float, ms: int):
+    assert _pin_ttl_ms(seconds) == ms
+
+
+def test_any_contiguous_buffer_is_sent_as_its_bytes_without_a_copy():
+    array = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    view = as_bytes_view(array)
+    assert view.format == "B" and view.ndim == 1 and len(view) == 12
+    assert view.tobytes() == array.tobytes()
+    array[0, 0] = 0xFFFF
+    assert view[0] == 0xFF, "a view of the caller's memory, not a copy"
+    target = bytearray(4)
+    as_writable_view(target)[:2] = b"ab"
+    assert target == b"ab\x00\x00"
+
+
+def test_capability_tags_are_handed_to_each_replica_by_position():
+    tags = bytes(range(48))  # three 16-byte tags
+    assert _caps(tags, 1234, [2, 0]) == (1234, [tags[32:48], tags[0:16]])
+    assert _caps(b"", 1234, [0]) == (1234, []), "no tags: the expiry still bounds the frames"
+    assert _caps(b"", 0, [0]) is None

@@ -1,0 +1,226 @@
+"""The commit log (kvtier.master.commits): what each segment is told about its DRAM copies, in order,
+and when a PutEnd or Remove may answer. Plain objects and a fake clock: given feeds, when notices and
+polls, then what each poll hands out and what the waits see."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.master.commits import POLL_BYTES, CommitLog, PutAcknowledgement, notice_pin
+from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, ObjectRecord, replica
+from kvtier.proto.status import Status
+
+A, B, C = 1, 2, 3  # segment ids
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(name: str, *replicas: int, size: int = 64, pin_until: float = 0.0) -> ObjectRecord:
+    return ObjectRecord(name, size, tuple(replicas), put_id=1, started_at=0.0, pin_until=pin_until)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+class Wakes:
+    """What the log woke: long polls by segment, in order, and the PutEnd waiters."""
+
+    def __init__(self) -> None:
+        self.polls: list[int] = []
+        self.acks = 0
+
+    def ack(self) -> None:
+        self.acks += 1
+
+
+@pytest.fixture
+def wakes() -> Wakes:
+    return Wakes()
+
+
+@pytest.fixture
+def log(clock: FakeClock, wakes: Wakes) -> CommitLog:
+    log = CommitLog(clock)
+    log.notify = wakes.polls.append
+    log.on_ack = wakes.ack
+    return log
+
+
+def names(notices) -> list[tuple[str, bool]]:
+    return [(r.name, dropped) for _, r, dropped in notices.items]
+
+
+def test_notices_are_numbered_per_segment_and_handed_out_in_order(log: CommitLog, wakes: Wakes):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    x, y = record("x", replica(A, 0)), record("y", replica(B, 128))
+    log.committed(A, 0, x)
+    log.committed(B, 128, y)
+    log.dropped(A, 0, x)
+    assert wakes.polls == [A, B, A]
+
+    got = log.poll(A, acked_seq=0, limit=100)
+    assert got.first_seq == 1 and names(got) == [("x", False), ("x", True)]
+    assert [offset for offset, _, _ in got.items] == [0, 0]
+    got = log.poll(B, acked_seq=0, limit=100)
+    assert got.first_seq == 1 and names(got) == [("y", False)]
+    assert log.backlog() == 3, "handing notices out acknowledges nothing"
+
+
+def test_an_acknowledgement_releases_notices_and_a_lost_reply_is_answered_again(log: CommitLog, wakes: Wakes):
+    log.mounted(A, keeps_index=True)
+    for i in range(3):
+        log.committed(A, 64 * i, record(f"k{i}", replica(A, 64 * i)))
+    assert names(log.poll(A, acked_seq=0, limit=2)) == [("k0", False), ("k1", False)]
+    # The reply was lost: the segment polls again with its old acknowledgement and gets the same notices.
+    again = log.poll(A, acked_seq=0, limit=2)
+    assert again.first_seq == 1 and names(again) == [("k0", False), ("k1", False)]
+    after = log.poll(A, acked_seq=2, limit=10)
+    assert after.first_seq == 3 and names(after) == [("k2", False)]
+    assert log.backlog() == 1 and wakes.acks == 1
+    # An acknowledgement past what was handed out counts only what exists.
+    assert log.poll(A, acked_seq=99, limit=10).items == []
+    assert log.backlog() == 0 and not log.has_notices(A, 3)
+
+
+def test_a_poll_answer_stays_under_its_byte_budget_but_always_carries_one_notice(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    big = "b" * POLL_BYTES  # one name over the whole budget
+    log.committed(A, 0, record(big, replica(A, 0)))
+    log.committed(A, 64, record("small", replica(A, 64)))
+    first = log.poll(A, acked_seq=0, limit=100)
+    assert names(first) == [(big, False)], "a notice larger than the budget goes alone, never stuck"
+    assert names(log.poll(A, acked_seq=1, limit=100)) == [("small", False)]
+
+
+def test_segments_not_mounted_get_no_notices_and_their_poll_is_refused(log: CommitLog, wakes: Wakes):
+    log.committed(A, 0, record("x", replica(A, 0)))
+    log.dropped(A, 0, record("x", replica(A, 0)))
+    assert log.poll(A, acked_seq=0, limit=10) is None
+    assert wakes.polls == [] and log.backlog() == 0
+    assert log.unacked_names(A) == set() and not log.keeps_index(A)
+
+
+def test_bulk_commit_tells_every_replica_segment_and_wakes_each_once(log: CommitLog, wakes: Wakes):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    records = [record(f"r{i}", replica(A, 64 * i), replica(B, 64 * i)) for i in range(3)]
+    log.committed_records(records)
+    assert sorted(wakes.polls) == [A, B]
+    for segment in (A, B):
+        got = log.poll(segment, acked_seq=0, limit=10)
+        assert names(got) == [("r0", False), ("r1", False), ("r2", False)]
+        assert [offset for offset, _, _ in got.items] == [0, 64, 128]
+    assert log.unacked_names(A) == {"r0", "r1", "r2"}
+
+
+def test_a_barrier_waits_for_index_keeping_segments_only_until_they_acknowledge(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=False)  # keeps no index: never waited for
+    log.committed(A, 0, record("x", replica(A, 0)))
+    log.committed(B, 0, record("y", replica(B, 0)))
+    barrier = log.barrier()
+    assert barrier == {A: 1}
+    assert not log.acked(barrier)
+    log.committed(A, 64, record("later", replica(A, 64)))  # made after the barrier: not waited for
+    log.poll(A, acked_seq=1, limit=10)
+    assert log.acked(barrier)
+    assert log.barrier() == {A: 2}
+
+
+def test_a_segment_dropped_ends_the_waits_for_it(log: CommitLog, wakes: Wakes):
+    log.mounted(A, keeps_index=True)
+    log.committed(A, 0, record("x", replica(A, 0)))
+    barrier = log.barrier()
+    log.segment_dropped(A)
+    assert log.acked(barrier), "an expelled or departed segment is waited for no longer"
+    assert wakes.acks == 1, "waiters are woken to see it"
+    assert log.barrier() == {} and log.poll(A, 0, 10) is None
+
+
+def test_a_moved_copy_leaves_the_source_index_only_after_the_target_acknowledges(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    moved = record("m", replica(B, 0))
+    log.committed(B, 0, moved)  # the target's copy
+    log.dropped_after(A, 64, moved, target_id=B)
+    assert log.poll(A, 0, 10).items == [], "the source still keeps it while the target may not have it"
+    log.poll(B, acked_seq=1, limit=10)
+    assert names(log.poll(A, 0, 10)) == [("m", True)]
+
+
+def test_a_move_to_a_target_with_nothing_pending_drops_the_source_at_once(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=False)
+    moved = record("m", replica(B, 0))
+    log.committed(B, 0, moved)
+    log.dropped_after(A, 64, moved, target_id=B)  # B keeps no index: nothing to wait for
+    assert names(log.poll(A, 0, 10)) == [("m", True)]
+    log.dropped_after(A, 128, moved, target_id=C)  # C is not mounted
+    assert names(log.poll(A, 1, 10)) == [("m", True)]
+
+
+def test_a_target_that_goes_away_releases_the_drops_waiting_for_it(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    moved = record("m", replica(B, 0))
+    log.committed(B, 0, moved)
+    log.dropped_after(A, 64, moved, target_id=B)
+    log.segment_dropped(B)
+    assert names(log.poll(A, 0, 10)) == [("m", True)], "its copy is gone: the source's drop goes out now"
+
+
+def test_silent_segments_are_those_keeping_an_index_with_notices_waiting(log: CommitLog, clock: FakeClock):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    log.mounted(C, keeps_index=False)
+    log.committed(A, 0, record("x", replica(A, 0)))
+    log.committed(C, 0, record("y", replica(C, 0)))
+    clock.now += 10.5
+    assert log.silent(ttl_s=10.0) == [A], "B has nothing waiting, C keeps no index"
+    log.forgive(gap_s=5.0)  # the master itself was not running for 5 s
+    assert log.silent(ttl_s=10.0) == []
+    log.poll(A, acked_seq=0, limit=10)  # polling (even acknowledging nothing) is a sign of life
+    clock.now += 9.0
+    assert log.silent(ttl_s=10.0) == []
+
+
+def test_unacked_names_are_what_the_segment_may_or_may_not_have_applied(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.committed(A, 0, record("x", replica(A, 0)))
+    log.committed(A, 64, record("y", replica(A, 64)))
+    log.poll(A, acked_seq=0, limit=10)
+    assert log.unacked_names(A) == {"x", "y"}, "handed out but not acknowledged"
+    log.poll(A, acked_seq=1, limit=10)
+    assert log.unacked_names(A) == {"y"}
+
+
+def test_a_notice_carries_a_soft_pins_time_left(clock: FakeClock):
+    assert notice_pin(record("n"), now=clock.now) == (PIN_NONE, 0)
+    assert notice_pin(record("h", pin_until=math.inf), now=clock.now) == (PIN_HARD, 0)
+    assert notice_pin(record("s", pin_until=clock.now + 2.5), now=clock.now) == (PIN_SOFT, 2500)
+    assert notice_pin(record("s", pin_until=clock.now - 1), now=clock.now) == (PIN_SOFT, 0)
+
+
+def test_an_acknowledged_put_whose_segment_is_gone_is_not_answered_ok():
+    kept = record("kept", replica(A, 0))
+    moved = record("moved", replica(A, 64))
+    lost = record("lost", replica(B, 0))
+    acknowledgement = PutAcknowledgement(
+        [(0, kept, kept.replicas), (1, moved, moved.replicas), (2, lost, lost.replicas)]
+    )
+    moved.replicas = (replica(C, 0),)  # a new tuple, but the segment it was committed on is still there
+    lost.replicas = ()  # its segment was dropped
+    statuses = [int(Status.OK)] * 3
+    assert acknowledgement.settle(mounted={A, C}, statuses=statuses) == 1
+    assert statuses == [int(Status.OK), int(Status.OK), int(Status.SEGMENT_NOT_FOUND)]
