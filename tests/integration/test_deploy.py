@@ -32,6 +32,7 @@ from kvtier.proto.region import HEADER_SIZE
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.server import FD_RESERVE, max_buckets
 from tests.capability import require
+from tests.integration.test_alerts import rule_metric_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 BIN = Path(sys.executable).parent  # the venv's console scripts: kvtier-master, kvtier-segment
@@ -763,7 +764,7 @@ def test_dashboard_is_well_formed_and_shows_the_four_hits_side_by_side():
     assert "tier" in row_text and "transport" in row_text
 
 
-def test_every_metric_on_the_dashboard_is_exported_by_a_running_cluster(bare_cluster, tmp_path: Path):
+def test_every_metric_on_the_dashboard_and_in_the_alerts_is_exported_by_a_running_cluster(bare_cluster, tmp_path: Path):
     bare_cluster.start_master("--metrics", "127.0.0.1:0")
     seg = bare_cluster.start_segment(
         "seg0", "64MiB", "--metrics", "127.0.0.1:0", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-size", "64MiB"
@@ -787,3 +788,17 @@ def test_every_metric_on_the_dashboard_is_exported_by_a_running_cluster(bare_clu
     assert len(wanted) > 30
     missing = {name: panel for name, panel in wanted.items() if name not in exported}
     assert not missing, f"dashboard metrics no process exports: {missing}"
+    # the alerts (deploy/prometheus/rules): a family exported without samples yet (a counter no event
+    # has touched) still has its HELP/TYPE lines, which is what exported_names reads
+    alerting = rule_metric_names()
+    assert len(alerting) > 10
+    assert not alerting - exported, f"alert rules read metrics no process exports: {sorted(alerting - exported)}"
+    # the quota gauges carry engine_instance, never Prometheus's own instance label
+    with urllib.request.urlopen(f"http://{bare_cluster.master.info['metrics']}/metrics", timeout=5) as response:
+        quota = [
+            sample
+            for family in text_string_to_metric_families(response.read().decode())
+            if family.name.startswith("kvtier_master_quota")
+            for sample in family.samples
+        ]
+    assert quota and all(set(s.labels) == {"engine_instance", "rank"} for s in quota), quota
