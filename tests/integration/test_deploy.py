@@ -270,7 +270,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path):
         for unit in UNITS.glob("*.service"):
             text = unit.read_text()
             assert "ExecStart=/opt/kvtier/bin/" in text, f"{unit.name}: ExecStart moved, update this test"
-            text = text.replace("ExecStart=/opt/kvtier/bin/", f"ExecStart={BIN}/")
+            text = re.sub(r"(?m)^(Exec\w+=-?)/opt/kvtier/bin/", rf"\g<1>{BIN}/", text)
             if break_it:
                 text = text.replace("TasksMax=", "TasksMaxx=")
             (directory / unit.name).write_text(text)
@@ -333,6 +333,69 @@ def test_units_are_hardened_and_sized_from_their_configs():
     assert systemd_bytes(one(segment, "MemoryMax")) == segment_memory(cfg), "MemoryMax = dram + buffers + 512MiB"
     buckets = max_buckets(parse_size(cfg["ssd_size"]), parse_size(cfg["ssd_bucket_size"]), cfg["ssd_bucket_keys"])
     assert int(one(segment, "LimitNOFILE")) >= buckets + FD_RESERVE, "the segment would refuse to start"
+
+
+DRAIN_BANDWIDTH = 200 * MiB  # deploy/README.md, "Drain on stop": what a grace period is sized from
+
+
+def drain_timeout(argv: list[str]) -> float:
+    return float(argv[argv.index("--timeout") + 1])
+
+
+def test_segments_drain_on_stop_within_a_stop_timeout_sized_from_dram():
+    segment = read_unit(UNITS / "kvtier-segment@.service")
+    stop = one(segment, "ExecStop")
+    assert stop.startswith("-/opt/kvtier/bin/kvtier drain "), "a failed drain must not fail the stop"
+    argv = stop[1:].split()
+    assert argv[argv.index("--segment-config") + 1] == "/etc/kvtier/segment-%i.toml", "the instance's own config"
+    cfg = effective("kvtier-segment", DEPLOY / "config" / "segment.toml")
+    assert drain_timeout(argv) >= 2 * parse_size(cfg["dram"]) / DRAIN_BANDWIDTH
+    assert int(one(segment, "TimeoutStopSec").removesuffix("s")) >= drain_timeout(argv) + 30
+    # the secret reaches both the server and the drain as a credential file, never as a value
+    for name, unit, variable in (
+        ("segment", segment, "SEGMENT"),
+        ("master", read_unit(UNITS / "kvtier-master.service"), "MASTER"),
+    ):
+        assert one(unit, "LoadCredential") == "cluster.secret:/etc/kvtier/cluster.secret", name
+        assert f"KVTIER_{variable}_SECRET_FILE=%d/cluster.secret" in unit["Service.Environment"], name
+        assert not any("KVTIER_SECRET=" in e for e in unit.get("Service.Environment", [])), name
+
+
+def test_the_units_execstop_command_really_drains_the_segment(bare_cluster, tmp_path: Path):
+    """The unit's exact ExecStop (binary directory, config path and %d the only substitutions), run
+    with the unit's Environment=, moves the segment's objects to the other segment before it stops."""
+    credentials = tmp_path / "credentials"  # what LoadCredential= makes: $CREDENTIALS_DIRECTORY
+    credentials.mkdir(mode=0o700)
+    (credentials / "cluster.secret").write_text(TEST_SECRET)
+    (credentials / "cluster.secret").chmod(0o400)
+    bare_cluster.secret_file = str(credentials / "cluster.secret")
+    bare_cluster.start_master()
+    leaving = bare_cluster.start_segment("node-a", "16MiB")
+    client = bare_cluster.client(transport="tcp")
+    keys = [f"drain/{i}" for i in range(40)]
+    values = [os.urandom(64 << 10) for _ in keys]
+    assert not any(client.batch_put(keys, values))
+    staying = bare_cluster.start_segment("node-b", "16MiB")
+    # the segment's config as the unit reads it: name and master in the file, secret from Environment=
+    config = tmp_path / "segment-a.toml"
+    config.write_text(
+        f'master = "{bare_cluster.master.info["address"]}"\ncluster_id = "{bare_cluster.cluster_id}"\nname = "node-a"\n'
+    )
+    segment = read_unit(UNITS / "kvtier-segment@.service")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    for assignment in segment["Service.Environment"]:
+        name, _, value = assignment.partition("=")
+        env[name] = value.replace("%d", str(credentials))
+    stop = one(segment, "ExecStop").removeprefix("-")
+    stop = stop.replace("/opt/kvtier/bin/", f"{BIN}/").replace("/etc/kvtier/segment-%i.toml", str(config))
+    assert "%" not in stop, stop
+    result = subprocess.run(stop.split(), env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"node-a\s+\S+\s+(\d+)", result.stdout), result.stdout
+    # the drained server unmounted and exited 0 by itself (Restart=on-failure leaves it down)
+    assert leaving.popen.wait(timeout=30) == 0
+    assert staying.alive
+    assert client.batch_get(keys) == values, "every object moved to node-b before node-a stopped"
 
 
 # ------------------------------------------------------------------ compose
