@@ -32,7 +32,9 @@ from kvtier.proto.region import HEADER_SIZE
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.server import FD_RESERVE, max_buckets
 from tests.capability import require
+from tests.etcd import ETCD_BINARY, etcd_available
 from tests.integration.test_alerts import rule_metric_names
+from tests.integration.test_tls import pki  # noqa: F401  (the fixture)
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 BIN = Path(sys.executable).parent  # the venv's console scripts: kvtier-master, kvtier-segment
@@ -60,12 +62,48 @@ def _secret_file(tmp_path_factory):
 
 TEST_SECRET_FILE = ""
 
+# Certificates and keys a deployment mounts (etcd client certificates, the master's TLS files) are
+# stood in for the same way, by a test CA's files (tests/integration/test_tls.py's pki).
+TEST_PKI: Path = Path()
+PEM_STAND_INS = {
+    "etcd_ca_file": "ca.pem",
+    "etcd_cert_file": "client.pem",
+    "etcd_key_file": "client.key",
+    "tls_ca_file": "ca.pem",
+    "tls_client_ca_file": "ca.pem",
+    "tls_cert_file": "server.pem",
+    "tls_key_file": "server.key",
+}
+HOST_FILES = {"secret_file", *PEM_STAND_INS}  # options naming a file on the real host
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _test_pki(pki):  # noqa: F811
+    global TEST_PKI
+    TEST_PKI = pki
+
+
+def _configured(service: str, config: Path | None, env: dict[str, str], key: str) -> str | None:
+    name = env.get(f"{SERVICES[service][1]}{key.upper()}")
+    if name is None and config is not None:
+        name = tomllib.loads(config.read_text()).get(key)
+    return name
+
 
 def _missing_secret_file(service: str, config: Path | None, env: dict[str, str]) -> bool:
-    name = env.get(f"{SERVICES[service][1]}SECRET_FILE")
-    if name is None and config is not None:
-        name = tomllib.loads(config.read_text()).get("secret_file")
+    name = _configured(service, config, env, "secret_file")
     return bool(name) and not os.path.exists(name)
+
+
+def _pem_stand_ins(service: str, config: Path | None, env: dict[str, str], flags: tuple[str, ...]) -> list[str]:
+    """Flags replacing every configured PEM file that exists only on a real host by the test CA's."""
+    out = []
+    for key, stand_in in PEM_STAND_INS.items():
+        flag = "--" + key.replace("_", "-")
+        name = _configured(service, config, env, key)
+        if name and not os.path.exists(name) and flag not in flags:
+            out += [flag, str(TEST_PKI / stand_in)]
+    return out
 
 
 def print_config(
@@ -79,6 +117,7 @@ def print_config(
         env["KVTIER_SECRET"] = TEST_SECRET
     if _missing_secret_file(service, config, env) and "--secret-file" not in flags:
         flags = (*flags, "--secret-file", TEST_SECRET_FILE)
+    flags = (*flags, *_pem_stand_ins(service, config, env, flags))
     args = [str(BIN / service), *(["--config", str(config)] if config else []), *flags, "--print-config"]
     return subprocess.run(args, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=60)
 
@@ -143,7 +182,7 @@ def test_every_example_config_is_accepted_as_written(path: Path):
     env = {"KVTIER_SECRET": "${KVTIER_SECRET}"} if "compose" in path.parts else None
     cfg = effective(service_of(path), path, env)
     for key, value in written.items():
-        if key == "secret_file" and not os.path.exists(value):
+        if key in HOST_FILES and not os.path.exists(value):
             continue  # a path on the real host, stood in for here (print_config)
         assert cfg[key] == value, f"{path}: {key} = {value!r} became {cfg[key]!r}"
 
@@ -560,6 +599,15 @@ def kustomize(directory: Path) -> tuple[list[dict], dict[str, dict[str, str]]]:
             configmaps.update(maps)
         else:
             objects += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for patch in spec.get("patches", []):
+        document = yaml.safe_load((directory / patch["path"]).read_text())
+        target = next(
+            o
+            for o in objects
+            if (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace"))
+            == (document["kind"], document["metadata"]["name"], document["metadata"].get("namespace"))
+        )
+        strategic_merge(target, document)
     for generator in spec.get("configMapGenerator", []):
         data = {}
         for item in generator.get("files", []):
@@ -570,6 +618,37 @@ def kustomize(directory: Path) -> tuple[list[dict], dict[str, dict[str, str]]]:
         assert (name in configmaps) == (behavior != "create"), f"{directory}: {behavior} {name}"
         configmaps[name] = {**configmaps[name], **data} if behavior == "merge" else data
     return objects, configmaps
+
+
+# The merge keys of the lists our patches touch (Kubernetes' strategic merge patch).
+MERGE_KEYS = {
+    "containers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+
+
+def strategic_merge(target: dict, patch: dict) -> None:
+    """Apply a strategic-merge patch in place, for what deploy/'s patches use: maps merge, lists with
+    a merge key merge by it (an item with `$patch: delete` removes its match), other values replace."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            strategic_merge(target[key], value)
+        elif isinstance(value, list) and key in MERGE_KEYS and isinstance(target.get(key), list):
+            merge_key = MERGE_KEYS[key]
+            for item in value:
+                match = next((t for t in target[key] if t.get(merge_key) == item[merge_key]), None)
+                if item.get("$patch") == "delete":
+                    assert match is not None, f"patch deletes a missing {key} {item[merge_key]}"
+                    target[key].remove(match)
+                elif match is not None:
+                    strategic_merge(match, item)
+                else:
+                    target[key].append(item)
+        else:
+            target[key] = value
 
 
 def container_env(container: dict) -> dict[str, str]:
@@ -600,12 +679,25 @@ def kube_container_config(pod: dict, container: dict, configmaps: dict, tmp_path
     return command[0], effective(command[0], path, container_env(container), *command[3:])
 
 
-@pytest.mark.parametrize("variant", ["standalone", "ha"])
+VARIANTS = ["standalone", "ha", "tls"]
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
+
+
+def kvtier_workloads(objects: list[dict]) -> dict[str, dict]:
+    """The kvtier workloads by name (the etcd reference of ha/ has its own test)."""
+    return {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] in WORKLOAD_KINDS and o["spec"]["template"]["spec"]["containers"][0]["command"][0] in SERVICES
+    }
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(variant: str, tmp_path: Path):
     objects, configmaps = kustomize(KUBE / variant)
     kinds = [o["kind"] for o in objects]
-    assert kinds.count("Namespace") == 1 and "ServiceMonitor" in kinds
-    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")}
+    assert kinds.count("Namespace") == 2 and "ServiceMonitor" in kinds and "PrometheusRule" in kinds
+    workloads = kvtier_workloads(objects)
     seen = {}
     for workload in workloads.values():
         pod = workload["spec"]["template"]["spec"]
@@ -620,6 +712,9 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
             assert pod["securityContext"]["runAsUser"] != 0
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert ports["metrics"] == port_of(cfg["metrics"])
+            assert cfg["metrics"] == f"10.1.2.3:{ports['metrics']}", "metrics bind the pod address, not every one"
+            assert pod["automountServiceAccountToken"] is False, "no service-account token: no API calls"
+            assert not pod.get("initContainers"), "no init container (the last one ran as root)"
             assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
             assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
             limits, requests = container["resources"]["limits"], container["resources"]["requests"]
@@ -627,7 +722,7 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
     master_workload, master_pod, master_container, master_cfg = seen["kvtier-master"]
     segment_workload, segment_pod, segment_container, segment_cfg = seen["kvtier-segment"]
     assert master_cfg["listen"] == "10.1.2.3:50051", "the master binds (and announces) the pod's address"
-    if variant == "standalone":
+    if variant in ("standalone", "tls"):
         assert master_workload["kind"] == "Deployment" and master_workload["spec"]["replicas"] == 1
         assert master_workload["spec"]["strategy"]["type"] == "Recreate"
         mounts = {m["mountPath"]: m["name"] for m in master_container["volumeMounts"]}
@@ -636,11 +731,27 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
         state = next(v for v in master_pod["volumes"] if v["name"] == mounts[SERVICE_STATE_ROOT])
         claim = state["persistentVolumeClaim"]["claimName"]
         assert any(o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == claim for o in objects)
-        assert segment_cfg["master"] == "kvtier-master:50051"
+        # the master Service in the masters' namespace, from the segments' own
+        assert segment_cfg["master"] == "kvtier-master.kvtier.svc:50051"
+        if variant == "tls":
+            assert master_cfg["tls_cert_file"] and master_cfg["fast_listen"] == "off"
+            assert segment_cfg["tls_ca_file"]
+            assert "fast" not in {p["name"] for p in master_container["ports"]}
     else:
         assert master_workload["kind"] == "StatefulSet" and master_workload["spec"]["replicas"] == 3
-        assert master_cfg["etcd"].startswith("etcd://etcd:2379/") and not master_cfg["state_dir"]
+        assert master_cfg["etcd"].startswith("etcd://etcd-0.etcd.kvtier.svc:2379,") and not master_cfg["state_dir"]
+        assert master_cfg["etcd_cert_file"] and master_cfg["etcd_key_file"] and master_cfg["etcd_ca_file"]
         assert segment_cfg["master"] == master_cfg["etcd"], "segments find the leader in etcd"
+        assert segment_cfg["etcd_cert_file"], "and present the etcd client certificate"
+        # standbys that follow are ready (/readyz), so the masters roll one at a time under a PDB
+        assert master_workload["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+        budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+        master_budget = next(
+            b
+            for b in budgets
+            if b["spec"]["selector"]["matchLabels"] == master_workload["spec"]["selector"]["matchLabels"]
+        )
+        assert master_budget["spec"]["maxUnavailable"] == 1
     assert segment_cfg["cluster_id"] == master_cfg["cluster_id"]
 
     # segment: a DaemonSet with its region in an explicitly sized memory /dev/shm, NVMe on hostPath
@@ -655,10 +766,18 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
     assert k8s_quantity(shm["sizeLimit"]) <= k8s_quantity(limits["memory"])
     assert k8s_quantity(limits["memory"]) == segment_memory(segment_cfg), "memory = dram + buffers + 512Mi"
     assert segment_container["resources"]["requests"] == limits, "Guaranteed QoS: the last pod evicted"
-    assert "hostPath" in volumes[mounts[segment_cfg["ssd_dir"]]]
+    ssd = volumes[mounts[segment_cfg["ssd_dir"]]]["hostPath"]
+    assert ssd["type"] == "Directory", "an unmounted NVMe fails the pod instead of filling the root disk"
+
+    # drain on stop: preStop drains the segment its own config names, within the grace period
+    prestop = segment_container["lifecycle"]["preStop"]["exec"]["command"]
+    assert prestop[:2] == ["kvtier", "drain"]
+    assert prestop[prestop.index("--segment-config") + 1] == segment_container["command"][2], "the same config"
+    assert drain_timeout(prestop) >= 2 * parse_size(segment_cfg["dram"]) / DRAIN_BANDWIDTH
+    assert segment_pod["terminationGracePeriodSeconds"] >= drain_timeout(prestop) + 30
 
     # Services select real pods; the ServiceMonitor finds them by label and port name
-    pod_labels = [w["spec"]["template"]["metadata"]["labels"] for w in workloads.values()]
+    pod_labels = [w["spec"]["template"]["metadata"]["labels"] for w in objects if w["kind"] in WORKLOAD_KINDS]
     services = [o for o in objects if o["kind"] == "Service"]
     monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
@@ -674,24 +793,211 @@ def test_kubernetes_workloads_run_with_accepted_configs_probes_and_limits(varian
         assert service["spec"]["publishNotReadyAddresses"] is True
 
 
+NAMESPACES = {"kvtier", "kvtier-segments"}
+RESTRICTED_VOLUMES = {"configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What keeps a pod spec from Pod Security "restricted" (the checks that apply to deploy/'s pods)."""
+    out = []
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(host):
+            out.append(host)
+    out += [f"volume {v['name']}" for v in pod.get("volumes", []) if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    pod_security = pod.get("securityContext", {})
+    if pod_security.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        out.append("seccompProfile")
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        security = container.get("securityContext", {})
+        if not (security.get("runAsNonRoot") or pod_security.get("runAsNonRoot")):
+            out.append(f"{container['name']}: runAsNonRoot")
+        if 0 in (security.get("runAsUser"), pod_security.get("runAsUser")):
+            out.append(f"{container['name']}: runAsUser 0")
+        if security.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{container['name']}: allowPrivilegeEscalation")
+        if security.get("capabilities", {}).get("drop") != ["ALL"] or security.get("capabilities", {}).get("add"):
+            out.append(f"{container['name']}: capabilities")
+        if security.get("privileged"):
+            out.append(f"{container['name']}: privileged")
+    return out
+
+
+def policy_peers(policies: list[dict], namespace: str, labels: dict, port: int, direction: str) -> list[dict]:
+    """The peers (as written) that the policies selecting this pod admit on `port`, in `direction`
+    ("ingress" or "egress")."""
+    peers = []
+    key = "from" if direction == "ingress" else "to"
+    for policy in policies:
+        spec = policy["spec"]
+        if policy["metadata"]["namespace"] != namespace:
+            continue
+        if not spec["podSelector"].get("matchLabels", {}).items() <= labels.items():
+            continue
+        for rule in spec.get(direction, []):
+            if any(p["port"] == port for p in rule.get("ports", [])):
+                peers += [{**peer, "_namespace": namespace} for peer in rule[key]]
+    return peers
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kubernetes_namespaces_pod_security_and_network_policies(variant: str):
+    objects, _ = kustomize(KUBE / variant)
+    namespaces = {o["metadata"]["name"]: o["metadata"]["labels"] for o in objects if o["kind"] == "Namespace"}
+    assert set(namespaces) == NAMESPACES
+    assert all(o["metadata"].get("namespace") in NAMESPACES for o in objects if o["kind"] != "Namespace")
+    # masters (and etcd) meet "restricted", enforced; segments meet it except their hostPath, warned
+    assert namespaces["kvtier"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert namespaces["kvtier-segments"]["pod-security.kubernetes.io/warn"] == "restricted"
+    assert namespaces["kvtier-segments"]["pod-security.kubernetes.io/audit"] == "restricted"
+    for workload in (o for o in objects if o["kind"] in WORKLOAD_KINDS):
+        pod = workload["spec"]["template"]["spec"]
+        violations = restricted_violations(pod)
+        if workload["metadata"]["namespace"] == "kvtier":
+            assert not violations, (workload["metadata"]["name"], violations)
+        else:
+            assert violations == ["volume ssd"], (workload["metadata"]["name"], violations)
+        assert pod["automountServiceAccountToken"] is False, workload["metadata"]["name"]
+
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    for namespace in NAMESPACES:
+        deny = [p for p in policies if p["metadata"]["namespace"] == namespace and p["spec"]["podSelector"] == {}]
+        assert any(
+            set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+            and not p["spec"].get("ingress")
+            and not p["spec"].get("egress")
+            for p in deny
+        ), namespace
+    master = ("kvtier", {"app.kubernetes.io/name": "kvtier-master"})
+    segment = ("kvtier-segments", {"app.kubernetes.io/name": "kvtier-segment"})
+    engine = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"kvtier.io/client": "true"}}}
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    segments_from_masters = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvtier-segments"}},
+        "podSelector": {"matchLabels": segment[1]},
+    }
+
+    def admitted(pod, port, direction="ingress") -> list[dict]:
+        return [
+            {k: v for k, v in p.items() if k != "_namespace"} for p in policy_peers(policies, *pod, port, direction)
+        ]
+
+    for port in (50051, 50052):  # control: engines and segments only
+        assert admitted(master, port) == [engine, segments_from_masters], port
+    assert admitted(segment, 7000) == [engine, {"podSelector": {"matchLabels": segment[1]}}]
+    for pod in (master, segment):
+        assert admitted(pod, 9450) == [monitoring], pod  # metrics: monitoring only
+        for port in (7000, 50051, 50052, 9450, 2379):
+            assert not any(p == {} or p == {"namespaceSelector": {}} for p in admitted(pod, port)), (pod, port)
+    # egress: masters reach etcd alone; segments the masters, each other (drain) and etcd
+    assert admitted(master, 2379, "egress") == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "etcd"}}}]
+    assert (
+        admitted(segment, 50051, "egress") and admitted(segment, 7000, "egress") and admitted(segment, 2379, "egress")
+    )
+    assert not admitted(master, 7000, "egress"), "masters dial no segment"
+
+
+def test_the_etcd_reference_is_three_members_over_tls_with_client_certificates():
+    objects, _ = kustomize(KUBE / "ha")
+    etcd = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "etcd")
+    spec, pod = etcd["spec"], etcd["spec"]["template"]["spec"]
+    assert spec["replicas"] == 3 and spec["serviceName"] == "etcd"
+    (container,) = pod["containers"]
+    flags = dict(arg.removeprefix("--").partition("=")[::2] for arg in container["command"][1:])
+    for name in ("cert-file", "key-file", "trusted-ca-file", "peer-cert-file", "peer-key-file", "peer-trusted-ca-file"):
+        assert flags[name].startswith("/etc/etcd/tls/"), name
+    assert "client-cert-auth" in flags and "peer-client-cert-auth" in flags
+    assert flags["listen-client-urls"].startswith("https://") and flags["listen-peer-urls"].startswith("https://")
+    members = dict(m.split("=", 1) for m in flags["initial-cluster"].split(","))
+    domain = f"{spec['serviceName']}.{etcd['metadata']['namespace']}.svc"
+    assert members == {f"etcd-{i}": f"https://etcd-{i}.{domain}:2380" for i in range(3)}
+    # every flag is one etcd knows (the installed etcd's --help; the image's is newer, not older)
+    if etcd_available():
+        known = subprocess.run([ETCD_BINARY, "--help"], capture_output=True, text=True, timeout=30)
+        help_text = known.stdout + known.stderr
+        assert all(f"--{name}" in help_text for name in flags), [n for n in flags if f"--{n}" not in help_text]
+    # the masters and segments dial exactly the members, by the names the server certificate covers
+    _, configmaps = kustomize(KUBE / "ha")
+    url = tomllib.loads(configmaps["kvtier-master"]["master.toml"])["etcd"]
+    endpoints = url.removeprefix("etcd://").rpartition("/")[0].split(",")
+    assert endpoints == [f"etcd-{i}.{domain}:2379" for i in range(3)]
+    budget = next(o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "etcd")
+    assert budget["spec"]["maxUnavailable"] == 1, "quorum: one of three down at a time"
+
+
+def server_certificate(directory: Path, ip: str) -> tuple[Path, Path]:
+    """A server certificate for `ip`, signed by the test CA."""
+    cert, key, ext = directory / "server.pem", directory / "server.key", directory / "server.ext"
+    ext.write_text(f"subjectAltName=IP:{ip}\n")
+    run = {"capture_output": True, "check": True, "timeout": 60}
+    subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", directory / "server.csr",
+                    "-subj", "/CN=kvtier-master"], **run)  # fmt: skip
+    subprocess.run(["openssl", "x509", "-req", "-in", directory / "server.csr", "-CA", TEST_PKI / "ca.pem",
+                    "-CAkey", TEST_PKI / "ca.key", "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", ext],
+                   **run)  # fmt: skip
+    key.chmod(0o600)
+    return cert, key
+
+
+def test_the_tls_overlay_master_starts_as_shipped(bare_cluster, tmp_path: Path):
+    """The overlay's exact master.toml and container environment (the pod IP a loopback address here);
+    only the paths of files that exist on a real host (the Secrets, the PVC) point at test ones."""
+    objects, configmaps = kustomize(KUBE / "tls")
+    deployment = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "kvtier-master")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    config = tmp_path / "master.toml"
+    config.write_text(configmaps["kvtier-master"]["master.toml"])
+    pod_ip = "127.0.0.22"
+    env = {k: v.replace("10.1.2.3", pod_ip) for k, v in container_env(container).items()}
+    env["KVTIER_MASTER_STATE_DIR"] = str(tmp_path / "state")  # the PVC
+    assert container["command"][1:] == ["--config", "/etc/kvtier/master.toml"]  # the ConfigMap's file
+    argv = [str(BIN / container["command"][0]), "--config", str(config)]
+    cert, key = server_certificate(tmp_path, pod_ip)  # the Secret kvtier-master-tls: a SAN for the pod IP
+    argv += ["--secret-file", TEST_SECRET_FILE, "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    argv += ["--ready-file", str(tmp_path / "ready")]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    # The base's environment alone (its fast-path address) next to TLS is what used to stop it: exit 2.
+    base_env = {**env, "KVTIER_MASTER_FAST_LISTEN": f"{pod_ip}:50052"}
+    refused = subprocess.run([*argv, "--print-config"], env={**clean, **base_env}, capture_output=True, text=True)
+    assert refused.returncode == 2 and "fast_listen" in refused.stderr, refused.stderr
+    log = tmp_path / "master.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env={**clean, **env}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert bare_cluster.wait_for(lambda: (tmp_path / "ready").exists() or proc.poll() is not None, timeout=30)
+        assert proc.poll() is None, log.read_text()
+        info = json.loads((tmp_path / "ready").read_text())
+        assert info["address"] == f"{pod_ip}:50051" and info["fast_endpoint"] == ""
+        with urllib.request.urlopen(f"http://{pod_ip}:9450/readyz", timeout=5) as response:
+            assert response.status == 200
+        from kvtier.client import Client
+
+        with Client(
+            info["address"], timeout=10.0, secret_file=TEST_SECRET_FILE, tls_ca_file=str(TEST_PKI / "ca.pem")
+        ) as c:
+            assert c.batch_exists(["over-tls"]) == [False]  # a metadata call over TLS
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
 # Optional, also under CI: no Debian package has a kubectl whose kustomize knows `labels:`
 # (kubernetes-client 1.20 bundles kustomize v2), and a kubectl from elsewhere is a download CI does
 # not make. The static checks above (kustomize() follows resources and generators the same way)
 # run everywhere; this one adds the real tool where it is installed.
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (optional, see comment)")
-@pytest.mark.parametrize("variant", ["standalone", "ha"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_kubectl_kustomize_builds(variant: str):
     result = subprocess.run(["kubectl", "kustomize", str(KUBE / variant)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    workload = ("Deployment" if variant == "standalone" else "StatefulSet", "kvtier-master")
+    workload = ("StatefulSet" if variant == "ha" else "Deployment", "kvtier-master")
     assert workload in names and ("DaemonSet", "kvtier-segment") in names
     # generated ConfigMaps carry a content hash, and the workloads were rewritten to use it
     generated = {name for kind, name in names if kind == "ConfigMap"}
     assert len(generated) == 2, generated  # kvtier-master-<hash>, kvtier-segment-<hash>
     assert all(re.fullmatch(r"kvtier-(master|segment)-[a-z0-9]{10}", name) for name in generated), generated
-    assert all(o["metadata"].get("namespace") == "kvtier" for o in objects if o["kind"] != "Namespace")
+    assert all(o["metadata"].get("namespace") in NAMESPACES for o in objects if o["kind"] != "Namespace")
     used = {
         v["configMap"]["name"]
         for o in objects
