@@ -26,13 +26,15 @@ import yaml
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.common.config import EtcdSecurity
+from kvtier.common.etcd_client import EtcdClient
 from kvtier.common.units import parse_size
 from kvtier.master.config import SERVICE_STATE_ROOT, MasterConfig, default_state_dir
 from kvtier.proto.region import HEADER_SIZE
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.server import FD_RESERVE, max_buckets
 from tests.capability import require
-from tests.etcd import ETCD_BINARY, etcd_available
+from tests.etcd import ETCD_BINARY, EtcdServer, etcd_available
 from tests.integration.test_alerts import rule_metric_names
 from tests.integration.test_tls import pki  # noqa: F401  (the fixture)
 
@@ -47,7 +49,7 @@ HEADROOM = 512 * MiB  # deploy/README.md: a segment's memory = dram + ssd_read_b
 
 # What a deployment gives a service as its cluster secret, stood in for on this machine: a secret
 # file path that exists only on a real host (/etc/kvtier/cluster.secret, a mounted Kubernetes
-# Secret) is replaced by this one, and compose's ${KVTIER_SECRET...} by its contents.
+# Secret, a compose secret in /run/secrets, a systemd credential) is replaced by this one.
 TEST_SECRET = "0123456789abcdef0123456789abcdef"
 
 
@@ -113,8 +115,6 @@ def print_config(
     prefix = SERVICES[service][1]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(prefix) and k != "KVTIER_SECRET"}
     env = dict(env or {})
-    if env.get("KVTIER_SECRET", "").startswith("${KVTIER_SECRET"):  # compose: from the host's environment
-        env["KVTIER_SECRET"] = TEST_SECRET
     if _missing_secret_file(service, config, env) and "--secret-file" not in flags:
         flags = (*flags, "--secret-file", TEST_SECRET_FILE)
     flags = (*flags, *_pem_stand_ins(service, config, env, flags))
@@ -128,10 +128,8 @@ def effective(service: str, config: Path | None, env: dict[str, str] | None = No
     The service ignores environment variables that name no option, so a misspelt one is caught here."""
     cls, prefix = SERVICES[service]
     options = {f.name for f in dataclasses.fields(cls)} | {"config"}
-    for name, value in (env or {}).items():
-        if name == "KVTIER_SECRET":  # every service's; never written into a deployment file
-            assert value.startswith("${KVTIER_SECRET"), "the secret must come from the host's environment"
-            continue
+    for name in env or {}:
+        assert name != "KVTIER_SECRET", "a secret is never passed through the environment: secret_file"
         assert name.startswith(prefix) and name[len(prefix) :].lower() in options, f"{service} has no {name}"
     result = print_config(service, config, env, *flags)
     assert result.returncode == 0, f"{service} rejected {config} env={env}: {result.stderr.strip()}"
@@ -178,9 +176,7 @@ def test_every_example_config_is_accepted_as_written(path: Path):
     """Each TOML file in deploy/ loads, and every key it sets is in the effective config unchanged."""
     written = tomllib.loads(path.read_text())
     assert written, f"{path} sets nothing"
-    # compose services get the secret from the host's environment (compose.yaml), the others name a file
-    env = {"KVTIER_SECRET": "${KVTIER_SECRET}"} if "compose" in path.parts else None
-    cfg = effective(service_of(path), path, env)
+    cfg = effective(service_of(path), path)
     for key, value in written.items():
         if key in HOST_FILES and not os.path.exists(value):
             continue  # a path on the real host, stood in for here (print_config)
@@ -452,27 +448,74 @@ def compose_command() -> list[str] | None:
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
-def test_docker_compose_config_accepts_the_file():
+MAKE_SECRETS = DEPLOY / "compose" / "make-secrets.sh"
+
+
+@pytest.fixture(scope="module")
+def compose_secrets(tmp_path_factory) -> Path:
+    """The secrets directory make-secrets.sh makes (as root here: CI and this machine run tests as root)."""
+    directory = tmp_path_factory.mktemp("compose") / "secrets"
+    result = subprocess.run(["sh", str(MAKE_SECRETS), str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def test_docker_compose_config_accepts_the_file(compose_secrets: Path):
     command = compose_command()
     if command is None:
         if os.environ.get("CI"):  # .ci/run installs docker-compose: a skip would hide a broken setup
             pytest.fail("neither `docker compose` nor `docker-compose` works in CI")
         pytest.skip("neither `docker compose` nor `docker-compose` is installed (apt-get install docker-compose)")
-    clean = {k: v for k, v in os.environ.items() if k != "KVTIER_SECRET"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     for profile in ("single", "ha"):
         argv = [*command, "-f", str(COMPOSE), "--profile", profile, "config"]
-        result = subprocess.run(
-            argv, capture_output=True, text=True, timeout=60, env={**clean, "KVTIER_SECRET": TEST_SECRET}
-        )
+        env = {**clean, "KVTIER_SECRETS": str(compose_secrets)}
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 0, f"profile {profile}: {result.stderr}"
-        resolved = yaml.safe_load(result.stdout)["services"]
+        resolved = yaml.safe_load(result.stdout)
+        services = resolved["services"]
         # (compose v1 prints every service whatever the profile: the profiles are checked statically below)
-        kvtier = [n for n, service in resolved.items() if is_kvtier(service)]
-        assert len(kvtier) >= (3 if profile == "single" else 5), (profile, sorted(resolved))
-        assert all(resolved[n]["environment"]["KVTIER_SECRET"] == TEST_SECRET for n in kvtier)
-        # without the secret in the host's environment compose refuses, naming what to do
-        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean)
-        assert refused.returncode != 0 and "export KVTIER_SECRET first" in refused.stderr, refused.stderr
+        kvtier = [n for n, service in services.items() if is_kvtier(service)]
+        assert len(kvtier) >= (3 if profile == "single" else 5), (profile, sorted(services))
+        secrets = resolved["secrets"]
+        for name in kvtier:
+            assert "cluster_secret" in [
+                str(s if isinstance(s, str) else s["source"]) for s in services[name]["secrets"]
+            ]
+        for name, secret in secrets.items():
+            assert Path(secret["file"]).parent == compose_secrets and Path(secret["file"]).exists(), name
+
+
+def test_compose_passes_no_secret_through_the_environment_and_make_secrets_makes_working_etcd_certificates(
+    compose_secrets: Path, tmp_path: Path
+):
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        for variable in service.get("environment") or {}:
+            assert "SECRET" not in variable.upper() or variable.endswith("_FILE"), (name, variable)
+            assert "PASSWORD" not in variable.upper() or variable.endswith("__FILE"), (name, variable)
+    # the cluster secret and the client key: uid 10001's alone; the secret long enough to be accepted
+    for file in ("cluster.secret", "etcd-client.key"):
+        info = (compose_secrets / file).stat()
+        assert info.st_uid == 10001 and info.st_mode & 0o077 == 0, file
+    assert len((compose_secrets / "cluster.secret").read_text().strip()) >= 32
+    # the etcd certificates work: a member with them, client certificates required, and our client
+    made = tmp_path / "pki"  # under the names tests/etcd.py reads
+    made.mkdir()
+    names = {"ca.pem": "etcd-ca.pem", "server.pem": "etcd-server.pem", "server.key": "etcd-server.key"}
+    names |= {"client.pem": "etcd-client.pem", "client.key": "etcd-client.key"}
+    for ours, theirs in names.items():
+        shutil.copy(compose_secrets / theirs, made / ours)
+    if not etcd_available():
+        pytest.skip("etcd is not installed")
+    etcd = EtcdServer(tmp_path, tls=made, client_cert_auth=True)
+    try:
+        security = EtcdSecurity(str(made / "ca.pem"), str(made / "client.pem"), str(made / "client.key"))
+        with EtcdClient(etcd.url, timeout=3.0, security=security) as client:
+            client.put("/compose", b"tls")
+            assert client.get("/compose").value == b"tls"
+    finally:
+        etcd.stop()
 
 
 def is_kvtier(service: dict) -> bool:
@@ -519,9 +562,18 @@ def test_compose_services_run_with_accepted_configs_and_sized_shm():
             metrics_ports.add(port_of(cfg["metrics"]))
         master_configs = [configs[n] for n in masters]
         if profile == "ha":
-            assert "etcd" in names
+            members = [f"etcd-{i}" for i in (1, 2, 3)]
+            assert set(members) <= set(names)
             etcd_urls = {c["etcd"] for c in master_configs}
-            assert len(etcd_urls) == 1 and next(iter(etcd_urls)).startswith("etcd://etcd:2379/")
+            assert etcd_urls == {f"etcd://{','.join(m + ':2379' for m in members)}/default"}
+            for name in members:  # TLS for clients and peers, client certificates required
+                flags = " ".join(services[name]["command"])
+                assert "--client-cert-auth" in flags and "--peer-client-cert-auth" in flags, name
+                assert f"--advertise-client-urls=https://{name}:2379" in flags, name
+            written = tomllib.loads((COMPOSE.parent / "master-ha.toml").read_text())
+            for name in masters:  # the files are the service's compose secrets
+                mounted = {f"/run/secrets/{secret}" for secret in services[name]["secrets"]}
+                assert {written[k] for k in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file")} <= mounted, name
             for name in masters:
                 assert configs[name]["advertise"] == configs[name]["listen"] == f"{name}:50051"
         else:
@@ -535,6 +587,9 @@ def test_compose_services_run_with_accepted_configs_and_sized_shm():
         for name in segments:
             cfg, service = configs[name], services[name]
             assert cfg["master"] == spec, f"{name} does not point at this profile's master"
+            if profile == "ha":
+                mounted = {f"/run/secrets/{secret}" for secret in service["secrets"]}
+                assert service["environment"]["KVTIER_SEGMENT_ETCD_CERT_FILE"] in mounted, name
             assert cfg["cluster_id"] == master_configs[0]["cluster_id"]
             assert cfg["listen"].split(":")[0] == name, f"{name} must bind (and so advertise) its own address"
             assert docker_size(service["shm_size"]) >= parse_size(cfg["dram"]) + HEADER_SIZE
