@@ -93,6 +93,8 @@ class EtcdSecurity:
 def check_etcd_security(etcd: str, security: EtcdSecurity) -> None:
     """The etcd_* security options of a service (master: `etcd`; segment: an etcd:// `master`): only
     with etcd, and every file readable now (ValueError, one line naming the option)."""
+    if "https://" in etcd and not security.tls:
+        raise ValueError("an https:// etcd endpoint needs etcd_ca_file (the CA of etcd's server certificate)")
     if security == EtcdSecurity():
         return
     if not etcd:

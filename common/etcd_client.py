@@ -229,6 +229,8 @@ class EtcdClient:
             raise ValueError("EtcdClient needs at least one endpoint")
         self.timeout = timeout
         self.security = security or EtcdSecurity()
+        if not self.security.tls and any(e.strip().startswith("https://") for e in endpoints):
+            raise ValueError("an https:// etcd endpoint needs etcd_ca_file (TLS is set by the CA, not the scheme)")
         self._credentials = channel_credentials(self.security)  # files read once, here
         self._user = read_credentials(self.security.credentials_file) if self.security.credentials_file else None
         self._lock = threading.Lock()  # guards the fields below, not the calls made through them

@@ -132,6 +132,7 @@ def test_bad_etcd_security_options_exit_2_naming_the_option(tmp_path, pki):  # n
         (["--etcd", "etcd://127.0.0.1:1/default", "--etcd-cert-file", str(pki / "client.pem")], "etcd_key_file"),
         (["--etcd", "etcd://127.0.0.1:1/default", "--etcd-ca-file", str(tmp_path / "missing.pem")], "etcd_ca_file"),
         (["--etcd", "etcd://127.0.0.1:1/default", "--etcd-ca-file", str(pki / "client.ext")], "not a PEM"),
+        (["--etcd", "https://127.0.0.1:1"], "etcd_ca_file"),  # https:// without a CA
     ]
     for flags, expected in cases:
         argv = [sys.executable, "-m", "kvtier.master", *flags, "--print-config"]
