@@ -277,8 +277,10 @@ class EtcdClient:
                 return [("token", token[1])]
             with self._lock:
                 current, auth, endpoint = self._generation, self._auth, self.endpoints[self._index]
-            if current != generation:  # switched meanwhile: the caller's channel is closed anyway
-                raise EtcdError("endpoint switched during authentication", endpoint=endpoint)
+            if current != generation:  # switched meanwhile: the caller retries on the new channel
+                raise EtcdError(
+                    "endpoint switched during authentication", endpoint=endpoint, code=grpc.StatusCode.UNAVAILABLE
+                )
             user, password = self._user
             try:
                 response = auth.Authenticate(rpc_pb2.AuthenticateRequest(name=user, password=password), timeout=timeout)
