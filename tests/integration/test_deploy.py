@@ -435,6 +435,25 @@ def test_the_units_execstop_command_really_drains_the_segment(bare_cluster, tmp_
     assert client.batch_get(keys) == values, "every object moved to node-b before node-a stopped"
 
 
+def test_drain_by_segment_config_refuses_a_config_that_names_no_segment(tmp_path: Path):
+    config = tmp_path / "segment.toml"
+    config.write_text('master = "127.0.0.1:1"\n')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    for argv, expected in (
+        (["drain"], "name the segment, or give --segment-config"),
+        (["drain", "--segment-config", str(config)], "sets no segment name"),
+        (["drain", "other", "--segment-config", str(config)], "sets no segment name"),
+    ):
+        result = subprocess.run([str(BIN / "kvtier"), *argv], env=clean, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and expected in result.stderr, (argv, result.stderr)
+    named = {**clean, "KVTIER_SEGMENT_NAME": "node-a"}  # the environment names it, as the DaemonSet's does
+    result = subprocess.run(
+        [str(BIN / "kvtier"), "drain", "node-b", "--segment-config", str(config)],
+        env=named, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "'node-b' is not 'node-a'" in result.stderr, result.stderr
+
+
 # ------------------------------------------------------------------ compose
 
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
