@@ -7,7 +7,7 @@
     kvtier keys [--prefix P] [--limit N] [--start-after K] [--namespace NS] [--json]
                                                              keys in key order, size, state, tiers, pin
     kvtier stat KEY [--namespace NS] [--json]                one object: replicas, size, tiers, lease, pin
-    kvtier drain SEGMENT [--json]                            move a segment's objects away, unmount it
+    kvtier drain SEGMENT|--segment-config PATH [--json]      move a segment's objects away, unmount it
     kvtier evict --prefix P [--namespace NS] [--include-pinned] [--dry-run] [--json]
                                                              remove the objects under a prefix, page by page
     kvtier top [--interval S] [--iterations N] [--json]      live throughput, hit ratios per tier, capacity
@@ -144,7 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     drain = sub.add_parser("drain", help="move a segment's objects elsewhere, then unmount it")
     _add_master(drain, json_help="machine-readable summary")
-    drain.add_argument("segment", help="segment name (see kvtier segments)")
+    drain.add_argument("segment", nargs="?", default="", help="segment name (see kvtier segments)")
+    drain.add_argument(
+        "--segment-config",
+        metavar="PATH",
+        default="",
+        help="drain the segment this config (and KVTIER_SEGMENT_* variables) runs, at its master, with its "
+        "secret and TLS files: what a unit's ExecStop or a pod's preStop runs",
+    )
     drain.add_argument("--batch", type=_positive_int, default=256, help="objects per migration batch")
     drain.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up on the rest")
     drain.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from kvtier.common.units import format_size
 
@@ -345,7 +345,13 @@ def cmd_drain(opts: argparse.Namespace) -> int:
             f"{left} left, {report.failed} failed, {report.no_space} without room"
         )
 
-    with _client(opts, timeout=30.0) as client:
+    if opts.segment_config:
+        client_cm = _segment_config_client(opts)
+    elif not opts.segment:
+        _drain_usage_error("name the segment, or give --segment-config")
+    else:
+        client_cm = _client(opts, timeout=30.0)
+    with client_cm as client:
         try:
             report = drain_segment(
                 client, opts.segment, batch=opts.batch, timeout=opts.timeout, progress=report_progress
@@ -370,6 +376,47 @@ def cmd_drain(opts: argparse.Namespace) -> int:
         ]
     )
     return 0
+
+
+def _drain_usage_error(message: str) -> NoReturn:
+    sys.stderr.write(f"kvtier drain: error: {message}\n")
+    raise SystemExit(2)
+
+
+def _segment_config_client(opts: argparse.Namespace):
+    """A Client for draining the segment a config runs (`kvtier drain --segment-config`): the config is
+    loaded as the segment loads it (file, then KVTIER_SEGMENT_* variables), so a unit's ExecStop or a
+    pod's preStop names the segment it stops without repeating its name, master or secret."""
+    from kvtier.client import Client
+    from kvtier.common.config import load_config
+    from kvtier.common.discovery import MasterLocator
+    from kvtier.segment_server.config import SegmentConfig
+
+    cfg = load_config(
+        SegmentConfig,
+        prog="kvtier drain",
+        description="the segment's config",
+        env_prefix="KVTIER_SEGMENT_",
+        argv=["--config", opts.segment_config],
+    )
+    if not cfg.name:
+        _drain_usage_error(f"{opts.segment_config} sets no segment name (name, KVTIER_SEGMENT_NAME)")
+    if opts.segment and opts.segment != cfg.name:
+        _drain_usage_error(f"{opts.segment!r} is not {cfg.name!r}, the segment of the config")
+    opts.segment = cfg.name
+    master = cfg.master
+    if master.startswith("etcd://"):  # the leader, looked up with the segment's etcd credentials
+        master = MasterLocator(master, security=cfg.etcd_security).address
+        if not master:
+            _drain_usage_error(f"no leading master found in {cfg.master}")
+    return Client(
+        master,
+        timeout=30.0,
+        secret_file=cfg.secret_file,
+        tls_ca_file=cfg.tls_ca_file,
+        tls_cert_file=cfg.tls_cert_file,
+        tls_key_file=cfg.tls_key_file,
+    )
 
 
 def cmd_evict(opts: argparse.Namespace) -> int:

@@ -16,9 +16,11 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -37,6 +39,79 @@ def write_ready_file(path: str, info: dict) -> None:
 def check_log_level(level: str) -> None:
     if level.upper() not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {level!r}")
+
+
+def read_pem(path: str, option: str) -> bytes:
+    """A PEM file's bytes; ValueError with one line naming the option when it is unreadable or not PEM."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{option}: {path} is not a PEM file")
+    return data
+
+
+def read_credentials(path: str) -> tuple[str, str]:
+    """(user, password) from a file holding `user:password` (one line; the password may hold ':').
+
+    Never from argv or the environment: a file its owner (and group) may read, others not, like the
+    cluster secret. ValueError with one line naming the problem."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"etcd_credentials_file: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"etcd_credentials_file: {path} is not UTF-8 text") from None
+    if mode & stat.S_IROTH:
+        raise ValueError(f"etcd_credentials_file: {path} is readable by others: chmod o-rwx {path}")
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password or "\n" in text:
+        raise ValueError(f"etcd_credentials_file: {path} must hold one line USER:PASSWORD")
+    return user, password
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdSecurity:
+    """How a service reaches a secured etcd (docs/security.md, "etcd"): TLS checked against ca_file;
+    cert_file + key_file for etcd's --client-cert-auth; credentials_file (`user:password`) for etcd
+    users. Empty fields are off; all empty is plaintext without auth."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    credentials_file: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+
+def check_etcd_security(etcd: str, security: EtcdSecurity) -> None:
+    """The etcd_* security options of a service (master: `etcd`; segment: an etcd:// `master`): only
+    with etcd, and every file readable now (ValueError, one line naming the option)."""
+    if "https://" in etcd and not security.tls:
+        raise ValueError("an https:// etcd endpoint needs etcd_ca_file (the CA of etcd's server certificate)")
+    if security == EtcdSecurity():
+        return
+    if not etcd:
+        raise ValueError("etcd_ca_file, etcd_cert_file, etcd_key_file and etcd_credentials_file need etcd")
+    if bool(security.cert_file) != bool(security.key_file):
+        raise ValueError("etcd_cert_file and etcd_key_file go together (a client certificate and its key)")
+    if security.cert_file and not security.ca_file:
+        raise ValueError("etcd_cert_file needs etcd_ca_file, the CA that signed etcd's server certificate")
+    for path, option in (
+        (security.ca_file, "etcd_ca_file"),
+        (security.cert_file, "etcd_cert_file"),
+        (security.key_file, "etcd_key_file"),
+    ):
+        if path:
+            read_pem(path, option)
+    if security.credentials_file:
+        read_credentials(security.credentials_file)
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

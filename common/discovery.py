@@ -25,6 +25,7 @@ import re
 import threading
 import time
 
+from kvtier.common.config import EtcdSecurity
 from kvtier.common.etcd_client import ETCD_SCHEME, EtcdClient, EtcdError, parse_etcd_url
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class MasterLocator:
     a list is rotated once, not once per failing thread, and etcd is read once.
     """
 
-    def __init__(self, spec: str, timeout: float = 2.0) -> None:
+    def __init__(self, spec: str, timeout: float = 2.0, security: EtcdSecurity | None = None) -> None:
         self.spec = spec.strip()
         self._lock = threading.Lock()  # guards _address, _updated_at and the rotation
         self._updated_at = float("-inf")  # time.monotonic() of the last lookup start or rotation
@@ -85,7 +86,7 @@ class MasterLocator:
         self._candidates: list[str] = []
         if self.spec.startswith(ETCD_SCHEME):
             endpoints, cluster = parse_etcd_url(self.spec)
-            self._etcd = EtcdClient(endpoints, timeout)
+            self._etcd = EtcdClient(endpoints, timeout, security)
             self._key = leader_key(cluster)
             self._address = ""
             self._looked_up = False

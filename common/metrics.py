@@ -7,7 +7,7 @@ the process's CPU, RSS and open fds (prometheus-client's process collector)
 and its thread count. The same listener answers the probes of service
 managers: `/healthz` (200 while the process serves HTTP) and `/readyz` (200
 when the service's `readiness` callback has no objection, else 503 and the
-reason, one line).
+reason, one line), and any further readiness paths a service adds the same way.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _probe_app(metrics_app: Callable, readiness: Callable[[], str]) -> Callable:
+def _probe_app(metrics_app: Callable, probes: dict[str, Callable[[], str]]) -> Callable:
     def app(environ: dict, start_response: Callable) -> list[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/healthz":
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ok\n"]
-        if path == "/readyz":
+        if (readiness := probes.get(path)) is not None:
             try:
                 reason = readiness()
             except Exception as exc:  # a probe must answer, and say why
@@ -68,9 +68,16 @@ def _probe_app(metrics_app: Callable, readiness: Callable[[], str]) -> Callable:
     return app
 
 
-def serve_metrics(listen: str, collector: Collector, readiness: Callable[[], str] = lambda: "") -> str:
+def serve_metrics(
+    listen: str,
+    collector: Collector,
+    readiness: Callable[[], str] = lambda: "",
+    more_probes: dict[str, Callable[[], str]] | None = None,
+) -> str:
     """Serve `/metrics`, `/healthz` and `/readyz` on exactly `listen` (HOST:PORT, port 0 = any); the
-    bound address. `readiness` returns "" when ready, else why not (called on the HTTP thread)."""
+    bound address. `readiness` returns "" when ready, else why not (called on the HTTP thread);
+    `more_probes` adds paths answered the same way (the master's `/readyz/leader`)."""
+    probes = {"/readyz": readiness, **(more_probes or {})}
     host, port = parse_hostport(listen)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
@@ -79,7 +86,7 @@ def serve_metrics(listen: str, collector: Collector, readiness: Callable[[], str
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("MetricsServer", (_HttpServer,), {"address_family": family})
     server = make_server(
-        host, port, _probe_app(make_wsgi_app(registry), readiness), server_class, handler_class=_QuietHandler
+        host, port, _probe_app(make_wsgi_app(registry), probes), server_class, handler_class=_QuietHandler
     )
     threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True).start()
     bound_host, bound_port = server.server_address[:2]

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvtier.common.config import check_log_level, load_config
+from kvtier.common.config import EtcdSecurity, check_etcd_security, check_log_level, load_config
 from kvtier.common.units import (
     check_field,
     check_master_spec,
@@ -101,6 +101,13 @@ class MasterConfig:
     fence_max_keys: int = 1_000_000
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
+    # A secured etcd (docs/security.md, "etcd"): TLS checked against this CA (PEM), this client
+    # certificate and key for etcd's --client-cert-auth, and etcd user auth with USER:PASSWORD read
+    # from a file only its owner or group can read (never argv or the environment).
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_credentials_file: str = ""
     # The address other processes reach this master at (default: listen); its host is also the
     # fast path's advertised host. Required when listen is a wildcard (0.0.0.0, [::]).
     advertise: str = ""
@@ -201,6 +208,7 @@ class MasterConfig:
             check_field("metrics", parse_hostport, self.metrics)
         if self.etcd:
             check_field("etcd", check_master_spec, self.etcd)
+        check_etcd_security(self.etcd, self.etcd_security)
         if self.etcd and self.state_dir not in ("", STATE_DIR_NONE):
             raise ValueError("state_dir is for a standalone master; with etcd the leader saves its state there")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -245,6 +253,10 @@ class MasterConfig:
         if self.etcd or self.state_dir:
             return self
         return replace(self, state_dir=default_state_dir(self.cluster_id))
+
+    @property
+    def etcd_security(self) -> EtcdSecurity:
+        return EtcdSecurity(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file, self.etcd_credentials_file)
 
     @property
     def saves_state_to(self) -> str:

@@ -109,6 +109,7 @@ class LeaderElection:
         self._lease = 0
         self._epoch = 0
         self._holder: dict | None = None  # replaced, never mutated: readers get a consistent dict
+        self._holder_seen_at = float("-inf")  # clock() when a standby last read the leader key in etcd
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -132,6 +133,20 @@ class LeaderElection:
         """The leader's info as last seen in etcd (ours while we lead), None when unknown."""
         holder = self._holder
         return dict(holder) if holder is not None else None
+
+    def following(self) -> str:
+        """ "" while this standby follows a leader: etcd answered its last poll of the leader key within
+        a lease TTL and the key names a leader; else why not (one line). A standby that follows can take
+        over at the next election, which is what its readiness (/readyz) says."""
+        age = self._clock() - self._holder_seen_at
+        if age == float("inf"):
+            return "standby; etcd not read yet"
+        if age > self.ttl_s:
+            return f"standby; etcd not heard from for {age:.1f}s"
+        holder = self._holder
+        if not holder or not holder.get("address"):
+            return "standby; no leader elected"
+        return ""
 
     def update_info(self, info: dict) -> bool:
         """Publish new info; True if written to etcd now (we hold the key), else it is used at the next campaign.
@@ -193,6 +208,7 @@ class LeaderElection:
         """Wait until the key is free, then try to take it; True once we lead, False when stopped."""
         while not self._stop.is_set():
             current = self.etcd.get(self.key)
+            self._holder_seen_at = self._clock()
             if current is not None:
                 self._holder = parse_leader_value(current.value)
                 self._stop.wait(self.poll_interval_s)

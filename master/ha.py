@@ -59,6 +59,9 @@ class EtcdLeadership(Leadership):
         info = self.election.leader_info()
         return str(info.get("address", "")) if info else ""
 
+    def following(self) -> str:
+        return self.election.following()
+
 
 class EtcdStateStore:
     def __init__(self, etcd: EtcdClient, cluster: str, leadership: EtcdLeadership) -> None:
@@ -100,7 +103,7 @@ class HaRunner:
         self._address = address
         self._roles = roles
         self._loop = loop
-        self.etcd = EtcdClient(etcd_endpoints(config))
+        self.etcd = EtcdClient(etcd_endpoints(config), security=config.etcd_security)
         self.election: LeaderElection | None = None
         self.leadership: EtcdLeadership | None = None
         self.store: EtcdStateStore | None = None
@@ -112,9 +115,11 @@ class HaRunner:
             self.etcd.get(leader_key(self._config.cluster_id))
         except EtcdError as exc:
             reason = " ".join(str(exc).split())
-            raise ValueError(
-                f"cannot reach etcd at {','.join(self.etcd.endpoints)} ({reason}): change --etcd, or start etcd first"
-            ) from None
+            if exc.code is None or exc.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                hint = "change --etcd, start etcd first, or set etcd_ca_file (etcd_cert_file, etcd_key_file) for TLS"
+            else:  # it answered and refused: credentials, a client certificate, permissions
+                hint = "etcd refused this master: check etcd_credentials_file, etcd_cert_file and the etcd user's roles"
+            raise ValueError(f"cannot reach etcd at {','.join(self.etcd.endpoints)} ({reason}): {hint}") from None
         self.election = LeaderElection(
             self.etcd,
             self._config.cluster_id,

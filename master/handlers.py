@@ -45,6 +45,10 @@ class Leadership:
     def leader(self) -> str:
         return ""
 
+    def following(self) -> str:
+        """ "" while a standby follows a leader it could succeed, else why not (standalone: never a standby)."""
+        return ""
+
 
 class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
     def __init__(self, state: MasterState, epoch: int, leadership: Leadership | None = None) -> None:

@@ -280,9 +280,12 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         depth.add_metric([name], count)
         lag.add_metric([name], age)
     yield from (depth, lag)
-    quota = GaugeMetricFamily("kvtier_quota_bytes", "Per-rank quota (0 = none).", labels=["instance", "rank"])
-    quota_used = GaugeMetricFamily("kvtier_quota_used_bytes", "DRAM bytes a rank holds.", labels=["instance", "rank"])
-    quota_objects = GaugeMetricFamily("kvtier_quota_objects", "Objects a rank owns.", labels=["instance", "rank"])
+    # engine_instance, not instance: Prometheus owns the `instance` label (the scrape target) and would
+    # rename ours to exported_instance, so per-engine sums would silently add every engine together.
+    labels = ["engine_instance", "rank"]
+    quota = GaugeMetricFamily("kvtier_master_quota_bytes", "Per-rank quota (0 = none).", labels=labels)
+    quota_used = GaugeMetricFamily("kvtier_master_quota_used_bytes", "DRAM bytes a rank holds.", labels=labels)
+    quota_objects = GaugeMetricFamily("kvtier_master_quota_objects", "Objects a rank owns.", labels=labels)
     for instance, rank, limit, held, count in s.quotas:
         quota.add_metric([instance, str(rank)], limit)
         quota_used.add_metric([instance, str(rank)], held)

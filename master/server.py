@@ -251,14 +251,23 @@ def _tls_credentials(config: MasterConfig) -> grpc.ServerCredentials:
     )
 
 
-def _readiness(handlers: MasterHandlers) -> str:
-    """`/readyz`: ready only while this master answers data RPCs, so a Service routes to the leader."""
+def _leader_readiness(handlers: MasterHandlers) -> str:
+    """`/readyz/leader`: ready only while this master answers data RPCs (the leader, recovered)."""
     role = handlers.role
     if role == "leader":
         return ""
     if role == "standby":
         return f"standby; leader={handlers.leadership.leader() or 'unknown'}"
     return f"recovering: master epoch {handlers.epoch} is waiting for segment inventories"
+
+
+def _readiness(handlers: MasterHandlers) -> str:
+    """`/readyz`: this master does its part: the leader once recovered, or a standby that follows a
+    leader (etcd answers, a leader is named), so HA masters can roll one at a time and a
+    PodDisruptionBudget counts standbys. Which one leads: /readyz/leader or kvtier_master_role."""
+    if handlers.role == "standby":
+        return handlers.leadership.following()
+    return _leader_readiness(handlers)
 
 
 def check_startup(config: MasterConfig) -> None:
@@ -360,6 +369,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 config.metrics,
                 MasterCollector(handlers, loop, fast_server.stats if fast_server is not None else None),
                 readiness=lambda: _readiness(handlers),
+                more_probes={"/readyz/leader": lambda: _leader_readiness(handlers)},
             )
         except OSError as exc:
             await server.stop(grace=None)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, fields
 
 from kvtier.common.channels import Credentials
-from kvtier.common.config import check_log_level, load_config
+from kvtier.common.config import EtcdSecurity, check_etcd_security, check_log_level, load_config
 from kvtier.common.units import (
     check_field,
     check_master_spec,
@@ -89,7 +89,18 @@ class SegmentConfig:
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    # A secured etcd, when `master` is etcd://... (docs/security.md, "etcd"): the CA of etcd's server
+    # certificate, this server's client certificate and key (etcd --client-cert-auth), and a file
+    # holding USER:PASSWORD for etcd's user auth (only its owner or group may read it).
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_credentials_file: str = ""
     log_level: str = "INFO"
+
+    @property
+    def etcd_security(self) -> EtcdSecurity:
+        return EtcdSecurity(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file, self.etcd_credentials_file)
 
     @property
     def dram_bytes(self) -> int:
@@ -105,6 +116,7 @@ class SegmentConfig:
 
     def validate(self) -> SegmentConfig:
         check_field("master", check_master_spec, self.master)
+        check_etcd_security(self.master if self.master.startswith("etcd://") else "", self.etcd_security)
         if self.metrics:
             check_field("metrics", parse_hostport, self.metrics)
         host, _port = check_field("listen", parse_hostport, self.listen)

@@ -106,7 +106,7 @@ async def serve(config: SegmentConfig) -> int:
             fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
-        channels = MasterChannels(MasterLocator(config.master), config.credentials())
+        channels = MasterChannels(MasterLocator(config.master, security=config.etcd_security), config.credentials())
         link = MasterLink(
             channels,
             pb.MountSegmentRequest(

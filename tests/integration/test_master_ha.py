@@ -69,15 +69,18 @@ def test_one_leader_and_standbys_refuse_with_its_address(ha):
     roles = _roles(ha)
     assert sorted(roles.values()) == ["leader", "standby", "standby"]
     assert probe(ha.masters[ha.leader].info["metrics"], "/readyz") == (200, "ready\n")
+    assert probe(ha.masters[ha.leader].info["metrics"], "/readyz/leader") == (200, "ready\n")
     leader_address = ha.masters[ha.leader].info["address"]
     for name, proc in ha.masters.items():
         if name == ha.leader:
             continue
         hello = _hello(proc.info["address"])
         assert hello.role == "standby" and hello.leader == leader_address
-        # Readiness routes a Service to the leader only: a standby is alive but not ready.
+        # A standby following the leader is ready (it can roll, a PodDisruptionBudget counts it);
+        # the leader-only probe says it does not lead.
         assert probe(proc.info["metrics"], "/healthz")[0] == 200
-        assert probe(proc.info["metrics"], "/readyz") == (503, f"standby; leader={leader_address}\n")
+        assert probe(proc.info["metrics"], "/readyz") == (200, "ready\n")
+        assert probe(proc.info["metrics"], "/readyz/leader") == (503, f"standby; leader={leader_address}\n")
         with grpc.insecure_channel(proc.info["address"]) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             reply = stub.PutStart(pb.PutStartRequest(namespace="default", keys=["x"], sizes=[10], replicas=1))

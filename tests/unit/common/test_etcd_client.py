@@ -16,13 +16,14 @@ from kvtier.proto.status import Status
         ("http://etcd-0:2379", "etcd-0:2379"),
         (" http://etcd-0:2379/ ", "etcd-0:2379"),
         ("[::1]:2379", "[::1]:2379"),
+        ("https://etcd-0:2379", "etcd-0:2379"),  # TLS is EtcdSecurity's (a CA file), not the scheme's
     ],
 )
 def test_normalize_endpoint(endpoint, expected):
     assert normalize_endpoint(endpoint) == expected
 
 
-@pytest.mark.parametrize("endpoint", ["etcd-0", "etcd-0:", ":2379", "h:99999", "h:x", "https://h:2379", "unix:///s"])
+@pytest.mark.parametrize("endpoint", ["etcd-0", "etcd-0:", ":2379", "h:99999", "h:x", "grpcs://h:2379", "unix:///s"])
 def test_bad_endpoints(endpoint):
     with pytest.raises(ValueError):
         normalize_endpoint(endpoint)
@@ -78,3 +79,8 @@ def test_closed_client_raises_etcd_error():
     client.close()  # idempotent
     with pytest.raises(EtcdError, match="closed"):
         client.get("/k")
+
+
+def test_an_https_endpoint_without_a_ca_file_is_refused_rather_than_tried_in_plaintext():
+    with pytest.raises(ValueError, match="etcd_ca_file"):
+        EtcdClient("https://127.0.0.1:2379")

@@ -163,3 +163,46 @@ def test_an_empty_state_dir_resolves_to_the_default_but_none_and_etcd_do_not(mon
     with pytest.raises(ValueError, match="state_dir is for a standalone master"):
         MasterConfig(etcd="127.0.0.1:2379", state_dir="/x").validate()
     assert parse_args(["--cluster-id", "c2"]).state_dir == default_state_dir("c2")
+
+
+def _credentials(tmp_path, text: str, mode: int):
+    path = tmp_path / "etcd.credentials"
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "message"),
+    [
+        ("root:pw\n", 0o644, "readable by others"),
+        ("no-colon\n", 0o600, "USER:PASSWORD"),
+        (":pw\n", 0o600, "USER:PASSWORD"),
+        ("root:\n", 0o600, "USER:PASSWORD"),
+    ],
+)
+def test_etcd_credentials_file_must_be_private_and_hold_user_password(tmp_path, text, mode, message):
+    config = MasterConfig(etcd="127.0.0.1:2379", etcd_credentials_file=_credentials(tmp_path, text, mode))
+    with pytest.raises(ValueError, match=message):
+        config.validate()
+
+
+def test_etcd_credentials_keep_colons_in_the_password(tmp_path):
+    from kvtier.common.config import read_credentials
+
+    path = _credentials(tmp_path, "kvtier:a:b:c\n", 0o640)  # group-readable: a Kubernetes fsGroup Secret
+    assert MasterConfig(etcd="127.0.0.1:2379", etcd_credentials_file=path).validate()
+    assert read_credentials(path) == ("kvtier", "a:b:c")
+
+
+def test_etcd_security_options_need_etcd_and_go_together(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="need etcd"):
+        MasterConfig(etcd_ca_file=str(pem)).validate()
+    with pytest.raises(ValueError, match="go together"):
+        MasterConfig(etcd="127.0.0.1:2379", etcd_cert_file=str(pem)).validate()
+    with pytest.raises(ValueError, match="needs etcd_ca_file"):
+        MasterConfig(etcd="127.0.0.1:2379", etcd_cert_file=str(pem), etcd_key_file=str(pem)).validate()
+    ok = MasterConfig(etcd="127.0.0.1:2379", etcd_ca_file=str(pem), etcd_cert_file=str(pem), etcd_key_file=str(pem))
+    assert ok.validate().etcd_security.tls
