@@ -52,6 +52,7 @@ _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
+_MAX_DONE_LEASES = 4096  # leases waiting to be handed back (kvtier.master.leases)
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 # Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
 LEASE_SAFETY = 0.9
@@ -173,6 +174,10 @@ class Client:
         self._latency: dict[str, LatencyHistogram] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        # Leases of reads that are over, handed back on the next request to the master (issue 19):
+        # their ranges are reusable at once instead of lease_ms later. Bounded: past it, the oldest
+        # simply run out as any lease does.
+        self._done_leases: list[int] = []
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # reads in flight on the segment): more of them start the disk sooner after each batch's
         # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
@@ -211,6 +216,21 @@ class Client:
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._stats.update(deltas)
+
+    def _released(self) -> list[int]:
+        """The leases to hand back with the request being built (each goes once)."""
+        if not self._done_leases:
+            return []
+        with self._lock:
+            done, self._done_leases = self._done_leases, []
+        return done
+
+    def _read_over(self, lease_id: int) -> None:
+        if lease_id:
+            with self._lock:
+                if len(self._done_leases) >= _MAX_DONE_LEASES:
+                    del self._done_leases[0]
+                self._done_leases.append(lease_id)
 
     def _observe_latency(self, method: str, seconds: float) -> None:
         with self._lock:
@@ -336,6 +356,7 @@ class Client:
                     preferred_segment=preferred_segment,
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
+                    released_leases=self._released(),
                 ),
             )
         except KvtierError as exc:
@@ -383,6 +404,7 @@ class Client:
                         keys=[keys[i] for i in written],
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
+                        released_leases=self._released(),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -494,7 +516,10 @@ class Client:
         # this moment: measuring from here can only under-estimate what is left.
         requested_at = time.monotonic()
         try:
-            reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=keys))
+            request = pb.KeysRequest(
+                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._released()
+            )
+            reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
             logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
             self._count(gets=len(keys), misses=len(keys), master_failures=1)
@@ -582,6 +607,8 @@ class Client:
                         retry[i] = replicas[i]
             replicas = retry
             attempt += 1
+        # Every transfer of this lease is over (answered, or its connection closed): hand it back.
+        self._read_over(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
@@ -683,7 +710,10 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return pb.ExistsResponse()
-        return self._master.call("Exists", pb.ExistsRequest(namespace=self.namespace, keys=keys, prefetch=prefetch))
+        request = pb.ExistsRequest(
+            namespace=self.namespace, keys=keys, prefetch=prefetch, released_leases=self._released()
+        )
+        return self._master.call("Exists", request)
 
     # ------------------------------------------------------------------ removal and inspection
 
@@ -697,7 +727,8 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        reply = self._master.call("Remove", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        request = pb.KeysRequest(namespace=self.namespace, keys=keys, released_leases=self._released())
+        reply = self._master.call("Remove", request)
         return [to_status(s) for s in reply.statuses]
 
     @traced
