@@ -1,6 +1,7 @@
 """The wait of PutEnd, Remove and RemovePrefix for the segments' acknowledgements of the commit-log
-notices they made (kvtier.master.commits), shared by both doors: `Barrier` (what one answer waits for)
-and `CommitWaiter` (the asyncio wait)."""
+notices they made (kvtier.master.commits), shared by both doors: `Barrier` (what one answer waits for),
+`CommitWaiter` (the asyncio wait) and `CommitPolls` (the segments' long poll of those notices, on
+either door: the fast path's framing is how segments poll since issue 19)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 # Calls answered only once the segments acknowledged the notices they made (kvtier.master.commits).
 WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix")
+LONG_POLL_MAX_S = 30.0  # the longest a segment's poll waits for notices, whatever it asks
 
 
 @dataclass(slots=True)
@@ -57,11 +59,13 @@ class CommitWaiter:
         self._handlers = handlers
         self._timeout_s = timeout_s
         self._event = asyncio.Event()
+        self.polls = CommitPolls(handlers)
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
         state.commits.on_ack = self.wake
         state.tiering.on_ack = self.wake
+        self.polls.attach(state)
 
     def wake(self) -> None:
         event, self._event = self._event, asyncio.Event()
@@ -104,3 +108,59 @@ class CommitWaiter:
             handlers.puts_lost += lost
             logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)
         return reply
+
+
+class CommitPolls:
+    """The long poll of a segment's commit notices (`PollCommits`), for both doors.
+
+    The handler answers at once with what is queued (applying the poll's
+    acknowledgement first); a poll that finds nothing waits here until the
+    commit log notifies its segment, or `wait_ms`. The acknowledgement a
+    PutEnd waits for rides on the segment's next poll, so the whole commit
+    round trip is two frames on a connection the segment keeps open.
+    """
+
+    def __init__(self, handlers: MasterHandlers) -> None:
+        self._handlers = handlers
+        self._events: dict[int, asyncio.Event] = {}
+
+    def attach(self, state: MasterState) -> None:
+        """Hook a (new) state's notifications; polls of the old state's segments answer now."""
+        for event in self._events.values():
+            event.set()
+        self._events.clear()
+        state.commits.notify = self.wake
+
+    def wake(self, segment_id: int) -> None:
+        event = self._events.get(segment_id)
+        if event is not None:
+            event.set()
+
+    def later(self, request: Any, reply: Any) -> Any:
+        """After the handler answered `reply`: the coroutine of the long poll's answer, or None when
+        `reply` is the answer (notices, a refusal, or no wait asked)."""
+        wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
+        if reply.status != Status.OK or reply.offsets or wait_s <= 0:
+            return None
+        return self._wait(request, reply, wait_s)
+
+    async def poll(self, request: Any) -> Any:
+        reply = self._handlers.PollCommits(request)  # applies the acknowledgement at once
+        wait = self.later(request, reply)
+        return reply if wait is None else await wait
+
+    async def _wait(self, request: Any, reply: Any, wait_s: float) -> Any:
+        handlers = self._handlers
+        segment_id = request.segment_id
+        event = self._events.setdefault(segment_id, asyncio.Event())
+        event.clear()
+        try:
+            if not handlers.state.commits.has_notices(segment_id, reply.first_seq - 1):
+                await asyncio.wait_for(event.wait(), wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            if self._events.get(segment_id) is event:
+                del self._events[segment_id]
+        request.acked_seq = reply.first_seq - 1
+        return handlers.PollCommits(request)

@@ -5,7 +5,8 @@ complete objects (commit notices) and which stopped holding one (drop
 notices); see kvtier.master.commits. `CommitFeed` long-polls them on its own
 thread and applies them to `DramIndex`; each poll acknowledges the previous
 batch, and the master answers a PutEnd only once its commits are
-acknowledged. After a master restart or failover the segment mounts again
+acknowledged. The polls go over the master's framed fast path when it has
+one (kvtier.segment_server.commit_link), else over gRPC. After a master restart or failover the segment mounts again
 and reports the index as its DRAM inventory (`report_dram_inventory`): that
 is how a new master incarnation learns the objects the old one knew.
 
@@ -32,6 +33,7 @@ import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status, status_name
+from kvtier.segment_server.commit_link import FramedFeedLink, fast_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ _MAX_NOTICES = 8192
 _RPC_TIMEOUT_S = 10.0
 _REPORT_BATCH = 10_000
 _BACKOFF_MAX_S = 0.5
+_HELLO_RETRY_S = 1.0  # after the fast path failed or the master had none: gRPC polls until then
 
 # An entry: (name "namespace NUL key", size, checksum, instance, rank, pin, pin_deadline (monotonic;
 # 0 = none), seq). Tuples built column-wise: applying a poll of thousands of notices is on the
@@ -197,25 +200,34 @@ class CommitFeed:
         stub: Callable[[], Any],
         index: DramIndex,
         session: Callable[[], tuple[int, int]],
+        token: str | None = "",
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) mounted
-        now, (0, 0) when not mounted."""
+        now, (0, 0) when not mounted; `token` the bearer token for the master's fast path (None:
+        never use it, e.g. the link is TLS and the fast path has none)."""
         self._stub = stub
         self.index = index
         self._session = session
+        self._token = token
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-commit-feed", daemon=True)
         self._call: Any = None  # the long poll in flight: cancelled by stop()
+        self._link: FramedFeedLink | None = None  # the fast path, while it works
+        self._next_hello = 0.0  # monotonic time to look for the fast path again
         self.applied = 0
+        self.polls = 0  # polls answered
+        self.fast_polls = 0  # ... of them over the fast path (the rest went over gRPC)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        call = self._call
+        call, link = self._call, self._link
         if call is not None:
             call.cancel()
+        if link is not None:
+            link.close()
         self._thread.join(timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S)
 
     def _run(self) -> None:
@@ -231,20 +243,18 @@ class CommitFeed:
                 polled, acked = session, 0  # a new mount numbers its notices from 1
             segment_id, epoch = session
             try:
-                self._call = self._stub().PollCommits.future(
+                reply = self._poll(
                     pb.PollCommitsRequest(
                         segment_id=segment_id,
                         epoch=epoch,
                         acked_seq=acked,
                         wait_ms=_POLL_WAIT_MS,
                         max_notices=_MAX_NOTICES,
-                    ),
-                    timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+                    )
                 )
-                if self._stop.is_set():
-                    self._call.cancel()
-                reply = self._call.result()
+                self.polls += 1
                 if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
+                    self._drop_link()  # the leader may have moved: ask Hello again
                     self._stop.wait(0.05)
                     continue
                 applied = self.index.apply(reply, session)
@@ -264,3 +274,44 @@ class CommitFeed:
                 logger.exception("commit feed failed; retrying")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _poll(self, request: pb.PollCommitsRequest) -> pb.PollCommitsResponse:
+        """One poll: over the fast path when the master has one, else (or when it just broke) gRPC.
+        A broken exchange is safe to repeat (module docstring of kvtier.segment_server.commit_link)."""
+        timeout_s = _POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S
+        link = self._fast_link()
+        if link is not None:
+            try:
+                reply = link.poll(request, timeout_s)
+                self.fast_polls += 1
+                return reply
+            except OSError as exc:
+                if self._stop.is_set():
+                    raise grpc.FutureCancelledError() from None
+                logger.info("commit feed: fast path failed (%s); polling over gRPC for now", exc)
+                self._drop_link()
+        self._call = self._stub().PollCommits.future(request, timeout=timeout_s)
+        if self._stop.is_set():
+            self._call.cancel()
+        return self._call.result()
+
+    def _fast_link(self) -> FramedFeedLink | None:
+        if self._link is not None or self._token is None or time.monotonic() < self._next_hello:
+            return self._link
+        self._next_hello = time.monotonic() + _HELLO_RETRY_S
+        try:
+            endpoint = fast_endpoint(self._stub(), _RPC_TIMEOUT_S)
+            if endpoint:
+                self._link = FramedFeedLink(endpoint, self._token, _RPC_TIMEOUT_S)
+                logger.info("commit feed over the master's fast path endpoint=%s", endpoint)
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            logger.info("commit feed: no fast path for now (%s); polling over gRPC", exc)
+        if self._stop.is_set() and self._link is not None:
+            self._drop_link()
+        return self._link
+
+    def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+            self._next_hello = time.monotonic() + _HELLO_RETRY_S
