@@ -213,6 +213,7 @@ class CommitFeed:
         self._thread = threading.Thread(target=self._run, name="kvtier-commit-feed", daemon=True)
         self._call: Any = None  # the long poll in flight: cancelled by stop()
         self._link: FramedFeedLink | None = None  # the fast path, while it works
+        self._link_stub: Any = None  # the gRPC stub its endpoint came from: another one = the leader moved
         self._next_hello = 0.0  # monotonic time to look for the fast path again
         self.applied = 0
         self.polls = 0  # polls answered
@@ -282,7 +283,7 @@ class CommitFeed:
         link = self._fast_link()
         if link is not None:
             try:
-                reply = link.poll(request, timeout_s)
+                reply = link.poll(request, timeout_s, self._same_master)
                 self.fast_polls += 1
                 return reply
             except OSError as exc:
@@ -296,19 +297,32 @@ class CommitFeed:
         return self._call.result()
 
     def _fast_link(self) -> FramedFeedLink | None:
+        if self._link is not None and not self._same_master():
+            self._drop_link()
+            self._next_hello = 0.0  # the new leader's fast path, at once
         if self._link is not None or self._token is None or time.monotonic() < self._next_hello:
             return self._link
         self._next_hello = time.monotonic() + _HELLO_RETRY_S
         try:
-            endpoint = fast_endpoint(self._stub(), _RPC_TIMEOUT_S)
+            stub = self._stub()
+            endpoint = fast_endpoint(stub, _RPC_TIMEOUT_S)
             if endpoint:
                 self._link = FramedFeedLink(endpoint, self._token, _RPC_TIMEOUT_S)
+                self._link_stub = stub
                 logger.info("commit feed over the master's fast path endpoint=%s", endpoint)
         except (grpc.RpcError, OSError, ValueError) as exc:
             logger.info("commit feed: no fast path for now (%s); polling over gRPC", exc)
         if self._stop.is_set() and self._link is not None:
             self._drop_link()
         return self._link
+
+    def _same_master(self) -> bool:
+        """Whether the leader the fast link was opened to is still the one the segment follows
+        (the master link moves the channel when it finds another leader)."""
+        try:
+            return self._stub() is self._link_stub
+        except grpc.RpcError:  # no leader known right now: nobody else to ask either
+            return True
 
     def _drop_link(self) -> None:
         link, self._link = self._link, None
