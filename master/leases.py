@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from kvtier.master.records import ObjectRecord
 
@@ -94,6 +94,12 @@ class ReadLeases:
             entry[_PARKED] = []
         entry[_PARKED].append((segment_id, offset, size))
         return True
+
+    def parked(self) -> Iterator[Range]:
+        """Every range waiting for its readers (the books: such a range is neither free nor an object's)."""
+        for entry in self._held.values():
+            if entry[_PARKED]:
+                yield from entry[_PARKED]
 
     def release(self, lease_ids: Iterable[int]) -> int:
         """The readers are done with these leases (unknown or already ended ids are ignored: a
