@@ -58,7 +58,7 @@ class CommitWaiter:
     def __init__(self, handlers: MasterHandlers, timeout_s: float) -> None:
         self._handlers = handlers
         self._timeout_s = timeout_s
-        self._event = asyncio.Event()
+        self._wakeups: set[asyncio.Future] = set()
         self.polls = CommitPolls(handlers)
         self.attach(handlers.state)
 
@@ -68,8 +68,7 @@ class CommitWaiter:
         self.polls.attach(state)
 
     def wake(self) -> None:
-        event, self._event = self._event, asyncio.Event()
-        event.set()
+        _wake_all(self._wakeups)
 
     def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
@@ -96,10 +95,7 @@ class CommitWaiter:
                 missing = sorted(barrier.notices)
                 logger.error("acknowledgements missing after %.1fs segments=%s", self._timeout_s, missing)
                 return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
-            try:
-                await asyncio.wait_for(self._event.wait(), remaining)
-            except TimeoutError:
-                pass
+            await _woken(self._wakeups, remaining)
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
         put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
@@ -122,19 +118,19 @@ class CommitPolls:
 
     def __init__(self, handlers: MasterHandlers) -> None:
         self._handlers = handlers
-        self._events: dict[int, asyncio.Event] = {}
+        self._wakeups: dict[int, set[asyncio.Future]] = {}  # segment id -> its polls waiting
 
     def attach(self, state: MasterState) -> None:
         """Hook a (new) state's notifications; polls of the old state's segments answer now."""
-        for event in self._events.values():
-            event.set()
-        self._events.clear()
+        for wakeups in self._wakeups.values():
+            _wake_all(wakeups)
+        self._wakeups.clear()
         state.commits.notify = self.wake
 
     def wake(self, segment_id: int) -> None:
-        event = self._events.get(segment_id)
-        if event is not None:
-            event.set()
+        wakeups = self._wakeups.get(segment_id)
+        if wakeups:
+            _wake_all(wakeups)
 
     def later(self, request: Any, reply: Any) -> Any:
         """After the handler answered `reply`: the coroutine of the long poll's answer, or None when
@@ -152,15 +148,39 @@ class CommitPolls:
     async def _wait(self, request: Any, reply: Any, wait_s: float) -> Any:
         handlers = self._handlers
         segment_id = request.segment_id
-        event = self._events.setdefault(segment_id, asyncio.Event())
-        event.clear()
-        try:
-            if not handlers.state.commits.has_notices(segment_id, reply.first_seq - 1):
-                await asyncio.wait_for(event.wait(), wait_s)
-        except TimeoutError:
-            pass
-        finally:
-            if self._events.get(segment_id) is event:
-                del self._events[segment_id]
+        if not handlers.state.commits.has_notices(segment_id, reply.first_seq - 1):
+            wakeups = self._wakeups.setdefault(segment_id, set())
+            await _woken(wakeups, wait_s)
+            if not wakeups and self._wakeups.get(segment_id) is wakeups:
+                del self._wakeups[segment_id]
         request.acked_seq = reply.first_seq - 1
         return handlers.PollCommits(request)
+
+
+# Waits as bare futures with a timer, not asyncio.wait_for over an Event: every put waits twice (its
+# PutEnd, its segment's poll), and wait_for's extra task and callbacks were a measurable share of the
+# master's CPU per put (docs/benchmarks.md, issue 19).
+
+
+async def _woken(wakeups: set[asyncio.Future], timeout_s: float) -> None:
+    """Until the next `_wake_all(wakeups)`, or `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    wakeups.add(future)
+    timer = loop.call_later(timeout_s, _settle, future)
+    try:
+        await future
+    finally:
+        timer.cancel()
+        wakeups.discard(future)
+
+
+def _wake_all(wakeups: set[asyncio.Future]) -> None:
+    for future in list(wakeups):
+        _settle(future)
+    wakeups.clear()
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
