@@ -33,6 +33,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
+from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
 from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect
@@ -52,7 +53,6 @@ _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
-_MAX_DONE_LEASES = 4096  # leases waiting to be handed back (kvtier.master.leases)
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 # Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
 LEASE_SAFETY = 0.9
@@ -174,10 +174,7 @@ class Client:
         self._latency: dict[str, LatencyHistogram] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        # Leases of reads that are over, handed back on the next request to the master (issue 19):
-        # their ranges are reusable at once instead of lease_ms later. Bounded: past it, the oldest
-        # simply run out as any lease does.
-        self._done_leases: list[int] = []
+        self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # reads in flight on the segment): more of them start the disk sooner after each batch's
         # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
@@ -216,21 +213,6 @@ class Client:
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._stats.update(deltas)
-
-    def _released(self) -> list[int]:
-        """The leases to hand back with the request being built (each goes once)."""
-        if not self._done_leases:
-            return []
-        with self._lock:
-            done, self._done_leases = self._done_leases, []
-        return done
-
-    def _read_over(self, lease_id: int) -> None:
-        if lease_id:
-            with self._lock:
-                if len(self._done_leases) >= _MAX_DONE_LEASES:
-                    del self._done_leases[0]
-                self._done_leases.append(lease_id)
 
     def _observe_latency(self, method: str, seconds: float) -> None:
         with self._lock:
@@ -356,7 +338,7 @@ class Client:
                     preferred_segment=preferred_segment,
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
-                    released_leases=self._released(),
+                    released_leases=self._done_leases.take(),
                 ),
             )
         except KvtierError as exc:
@@ -404,7 +386,7 @@ class Client:
                         keys=[keys[i] for i in written],
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
-                        released_leases=self._released(),
+                        released_leases=self._done_leases.take(),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -517,7 +499,7 @@ class Client:
         requested_at = time.monotonic()
         try:
             request = pb.KeysRequest(
-                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._released()
+                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._done_leases.take()
             )
             reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
@@ -608,7 +590,7 @@ class Client:
             replicas = retry
             attempt += 1
         # Every transfer of this lease is over (answered, or its connection closed): hand it back.
-        self._read_over(reply.lease_id)
+        self._done_leases.add(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
@@ -711,7 +693,7 @@ class Client:
         if not keys:
             return pb.ExistsResponse()
         request = pb.ExistsRequest(
-            namespace=self.namespace, keys=keys, prefetch=prefetch, released_leases=self._released()
+            namespace=self.namespace, keys=keys, prefetch=prefetch, released_leases=self._done_leases.take()
         )
         return self._master.call("Exists", request)
 
@@ -727,7 +709,7 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        request = pb.KeysRequest(namespace=self.namespace, keys=keys, released_leases=self._released())
+        request = pb.KeysRequest(namespace=self.namespace, keys=keys, released_leases=self._done_leases.take())
         reply = self._master.call("Remove", request)
         return [to_status(s) for s in reply.statuses]
 
