@@ -11,6 +11,9 @@ ratio to what the machine can do right now does not. The wire's limits are:
   what any Python process can push through the kernel's TCP stack here,
   the ceiling of the tcp transport.
 
+Both are measured before and after the workloads and the higher of each is the limit: a machine
+busy with something else for a moment makes the ratios look worse, never better.
+
 And the small-operation peers (issue 19's latency targets, `--compare redis`):
 a single 4 KiB put p50 against a redis-py SET, a single get against a GET, a
 32 x 4 KiB batch_put against one SET.
@@ -36,6 +39,10 @@ class Limits:
 
     def of(self, transport: str) -> float:
         return self.memcpy_gbps if transport == "shm" else self.loopback_gbps
+
+    def best(self, other: Limits) -> Limits:
+        """Each limit's higher measurement (taken before and after the workloads)."""
+        return Limits(max(self.memcpy_gbps, other.memcpy_gbps), max(self.loopback_gbps, other.loopback_gbps))
 
 
 def memcpy_gbps(repeat: int = 3, total: int = 1 << 30) -> float:
