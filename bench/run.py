@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from kvtier.bench.limits import LATENCY_RATIOS, WIRE_SIZES, WIRE_WORKLOADS, Limits, measure_limits, wire_target
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
 from kvtier.common.units import format_size, parse_size
@@ -59,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client threads sharing one client (default: 1; --tier ssd: a comma list, default 1,4)",
     )
     parser.add_argument("--workloads", default="", help="comma list to run a subset, e.g. batch_put,batch_get_into")
-    parser.add_argument("--transport", default="", help="force a transport scheme, e.g. tcp")
+    parser.add_argument(
+        "--transport",
+        default="",
+        help="transport schemes to measure, comma list (default: tcp,shm on the local cluster; auto with --master)",
+    )
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
     parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -409,54 +414,179 @@ def run(opts: argparse.Namespace) -> int:
         print_ssd_results(ssd_results, opts.json, machine_description(), opts.repeat)
         return 0
     selected = {w for w in opts.workloads.split(",") if w}
+    # Both same-host transports by default on the local cluster (issue 19 reads each against its limit);
+    # against a given master, whatever the client picks unless told.
+    transports = [t.strip() for t in opts.transport.split(",") if t.strip()] or (
+        ["tcp", "shm"] if not opts.master else [""]
+    )
     local = None
     master = opts.master
     if not master:
         local = LocalCluster(dram=opts.dram, quiet=True, cluster_id=f"bench{uuid.uuid4().hex[:6]}").start()
         master = local.master_address
-    try:
-        with Client(master, namespace="bench", timeout=30.0, transport=opts.transport) as client:
-            results = run_driver(
-                client, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads, _progress("kvtier")
-            )
-    finally:
-        if local is not None:
-            local.stop()
+    _progress("limits")("memcpy and a Python loopback stream, before")
+    before = measure_limits(opts.repeat)
+    by_transport: dict[str, list[Result]] = {}
+    small: list[Result] = []
+    peer_small: list[Result] = []
     peer_results: list[Result] = []
     peer_name = ""
-    if opts.compare == "redis":
-        from kvtier.bench.redis_peer import RedisPeer
+    peer = None
+    try:
+        for transport in transports:
+            with Client(master, namespace="bench", timeout=30.0, transport=transport) as client:
+                by_transport[transport or "auto"] = run_driver(
+                    client, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads,
+                    _progress(f"kvtier {transport or 'auto'}"),
+                )  # fmt: skip
+        if opts.compare == "redis":
+            from kvtier.bench.redis_peer import RedisPeer
 
-        try:
-            peer = RedisPeer()
-        except RuntimeError as exc:
-            print(f"kvtier bench: cannot compare with redis: {exc}", file=sys.stderr)
-            return 1
-        peer_name = f"Redis {peer.version} (redis-py, {peer.parser} parser)"
-        try:
+            try:
+                peer = RedisPeer()
+            except RuntimeError as exc:
+                print(f"kvtier bench: cannot compare with redis: {exc}", file=sys.stderr)
+                return 1
+            peer_name = f"Redis {peer.version} (redis-py, {peer.parser} parser)"
             peer_results = run_driver(
                 peer, sizes, selected, opts.batch, bytes_per_run, opts.repeat, opts.threads, _progress("redis")
             )
-        finally:
+            # Issue 19's small-operation ratios: 4 KiB over TCP, each side in the same run.
+            with Client(master, namespace="bench", timeout=30.0, transport="tcp") as client:
+                small = run_driver(
+                    client, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("kvtier tcp")
+                )
+            peer_small = run_driver(peer, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("redis"))
+    finally:
+        if peer is not None:
             peer.close()
+        if local is not None:
+            local.stop()
+    _progress("limits")("memcpy and a Python loopback stream, after")
+    limits = before.best(measure_limits(opts.repeat))  # the higher of each: ratios never flatter us
     machine = machine_description()
-    transport = opts.transport or "auto"
     if opts.json:
-        doc: dict = {"machine": machine, "transport": transport, "repeat": opts.repeat, "threads": opts.threads}
-        doc["results"] = [asdict(r) for r in results]
+        doc: dict = {"machine": machine, "repeat": opts.repeat, "threads": opts.threads}
+        doc["limits"] = asdict(limits)
+        doc["transports"] = {t: [asdict(r) for r in rs] for t, rs in by_transport.items()}
+        if len(by_transport) == 1:  # the earlier shape, kept for scripts that read it
+            doc["transport"], results = next(iter(by_transport.items()))
+            doc["results"] = [asdict(r) for r in results]
+        doc["wire"] = [asdict(w) for w in wire_ratios(by_transport, limits)]
         if peer_results:
             doc["peer"] = {"name": peer_name, "results": [asdict(r) for r in peer_results]}
+            doc["small_ops"] = [asdict(r) for r in latency_ratios(small, peer_small)]
         print(json.dumps(doc, indent=2))
         return 0
-    header = (
-        f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, "
-        f"Python {machine['python']}, transport {transport}, {opts.threads} client thread(s), median of {opts.repeat}"
-    )
-    print_table(results, header)
+    for transport, results in by_transport.items():
+        header = (
+            f"kvtier bench: {machine['cpu']}, {machine['cores']} cores, {machine['memory']}, Python "
+            f"{machine['python']}, transport {transport}, {opts.threads} client thread(s), median of {opts.repeat}"
+        )
+        print_table(results, header)
+        print()
+    print_wire(wire_ratios(by_transport, limits), limits)
     if peer_results:
         print()
-        print_comparison(results, peer_results, peer_name)
+        print_comparison(by_transport[next(iter(by_transport))], peer_results, peer_name)
+        print()
+        print_latency_ratios(latency_ratios(small, peer_small), peer_name)
     return 0
+
+
+@dataclass
+class WireRatio:
+    transport: str
+    workload: str
+    size: int
+    gbps: float
+    limit_gbps: float
+    ratio: float
+    target: str  # e.g. ">= 0.80 of loopback", ">= 1.5 GB/s"
+    met: bool
+
+
+@dataclass
+class LatencyRatio:
+    name: str
+    ours_p50_ms: float
+    peer_p50_ms: float
+    ratio: float
+    target: float
+    met: bool
+
+
+SMALL = 4 << 10
+SMALL_WORKLOADS = {"put", "get", "batch_put"}
+SMALL_BYTES = 4 << 20  # 256 single ops (3 x 32 at least) and 32 batches per run
+
+
+def wire_ratios(by_transport: dict[str, list[Result]], limits: Limits) -> list[WireRatio]:
+    """Each batch put / get_into figure of the wire sizes, as a ratio of its transport's limit."""
+    out = []
+    for transport, results in by_transport.items():
+        limit = limits.of(transport)
+        for r in results:
+            if r.workload not in WIRE_WORKLOADS or r.size not in WIRE_SIZES:
+                continue
+            kind, target = wire_target(transport, r.size)
+            ratio = r.gbps / limit if limit else 0.0
+            if kind == "GB/s":
+                out.append(
+                    WireRatio(
+                        transport, r.workload, r.size, r.gbps, limit, ratio, f">= {target} GB/s", r.gbps >= target
+                    )
+                )
+            else:
+                name = "memcpy" if transport == "shm" else "loopback"
+                out.append(
+                    WireRatio(
+                        transport,
+                        r.workload,
+                        r.size,
+                        r.gbps,
+                        limit,
+                        ratio,
+                        f">= {target:.2f} of {name}",
+                        ratio >= target,
+                    )
+                )
+    return out
+
+
+def latency_ratios(ours: list[Result], peer: list[Result]) -> list[LatencyRatio]:
+    mine = {r.workload: r for r in ours}
+    theirs = {r.workload: r for r in peer}
+    out = []
+    for name, (workload, peer_workload, target) in LATENCY_RATIOS.items():
+        a, b = mine.get(workload), theirs.get(peer_workload)
+        if a is None or b is None or not b.p50_ms:
+            continue
+        ratio = a.p50_ms / b.p50_ms
+        out.append(LatencyRatio(name, a.p50_ms, b.p50_ms, ratio, target, ratio <= target))
+    return out
+
+
+def print_wire(ratios: list[WireRatio], limits: Limits) -> None:
+    print(
+        f"The wire against its limits, measured in this run: memcpy {limits.memcpy_gbps:.2f} GB/s, "
+        f"a Python loopback stream {limits.loopback_gbps:.2f} GB/s"
+    )
+    print(f"{'transport':<9} {'workload':<15} {'size':>8} {'GB/s':>7} {'limit':>7} {'ratio':>6}  target")
+    for w in ratios:
+        mark = "ok" if w.met else "BELOW"
+        print(
+            f"{w.transport:<9} {w.workload:<15} {format_size(w.size):>8} {w.gbps:>7.2f} {w.limit_gbps:>7.2f} "
+            f"{w.ratio:>6.2f}  {w.target} {mark}"
+        )
+
+
+def print_latency_ratios(ratios: list[LatencyRatio], peer_name: str) -> None:
+    print(f"Small operations over TCP against {peer_name}, p50 in the same run (issue 19's targets)")
+    print(f"{'':<34} {'kvtier ms':>9} {'peer ms':>8} {'ratio':>6}  target")
+    for r in ratios:
+        mark = "ok" if r.met else "ABOVE"
+        print(f"{r.name:<34} {r.ours_p50_ms:>9.3f} {r.peer_p50_ms:>8.3f} {r.ratio:>6.2f}  <= {r.target:g} {mark}")
 
 
 def _progress(target: str) -> Callable[[str], None]:

@@ -33,6 +33,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
+from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
 from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect, connect_disk
@@ -174,6 +175,7 @@ class Client:
         self._latency: dict[str, LatencyHistogram] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # reads in flight on the segment): more of them start the disk sooner after each batch's
         # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
@@ -339,6 +341,7 @@ class Client:
                     preferred_segment=preferred_segment,
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
+                    released_leases=self._done_leases.take(),
                 ),
             )
         except KvtierError as exc:
@@ -386,6 +389,7 @@ class Client:
                         keys=[keys[i] for i in written],
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
+                        released_leases=self._done_leases.take(),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -497,7 +501,10 @@ class Client:
         # this moment: measuring from here can only under-estimate what is left.
         requested_at = time.monotonic()
         try:
-            reply = self._master.call("GetReplicas", pb.KeysRequest(namespace=self.namespace, keys=keys))
+            request = pb.KeysRequest(
+                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._done_leases.take()
+            )
+            reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
             logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
             self._count(gets=len(keys), misses=len(keys), master_failures=1)
@@ -585,6 +592,8 @@ class Client:
                         retry[i] = replicas[i]
             replicas = retry
             attempt += 1
+        # Every transfer of this lease is over (answered, or its connection closed): hand it back.
+        self._done_leases.add(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
@@ -685,7 +694,10 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return pb.ExistsResponse()
-        return self._master.call("Exists", pb.ExistsRequest(namespace=self.namespace, keys=keys, prefetch=prefetch))
+        request = pb.ExistsRequest(
+            namespace=self.namespace, keys=keys, prefetch=prefetch, released_leases=self._done_leases.take()
+        )
+        return self._master.call("Exists", request)
 
     # ------------------------------------------------------------------ removal and inspection
 
@@ -699,7 +711,8 @@ class Client:
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        reply = self._master.call("Remove", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        request = pb.KeysRequest(namespace=self.namespace, keys=keys, released_leases=self._done_leases.take())
+        reply = self._master.call("Remove", request)
         return [to_status(s) for s in reply.statuses]
 
     @traced

@@ -120,6 +120,7 @@ class Drainer:
                     break
             if target is not None:
                 record.lease_until = max(record.lease_until, lease_until)
+                state.leases.uncounted(record, lease_until)  # no reader's release cuts the copy's read
                 self._moving.add(id(record))
             batch.items.append(Migration(record, source, target))
         self._batches[batch.migration_id] = batch
@@ -155,14 +156,14 @@ class Drainer:
                 source_segment.objects -= 1
                 if record.size:  # readers may hold the source range: free it when their lease ends
                     until = record.lease_until + state.reuse_margin_s
-                    state._free_later(source_id, replica_offset(source), record.size, until)
+                    state._free_later(source_id, replica_offset(source), record.size, until, record)
             return True
         # The migrator's write grant on the target ends with the lease migrate_start set: a stalled
         # writer's frames may act on the range until then (plus clock skew), so no reuse before.
         until = record.lease_until + state.reuse_margin_s
         if record.size and target_segment is not None and until > state.clock():
             target_segment.objects -= 1
-            state._free_later(replica_segment(target), replica_offset(target), record.size, until)
+            state._free_later(replica_segment(target), replica_offset(target), record.size, until, record)
         else:
             state._release_replicas([target], record.size)
         return False

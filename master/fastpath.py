@@ -9,8 +9,9 @@ buffer is above its high-water mark the connection stops reading
 (backpressure).
 
 PutEnd and Remove are the exception: their answers wait for the segments to
-acknowledge the commit log (`CommitWaiter`). The connection then stops
-reading and parsing until that answer is written, so answers stay in
+acknowledge the commit log (`CommitWaiter`). So does a segment's PollCommits
+that finds no notice queued (a long poll, `CommitPolls`). The connection then
+stops reading and parsing until that answer is written, so answers stay in
 request order.
 
 Limits (`FastPathLimits`, from the master's config), kept with the segments'
@@ -63,6 +64,7 @@ _LOG_LINES_PER_S = 20  # refusals and cuts logged per second per listener; the r
 
 _WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcframe.METHOD_IDS}
 _PUT_START = rpcframe.METHOD_IDS["PutStart"]  # may wait for offload (kvtier.master.backpressure)
+_POLL_COMMITS = rpcframe.METHOD_IDS["PollCommits"]  # a segment's long poll (kvtier.master.commit_wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +358,8 @@ class FastPathProtocol(FramedConnection):
                 wait = self._handlers.put_waiter.finish(held)
             elif method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
                 wait = self._waiter.finish(response, barrier)
+            elif method == _POLL_COMMITS:
+                wait = self._waiter.polls.later(request, response)
             if wait is not None:
                 self._start = consumed
                 self._waiting = True

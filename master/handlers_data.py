@@ -3,6 +3,7 @@ removal, corruption reports and instance registration."""
 
 from __future__ import annotations
 
+from kvtier.master.auth import current_principal
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.gates import rpc
@@ -10,6 +11,7 @@ from kvtier.master.inspection import disk_only_hits
 from kvtier.master.prefetch import prefetch
 from kvtier.master.state import PutOptions
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.frames import Op
 from kvtier.proto.keys import check_namespace
 from kvtier.proto.status import Status
@@ -17,6 +19,13 @@ from kvtier.proto.status import Status
 
 class DataCalls:
     """Clients' RPCs; mixed into `MasterHandlers`, whose state and counters they use."""
+
+    def _release_leases(self, request) -> None:
+        """The reads of `request.released_leases` are over (piggybacked on the caller's next
+        request): their ranges are reusable at once (kvtier.master.leases). Only cluster
+        credentials get releasable leases, so only theirs are honoured."""
+        if request.released_leases and current_principal.get() == CLUSTER_PRINCIPAL:
+            self.state.leases.release(request.released_leases)
 
     @rpc(pb.HelloResponse)
     def Hello(self, request):
@@ -37,6 +46,7 @@ class DataCalls:
 
     @rpc(pb.PutStartResponse)
     def PutStart(self, request):
+        self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.PutStartResponse):
             return rejected
@@ -83,6 +93,7 @@ class DataCalls:
 
     @rpc(pb.KeyStatusResponse)
     def PutEnd(self, request):
+        self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
             return rejected
@@ -104,10 +115,12 @@ class DataCalls:
 
     @rpc(pb.GetReplicasResponse)
     def GetReplicas(self, request):
+        self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
             return rejected
-        r = self.state.get_replicas(namespace, request.keys)
+        releasable = request.releasable and current_principal.get() == CLUSTER_PRINCIPAL  # kvtier.master.leases
+        r = self.state.get_replicas(namespace, request.keys, releasable)
         self.lookup_keys["GetReplicas"] += len(request.keys)
         self.lookup_hits["GetReplicas"] += r.statuses.count(0)
         self.lookup_hits_disk_only += disk_only_hits(r.replica_counts, r.replica_tiers)
@@ -122,6 +135,7 @@ class DataCalls:
             replica_tiers=r.replica_tiers,
             segments=self._endpoints(r.replica_segments),
             lease_ms=r.lease_ms,
+            lease_id=r.lease_id,
         )
         # The lease is what keeps the bytes in place: the frames' deadline (and the tags) end with it.
         reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
@@ -134,6 +148,7 @@ class DataCalls:
 
     @rpc(pb.ExistsResponse)
     def Exists(self, request):
+        self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.ExistsResponse):
             return rejected
@@ -145,6 +160,7 @@ class DataCalls:
 
     @rpc(pb.RemoveResponse)
     def Remove(self, request):
+        self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
             return rejected

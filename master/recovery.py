@@ -202,6 +202,7 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
                 record.owner = owner
                 owner.objects += 1
         record.lease_until = max(record.lease_until, lease_until)
+        state.leases.uncounted(record, lease_until)
         if record.owner is not None:
             record.owner.used += state._aligned(size)
         segment.objects += 1

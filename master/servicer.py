@@ -10,13 +10,11 @@ from typing import Any
 
 import grpc
 
-from kvtier.master.commit_wait import WAITING_CALLS, CommitWaiter
+from kvtier.master.commit_wait import LONG_POLL_MAX_S, WAITING_CALLS, CommitWaiter
 from kvtier.master.handlers import RPC_NAMES, MasterHandlers
 from kvtier.master.state import MasterState
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.status import Status
-
-LONG_POLL_MAX_S = 30.0
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -30,27 +28,19 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.handlers = handlers
         self.waiter = waiter
         self._task_events: dict[int, asyncio.Event] = {}
-        self._commit_events: dict[int, asyncio.Event] = {}
         self.save_state: Callable[[], Awaitable[None]] | None = None  # saves what changed, durably
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
         """Hook a (new) state's notifications to the long polls."""
-        for event in (*self._task_events.values(), *self._commit_events.values()):
+        for event in self._task_events.values():
             event.set()  # long polls of the old state's segments answer now (their ids mean nothing here)
         self._task_events.clear()
-        self._commit_events.clear()
         state.tiering.notify = self._wake
-        state.commits.notify = self._wake_commits
-        self.waiter.attach(state)
+        self.waiter.attach(state)  # commit notices wake the commit long polls (CommitPolls)
 
     def _wake(self, segment_id: int) -> None:
         event = self._task_events.get(segment_id)
-        if event is not None:
-            event.set()
-
-    def _wake_commits(self, segment_id: int) -> None:
-        event = self._commit_events.get(segment_id)
         if event is not None:
             event.set()
 
@@ -91,24 +81,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return reply
 
     async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        handlers = self.handlers
-        reply = handlers.PollCommits(request)  # applies the acknowledgement at once
-        wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
-        if reply.status != Status.OK or reply.offsets or wait_s <= 0:
-            return reply
-        commits = handlers.state.commits
-        event = self._commit_events.setdefault(request.segment_id, asyncio.Event())
-        event.clear()
-        try:
-            if not commits.has_notices(request.segment_id, reply.first_seq - 1):
-                await asyncio.wait_for(event.wait(), wait_s)
-        except TimeoutError:
-            pass
-        finally:
-            if self._commit_events.get(request.segment_id) is event:
-                del self._commit_events[request.segment_id]
-        request.acked_seq = reply.first_seq - 1
-        return handlers.PollCommits(request)
+        return await self.waiter.polls.poll(request)
 
     async def PollTierTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         handlers = self.handlers

@@ -42,6 +42,7 @@ from kvtier.master.drain import Drainer
 from kvtier.master.eviction import pick_victims
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
+from kvtier.master.leases import ReadLeases
 from kvtier.master.placement import place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
@@ -103,6 +104,9 @@ class MasterState(SegmentTable):
         self._pending: dict[str, ObjectRecord] = {}
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
         self._deferred: list[tuple[float, int, int, int, int]] = []
+        # Read leases their readers release when the read is over (kvtier.master.leases).
+        self.leases = ReadLeases()
+        self.leases.on_unread = self._ranges_unread
         self.quotas = QuotaTable()
         self.drainer = Drainer(self)
         self.tiering = Tiering(self)
@@ -321,11 +325,13 @@ class MasterState(SegmentTable):
 
     # ------------------------------------------------------------------ reads
 
-    def get_replicas(self, namespace: str, keys: Sequence[str]) -> GetResult:
+    def get_replicas(self, namespace: str, keys: Sequence[str], releasable: bool = False) -> GetResult:
         """Placements of complete objects and a read lease on them.
 
         Per key OK or NOT_FOUND (absent or still pending) or INVALID_KEY. The
         lease keeps the returned ranges from being freed or reused until it ends.
+        With `releasable`, the lease is counted for this reader and ends early
+        when it hands `result.lease_id` back (kvtier.master.leases).
         """
         now = self.clock()
         lease_until = now + self.config.lease_s
@@ -336,6 +342,8 @@ class MasterState(SegmentTable):
         segments, offsets, tiers = result.replica_segments, result.replica_offsets, result.replica_tiers
         disk_only = self._disk_only
         not_found = int(Status.NOT_FOUND)
+        leased: list[ObjectRecord] | None = [] if releasable else None
+        leases = self.leases
         for key in keys:
             name = prefix + key
             record = objects.get(name)
@@ -351,8 +359,12 @@ class MasterState(SegmentTable):
                 checksums.append(0)
                 counts.append(0)
                 continue
-            if record.lease_until < lease_until:
-                record.lease_until = lease_until
+            if leased is not None:
+                leased.append(record)  # grant() below extends its lease_until
+            else:
+                leases.uncounted(record, lease_until)
+                if record.lease_until < lease_until:
+                    record.lease_until = lease_until
             meta = record.meta
             statuses.append(_OK)
             sizes.append(meta >> 32)
@@ -367,6 +379,8 @@ class MasterState(SegmentTable):
                 in_dram = in_dram or tier == TIER_DRAM
             if not in_dram:
                 self.tiering.disk_only_read(record)
+        if leased:
+            result.lease_id = leases.grant(leased, lease_until)
         return result
 
     def exists(self, namespace: str, keys: Sequence[str]) -> tuple[list[bool], int]:
@@ -444,7 +458,7 @@ class MasterState(SegmentTable):
                 if segment is not None:
                     segment.objects -= 1
                     if record.size:
-                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at)
+                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
         else:
             self._release_replicas(record.replicas, record.size)
 
@@ -459,9 +473,26 @@ class MasterState(SegmentTable):
             until = max(until, record.started_at + self.capability_ttl_s)
         return until + self.reuse_margin_s
 
-    def _free_later(self, segment_id: int, offset: int, size: int, until: float) -> None:
-        """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it."""
+    def _free_later(
+        self, segment_id: int, offset: int, size: int, until: float, record: ObjectRecord | None = None
+    ) -> None:
+        """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it.
+        A range of `record` under releasable leases waits for their readers instead, and is
+        freed when the last one releases (`_ranges_unread`), or at `until` when they never do."""
+        if record is not None and self.leases.park(record, segment_id, offset, size):
+            return
         heapq.heappush(self._deferred, (until, next(self._seq), segment_id, offset, size))
+
+    def _ranges_unread(self, record: ObjectRecord, ranges: list[tuple[int, int, int]]) -> None:
+        """The last releasable lease on `record` ended: its parked ranges are freed now, or when
+        what else protects them ends (other leases, write grants, the clock-skew margin)."""
+        reuse_at = self._reuse_at(record)
+        now = self.clock()
+        for segment_id, offset, size in ranges:
+            if reuse_at > now:
+                heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
+            elif (segment := self.segments.get(segment_id)) is not None:
+                segment.allocator.release(offset, size)
 
     def _release_replicas(self, replicas: Iterable[int], size: int) -> None:
         for packed in replicas:
@@ -549,7 +580,7 @@ class MasterState(SegmentTable):
             if segment is not None:
                 for packed in dropped:
                     segment.objects -= 1
-                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at)
+                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
             return
         self._release_replicas(dropped, record.size)
 
@@ -583,6 +614,7 @@ class MasterState(SegmentTable):
                 self.history.left(record, "reclaimed")
             self._delete(record)
             self.lease_expiries["put"] += 1
+        self.leases.expire(now)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
             segment = self.segments.get(segment_id)

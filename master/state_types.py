@@ -85,6 +85,7 @@ class GetResult:
     replica_offsets: list[int]
     replica_tiers: list[int]
     lease_ms: int
+    lease_id: int = 0  # a releasable lease's id (kvtier.master.leases); 0 = none
 
 
 @dataclass(slots=True)

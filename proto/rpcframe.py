@@ -48,5 +48,8 @@ METHODS: dict[int, tuple[str, type, type]] = {
     4: ("PutEnd", pb.PutEndRequest, pb.KeyStatusResponse),
     5: ("PutRevoke", pb.PutRevokeRequest, pb.KeyStatusResponse),
     6: ("Remove", pb.KeysRequest, pb.RemoveResponse),
+    # Segments' commit feed (kvtier.segment_server.commit_link): a long poll, answered once notices
+    # are queued or its wait_ms passed; the acknowledgement PutEnd waits for rides on the next one.
+    7: ("PollCommits", pb.PollCommitsRequest, pb.PollCommitsResponse),
 }
 METHOD_IDS = {name: method for method, (name, _, _) in METHODS.items()}

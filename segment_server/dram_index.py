@@ -5,7 +5,8 @@ complete objects (commit notices) and which stopped holding one (drop
 notices); see kvtier.master.commits. `CommitFeed` long-polls them on its own
 thread and applies them to `DramIndex`; each poll acknowledges the previous
 batch, and the master answers a PutEnd only once its commits are
-acknowledged. After a master restart or failover the segment mounts again
+acknowledged. The polls go over the master's framed fast path when it has
+one (kvtier.segment_server.commit_link), else over gRPC. After a master restart or failover the segment mounts again
 and reports the index as its DRAM inventory (`report_dram_inventory`): that
 is how a new master incarnation learns the objects the old one knew.
 
@@ -33,6 +34,7 @@ import grpc
 from kvtier.common.poller import Backoff, MasterPoller
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status, status_name
+from kvtier.segment_server.commit_link import FramedFeedLink, fast_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ _MAX_NOTICES = 8192
 _RPC_TIMEOUT_S = 10.0
 _REPORT_BATCH = 10_000
 _BACKOFF_MAX_S = 0.5
+_HELLO_RETRY_S = 1.0  # after the fast path failed or the master had none: gRPC polls until then
 
 # An entry: (name "namespace NUL key", size, checksum, instance, rank, pin, pin_deadline (monotonic;
 # 0 = none), seq). Tuples built column-wise: applying a poll of thousands of notices is on the
@@ -198,12 +201,15 @@ class CommitFeed:
         stub: Callable[[], Any],
         index: DramIndex,
         session: Callable[[], tuple[int, int]],
+        token: str | None = "",
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) mounted
-        now, (0, 0) when not mounted."""
+        now, (0, 0) when not mounted; `token` the bearer token for the master's fast path (None:
+        never use it, e.g. the link is TLS and the fast path has none)."""
         self._stub = stub
         self.index = index
         self._session = session
+        self._token = token
         self._stop = threading.Event()
         # Unreachable masters are logged at DEBUG: the master link's thread says it already.
         self._poller = MasterPoller(
@@ -219,16 +225,23 @@ class CommitFeed:
         self._call: Any = None  # the long poll in flight: cancelled by stop()
         self._polled: tuple[int, int] = (0, 0)  # the session the notices acknowledged so far belong to
         self._acked = 0
+        self._link: FramedFeedLink | None = None  # the fast path, while it works
+        self._link_stub: Any = None  # the gRPC stub its endpoint came from: another one = the leader moved
+        self._next_hello = 0.0  # monotonic time to look for the fast path again
         self.applied = 0
+        self.polls = 0  # polls answered
+        self.fast_polls = 0  # ... of them over the fast path (the rest went over gRPC)
 
     def start(self) -> None:
         self._poller.start()
 
     def stop(self) -> None:
         self._stop.set()
-        call = self._call
+        call, link = self._call, self._link
         if call is not None:
             call.cancel()
+        if link is not None:
+            link.close()
         self._poller.stop(timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S)
 
     def _step(self) -> float:
@@ -239,20 +252,18 @@ class CommitFeed:
         if session != self._polled:
             self._polled, self._acked = session, 0  # a new mount numbers its notices from 1
         segment_id, epoch = session
-        self._call = self._stub().PollCommits.future(
+        reply = self._poll(
             pb.PollCommitsRequest(
                 segment_id=segment_id,
                 epoch=epoch,
                 acked_seq=self._acked,
                 wait_ms=_POLL_WAIT_MS,
                 max_notices=_MAX_NOTICES,
-            ),
-            timeout=_POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S,
+            )
         )
-        if self._stop.is_set():
-            self._call.cancel()
-        reply = self._call.result()
+        self.polls += 1
         if reply.status != Status.OK:  # SEGMENT_NOT_FOUND/UNAVAILABLE: the link mounts again
+            self._drop_link()  # the leader may have moved: ask Hello again
             return 0.05
         applied = self.index.apply(reply, session)
         if applied < 0:
@@ -260,3 +271,57 @@ class CommitFeed:
         self.applied += applied
         self._acked = reply.first_seq + applied - 1
         return 0.0
+
+    def _poll(self, request: pb.PollCommitsRequest) -> pb.PollCommitsResponse:
+        """One poll: over the fast path when the master has one, else (or when it just broke) gRPC.
+        A broken exchange is safe to repeat (module docstring of kvtier.segment_server.commit_link)."""
+        timeout_s = _POLL_WAIT_MS / 1000 + _RPC_TIMEOUT_S
+        link = self._fast_link()
+        if link is not None:
+            try:
+                reply = link.poll(request, timeout_s, self._same_master)
+                self.fast_polls += 1
+                return reply
+            except OSError as exc:
+                if self._stop.is_set():
+                    raise grpc.FutureCancelledError() from None
+                logger.info("commit feed: fast path failed (%s); polling over gRPC for now", exc)
+                self._drop_link()
+        self._call = self._stub().PollCommits.future(request, timeout=timeout_s)
+        if self._stop.is_set():
+            self._call.cancel()
+        return self._call.result()
+
+    def _fast_link(self) -> FramedFeedLink | None:
+        if self._link is not None and not self._same_master():
+            self._drop_link()
+            self._next_hello = 0.0  # the new leader's fast path, at once
+        if self._link is not None or self._token is None or time.monotonic() < self._next_hello:
+            return self._link
+        self._next_hello = time.monotonic() + _HELLO_RETRY_S
+        try:
+            stub = self._stub()
+            endpoint = fast_endpoint(stub, _RPC_TIMEOUT_S)
+            if endpoint:
+                self._link = FramedFeedLink(endpoint, self._token, _RPC_TIMEOUT_S)
+                self._link_stub = stub
+                logger.info("commit feed over the master's fast path endpoint=%s", endpoint)
+        except (grpc.RpcError, OSError, ValueError) as exc:
+            logger.info("commit feed: no fast path for now (%s); polling over gRPC", exc)
+        if self._stop.is_set() and self._link is not None:
+            self._drop_link()
+        return self._link
+
+    def _same_master(self) -> bool:
+        """Whether the leader the fast link was opened to is still the one the segment follows
+        (the master link moves the channel when it finds another leader)."""
+        try:
+            return self._stub() is self._link_stub
+        except grpc.RpcError:  # no leader known right now: nobody else to ask either
+            return True
+
+    def _drop_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+            self._next_hello = time.monotonic() + _HELLO_RETRY_S

@@ -233,6 +233,15 @@ class SegmentCollector(Collector):
             self._name,
             len(feed.index) if feed is not None else 0,
         )
+        polls = CounterMetricFamily(
+            "kvtier_segment_commit_polls",
+            "Commit-feed polls answered, by the master's door they went through (fast: framed, grpc: fallback).",
+            labels=["segment", "door"],
+        )
+        fast = feed.fast_polls if feed is not None else 0
+        polls.add_metric([self._name, "fast"], fast)
+        polls.add_metric([self._name, "grpc"], (feed.polls - fast) if feed is not None else 0)
+        yield polls
 
 
 def _one(kind: type, name: str, documentation: str, segment: str, value: float) -> Metric:

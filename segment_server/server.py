@@ -106,7 +106,8 @@ async def serve(config: SegmentConfig) -> int:
             fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
-        channels = MasterChannels(MasterLocator(config.master, security=config.etcd_security), config.credentials())
+        credentials = config.credentials()
+        channels = MasterChannels(MasterLocator(config.master, security=config.etcd_security), credentials)
         link = MasterLink(
             channels,
             pb.MountSegmentRequest(
@@ -140,7 +141,8 @@ async def serve(config: SegmentConfig) -> int:
             worker.write_limit.rate = config.ssd_write_limit_bytes
             worker.start()
             verifier.start()
-        feed = CommitFeed(channels.stub, index, link.session)
+        # The fast path has no TLS: with TLS the commit feed polls over gRPC.
+        feed = CommitFeed(channels.stub, index, link.session, None if credentials.tls else credentials.token)
         feed.start()
         metrics_address = ""
         if config.metrics:

@@ -86,12 +86,16 @@ def test_a_cluster_full_of_unevictable_objects_is_no_space_until_objects_are_rem
         client.put("refill/2", base)
     assert info.value.status == Status.NO_SPACE
 
-    # A removed object a reader holds a lease on keeps its space until the lease ends.
-    assert client.get(stored[2]) == values[stored[2]]
+    # A removed object another reader holds a lease on keeps its space until that reader is done:
+    # it hands its lease back with its next request (issue 19), or the lease ends.
+    reader = cluster.client()
+    assert reader.get(stored[2]) == values[stored[2]]
     assert client.remove(stored[2])
     with pytest.raises(KvtierError) as info:
         client.put("refill/3", base)
     assert info.value.status == Status.NO_SPACE
+    assert not reader.exists("refill/3")  # carries the reader's release
+    client.put("refill/3", base)
 
     # The objects that stayed are intact, and so are the new ones. Over TCP, asking for every survivor
     # twice is more than one 64 MiB frame per segment: the client splits it into several frames.

@@ -121,6 +121,10 @@ def assert_consistent(state: MasterState) -> None:
     for _, _, segment_id, offset, size in state._deferred:
         used[segment_id] += aligned(size)
         ranges[segment_id].append((offset, aligned(size), "<deferred>"))
+    for segment_id, offset, size in state.leases.parked():  # waiting for their readers to release
+        if segment_id in ranges:
+            used[segment_id] += aligned(size)
+            ranges[segment_id].append((offset, aligned(size), "<parked>"))
     for segment_id, segment in state.segments.items():
         allocator = segment.allocator
         assert segment.used == used[segment_id], (

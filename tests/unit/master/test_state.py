@@ -608,6 +608,7 @@ class MasterStateMachine(RuleBasedStateMachine):
         )
         self.state = MasterState(config, clock=self.clock)
         self.put_ids: list[int] = [0]
+        self.leases: list[int] = []  # releasable read leases not handed back yet
 
     @rule(name=st.sampled_from(["a", "b", "c"]), capacity=st.sampled_from([64, 1000, 4096]))
     def mount(self, name, capacity):
@@ -658,6 +659,17 @@ class MasterStateMachine(RuleBasedStateMachine):
         assert set(result.replica_segments) <= set(self.state.segments)
 
     @rule(keys=st.lists(st.sampled_from(["k0", "k1", "k2", "p/k3"]), max_size=3))
+    def get_releasable(self, keys):
+        lease = self.state.get_replicas(NS, keys, releasable=True).lease_id
+        if lease:
+            self.leases.append(lease)
+
+    @rule(pick=st.integers(0, 3))
+    def release(self, pick):
+        if self.leases:
+            self.state.leases.release([self.leases.pop(pick % len(self.leases))])
+
+    @rule(keys=st.lists(st.sampled_from(["k0", "k1", "k2", "p/k3"]), max_size=3))
     def remove(self, keys):
         self.state.remove(NS, keys)
 
@@ -684,6 +696,9 @@ class MasterStateMachine(RuleBasedStateMachine):
                     used[segment_id] += segment.allocator.aligned(record.size)
         for _, _, segment_id, _, size in state._deferred:
             used[segment_id] += state.segments[segment_id].allocator.aligned(size)
+        for segment_id, _, size in state.leases.parked():
+            if segment_id in used:
+                used[segment_id] += state.segments[segment_id].allocator.aligned(size)
         assert {s: seg.used for s, seg in state.segments.items()} == used
         assert {s: seg.objects for s, seg in state.segments.items()} == replicas
         assert state.object_count == records

@@ -1,0 +1,44 @@
+"""`kvtier bench` reads its figures against the limits it measured in the same run (issue 19)."""
+
+from __future__ import annotations
+
+from kvtier.bench.limits import Limits, loopback_gbps, memcpy_gbps
+from kvtier.bench.run import Result, latency_ratios, wire_ratios
+
+MiB = 1 << 20
+
+
+def result(workload: str, size: int, gbps: float = 0.0, p50_ms: float = 0.0) -> Result:
+    return Result(workload, size, 32, gbps, 0.0, 0.0, p50_ms, p50_ms)
+
+
+def test_each_wire_figure_is_read_against_its_transports_limit():
+    limits = Limits(memcpy_gbps=8.0, loopback_gbps=5.0)
+    by_transport = {
+        "tcp": [result("batch_put", MiB, 4.5), result("batch_get_into", 4 * MiB, 3.0), result("get", MiB, 9.9)],
+        "shm": [result("batch_put", 64 << 10, 2.5), result("batch_get_into", MiB, 7.0)],
+    }
+    rows = {(w.transport, w.workload, w.size): w for w in wire_ratios(by_transport, limits)}
+    assert set(rows) == {
+        ("tcp", "batch_put", MiB),
+        ("tcp", "batch_get_into", 4 * MiB),
+        ("shm", "batch_put", 64 << 10),
+        ("shm", "batch_get_into", MiB),
+    }  # single-key workloads are not wire figures
+    assert rows[("tcp", "batch_put", MiB)].ratio == 0.9 and rows[("tcp", "batch_put", MiB)].met
+    assert rows[("tcp", "batch_get_into", 4 * MiB)].ratio == 0.6 and not rows[("tcp", "batch_get_into", 4 * MiB)].met
+    assert rows[("shm", "batch_put", 64 << 10)].met  # 64 KiB: an absolute 2.0 GB/s over shm
+    assert rows[("shm", "batch_get_into", MiB)].ratio == 7.0 / 8.0 and rows[("shm", "batch_get_into", MiB)].met
+
+
+def test_small_operations_are_read_against_the_peers_single_set_and_get():
+    ours = [result("put", 4096, p50_ms=0.3), result("get", 4096, p50_ms=0.2), result("batch_put", 4096, p50_ms=0.6)]
+    peer = [result("put", 4096, p50_ms=0.1), result("get", 4096, p50_ms=0.1), result("batch_put", 4096, p50_ms=0.2)]
+    rows = {r.name: r for r in latency_ratios(ours, peer)}
+    assert [round(r.ratio, 6) for r in rows.values()] == [3.0, 2.0, 6.0]  # batch_put against ONE SET
+    assert [r.met for r in rows.values()] == [True, False, False]
+
+
+def test_the_limits_are_measured():
+    assert memcpy_gbps(repeat=1, total=64 * MiB) > 0
+    assert loopback_gbps(repeat=1, total=16 * MiB) > 0
