@@ -86,6 +86,7 @@ from kvtier.master.state_types import (
     master_key_problem,
 )
 from kvtier.master.tiering import Tiering, dram_key, is_dram
+from kvtier.proto.keys import NAME_SEPARATOR, SHORT_KEY_CHARS
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -204,10 +205,11 @@ class MasterState(SegmentTable):
         largest = max((s.capacity for s in active), default=0)
         static = static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
+        separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
-            if not key or "\x00" in key or (len(key) > 256 and master_key_problem(key)):  # inlined: hot
+            if not key or separator in key or (len(key) > short and master_key_problem(key)):  # inlined: hot
                 status = Status.INVALID_KEY
             else:
                 existing = objects.get(name) or self._disk_only.get(name)

@@ -31,6 +31,7 @@ import crc32c
 import grpc
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.keys import split_name
 from kvtier.proto.status import Status, status_name
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,9 @@ _RPC_TIMEOUT_S = 10.0
 _REPORT_BATCH = 10_000
 _BACKOFF_MAX_S = 0.5
 
-# An entry: (name "namespace NUL key", size, checksum, instance, rank, pin, pin_deadline (monotonic;
-# 0 = none), seq). Tuples built column-wise: applying a poll of thousands of notices is on the
-# path of every PutEnd (the master answers once it is acknowledged).
+# An entry: (name "namespace NUL key" (kvtier.proto.keys.join_name), size, checksum, instance, rank,
+# pin, pin_deadline (monotonic; 0 = none), seq). Tuples built column-wise: applying a poll of
+# thousands of notices is on the path of every PutEnd (the master answers once it is acknowledged).
 Entry = tuple[str, int, int, str, int, int, float, int]
 _SIZE, _CHECKSUM, _SEQ = 1, 2, 7
 
@@ -165,7 +166,7 @@ def report_dram_inventory(
         chunk = items[lo : lo + _REPORT_BATCH]
         request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
         for offset, entry in chunk:
-            namespace, _, key = entry[0].partition("\x00")
+            namespace, key = split_name(entry[0])
             request.namespaces.append(namespace)
             request.keys.append(key)
             request.sizes.append(entry[1])
