@@ -62,7 +62,7 @@ import enum
 import struct
 from collections.abc import Sequence
 
-from kvtier.proto.keys import MAX_NAME_BYTES, split_name_bytes
+from kvtier.proto.keys import MAX_JOINED_NAME_BYTES, split_name_bytes
 
 MAGIC = 0x544B  # b"KT" little-endian
 VERSION = 1
@@ -76,7 +76,7 @@ assert REQUEST.size == RESPONSE.size == 24
 MAX_RANGES_PER_FRAME = 1 << 16
 MAX_ERROR_MESSAGE = 4096
 MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
-MAX_DISK_NAME = 2 + MAX_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
+MAX_DISK_NAME = 2 + MAX_JOINED_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
 DISK_STATUS = struct.Struct("<i")
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)

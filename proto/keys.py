@@ -43,7 +43,7 @@ MAX_NAMESPACE_BYTES = 256
 NAME_SEPARATOR = "\x00"  # between namespace and key in a joined name; neither may contain it
 NAME_SEPARATOR_BYTES = NAME_SEPARATOR.encode()
 # A joined name's UTF-8 bytes at most (READ_DISK names, kvtier.proto.frames).
-MAX_NAME_BYTES = MAX_NAMESPACE_BYTES + len(NAME_SEPARATOR_BYTES) + MAX_KEY_BYTES
+MAX_JOINED_NAME_BYTES = MAX_NAMESPACE_BYTES + len(NAME_SEPARATOR_BYTES) + MAX_KEY_BYTES
 # UTF-8 takes at most 4 bytes per character: a key of at most this many characters is within
 # MAX_KEY_BYTES without encoding it (the master's hot-path check, `wire_key_invalid`).
 SHORT_KEY_CHARS = MAX_KEY_BYTES // 4

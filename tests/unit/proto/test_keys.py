@@ -11,8 +11,8 @@ from kvtier.master.state import master_key_problem
 from kvtier.proto import frames
 from kvtier.proto.errors import InvalidKeyError, KvtierError
 from kvtier.proto.keys import (
+    MAX_JOINED_NAME_BYTES,
     MAX_KEY_BYTES,
-    MAX_NAME_BYTES,
     MAX_NAMESPACE_BYTES,
     NAME_SEPARATOR,
     check_key,
@@ -142,8 +142,8 @@ def test_split_name_bytes_refuses_untrusted_bytes(raw):
 
 
 def test_read_disk_name_limit_derives_from_the_key_rules():
-    assert MAX_NAME_BYTES == MAX_NAMESPACE_BYTES + 1 + MAX_KEY_BYTES
-    assert frames.MAX_DISK_NAME == 2 + MAX_NAME_BYTES == 1283  # the READ_DISK bound is unchanged
+    assert MAX_JOINED_NAME_BYTES == MAX_NAMESPACE_BYTES + 1 + MAX_KEY_BYTES
+    assert frames.MAX_DISK_NAME == 2 + MAX_JOINED_NAME_BYTES == 1283  # the READ_DISK bound is unchanged
     longest = name_prefix_bytes("n" * MAX_NAMESPACE_BYTES) + ("🙂" * (MAX_KEY_BYTES // 4)).encode()
     payload = frames.pack_disk_names([longest])
     assert len(payload) == frames.MAX_DISK_NAME
