@@ -111,3 +111,29 @@ def test_modules_state_builds_on_never_import_it_back_at_run_time():
                     todo.append(module)
     assert {"tiering.py", "placement.py", "drain.py", "recovery.py", "backpressure.py", "corrupt.py"} <= below
     assert sorted(m for m in below if "kvtier.master.state" in imports[m]) == []
+
+
+def _defined_privates(source: str) -> set[str]:
+    """Private names a module defines: functions, methods, classes, attributes it assigns."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {name for name in names if _is_private(name)}
+
+
+def test_no_master_module_reaches_into_another_modules_privates():
+    """The same rule for every other owner (Tiering, MasterHandlers, ...): a module uses only its
+    own private names; another module's are reached through its public methods."""
+    offenders = []
+    for module, source in _master_sources().items():
+        own = _defined_privates(source)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    offenders.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
