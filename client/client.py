@@ -42,7 +42,7 @@ from kvtier.client.transport.shm import local_host_id
 from kvtier.common.latency import LatencyHistogram
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
-from kvtier.proto.keys import check_key
+from kvtier.proto.keys import check_key, name_prefix_bytes
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)
@@ -653,7 +653,7 @@ class Client:
         try:
             if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
                 disk = self._disk_connector(segment)
-                prefix = self.namespace.encode() + b"\x00"
+                prefix = name_prefix_bytes(self.namespace)  # READ_DISK names: kvtier.proto.keys
                 items = [
                     (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
                 ]

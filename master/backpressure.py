@@ -175,11 +175,11 @@ class Pressure:
         state = self.state
         queued = 0
         victims = pick_victims(
-            state._objects.values(), state.clock(), budget, state._replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN
+            state.dram_lru(), state.clock(), budget, state.replica_bytes, uncopied, scan_limit=REDUNDANT_SCAN
         )
         for victim in victims:
             if tiering.offload(victim, segment, ahead=True):
-                queued += state._replica_bytes(victim)
+                queued += state.replica_bytes(victim)
         return queued
 
     def committed(self, records: list[ObjectRecord]) -> None:

@@ -97,7 +97,7 @@ class CommitWaiter:
                 return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
             await _woken(self._wakeups, remaining)
         if handlers.state is not state or not handlers.leadership.is_leader():
-            return type(reply)(status=Status.UNAVAILABLE, error=handlers._refusal(DATA) or "master changed")
+            return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
         put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
         if put_ack is not None and (lost := put_ack.settle(state.segments, reply.statuses)):
             # Acknowledged means stored: a segment expelled or replaced during the wait took them.

@@ -86,11 +86,11 @@ class CorruptReplicas:
             last = len(record.replicas) == 1
             if r.tier == TIER_DRAM:
                 if last:
-                    state._delete(state._pop(prefix + r.key))
+                    state.discard(prefix + r.key)
                 else:
-                    state._drop_dram_replica(record, r.segment_id)
+                    state.drop_dram_replica(record, r.segment_id)
             else:  # the segment is told to tombstone the disk copy (FORGET)
-                state.tiering._remove_disk_copy(record, packed, forget=True)
+                state.tiering.remove_disk_copy(record, packed, forget=True)
             tier = _TIER_NAMES[r.tier]
             self.dropped[tier] += 1
             _log.log(

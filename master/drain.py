@@ -12,8 +12,8 @@ moved are dropped (a cache can always recompute them). The drained
 incarnation (name + region nonce) is refused if its process mounts again, so
 it exits instead of coming back; a restarted process has a new nonce.
 
-Owned by `MasterState`'s thread like everything else; it reaches into the
-state's tables, which live in the same package.
+Owned by `MasterState`'s thread like everything else; it changes the state's
+tables through MasterState's public methods (see its module docstring).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
+from kvtier.master.state_types import SegmentState
 from kvtier.proto.status import Status
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ class Drainer:
 
     def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, objects left, bytes left, state)."""
-        from kvtier.master.state import SegmentState
-
         segment = self._by_name(name)
         if segment is None:
             if any(drained_name == name for drained_name, _ in self.drained):
@@ -76,7 +75,7 @@ class Drainer:
             return Status.OK, segment.objects, segment.used, segment.state.name
         self.drained.add((name, segment.incarnation))
         left, used = segment.objects, segment.used
-        self.state._drop_segment(segment.segment_id, reason="drained")
+        self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED"
 
     def is_drained(self, name: str, incarnation: str) -> bool:
@@ -84,8 +83,6 @@ class Drainer:
 
     def migrate_start(self, name: str, max_objects: int) -> tuple[Status, MigrationBatch | None]:
         """Up to `max_objects` complete objects on draining segment `name`, with targets and source leases."""
-        from kvtier.master.state import SegmentState
-
         segment = self._by_name(name)
         if segment is None:
             return Status.SEGMENT_NOT_FOUND, None
@@ -144,7 +141,7 @@ class Drainer:
         self._moving.discard(id(record))
         if target is None:
             return False
-        alive = state._lookup(record.name) is record
+        alive = state.lookup(record.name) is record
         target_segment = state.segments.get(replica_segment(target))
         if moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)
@@ -156,16 +153,16 @@ class Drainer:
                 source_segment.objects -= 1
                 if record.size:  # readers may hold the source range: free it when their lease ends
                     until = record.lease_until + state.reuse_margin_s
-                    state._free_later(source_id, replica_offset(source), record.size, until, record)
+                    state.free_after_leases(source_id, replica_offset(source), record.size, until, record)
             return True
         # The migrator's write grant on the target ends with the lease migrate_start set: a stalled
         # writer's frames may act on the range until then (plus clock skew), so no reuse before.
         until = record.lease_until + state.reuse_margin_s
         if record.size and target_segment is not None and until > state.clock():
             target_segment.objects -= 1
-            state._free_later(replica_segment(target), replica_offset(target), record.size, until, record)
+            state.free_after_leases(replica_segment(target), replica_offset(target), record.size, until, record)
         else:
-            state._release_replicas([target], record.size)
+            state.release_ranges([target], record.size)
         return False
 
     def tick(self, now: float) -> None:
@@ -176,5 +173,4 @@ class Drainer:
                 self._finish(item, moved=False)
 
     def _by_name(self, name: str) -> SegmentRecord | None:
-        segment_id = self.state._segments_by_name.get(name)
-        return self.state.segments.get(segment_id) if segment_id else None
+        return self.state.segment_named(name)

@@ -2,7 +2,7 @@
 
 Per call, in order: the caller's rights (kvtier.master.auth: a tenant outside its
 namespaces is PERMISSION_DENIED), the master's role (a standby, or a leader still
-recovering, answers UNAVAILABLE with the reason; see `MasterHandlers._refusal`), a
+recovering, answers UNAVAILABLE with the reason; see `MasterHandlers.refusal`), a
 segment RPC's epoch, then the handler. Invalid keys become INVALID_KEY and anything
 unexpected INTERNAL, never an exception into gRPC or the fast path. Every call is
 counted and timed (kvtier_master_rpc_*), and runs with the client's request id set
@@ -31,7 +31,7 @@ logger = logging.getLogger("kvtier.master.servicer")
 _refusals = LogBudget(logger, "refused request")
 
 Handler = Callable[[Any, Any], Any]
-# Which RPCs a master answers in which role (see `MasterHandlers._refusal`): INFO always; SEGMENT
+# Which RPCs a master answers in which role (see `MasterHandlers.refusal`): INFO always; SEGMENT
 # (segment servers' control plane) only as the leader; DATA only as a leader done recovering.
 INFO, SEGMENT, DATA = "info", "segment", "data"
 GATES = {
@@ -79,7 +79,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
                         extra={"fields": {"reason": denied}},
                     )
                     return response_type(status=Status.PERMISSION_DENIED, error=denied)
-                if gate is not INFO and (refusal := self._refusal(gate)):
+                if gate is not INFO and (refusal := self.refusal(gate)):
                     self.refused[name] += 1
                     return response_type(status=Status.UNAVAILABLE, error=refusal)
                 if check_epoch and request.epoch != self.epoch:

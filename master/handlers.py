@@ -92,7 +92,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
             }
         )
 
-    def _refusal(self, gate: str) -> str:
+    def refusal(self, gate: str) -> str:
         """Why this master may not answer an RPC of `gate` now ("" = it may)."""
         if not self.leadership.is_leader():
             return f"not the leader; leader={self.leadership.leader()}"

@@ -9,6 +9,7 @@ from kvtier.master.commits import notice_pin
 from kvtier.master.gates import rpc
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.keys import split_name
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class SegmentCalls:
             return pb.PollTierTasksResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
         reply = pb.PollTierTasksResponse(status=Status.OK, task_ttl_ms=int(self.state.tiering.task_ttl_s * 1000))
         for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
-            namespace, _, key = task.name.partition("\x00")
+            namespace, key = split_name(task.name)
             reply.task_ids.append(task.task_id)
             reply.kinds.append(int(task.kind))
             reply.namespaces.append(namespace)

@@ -169,7 +169,7 @@ def stat_keys(state: MasterState, namespace: str, keys: Sequence[str]) -> tuple[
 def _object_info(state: MasterState, record: ObjectRecord, now: float) -> ObjectInfo:
     tiering = state.tiering
     offloading = tiering.offloading.get(record.name)
-    promoting = tiering._promoting.get(record.name)
+    promoting = tiering.promotion_of(record.name)
     replicas = []
     for packed in record.replicas:
         segment_id, tier, location = replica_segment(packed), replica_tier(packed), replica_offset(packed)
@@ -194,7 +194,7 @@ def _object_info(state: MasterState, record: ObjectRecord, now: float) -> Object
         instance=owner.instance if owner is not None else "",
         rank=owner.rank if owner is not None else 0,
         age_ms=int(max(0.0, now - record.started_at) * 1000),
-        disk_reads=tiering._disk_reads.get(record.name, 0),
+        disk_reads=tiering.disk_reads(record.name),
     )
 
 

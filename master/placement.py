@@ -1,7 +1,7 @@
 """Placement: which segments get a new object's replicas, and making room there.
 
-Functions over `MasterState`'s tables (same owner, same thread); split out of
-state.py to keep each module readable. Preference per key: the put's
+Functions over `MasterState`'s tables through its public methods (same owner,
+same thread); split out of state.py to keep each module readable. Preference per key: the put's
 preferred segment, then segments on the writer's host, then the highest free
 ratio; replicas on distinct segments, on distinct hosts first. When nothing
 fits, LRU eviction on the most preferred segment that could hold the range,
@@ -63,7 +63,7 @@ def place(
         others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
         segment, offset = allocate_on(state, fresh_host + others, size)
         if segment is None:
-            state._release_replicas(placed, size)
+            state.release_ranges(placed, size)
             return None
         placed.append(replica(segment.segment_id, offset))
         segment.objects += 1
@@ -79,7 +79,7 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         offset = segment.allocator.allocate(size)
         if offset is not None:
             return segment, offset
-    need = state._aligned(size)
+    need = state.aligned(size)
     pressure = state.pressure
     for segment in candidates:
         if segment.capacity < need or segment.segment_id in pressure.blocked:
@@ -88,7 +88,7 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         # form a contiguous run of `need` bytes (a refused put must not destroy anything).
         # The least recently used victims that add up to `need` usually do; otherwise
         # check everything evictable here; if even that cannot make room, evict nothing.
-        on_segment = state._on_segment(segment.segment_id)
+        on_segment = state.has_dram_on(segment.segment_id)
         # Under dram_full_policy "wait", an object's only copy that the SSD tier could take is
         # never dropped for room (kvtier.master.backpressure): the put waits for offload instead.
         protected = pressure.protected(segment)
@@ -100,28 +100,26 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
         # go first: dropping them loses nothing. A bounded look only, then plain LRU.
         victims = pick_victims(
-            state._objects.values(),
+            state.dram_lru(),
             now,
             need,
-            state._replica_bytes,
+            state.replica_bytes,
             lambda r, on_segment=on_segment: len(r.replicas) > 1 and on_segment(r),
             scan_limit=REDUNDANT_SCAN,
         )
         if not fits_after(state, segment, victims, need):
-            victims = pick_victims(state._objects.values(), now, need, state._replica_bytes, eligible)
+            victims = pick_victims(state.dram_lru(), now, need, state.replica_bytes, eligible)
         if not fits_after(state, segment, victims, need):
-            victims = pick_victims(state._objects.values(), now, segment.capacity, state._replica_bytes, eligible)
+            victims = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, eligible)
             if not fits_after(state, segment, victims, need):
                 if protected is not None:
-                    everything = pick_victims(
-                        state._objects.values(), now, segment.capacity, state._replica_bytes, on_segment
-                    )
+                    everything = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, on_segment)
                     if fits_after(state, segment, everything, need):
                         pressure.behind(segment, need)  # room once offload catches up: the put waits
                 continue
         # One victim at a time, least recently used first, stopping as soon as it fits.
         for victim in victims:
-            state._evict_one(victim, "allocation", segment.segment_id)
+            state.evict_one(victim, "allocation", segment.segment_id)
             offset = segment.allocator.allocate(size)
             if offset is not None:
                 return segment, offset
@@ -134,7 +132,7 @@ def fits_after(state: MasterState, segment: SegmentRecord, victims: list[ObjectR
     spans = list(segment.allocator.free_spans())
     for record in victims:
         if record.size:
-            aligned = state._aligned(record.size)
+            aligned = state.aligned(record.size)
             dram = dram_key(segment_id)
             spans.extend((r & OFFSET_MASK, aligned) for r in record.replicas if r >> TIER_SHIFT == dram)
     spans.sort()

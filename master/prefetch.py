@@ -104,19 +104,19 @@ def _dram_range(state: MasterState, segment: SegmentRecord, size: int) -> int | 
         offset = allocator.allocate(size)
         if offset is not None:
             return offset
-    aligned = state._aligned(size)
+    aligned = state.aligned(size)
     need = max(aligned, int(allocator.used + aligned - limit))
-    on_segment = state._on_segment(segment.segment_id)
+    on_segment = state.has_dram_on(segment.segment_id)
     offloading = state.tiering.offloading
 
     def redundant(victim: ObjectRecord) -> bool:
         return len(victim.replicas) > 1 and victim.name not in offloading and on_segment(victim)
 
     victims = pick_victims(
-        state._objects.values(), state.clock(), need, state._replica_bytes, redundant, scan_limit=REDUNDANT_SCAN
+        state.dram_lru(), state.clock(), need, state.replica_bytes, redundant, scan_limit=REDUNDANT_SCAN
     )
-    if sum(state._replica_bytes(v) for v in victims) < need or not fits_after(state, segment, victims, aligned):
+    if sum(state.replica_bytes(v) for v in victims) < need or not fits_after(state, segment, victims, aligned):
         return None
     for victim in victims:
-        state._evict_one(victim, "prefetch", segment.segment_id)
+        state.evict_one(victim, "prefetch", segment.segment_id)
     return allocator.allocate(size)

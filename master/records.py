@@ -22,6 +22,8 @@ import math
 from collections.abc import Iterable
 
 from kvtier.master.quotas import Owner
+from kvtier.proto.keys import join_name, split_name
+from kvtier.proto.keys import name_prefix as name_prefix  # re-exported: the master's modules import it here
 
 TIER_DRAM = 0
 TIER_SSD = 1
@@ -41,17 +43,10 @@ MAX_SEGMENT_CAPACITY = 1 << OFFSET_BITS
 
 _CHECKSUM_MASK = 0xFFFF_FFFF
 READS_CAP = 255  # ObjectRecord.reads stops here: small ints are shared, a larger count would cost memory
-_NAME_SEPARATOR = "\x00"  # neither namespaces nor keys may contain NUL (kvtier.proto.keys)
 
-
-def object_name(namespace: str, key: str) -> str:
-    """The master's one index key for (namespace, key)."""
-    return namespace + _NAME_SEPARATOR + key
-
-
-def name_prefix(namespace: str) -> str:
-    """`object_name(namespace, key) == name_prefix(namespace) + key`: built once per batch."""
-    return namespace + _NAME_SEPARATOR
+# The master's one index key for (namespace, key) is the joined name kvtier.proto.keys owns
+# (`namespace NUL key`); `name_prefix(namespace) + key` builds it once per batch.
+object_name = join_name
 
 
 def replica(segment_id: int, offset: int, tier: int = TIER_DRAM) -> int:
@@ -134,11 +129,11 @@ class ObjectRecord:
 
     @property
     def namespace(self) -> str:
-        return self.name.partition(_NAME_SEPARATOR)[0]
+        return split_name(self.name)[0]
 
     @property
     def key(self) -> str:
-        return self.name.partition(_NAME_SEPARATOR)[2]
+        return split_name(self.name)[1]
 
     @property
     def pin(self) -> int:

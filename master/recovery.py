@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.master.records import PIN_HARD, PIN_SOFT, TIER_SHIFT, ObjectRecord, ObjectState, object_name, replica
+from kvtier.master.state_types import SegmentState, master_key_problem
 from kvtier.master.tiering import dram_key
 from kvtier.proto.status import Status
 
@@ -135,8 +136,6 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
     INVALID_KEY; INVALID_ARGUMENT for all when the inventory is not taken (recovery is over, or the
     segment was told to discard its index). The segment drops every entry not answered OK from
     its index."""
-    from kvtier.master.state import SegmentState, master_key_problem
-
     segment = state.segments[segment_id]
     fence = state.fences.get(segment.name)
     if (
@@ -171,7 +170,7 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.CHECKSUM_MISMATCH))  # changed while the segment was away
             state.fences.refused += 1
             continue
-        record = state._lookup(name)
+        record = state.lookup(name)
         if record is not None:
             if record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
@@ -190,13 +189,12 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
         if record is None:
             record = ObjectRecord(name, size, (packed,), 0, now, owner, _pin_until(pin, pin_ttl_ms, now))
             record.complete(checksum)
-            state._objects[name] = record
-            state.object_count += 1
+            state.adopt(record)
             if owner is not None:
                 owner.objects += 1
         else:
             record.replicas = (packed, *record.replicas)
-            state._now_in_dram(record)
+            state.now_in_dram(record)
             record.pin_until = max(record.pin_until, _pin_until(pin, pin_ttl_ms, now))
             if record.owner is None and owner is not None:  # known so far from a disk copy (no owner)
                 record.owner = owner
@@ -204,7 +202,7 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
         record.lease_until = max(record.lease_until, lease_until)
         state.leases.uncounted(record, lease_until)
         if record.owner is not None:
-            record.owner.used += state._aligned(size)
+            record.owner.used += state.aligned(size)
         segment.objects += 1
         state.recovery.objects += 1
         out.append(_OK)
@@ -216,8 +214,6 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
 
 def inventory_done(state: MasterState, segment_id: int) -> None:
     """The segment reported everything: it takes allocations from now on."""
-    from kvtier.master.state import SegmentState
-
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
         segment.state = SegmentState.ACTIVE
@@ -234,7 +230,7 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
             segment.objects,
             segment.used,
         )
-        state.recovery.check(state.clock(), mid_inventory=state._mid_inventory())
+        state.recovery.check(state.clock(), mid_inventory=state.mid_inventory())
 
 
 def _pin_until(pin: int, pin_ttl_ms: int, now: float) -> float:

@@ -64,7 +64,7 @@ class SegmentTable:
         old = self._segments_by_name.get(name)
         if old is not None:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
-            self._drop_segment(old, reason="remounted")
+            self.drop_segment(old, reason="remounted")
         now = self.clock()
         # A segment's inventory is taken by a master rebuilding itself (recovering, with saved state
         # telling whom it expelled), or through the fence this master opened when it dropped the
@@ -115,7 +115,13 @@ class SegmentTable:
         self.recovery = Recovery(started_at=self.clock(), expected=set(expected), timeout_s=timeout_s)
         self.recovery.check(self.clock())
 
-    def _mid_inventory(self) -> bool:
+    def segment_named(self, name: str) -> SegmentRecord | None:
+        """The mounted segment called `name`, if any (names are unique among mounted segments)."""
+        segment_id = self._segments_by_name.get(name)
+        return self.segments.get(segment_id) if segment_id else None
+
+    def mid_inventory(self) -> bool:
+        """Whether an expected segment is still reporting its inventory: recovery waits for it."""
         expected = self.recovery.expected
         return any(s.state is SegmentState.RECOVERING and s.name in expected for s in self.segments.values())
 
@@ -128,7 +134,7 @@ class SegmentTable:
         """Remove a segment and every replica on it. SEGMENT_NOT_FOUND or OK."""
         if segment_id not in self.segments:
             return Status.SEGMENT_NOT_FOUND
-        self._drop_segment(segment_id, reason="unmounted")
+        self.drop_segment(segment_id, reason="unmounted")
         return Status.OK
 
     def heartbeat(self, segment_id: int, ssd_used: int = 0, io_counters: dict[str, int] | None = None) -> Status:
@@ -142,7 +148,9 @@ class SegmentTable:
             segment.io_counters = io_counters
         return Status.OK
 
-    def _drop_segment(self, segment_id: int, reason: str) -> None:
+    def drop_segment(self, segment_id: int, reason: str) -> None:
+        """Forget a mounted segment and every replica on it (objects left without one go); an
+        expulsion or a segment keeping its index opens a fence (kvtier.master.fences)."""
         segment = self.segments.pop(segment_id)
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
@@ -169,7 +177,7 @@ class SegmentTable:
             if not on_segment(record.replicas, segment_id):
                 continue
             if record.owner is not None and any(r >> TIER_SHIFT == dram for r in record.replicas):
-                record.owner.used -= self._aligned(record.size)
+                record.owner.used -= self.aligned(record.size)
             record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
             if not record.replicas or record.state is _PENDING:
                 doomed.append(name)
@@ -177,7 +185,7 @@ class SegmentTable:
                 now_disk_only.append(name)
         for name in doomed:
             if self.history is not None:
-                self.history.left(self._lookup(name), f"segment:{reason}", segment.name)
+                self.history.left(self.lookup(name), f"segment:{reason}", segment.name)
             self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
         for name in now_disk_only:
             self._disk_only[name] = self._objects.pop(name)

@@ -22,6 +22,20 @@ it, existence checks do not). A segment fuller than `high_watermark` evicts
 down to `high_watermark - eviction_ratio` on the next tick; an allocation that
 does not fit evicts from its segment first; a rank over its quota evicts its
 own objects first. Victim rules are in `kvtier.master.eviction`.
+
+Public face. MasterState alone touches its tables (`_objects`, `_disk_only`, `_pending`,
+`_deferred`, `_segments_by_name`); the policy modules it builds on (tiering, placement, prefetch,
+backpressure, drain, recovery, corrupt) get it as a parameter (type-only import) and call:
+
+- reading: `lookup(name)`, `dram_lru()` (eviction's scan order), `records()`, `named_records()`,
+  `names()`, `segment_named(name)`, `aligned(size)`, `replica_bytes(record)`, `has_dram_on(id)`;
+- changing an object: `adopt(record)` (from an inventory), `now_in_dram(record)`,
+  `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
+  `discard(name, forget_disk=...)`;
+- ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
+- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`.
+
+tests/unit/master/test_state_encapsulation.py fails when another module uses a private member.
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from kvtier.master.state_types import (
     master_key_problem,
 )
 from kvtier.master.tiering import Tiering, dram_key, is_dram
+from kvtier.proto.keys import NAME_SEPARATOR, SHORT_KEY_CHARS
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -194,10 +209,11 @@ class MasterState(SegmentTable):
         largest = max((s.capacity for s in active), default=0)
         static = static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
+        separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
-            if not key or "\x00" in key or (len(key) > 256 and master_key_problem(key)):  # inlined: hot
+            if not key or separator in key or (len(key) > short and master_key_problem(key)):  # inlined: hot
                 status = Status.INVALID_KEY
             else:
                 existing = objects.get(name) or self._disk_only.get(name)
@@ -243,7 +259,7 @@ class MasterState(SegmentTable):
                 else:
                     for victim in quota_victims:
                         if owner.over_by(charge) and objects.get(victim.name) is victim:
-                            self._evict_one(victim, "quota")
+                            self.evict_one(victim, "quota")
                     record = ObjectRecord(name, size, placed, put_id, now, owner, pin_until)
                     objects[name] = record
                     self._pending[name] = record
@@ -401,7 +417,7 @@ class MasterState(SegmentTable):
         prefix = name_prefix(namespace)
         out = []
         for key in keys:
-            record = self._lookup(prefix + key)
+            record = self.lookup(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
                 if self.fences.recording:  # maybe lost with a segment that returns: it must not
@@ -409,7 +425,7 @@ class MasterState(SegmentTable):
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
-                self._delete(self._pop(record.name))
+                self.discard(record.name)
                 out.append(_OK)
         return out
 
@@ -420,7 +436,7 @@ class MasterState(SegmentTable):
             self.fences.touch_prefix(start)
         doomed = [name for name, r in self.named_records() if name.startswith(start) and r.state is _COMPLETE]
         for name in doomed:
-            self._delete(self._pop(name))
+            self.discard(name)
         return len(doomed)
 
     def _delete(self, record: ObjectRecord, forget_disk: bool = True, changed: bool = True) -> None:
@@ -458,9 +474,9 @@ class MasterState(SegmentTable):
                 if segment is not None:
                     segment.objects -= 1
                     if record.size:
-                        self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
+                        self.free_after_leases(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
         else:
-            self._release_replicas(record.replicas, record.size)
+            self.release_ranges(record.replicas, record.size)
 
     def _reuse_at(self, record: ObjectRecord) -> float:
         """When the record's ranges may go to another object: after its read leases and its PutStart's
@@ -473,7 +489,7 @@ class MasterState(SegmentTable):
             until = max(until, record.started_at + self.capability_ttl_s)
         return until + self.reuse_margin_s
 
-    def _free_later(
+    def free_after_leases(
         self, segment_id: int, offset: int, size: int, until: float, record: ObjectRecord | None = None
     ) -> None:
         """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it.
@@ -494,7 +510,9 @@ class MasterState(SegmentTable):
             elif (segment := self.segments.get(segment_id)) is not None:
                 segment.allocator.release(offset, size)
 
-    def _release_replicas(self, replicas: Iterable[int], size: int) -> None:
+    def release_ranges(self, replicas: Iterable[int], size: int) -> None:
+        """Give the DRAM ranges of `replicas` (each `size` bytes) back to their allocators now: the
+        caller knows no lease or write grant covers them (else `free_after_leases`)."""
         for packed in replicas:
             segment = self.segments.get(replica_segment(packed))
             if segment is None:
@@ -505,19 +523,22 @@ class MasterState(SegmentTable):
 
     # ------------------------------------------------------------------ eviction
 
-    def _aligned(self, size: int) -> int:
+    def aligned(self, size: int) -> int:
+        """DRAM bytes one replica of `size` bytes takes (rounded up to the allocator's alignment)."""
         alignment = self.config.alignment
         return -(-size // alignment) * alignment
 
     def _record_bytes(self, record: ObjectRecord) -> int:
         """DRAM bytes of all its replicas (disk copies cost no DRAM and no quota)."""
-        return self._aligned(record.size) * sum(1 for r in record.replicas if is_dram(r))
+        return self.aligned(record.size) * sum(1 for r in record.replicas if is_dram(r))
 
-    def _replica_bytes(self, record: ObjectRecord) -> int:
-        return self._aligned(record.size)
+    def replica_bytes(self, record: ObjectRecord) -> int:
+        """DRAM bytes one replica of `record` frees: the weight eviction counts per victim."""
+        return self.aligned(record.size)
 
     @staticmethod
-    def _on_segment(segment_id: int) -> Callable[[ObjectRecord], bool]:
+    def has_dram_on(segment_id: int) -> Callable[[ObjectRecord], bool]:
+        """A predicate: whether a record has a DRAM replica on `segment_id` (eviction's filter)."""
         dram = dram_key(segment_id)
         return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
 
@@ -537,10 +558,10 @@ class MasterState(SegmentTable):
         """
         freed = 0
         for record in pick_victims(self._objects.values(), self.clock(), need, weight, eligible):
-            freed += self._evict_one(record, reason, segment_id)
+            freed += self.evict_one(record, reason, segment_id)
         return freed
 
-    def _evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
+    def evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
         self.pressure.evicting(record, reason, segment_id)
         if self.history is not None:
@@ -548,8 +569,8 @@ class MasterState(SegmentTable):
             name = self.segments[segment_id].name if segment_id in self.segments else ""
             self.history.left(record, f"evicted:{reason}", name, replica=replica)
         if segment_id and len(record.replicas) > 1:
-            freed = self._replica_bytes(record)
-            self._drop_dram_replica(record, segment_id)
+            freed = self.replica_bytes(record)
+            self.drop_dram_replica(record, segment_id)
         else:
             freed = self._record_bytes(record)
             self._pop(record.name)
@@ -559,7 +580,7 @@ class MasterState(SegmentTable):
         counts[1] += freed
         return freed
 
-    def _drop_dram_replica(self, record: ObjectRecord, segment_id: int) -> None:
+    def drop_dram_replica(self, record: ObjectRecord, segment_id: int) -> None:
         """Remove the DRAM replica on `segment_id` of a complete object that keeps at least one other.
 
         Its range is freed now, or when the last read lease ends (offload drops
@@ -571,7 +592,7 @@ class MasterState(SegmentTable):
         for packed in dropped:
             self.commits.dropped(segment_id, packed & OFFSET_MASK, record)
         if record.owner is not None:
-            record.owner.used -= self._aligned(record.size) * len(dropped)
+            record.owner.used -= self.aligned(record.size) * len(dropped)
         if not any(is_dram(r) for r in record.replicas) and self._objects.get(record.name) is record:
             self._disk_only[record.name] = self._objects.pop(record.name)  # out of the eviction order
         reuse_at = self._reuse_at(record)
@@ -580,9 +601,9 @@ class MasterState(SegmentTable):
             if segment is not None:
                 for packed in dropped:
                     segment.objects -= 1
-                    self._free_later(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
+                    self.free_after_leases(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
             return
-        self._release_replicas(dropped, record.size)
+        self.release_ranges(dropped, record.size)
 
     def register_instance(self, instance: str, tp_size: int, pp_size: int, budget: int) -> int:
         """Register an engine deployment; the per-rank quota. Raises ValueError when invalid."""
@@ -598,9 +619,9 @@ class MasterState(SegmentTable):
         now = self.clock()
         ttl = self.config.segment_ttl_s
         for segment_id in [s.segment_id for s in self.segments.values() if now - s.last_heartbeat > ttl]:
-            self._drop_segment(segment_id, reason=HEARTBEAT_EXPIRED)
+            self.drop_segment(segment_id, reason=HEARTBEAT_EXPIRED)
         for segment_id in self.commits.silent(ttl):
-            self._drop_segment(segment_id, reason=FEED_SILENT)
+            self.drop_segment(segment_id, reason=FEED_SILENT)
         timeout = self.config.put_timeout_s
         while self._pending:
             name, record = next(iter(self._pending.items()))
@@ -622,7 +643,7 @@ class MasterState(SegmentTable):
                 segment.allocator.release(offset, size)
         self.drainer.tick(now)
         self.tiering.tick(now)
-        self.recovery.check(now, mid_inventory=self._mid_inventory())
+        self.recovery.check(now, mid_inventory=self.mid_inventory())
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):
@@ -652,20 +673,20 @@ class MasterState(SegmentTable):
         need -= tiering.evicting_bytes(segment_id)  # already on their way out
         if need <= 0:
             return
-        on_segment = self._on_segment(segment_id)
+        on_segment = self.has_dram_on(segment_id)
         evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
         eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
-        victims = pick_victims(self._objects.values(), self.clock(), need, self._replica_bytes, eligible)
+        victims = pick_victims(self._objects.values(), self.clock(), need, self.replica_bytes, eligible)
         offload = tiering.can_offload(segment)
         for victim in victims:
             if offload and tiering.offload(victim, segment):
                 continue
-            self._evict_one(victim, "watermark", segment_id)
+            self.evict_one(victim, "watermark", segment_id)
 
     # ------------------------------------------------------------------ views
 
     def record(self, namespace: str, key: str) -> ObjectRecord | None:
-        return self._lookup(object_name(namespace, key))
+        return self.lookup(object_name(namespace, key))
 
     def records(self) -> Iterable[ObjectRecord]:
         """Every record, pending or complete: those holding DRAM least recently used first, then the
@@ -679,15 +700,36 @@ class MasterState(SegmentTable):
         """Every object name (kvtier.master.records.object_name), in no useful order."""
         return itertools.chain(self._objects, self._disk_only)
 
-    def _lookup(self, name: str) -> ObjectRecord | None:
+    def lookup(self, name: str) -> ObjectRecord | None:
+        """The record of object `name` (kvtier.proto.keys.join_name), pending or complete, or None."""
         return self._objects.get(name) or self._disk_only.get(name)
+
+    def dram_lru(self) -> Iterable[ObjectRecord]:
+        """Pending records and those with a DRAM copy, least recently used first: what eviction
+        scans (kvtier.master.eviction.pick_victims). Disk-only records free no DRAM and are not in
+        it. Do not mutate while iterating: collect victims first."""
+        return self._objects.values()
+
+    def adopt(self, record: ObjectRecord) -> None:
+        """Add a complete record a segment's inventory brought (kvtier.master.recovery, tiering):
+        into the eviction order when it has a DRAM copy, among the disk-only ones otherwise. The
+        caller has checked that no record of its name exists and counts its owner."""
+        table = self._objects if any(is_dram(r) for r in record.replicas) else self._disk_only
+        table[record.name] = record
+        self.object_count += 1
+
+    def discard(self, name: str, *, forget_disk: bool = True) -> None:
+        """Take object `name` out of the tables (KeyError when absent): its DRAM ranges are freed,
+        or when its leases and write grant end; with `forget_disk` its segments tombstone its disk
+        copies (without: the segment deletes them itself)."""
+        self._delete(self._pop(name), forget_disk=forget_disk)
 
     def _pop(self, name: str) -> ObjectRecord:
         """Take a record out of whichever dict holds it (KeyError when none does)."""
         record = self._objects.pop(name, None)
         return record if record is not None else self._disk_only.pop(name)
 
-    def _now_in_dram(self, record: ObjectRecord) -> None:
+    def now_in_dram(self, record: ObjectRecord) -> None:
         """A disk-only record got a DRAM copy: back into the eviction order, most recently used."""
         if self._disk_only.get(record.name) is record:
             self._objects[record.name] = self._disk_only.pop(record.name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.records import PIN_NONE
+from kvtier.proto.keys import wire_key_invalid
 from kvtier.proto.status import Status
 
 
@@ -103,10 +104,5 @@ class ClusterSnapshot:
     segments: list[SegmentRecord] = field(default_factory=list)
 
 
-def master_key_problem(key: str) -> bool:
-    """True when a key received by the master is invalid (see kvtier.proto.keys).
-
-    protobuf already guarantees valid UTF-8; a key of <= 256 characters is at
-    most 1024 bytes, so only longer ones pay for an encode.
-    """
-    return not key or "\x00" in key or (len(key) > 256 and len(key.encode()) > 1024)
+# True when a key (or namespace) received by the master is invalid: the rule is kvtier.proto.keys'.
+master_key_problem = wire_key_invalid

@@ -52,6 +52,7 @@ from kvtier.master.records import (
     object_name,
     replica,
 )
+from kvtier.master.state_types import master_key_problem
 from kvtier.proto.status import Status, status_name
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class Tiering:
             if ahead or not queued.ahead or queued.segment_id != segment_id:
                 return False
             queued.ahead = False
-            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
+            self._evicting_bytes[segment_id] += self.state.aligned(record.size)
             return True
         if not self.can_offload(segment):
             return False
@@ -242,9 +243,9 @@ class Tiering:
             ahead=ahead,
         )
         self.offloading[record.name] = task
-        self._offloading_bytes[segment_id] += self.state._aligned(record.size)
+        self._offloading_bytes[segment_id] += self.state.aligned(record.size)
         if not ahead:
-            self._evicting_bytes[segment_id] += self.state._aligned(record.size)
+            self._evicting_bytes[segment_id] += self.state.aligned(record.size)
         self._enqueue(task)
         return True
 
@@ -277,10 +278,18 @@ class Tiering:
     def promoting(self, name: str) -> bool:
         return name in self._promoting
 
+    def promotion_of(self, name: str) -> TierTask | None:
+        """The PROMOTE task of object `name` queued or in flight, if any (`kvtier keys` shows it)."""
+        return self._promoting.get(name)
+
+    def disk_reads(self, name: str) -> int:
+        """Reads of disk-only object `name` counted towards its promotion (promote_after_reads)."""
+        return self._disk_reads.get(name, 0)
+
     def promotion_room(self, segment: SegmentRecord, size: int) -> bool:
         """Whether a promotion of `size` bytes fits `segment`'s promotion budget (bytes in flight)."""
         in_flight = self._promoting_bytes[segment.segment_id]
-        return not in_flight or in_flight + self.state._aligned(size) <= self.promotion_budget
+        return not in_flight or in_flight + self.state.aligned(size) <= self.promotion_budget
 
     def promote(
         self, record: ObjectRecord, segment: SegmentRecord, packed: int, offset: int, prefetch: bool = False
@@ -299,7 +308,7 @@ class Tiering:
             prefetch=prefetch,
         )
         self._promoting[record.name] = task
-        self._promoting_bytes[segment.segment_id] += self.state._aligned(record.size)
+        self._promoting_bytes[segment.segment_id] += self.state.aligned(record.size)
         self._disk_reads.pop(record.name, None)
         self._enqueue(task)
 
@@ -411,7 +420,7 @@ class Tiering:
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
-        return record is not None and self.state._lookup(task.name) is record and record.state is ObjectState.COMPLETE
+        return record is not None and self.state.lookup(task.name) is record and record.state is ObjectState.COMPLETE
 
     def _offload_done(self, task: TierTask, status: int, location: int) -> None:
         self._end_offload(task)
@@ -441,14 +450,14 @@ class Tiering:
         self.counters["offloaded_bytes"] += task.size
         counts = state.evictions.setdefault("offload", [0, 0])
         counts[0] += 1
-        counts[1] += state._aligned(task.size)
+        counts[1] += state.aligned(task.size)
         dram = dram_key(task.segment_id)
         segment = state.segments[task.segment_id]
         target = (state.config.high_watermark - state.config.eviction_ratio) * segment.capacity
         # Offloaded to make room (and still above the eviction target): the DRAM copy goes. Copied
         # ahead of need: both stay, and eviction drops the least recently used such copies first.
         if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
-            state._drop_dram_replica(record, task.segment_id)
+            state.drop_dram_replica(record, task.segment_id)
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
         """The segment found the DRAM bytes do not match the object's checksum: that copy can only
@@ -460,7 +469,7 @@ class Tiering:
         if source not in record.replicas:
             return  # it moved meanwhile (drain, eviction): what failed was not this copy
         self.counters["corrupt_dram_copies"] += 1
-        state._evict_one(record, "corrupt", task.segment_id)
+        state.evict_one(record, "corrupt", task.segment_id)
 
     def _drop_corrupt_disk_copy(self, record: ObjectRecord, packed: int) -> None:
         """A disk copy that failed verification can only ever be a miss: drop and tombstone it."""
@@ -469,15 +478,15 @@ class Tiering:
             segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
             name = segment.name if segment else ""
             self.state.history.left(record, "evicted:corrupt disk", name, replica=len(record.replicas) > 1)
-        self._remove_disk_copy(record, packed, forget=True)
+        self.remove_disk_copy(record, packed, forget=True)
 
-    def _remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool) -> None:
+    def remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool) -> None:
         """Take one disk replica off a live record (the object goes when it was the last replica);
         with `forget`, the segment is told to tombstone it."""
         state = self.state
         segment_id = packed >> TIER_SHIFT >> 2
         if len(record.replicas) == 1:
-            state._delete(state._pop(record.name), forget_disk=forget)
+            state.discard(record.name, forget_disk=forget)
             return
         record.replicas = tuple(r for r in record.replicas if r != packed)
         state.segments[segment_id].ssd_objects -= 1
@@ -487,15 +496,15 @@ class Tiering:
     def _end_offload(self, task: TierTask) -> None:
         if self.offloading.get(task.name) is task:
             del self.offloading[task.name]
-            self._offloading_bytes[task.segment_id] -= self.state._aligned(task.size)
+            self._offloading_bytes[task.segment_id] -= self.state.aligned(task.size)
             if not task.ahead:
-                self._evicting_bytes[task.segment_id] -= self.state._aligned(task.size)
+                self._evicting_bytes[task.segment_id] -= self.state.aligned(task.size)
 
     def _promote_done(self, task: TierTask, status: int) -> None:
         state = self.state
         if self._promoting.get(task.name) is task:
             del self._promoting[task.name]
-            self._promoting_bytes[task.segment_id] -= state._aligned(task.size)
+            self._promoting_bytes[task.segment_id] -= state.aligned(task.size)
         segment = state.segments.get(task.segment_id)
         if segment is None:
             if task.prefetch:
@@ -521,11 +530,11 @@ class Tiering:
             return
         assert record is not None
         record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)
-        state._now_in_dram(record)
+        state.now_in_dram(record)
         state.commits.committed(task.segment_id, task.dram_offset, record)
         segment.objects += 1
         if record.owner is not None:
-            record.owner.used += state._aligned(record.size)
+            record.owner.used += state.aligned(record.size)
         self.counters["promoted_objects"] += 1
         self.counters["promoted_bytes"] += task.size
         if task.prefetch:
@@ -545,8 +554,6 @@ class Tiering:
         """Register a segment's disk copies. Per copy: OK (now a replica, or already one);
         CHECKSUM_MISMATCH (the master knows the key with other bytes: the segment must forget the
         copy); PUT_IN_PROGRESS (a put of the key is pending: not registered); INVALID_KEY."""
-        from kvtier.master.state import master_key_problem
-
         state = self.state
         segment = state.segments[segment_id]
         now = state.clock()
@@ -569,12 +576,11 @@ class Tiering:
                 out.append(refused)
                 continue
             packed = replica(segment_id, location, TIER_SSD)
-            record = state._lookup(name)
+            record = state.lookup(name)
             if record is None:
                 record = ObjectRecord(name, size, (packed,), 0, now)
                 record.complete(checksum)
-                state._disk_only[name] = record
-                state.object_count += 1
+                state.adopt(record)
             elif record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
                 continue
@@ -601,7 +607,7 @@ class Tiering:
         dropped = 0
         for namespace, key, location in zip(namespaces, keys, locations, strict=True):
             name = object_name(namespace, key)
-            record = state._lookup(name)
+            record = state.lookup(name)
             packed = replica(segment_id, location, TIER_SSD)
             if record is None or packed not in record.replicas:
                 continue
@@ -610,7 +616,7 @@ class Tiering:
                 segment = state.segments.get(segment_id)
                 where = segment.name if segment else ""
                 state.history.left(record, "evicted:disk", where, replica=len(record.replicas) > 1)
-            self._remove_disk_copy(record, packed, forget=False)  # the segment deletes it itself
+            self.remove_disk_copy(record, packed, forget=False)  # the segment deletes it itself
         self.counters["disk_copies_dropped"] += dropped
         return dropped
 

@@ -62,6 +62,8 @@ import enum
 import struct
 from collections.abc import Sequence
 
+from kvtier.proto.keys import MAX_JOINED_NAME_BYTES, split_name_bytes
+
 MAGIC = 0x544B  # b"KT" little-endian
 VERSION = 1
 
@@ -74,7 +76,7 @@ assert REQUEST.size == RESPONSE.size == 24
 MAX_RANGES_PER_FRAME = 1 << 16
 MAX_ERROR_MESSAGE = 4096
 MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
-MAX_DISK_NAME = 2 + 256 + 1 + 1024  # namespace (<= 256 bytes), NUL, key (<= 1024 bytes)
+MAX_DISK_NAME = 2 + MAX_JOINED_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
 DISK_STATUS = struct.Struct("<i")
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
@@ -149,10 +151,10 @@ def unpack_disk_names(buf: bytes | bytearray | memoryview, count: int) -> list[t
         pos += 2
         if pos + length > len(view):
             raise ValueError("READ_DISK name runs past the payload")
-        namespace, sep, key = bytes(view[pos : pos + length]).decode().partition("\x00")
-        if not sep:
-            raise ValueError("READ_DISK name without a namespace separator")
-        out.append((namespace, key))
+        try:
+            out.append(split_name_bytes(view[pos : pos + length]))
+        except ValueError as exc:
+            raise ValueError(f"READ_DISK {exc}") from exc
         pos += length
     if pos != len(view):
         raise ValueError("READ_DISK payload longer than its names")

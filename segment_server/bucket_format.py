@@ -57,7 +57,7 @@ LOCATOR_MAGIC = b"KVTE"
 MAX_BUCKET_SIZE = (1 << 20) * ALIGN  # the location keeps 20 bits of aligned offset
 MAX_BUCKET_ID = 1 << 28  # bucket_id << 20 stays below 2**48
 MAX_CLUSTER_ID_BYTES = 64
-MAX_NAME_BYTES = 0xFFFF
+MAX_NAME_BYTES = 0xFFFF  # u16 field width of namespace_len and key_len; the key rules (kvtier.proto.keys) are stricter
 
 _BUCKET_HEAD = struct.Struct("<4sHHQdH")  # magic, version, reserved, bucket id, created, cluster id length
 # magic, version, flags, header_len, ns_len, key_len, size, payload_crc, cluster_crc, header_crc

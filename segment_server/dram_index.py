@@ -33,6 +33,7 @@ import grpc
 
 from kvtier.common.poller import Backoff, MasterPoller
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.keys import split_name
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.commit_link import FramedFeedLink, fast_endpoint
 
@@ -45,9 +46,9 @@ _REPORT_BATCH = 10_000
 _BACKOFF_MAX_S = 0.5
 _HELLO_RETRY_S = 1.0  # after the fast path failed or the master had none: gRPC polls until then
 
-# An entry: (name "namespace NUL key", size, checksum, instance, rank, pin, pin_deadline (monotonic;
-# 0 = none), seq). Tuples built column-wise: applying a poll of thousands of notices is on the
-# path of every PutEnd (the master answers once it is acknowledged).
+# An entry: (name "namespace NUL key" (kvtier.proto.keys.join_name), size, checksum, instance, rank,
+# pin, pin_deadline (monotonic; 0 = none), seq). Tuples built column-wise: applying a poll of
+# thousands of notices is on the path of every PutEnd (the master answers once it is acknowledged).
 Entry = tuple[str, int, int, str, int, int, float, int]
 _SIZE, _CHECKSUM, _SEQ = 1, 2, 7
 
@@ -169,7 +170,7 @@ def report_dram_inventory(
         chunk = items[lo : lo + _REPORT_BATCH]
         request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
         for offset, entry in chunk:
-            namespace, _, key = entry[0].partition("\x00")
+            namespace, key = split_name(entry[0])
             request.namespaces.append(namespace)
             request.keys.append(key)
             request.sizes.append(entry[1])

@@ -51,7 +51,7 @@ def inventory_of(old: MasterState, segment_id: int) -> list[tuple]:
     index = segment_indexes(old)[segment_id]
     out = []
     for where, (name, size, checksum) in index.items():
-        record = old._lookup(name)
+        record = old.lookup(name)
         owner = record.owner
         ttl_ms = int((record.pin_until - old.clock()) * 1000) if record.pin == PIN_SOFT else 0
         out.append(
@@ -128,7 +128,7 @@ def test_a_master_rebuilt_from_its_segments_indexes_has_the_same_books():
         return out
 
     assert books(new) == books(old)
-    assert new._lookup(f"{NS}\x00pending") is None
+    assert new.lookup(f"{NS}\x00pending") is None
     dram_bytes = dict.fromkeys((s.name for s in old.segments.values()), 0)
     for record in old.records():
         if record.state.name == "COMPLETE":
@@ -151,7 +151,7 @@ def test_conflicting_inventory_entries_are_refused_and_the_rest_registered():
     a = mount(state, "a", inventory=True)
     state.recovery.finished_at = None  # b took no inventory: keep recovering for the test's puts
     started = state.put_start(NS, ["pending"], [100], 1)
-    assert started.statuses == [OK] and replica_segment(state._lookup(f"{NS}\x00pending").replicas[0]) == b
+    assert started.statuses == [OK] and replica_segment(state.lookup(f"{NS}\x00pending").replicas[0]) == b
     statuses = report_dram_objects(
         state,
         a,
