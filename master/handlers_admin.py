@@ -4,8 +4,6 @@ Inspection calls are data calls: a standby or a recovering master refuses them w
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from kvtier.master.gates import rpc
 from kvtier.master.inspection import list_keys, stat_keys
 from kvtier.master.records import replica_offset, replica_segment
@@ -148,8 +146,7 @@ class AdminCalls:
     def ListKeys(self, request):
         r = request
         page = list_keys(self.state, check_namespace(r.namespace), r.prefix, r.start_after, r.limit, r.include_pending)
-        entries = [pb.KeyEntry(**asdict(entry)) for entry in page.entries]
-        return pb.ListKeysResponse(status=Status.OK, entries=entries, next_start_after=page.next_start_after)
+        return pb.ListKeysResponse(status=Status.OK, entries=page.entries, next_start_after=page.next_start_after)
 
     @rpc(pb.StatKeysResponse)
     def StatKeys(self, request):
@@ -157,5 +154,5 @@ class AdminCalls:
         if rejected := self._too_many(request.keys, pb.StatKeysResponse):
             return rejected
         statuses, infos = stat_keys(self.state, namespace, request.keys)
-        objects = [pb.ObjectInfo(**asdict(info)) if info else pb.ObjectInfo() for info in infos]
+        objects = [info or pb.ObjectInfo() for info in infos]
         return pb.StatKeysResponse(status=Status.OK, statuses=statuses, objects=objects)

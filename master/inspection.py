@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import methodcaller
 
 from kvtier.master.records import (
@@ -37,6 +37,7 @@ from kvtier.master.records import (
     replica_tier,
 )
 from kvtier.master.state import MasterState, master_key_problem
+from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 
 DEFAULT_LIST_LIMIT = 1000
@@ -46,49 +47,18 @@ MAX_LIST_LIMIT = 10_000
 _PENDING = ObjectState.PENDING
 
 
-@dataclass(slots=True, frozen=True)
-class KeyEntry:
-    """One listed key (field names as in master.proto's KeyEntry)."""
-
-    key: str
-    size: int
-    pending: bool
-    dram_replicas: int
-    ssd_replicas: int
-    pin: int  # PIN_NONE, PIN_SOFT or PIN_HARD, in force now
+# The records a listing and a stat return are master.proto's own messages (KeyEntry, ObjectInfo,
+# ReplicaInfo): the handlers send them as built, and the client reads them into its typed view
+# (kvtier.client.keys). Only the page, which the reply carries as two fields, is a shape of its own.
+KeyEntry = pb.KeyEntry
+ReplicaInfo = pb.ReplicaInfo
+ObjectInfo = pb.ObjectInfo
 
 
 @dataclass(slots=True, frozen=True)
 class KeyPage:
-    entries: list[KeyEntry]
+    entries: list[pb.KeyEntry]
     next_start_after: str  # "" = nothing after this page
-
-
-@dataclass(slots=True, frozen=True)
-class ReplicaInfo:
-    segment_id: int
-    segment: str  # its name; "" if it left meanwhile
-    tier: int  # TIER_DRAM or TIER_SSD
-    location: int  # DRAM: region offset; SSD: disk location
-    task: str = ""  # "offloading" / "promoting": a tier task on this copy is in flight
-
-
-@dataclass(slots=True, frozen=True)
-class ObjectInfo:
-    """One object's whole record (field names as in master.proto's ObjectInfo)."""
-
-    key: str
-    size: int
-    checksum: int
-    pending: bool
-    replicas: list[ReplicaInfo] = field(default_factory=list)
-    lease_ms: int = 0
-    pin: int = PIN_NONE
-    pin_ttl_ms: int = 0
-    instance: str = ""
-    rank: int = 0
-    age_ms: int = 0
-    disk_reads: int = 0
 
 
 def pin_in_force(record: ObjectRecord, now: float) -> tuple[int, int]:
@@ -179,7 +149,15 @@ def _object_info(state: MasterState, record: ObjectRecord, now: float) -> Object
         elif promoting is not None and tier != TIER_DRAM and promoting.segment_id == segment_id:
             task = "promoting" if promoting.disk_location == location else ""
         segment = state.segments.get(segment_id)
-        replicas.append(ReplicaInfo(segment_id, segment.name if segment else "", tier, location, task))
+        replicas.append(
+            ReplicaInfo(
+                segment_id=segment_id,
+                segment=segment.name if segment else "",
+                tier=tier,
+                location=location,
+                task=task,
+            )
+        )
     pin, pin_ttl_ms = pin_in_force(record, now)
     owner = record.owner
     return ObjectInfo(
