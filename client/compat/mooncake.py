@@ -606,6 +606,36 @@ class MooncakeDistributedStore:
         """Not supported yet (kvtier cannot drop one replica): UNAVAILABLE_IN_CURRENT_MODE, nothing removed."""
         return int(NOT_SUPPORTED)
 
+    # ------------------------------------------------------------------ tensors (kvtier.client.tensors)
+
+    @_answers(_code)
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        """Store a CPU torch tensor with its dtype and shape (kvtier's tensor format, not Mooncake's)."""
+        self._client.put_tensor(key, tensor)
+        return 0
+
+    @_answers(_per_key(int))
+    def batch_put_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
+        if len(keys) != len(tensors_list):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        return [self.put_tensor(k, t) for k, t in zip(keys, tensors_list, strict=True)]
+
+    @_answers(_none)
+    def get_tensor(self, key: str, dtype: Any = None) -> Any:
+        """The tensor, or None on a miss and when the stored one is not a tensor of `dtype` (a
+        torch dtype or its name, as Mooncake's early binding took it): never a reinterpreted tensor."""
+        if isinstance(dtype, str):
+            import torch  # only here: a dtype given by name
+
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype name {dtype!r}")
+        return self._client.get_tensor(key, dtype=dtype)
+
+    @_answers(_per_key(lambda code: None))
+    def batch_get_tensor(self, keys: Sequence[str]) -> list[Any]:
+        return [self.get_tensor(k) for k in keys]
+
     # ------------------------------------------------------------------ registered buffers
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
