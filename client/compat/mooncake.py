@@ -214,6 +214,7 @@ _POSITIONAL = (
     "protocol",
     "rdma_devices",
     "master_server_addr",
+    "engine",  # Mooncake's optional transfer engine object: kvtier has its own transports (ignored)
 )
 _ALIASES = {"device_name": "rdma_devices", "master_server_address": "master_server_addr"}
 # Keys of Mooncake's config dict kvtier has no use for: accepted and ignored (docs/integrations.md).
@@ -278,6 +279,8 @@ def _answers(failure: Callable[[int, tuple], Any]) -> Callable:
                 logger.warning("%s: invalid arguments: %s", method.__name__, exc)
                 return failure(int(ErrorCode.INVALID_PARAMS), args)
             except Exception:
+                if self._client is None:  # closed by another thread meanwhile: not a bug
+                    return failure(int(NOT_SET_UP), args)
                 logger.exception("%s failed", method.__name__)
                 return failure(int(ErrorCode.INTERNAL_ERROR), args)
 

@@ -42,6 +42,8 @@ def test_setup_settings_from_both_forms():
         MooncakeDistributedStore._settings(({"local_buffer_size": "-1"},), {})
     with pytest.raises(TypeError):
         MooncakeDistributedStore._settings(tuple(range(9)), {})
+    with_engine = MooncakeDistributedStore._settings(("h", "meta", 1024, 1024, "tcp", "", "m:1", object()), {})
+    assert "engine" not in with_engine
 
 
 def test_replicate_config_placement():
