@@ -349,15 +349,19 @@ class MooncakeDistributedStore:
         except InvalidKeyError as exc:
             logger.warning("setup: %s", exc)
             return int(ErrorCode.INVALID_PARAMS)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OSError) as exc:  # OSError: an unreadable secret or TLS file
             logger.warning("setup: %s", exc)
             return int(ErrorCode.INVALID_PARAMS)
+        except Exception:
+            logger.exception("setup failed")
+            return int(ErrorCode.INTERNAL_ERROR)
         try:
             client.cluster_status()  # Mooncake's setup fails when the master is unreachable: so does this
-        except KvtierError as exc:
+        except Exception as exc:
+            code = to_error_code(int(exc.status)) if isinstance(exc, KvtierError) else int(ErrorCode.RPC_FAIL)
             logger.warning("setup: master %s: %s", settings["master_server_addr"], exc)
             client.close()
-            return to_error_code(int(exc.status))
+            return code
         with self._lock:
             old, self._client = self._client, client
             self._hostname = settings["local_hostname"] or socket.gethostname()
