@@ -4,6 +4,7 @@ Importing this package needs only grpcio, protobuf and crc32c.
 """
 
 from kvtier.client.client import Client
+from kvtier.client.tensors import TensorMismatchError
 from kvtier.proto.errors import (
     ConnectError,
     InvalidKeyError,
@@ -23,4 +24,5 @@ __all__ = [
     "ConnectError",
     "ReadError",
     "ProtocolError",
+    "TensorMismatchError",
 ]

@@ -35,6 +35,7 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
+from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect, connect_disk
 from kvtier.client.transport.base import Caps, Connector, DiskConnector
@@ -115,7 +116,7 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
-class Client:
+class Client(TensorMixin):  # put_tensor / get_tensor: kvtier.client.tensors
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
