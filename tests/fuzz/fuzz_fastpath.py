@@ -36,7 +36,9 @@ SECURED = make_handlers(SECRET)
 def seeds() -> list[bytes]:
     out = []
     for method, (_, request_type, _) in sorted(rpcframe.METHODS.items()):
-        payload = request_type(namespace="ns", keys=["k0", "k1"]).SerializeToString()
+        fields = request_type.DESCRIPTOR.fields_by_name  # PollCommits (a segment's call) has neither
+        seed = {"namespace": "ns", "keys": ["k0", "k1"]}
+        payload = request_type(**{k: v for k, v in seed.items() if k in fields}).SerializeToString()
         out.append(rpcframe.HEADER.pack(rpcframe.MAGIC, method, method, len(payload)) + payload)
     out.append(rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.AUTH_METHOD, 9, len(TOKEN)) + TOKEN + out[0])
     return out
