@@ -140,6 +140,12 @@ class MasterConfig:
     def history_log_max_bytes(self) -> int:
         return parse_size(self.history_log_max_size)
 
+    @property
+    def segment_suspect_s(self) -> float:
+        """A segment silent this long ranks last in placement (kvtier.master.placement.static_rank):
+        three missed heartbeats, at least 1 s (a busy host is late now and then), at most the TTL."""
+        return min(max(3 * self.heartbeat_interval_s, 1.0), self.segment_ttl_s)
+
     def validate(self) -> MasterConfig:
         host, _port = check_field("listen", parse_hostport, self.listen)
         if self.fast_listen not in ("auto", "off"):

@@ -188,7 +188,7 @@ class MasterState(SegmentTable):
         alignment = self.config.alignment
         active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE and s.saved]
         largest = max((s.capacity for s in active), default=0)
-        static = static_rank(active, options)
+        static = static_rank(active, options, now - self.config.segment_suspect_s)
         statuses, counts = result.statuses, result.replica_counts
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
