@@ -54,6 +54,7 @@ from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.master_clock import MasterClock
 
 logger = logging.getLogger(__name__)
 _log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peers is no flood of lines
@@ -166,8 +167,11 @@ class DataProtocol(asyncio.BufferedProtocol):
         disk: DiskReader | None = None,
         connections: Connections | None = None,
         caps: CapabilityCheck | None = None,
+        clock: MasterClock | None = None,
     ) -> None:
         self._region = region
+        # Grant expiries are times on the master's clock (kvtier.segment_server.master_clock).
+        self._now_ms = clock.now_ms if clock is not None else wall_ms
         self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
         self._cap_tags: bytes | None = None  # of the current request
         self._cap_expiry = 0
@@ -415,7 +419,7 @@ class DataProtocol(asyncio.BufferedProtocol):
                     Status.CAPABILITY_DENIED,
                     "a READ or WRITE must carry its grant's deadline (FLAG_DEADLINE or FLAG_CAPS)",
                 )
-            left_ms = self._deadline_ms + CLOCK_SKEW_MS - wall_ms()
+            left_ms = self._deadline_ms + CLOCK_SKEW_MS - self._now_ms()
             if left_ms <= 0:
                 return self._refuse(Status.LEASE_EXPIRED, f"the grant of these ranges ended {-left_ms} ms ago")
             self._cut_at = time.monotonic() + left_ms / 1000
@@ -593,7 +597,7 @@ class DataProtocol(asyncio.BufferedProtocol):
             return "this segment is not mounted on a master: no capability is valid yet"
         if self._cap_tags is None:
             return "this segment serves only ranges with capabilities from the master (the cluster has a secret)"
-        return key.check(op, self._cap_expiry, self._ranges, self._cap_tags)
+        return key.check(op, self._cap_expiry, self._ranges, self._cap_tags, self._now_ms())
 
     def _peer(self) -> str:
         peer = self._transport.get_extra_info("peername")
