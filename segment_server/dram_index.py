@@ -69,6 +69,12 @@ class DramIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def totals(self) -> tuple[int, int]:
+        """(objects, bytes) of the complete objects this region holds by its own index: what the
+        master's accounting of this segment is checked against (no DRAM range leaks)."""
+        with self._lock:
+            return len(self._entries), sum(entry[_SIZE] for entry in self._entries.values())
+
     @property
     def session(self) -> tuple[int, int]:
         return self._session

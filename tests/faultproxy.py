@@ -132,7 +132,10 @@ class FaultProxy:
             self._server.close()
             for w in list(self._writers):
                 w.transport.abort()
-            await asyncio.sleep(0)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)

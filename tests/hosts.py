@@ -272,7 +272,7 @@ class EtcdCluster:
                     "--listen-peer-urls", peer_url,
                     "--initial-advertise-peer-urls", peer_url,
                     "--initial-cluster", initial,
-                    "--initial-cluster-token", f"kvtier-{host.ns}",
+                    "--initial-cluster-token", f"kvtier-{hosts[0].ns}",  # one cluster: one token
                     "--initial-cluster-state", "new",
                     "--heartbeat-interval", "50",
                     "--election-timeout", "500",

@@ -37,7 +37,8 @@ MAX_FAULTS_SHOWN = 6  # the faults closest before the read
 MISMATCH = "CHECKSUM_MISMATCH"
 # Segment losses the checker accepts when the harness faulted that segment first.
 SEGMENT_LOSSES = ("segment:heartbeat ttl expired", "segment:commit feed silent", "segment:remounted")
-SEGMENT_FAULTS = ("kill_segment", "stop_segment")
+# (The network faults of tests/chaos/net_harness.py that can make the master expel a segment too.)
+SEGMENT_FAULTS = ("kill_segment", "stop_segment", "partition_segment_master", "flap_segment")
 REJECTED_EVICTIONS = ("evicted:corrupt", "evicted:corrupt disk")  # a corrupt copy is a bug, not a cache's choice
 # A restarted master rebuilds its tables from the segments' inventories: a segment killed while the
 # master was down or still rebuilding takes its objects with it and no master ever knew them to
