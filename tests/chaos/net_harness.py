@@ -9,7 +9,8 @@ workers' and the masters' logs):
     partition_segment_master   a segment cut from the leading master only (clients still reach it)
     partition_segment_clients  a segment cut from every client host (the master still hears it)
     partition_leader_etcd      the leading master cut from all three etcd members: the standby
-                               takes over; `failover_s` is the time to the first acknowledged put
+                               takes over; `failover_s` is the longest stretch without an
+                               acknowledged put meanwhile, `new_leader` who leads after
     cut_etcd_one               one etcd member's link down (quorum holds)
     cut_etcd_two               two members down (quorum lost for a while)
     isolate_client             a client host's link down mid-transfer
@@ -298,6 +299,21 @@ class NetHarness:
                 time.sleep(0.05)
         return float("inf")
 
+    def longest_gap(self, seconds: float) -> float:
+        """Put fresh keys for `seconds`; the longest time without an acknowledged one (from the start)."""
+        assert self.probe is not None
+        start = last_ok = time.monotonic()
+        gap = 0.0
+        while time.monotonic() - start < seconds:
+            self._probe_n += 1
+            try:
+                self.probe.put(f"probe/{self._probe_n}", b"p" * 4096)
+                now = time.monotonic()
+                gap, last_ok = max(gap, now - last_ok), now
+            except KvtierError:
+                time.sleep(0.05)
+        return round(max(gap, time.monotonic() - last_ok), 3)
+
     def inject(self, kind: str) -> None:
         net, rng, ttl = self.net, self.rng, self.config.segment_ttl_s
         extra: dict = {}
@@ -319,7 +335,10 @@ class NetHarness:
             target = self.leader_host()
             for member in ("etcd0", "etcd1", "etcd2"):
                 net.partition(target, member)
-            extra["failover_s"] = self.first_ok_put()  # the standby takes over
+            # The cut leader serves on for up to its lease, then stops; the standby takes over:
+            # the longest stretch without an acknowledged put over three leases is the failover.
+            extra["failover_s"] = self.longest_gap(3 * self.config.etcd_lease_ttl_s + 3.0)
+            extra["new_leader"] = self.leader_host()
             for member in ("etcd0", "etcd1", "etcd2"):
                 net.heal_partition(target, member)
         elif kind in ("cut_etcd_one", "cut_etcd_two"):
