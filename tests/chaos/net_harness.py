@@ -33,6 +33,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -455,6 +456,14 @@ def run_net_chaos(config: NetChaosConfig, label: str = "net") -> NetRunResult:
     ).check()
     result = NetRunResult(run_dir, report, harness.problems, harness.unavailability, samples)
     (run_dir / "report.txt").write_text(result.message() + "\n")
+    # Kept: reports, plots, samples, logs; the history too after a violation. Never etcd's data
+    # (its WAL files alone are 64 MiB a member).
+    for path in run_dir.glob("etcd-*.data"):
+        shutil.rmtree(path, ignore_errors=True)
+    if result.ok:
+        shutil.rmtree(run_dir / "ops", ignore_errors=True)
+        for path in run_dir.glob("master-history-*.jsonl"):
+            path.unlink()
     return result
 
 
