@@ -107,6 +107,7 @@ def test_throughput_with_one_percent_loss_on_the_data_path(bare_cluster: Cluster
             with FaultProxy((net.root_address, port), (net["s0"].address, port), seed=7) as proxy:
                 for label, faults in (
                     ("clean", {}),
+                    ("delay_10ms_jitter_5ms", {"delay_s": 0.01, "jitter_s": 0.005}),
                     ("drop_1pct", {"loss": 0.01, "loss_mode": "drop"}),
                     ("stall_1pct", {"loss": 0.01, "loss_mode": "stall", "stall_s": 0.2}),
                 ):

@@ -19,6 +19,7 @@ from tests.capability import require
 from tests.cluster import Cluster
 from tests.integration.rawframes import connect, recv_response
 from tests.integration.test_metrics import scrape, value
+from tests.integration.test_ops_cli import as_json, kvtier
 
 LIBFAKETIME = os.environ.get("KVTIER_TEST_LIBFAKETIME", "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
@@ -72,6 +73,10 @@ def test_a_segment_whose_clock_jumps_ahead_leaves_placement_until_fixed_and_stil
         assert cluster.wait_for(lambda: skewed(client, "skewed", True), timeout=10), segment_info(client, "skewed")
         info = segment_info(client, "skewed")
         assert 28 < info.clock_skew_s < 32 and info.state == "ACTIVE", info
+        shown = {s["name"]: s for s in as_json(cluster, "status")["segments"]}["skewed"]
+        assert shown["clock_skewed"] and 28 < shown["clock_skew_s"] < 32, shown
+        table = kvtier(cluster, "status").stdout.decode()
+        assert "ACTIVE CLOCK_SKEW +" in table, table
         metrics = scrape(master.info["metrics"])
         assert 28 < value(metrics, "kvtier_master_segment_clock_skew_seconds", segment="skewed") < 32
         assert value(metrics, "kvtier_master_segment_clock_skewed", segment="skewed") == 1

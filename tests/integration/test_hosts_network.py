@@ -123,3 +123,25 @@ def test_the_fault_proxy_delays_and_drops_connections(net):
             assert proxy.dropped == 1
     finally:
         stop(echo)
+
+
+SEND_MIB = (
+    "import socket,sys,time\n"
+    "c=socket.create_connection((sys.argv[1],7000),timeout=30); data=b'x'*(1<<20); t=time.monotonic()\n"
+    "c.sendall(data); got=0\n"
+    "while got<len(data): got+=len(c.recv(1<<20))\n"
+    "print(time.monotonic()-t)\n"
+)
+
+
+def test_a_rate_limit_caps_what_a_host_sends(net):
+    echo = start_echo(net["b"])
+    try:
+        net.rate_limit("a", rate="4mbit", burst="32kb")
+        assert "tbf" in net["a"].run("tc", "qdisc", "show", "dev", net["a"].ns_if).stdout
+        seconds = float(net["a"].run(sys.executable, "-c", SEND_MIB, net["b"].address).stdout)
+        assert seconds >= 1.5, f"1 MiB at 4 Mbit/s (2.1 s at best) took {seconds:.2f}s: not capped"
+        net.heal()
+        assert "tbf" not in net["a"].run("tc", "qdisc", "show", "dev", net["a"].ns_if).stdout
+    finally:
+        stop(echo)
