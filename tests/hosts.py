@@ -82,13 +82,14 @@ class Host:
 class Network:
     """A bridge, its hosts and the faults between them. Use as a context manager (or call close())."""
 
-    def __init__(self, hosts: int | list[str] = 3) -> None:
+    def __init__(self, hosts: int | list[str] = 3, block: int | None = None) -> None:
+        """`block`: take that address block (waiting for it) instead of the first free one."""
         require_netns()
         names = [f"h{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
         if not 0 < len(names) <= _BLOCK_SIZE - 3:
             raise ValueError(f"1..{_BLOCK_SIZE - 3} hosts per network")
         self._lock_file = None
-        self.block = self._take_block()
+        self.block = self._take_block(block)
         self.tag = f"kvh{self.block}"
         base = self.block * _BLOCK_SIZE
         self.root_address = f"{_NET}{base + 1}"  # the bridge: the test process's host
@@ -107,8 +108,15 @@ class Network:
             self.close()
             raise
 
-    def _take_block(self) -> int:
+    def _take_block(self, wanted: int | None) -> int:
         _LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        if wanted is not None:
+            if wanted not in _BLOCKS:
+                raise ValueError(f"block must be in {_BLOCKS.start}..{_BLOCKS.stop - 1}")
+            f = open(_LOCK_DIR / f"block{wanted}.lock", "w")  # noqa: SIM115 (held for the network's life)
+            fcntl.flock(f, fcntl.LOCK_EX)  # another test's network: wait for its end
+            self._lock_file = f
+            return wanted
         for block in _BLOCKS:
             f = open(_LOCK_DIR / f"block{block}.lock", "w")  # noqa: SIM115 (held for the network's life)
             try:

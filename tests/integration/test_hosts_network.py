@@ -93,11 +93,12 @@ def test_a_network_left_by_a_killed_run_is_removed_before_its_block_is_reused():
     code = (
         "import os,sys; sys.path.insert(0, '.')\n"
         "from tests.hosts import Network\n"
-        "n = Network(2); print(n.tag, flush=True); os._exit(0)\n"  # no close(): like a SIGKILLed run
+        "n = Network(2); print(n.block, n.tag, flush=True); os._exit(0)\n"  # no close(): like a SIGKILLed run
     )
-    tag = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert tag in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    with Network(1) as again:  # the lowest free block: the one the killed run held
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    block, tag = int(out[0]), out[1]
+    assert f"{tag}-h1" in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with Network(1, block=block) as again:  # the block the killed run held
         assert again.tag == tag
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"{tag}-h1" not in listed
