@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from kvtier.client import Client, KvtierError, Status
+from kvtier.proto.region import host_id as local_host_id
 from tests.cluster import Cluster
 from tests.hosts import Network
 
@@ -65,6 +66,8 @@ def test_a_segment_cut_off_for_longer_than_its_ttl_keeps_its_objects_and_puts_go
     net, cluster = hosts
     keys = [f"outage/{i:02d}" for i in range(50)]
     with cluster.client(transport="tcp", timeout=3.0) as client:
+        hosts = {s.host_id for s in client.cluster_status().segments} | {local_host_id()}
+        assert len(hosts) == 3, "test hosts share a host identity: their clients would take shm"
         assert client.batch_put(keys, [value_for(k) for k in keys], preferred_segment="s0") == [Status.OK] * 50
         net.cut("s0")
         try:
