@@ -68,7 +68,7 @@ test-chaos: $(STAMP)
 
 # The same, short enough for CI (under 10 minutes): `.ci/run` runs it.
 test-chaos-ci: $(STAMP)
-	$(MAKE) test-chaos CHAOS_SECONDS=90 NET_CHAOS_SECONDS=120 SOAK_SECONDS=150 SOAK_FAULT_EVERY_S=20
+	$(MAKE) test-chaos CHAOS_SECONDS=90 NET_CHAOS_SECONDS=100 SOAK_SECONDS=120 SOAK_FAULT_EVERY_S=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
