@@ -10,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow test-chaos test-engines fuzz lint proto proto-check bench clean
+.PHONY: run test test-slow test-chaos test-chaos-ci test-engines fuzz lint proto proto-check bench clean
 
 # The engine adapters' tests run in a venv of their own: torch's CPU build (pinned: otherwise pip
 # fetches a CUDA build) and the engines without their dependency trees (tests/engines/*.txt).
@@ -54,9 +54,21 @@ test-slow: $(STAMP)
 
 # The history checker's long run (tests/e2e/test_history.py): CHAOS_SECONDS of workers under every
 # fault; a failing run's history and logs stay in $KVTIER_ARTIFACTS or .kvtier/chaos/<run>/.
+# Then the network faults across test hosts (tests/e2e/test_net_chaos.py: root, ip, etcd; faketime
+# for the clock tests in make test): NET_CHAOS_SECONDS of them, the soak (SOAK_SECONDS, a fault every
+# SOAK_FAULT_EVERY_S; its plots in the artifacts directory it prints) and 1% loss throughput.
 CHAOS_SECONDS ?= 600
+NET_CHAOS_SECONDS ?= 300
+SOAK_SECONDS ?= 1800
+SOAK_FAULT_EVERY_S ?= 60
+CHAOS_ENV = KVTIER_CHAOS_SECONDS=$(CHAOS_SECONDS) KVTIER_NET_CHAOS_SECONDS=$(NET_CHAOS_SECONDS) \
+	KVTIER_SOAK_SECONDS=$(SOAK_SECONDS) KVTIER_SOAK_FAULT_EVERY_S=$(SOAK_FAULT_EVERY_S)
 test-chaos: $(STAMP)
-	KVTIER_CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m pytest -m chaos -q -o timeout=$$(($(CHAOS_SECONDS) + 300)) tests/e2e
+	$(CHAOS_ENV) $(BIN)/python -m pytest -m chaos -q -s -o timeout=$$(($(CHAOS_SECONDS) + 300)) tests/e2e
+
+# The same, short enough for CI (under 10 minutes): `.ci/run` runs it.
+test-chaos-ci: $(STAMP)
+	$(MAKE) test-chaos CHAOS_SECONDS=90 NET_CHAOS_SECONDS=100 SOAK_SECONDS=120 SOAK_FAULT_EVERY_S=20
 
 # ruff, then the import rules (import-linter contracts in pyproject.toml: proto <- common <-
 # {master | segment_server | client} <- bench <- cli).

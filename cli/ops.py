@@ -97,7 +97,15 @@ def segment_dict(s: Any) -> dict[str, Any]:
         "ssd_bytes_served": s.ssd_bytes_served,
         "disk_bytes_read": s.disk_bytes_read,
         "ssd_bytes_offloaded": s.ssd_bytes_offloaded,
+        # its wall clock minus the master's; skewed: beyond the master's tolerance, out of placement
+        "clock_skew_s": round(s.clock_skew_s, 3),
+        "clock_skewed": s.clock_skewed,
     }
+
+
+def state_text(s: dict[str, Any]) -> str:
+    """The STATE column: the state, and a clock skew that keeps the segment out of placement."""
+    return f"{s['state']} CLOCK_SKEW {s['clock_skew_s']:+.1f}s" if s["clock_skewed"] else s["state"]
 
 
 ADMISSION_VETOES = ("min_size", "reads")  # kvtier.master.admission.REASONS
@@ -162,7 +170,7 @@ def cmd_status(opts: argparse.Namespace) -> int:
             [
                 str(s["segment_id"]),
                 s["name"],
-                s["state"],
+                state_text(s),
                 format_size(s["dram_capacity"]),
                 format_size(s["dram_used"]),
                 str(s["objects"]),
@@ -198,7 +206,7 @@ def cmd_segments(opts: argparse.Namespace) -> int:
             [
                 str(s["segment_id"]),
                 s["name"],
-                s["state"],
+                state_text(s),
                 format_size(s["dram_capacity"]),
                 format_size(s["dram_used"]),
                 percent(s["dram_used"], s["dram_capacity"]),

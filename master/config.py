@@ -99,6 +99,10 @@ class MasterConfig:
     # this many such keys are remembered for all segments away together, past that the oldest one away
     # discards its copies when it returns (master/fences.py).
     fence_max_keys: int = 1_000_000
+    # A segment whose wall clock is off ours by more than this (measured at mount and by heartbeats,
+    # allowing for the round trip: kvtier.master.clock_skew) takes no new objects until it is fixed;
+    # its reads are still served. Below CLOCK_SKEW_MS (2 s), the margin grants are reused after.
+    clock_skew_tolerance_s: float = 1.0
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     # A secured etcd (docs/security.md, "etcd"): TLS checked against this CA (PEM), this client
@@ -147,6 +151,12 @@ class MasterConfig:
     def history_log_max_bytes(self) -> int:
         return parse_size(self.history_log_max_size)
 
+    @property
+    def segment_suspect_s(self) -> float:
+        """A segment silent this long ranks last in placement (kvtier.master.placement.static_rank):
+        three missed heartbeats, at least 1 s (a busy host is late now and then), at most the TTL."""
+        return min(max(3 * self.heartbeat_interval_s, 1.0), self.segment_ttl_s)
+
     def validate(self) -> MasterConfig:
         host, _port = check_field("listen", parse_hostport, self.listen)
         if self.fast_listen not in ("auto", "off"):
@@ -163,6 +173,7 @@ class MasterConfig:
             "put_timeout_s",
             "tick_interval_s",
             "recovery_timeout_s",
+            "clock_skew_tolerance_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -92,7 +92,7 @@ class Drainer:
         now = state.clock()
         lease_until = now + state.config.lease_s
         batch = MigrationBatch(next(self._ids), segment.segment_id, now)
-        targets = [s for s in state.segments.values() if s.state is SegmentState.ACTIVE and s.saved]
+        targets = [s for s in state.segments.values() if s.placeable]
         dram = segment.segment_id << 2 | TIER_DRAM
         for record in state.records():
             if len(batch.items) >= max_objects:

@@ -110,6 +110,8 @@ class AdminCalls:
                 ssd_objects=s.ssd_objects,
                 disk_engine=s.disk_engine,
                 offload=s.offload,
+                clock_skew_s=s.clock_skew_s,
+                clock_skewed=s.clock_skewed,
                 **s.io_counters,
             )
             for s in snap.segments

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 
+from kvtier.master.clock_skew import read_skew
 from kvtier.master.commits import notice_pin
 from kvtier.master.gates import rpc
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.auth import wall_ms
 from kvtier.proto.keys import split_name
 from kvtier.proto.status import Status
 
@@ -23,6 +25,7 @@ class SegmentCalls:
 
     @rpc(pb.MountSegmentResponse)
     def MountSegment(self, request):
+        received_ms = wall_ms()
         result = self.state.mount_segment(
             request.cluster_id,
             request.name,
@@ -39,6 +42,9 @@ class SegmentCalls:
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
         config = self.state.config
+        self.state.note_clock_skew(
+            result.segment.segment_id, read_skew(request.wall_clock_ms, received_ms, 0, config.clock_skew_tolerance_s)
+        )
         return pb.MountSegmentResponse(
             status=Status.OK,
             segment_id=result.segment.segment_id,
@@ -47,6 +53,7 @@ class SegmentCalls:
             master_epoch=str(self.epoch),
             epoch=self.epoch,
             discard_index=result.discard_index,
+            wall_clock_ms=wall_ms(),
         )
 
     @rpc(pb.UnmountSegmentResponse)
@@ -55,9 +62,16 @@ class SegmentCalls:
 
     @rpc(pb.HeartbeatResponse)
     def Heartbeat(self, request):
+        received_ms = wall_ms()
         counters = {name: getattr(request, name) for name in _IO_COUNTERS}
         status = self.state.heartbeat(request.segment_id, request.ssd_used, counters)
-        return pb.HeartbeatResponse(status=status, master_epoch=str(self.epoch), epoch=self.epoch)
+        if status == Status.OK:
+            tolerance_s = self.state.config.clock_skew_tolerance_s
+            reading = read_skew(request.wall_clock_ms, received_ms, request.rtt_ms, tolerance_s)
+            self.state.note_clock_skew(request.segment_id, reading)
+        return pb.HeartbeatResponse(
+            status=status, master_epoch=str(self.epoch), epoch=self.epoch, wall_clock_ms=wall_ms()
+        )
 
     # -------------------------------------------------------------- tiering
 

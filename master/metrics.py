@@ -43,7 +43,9 @@ class _Snapshot:
     lookup_hits_disk_only: int
     objects: int
     pending: int
-    segments: list[tuple]  # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age)
+    # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age,
+    # clock skew in seconds, skewed)
+    segments: list[tuple]
     evictions: dict[str, tuple[int, int]]
     corrupt: dict[str, int]  # replicas dropped on readers' reports, by tier
     corrupt_stale: int
@@ -97,6 +99,8 @@ class MasterCollector(Collector):
                     s.ssd_used,
                     s.ssd_objects,
                     now - s.last_heartbeat,
+                    s.clock_skew_s,
+                    s.clock_skewed,
                 )
                 for s in snap.segments
             ],
@@ -177,7 +181,32 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     )
     age = GaugeMetricFamily("kvtier_segment_heartbeat_age_seconds", "Since the last heartbeat.", labels=["segment"])
     state = GaugeMetricFamily("kvtier_segment_state", "1 for the segment's state.", labels=["segment", "state"])
-    for name, seg_state, dram_cap, dram_used, dram_objects, ssd_cap, ssd_used, ssd_objects, heartbeat in s.segments:
+    skew = GaugeMetricFamily(
+        "kvtier_master_segment_clock_skew_seconds",
+        "The segment's wall clock minus the master's (mount and heartbeats; beyond clock_skew_tolerance_s "
+        "it takes no new objects).",
+        labels=["segment"],
+    )
+    skewed = GaugeMetricFamily(
+        "kvtier_master_segment_clock_skewed",
+        "1 while the segment's clock is beyond clock_skew_tolerance_s (out of placement).",
+        labels=["segment"],
+    )
+    for (
+        name,
+        seg_state,
+        dram_cap,
+        dram_used,
+        dram_objects,
+        ssd_cap,
+        ssd_used,
+        ssd_objects,
+        heartbeat,
+        clock_skew,
+        clock_skewed,
+    ) in s.segments:
+        skew.add_metric([name], clock_skew)
+        skewed.add_metric([name], 1 if clock_skewed else 0)
         capacity.add_metric([name, "dram"], dram_cap)
         used.add_metric([name, "dram"], dram_used)
         copies.add_metric([name, "dram"], dram_objects)
@@ -187,7 +216,7 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
             copies.add_metric([name, "ssd"], ssd_objects)
         age.add_metric([name], heartbeat)
         state.add_metric([name, seg_state.lower()], 1)
-    yield from (capacity, used, copies, age, state)
+    yield from (capacity, used, copies, age, state, skew, skewed)
     evicted = CounterMetricFamily("kvtier_master_evictions", "Objects evicted, by reason.", labels=["reason"])
     evicted_bytes = CounterMetricFamily("kvtier_master_evicted_bytes", "Bytes evicted, by reason.", labels=["reason"])
     for reason, (count, size) in sorted(s.evictions.items()):

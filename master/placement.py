@@ -1,7 +1,8 @@
 """Placement: which segments get a new object's replicas, and making room there.
 
 Functions over `MasterState`'s tables through its public methods (same owner,
-same thread); split out of state.py to keep each module readable. Preference per key: the put's
+same thread); split out of state.py to keep each module readable. Preference per key: segments heard
+from lately (a segment whose heartbeats stopped ranks last), the put's
 preferred segment, then segments on the writer's host, then the highest free
 ratio; replicas on distinct segments, on distinct hosts first. When nothing
 fits, LRU eviction on the most preferred segment that could hold the range,
@@ -22,10 +23,17 @@ if TYPE_CHECKING:
 REDUNDANT_SCAN = 4096  # records looked at for redundant copies before plain LRU eviction
 
 
-def static_rank(active: list[SegmentRecord], options: PutOptions) -> dict[int, tuple[bool, bool]]:
-    """The batch-constant part of placement preference: preferred segment, then the writer's host."""
+def static_rank(
+    active: list[SegmentRecord], options: PutOptions, silent_since: float = float("-inf")
+) -> dict[int, tuple[bool, bool, bool]]:
+    """The batch-constant part of placement preference: heard from lately, preferred segment, then
+    the writer's host. A segment whose last heartbeat is older than `silent_since` (cut off, frozen:
+    the master expels it only at segment_ttl_s) ranks last, even when preferred: a write sent there
+    would most likely hang until the client's timeout, so it takes new objects only where no other
+    segment can."""
     return {
         s.segment_id: (
+            s.last_heartbeat < silent_since,
             s.name != options.preferred_segment,
             not options.client_host or s.host_id != options.client_host,
         )

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from kvtier.master.allocator import OffsetAllocator
+from kvtier.master.clock_skew import SkewReading
 from kvtier.master.records import MAX_SEGMENT_CAPACITY, SEGMENT_SHIFT, TIER_SHIFT, ObjectState, on_segment
 from kvtier.master.recovery import Recovery
 from kvtier.master.state_types import MountResult, SegmentRecord, SegmentState
@@ -147,6 +148,25 @@ class SegmentTable:
         if io_counters:
             segment.io_counters = io_counters
         return Status.OK
+
+    def note_clock_skew(self, segment_id: int, reading: SkewReading | None) -> None:
+        """A mount's or heartbeat's clock reading (kvtier.master.clock_skew): beyond the tolerance
+        the segment leaves placement, back within it it returns. Logged when that changes."""
+        segment = self.segments.get(segment_id)
+        if segment is None or reading is None:
+            return
+        segment.clock_skew_s = reading.skew_s
+        if reading.skewed != segment.clock_skewed:
+            segment.clock_skewed = reading.skewed
+            if reading.skewed:
+                logger.warning(
+                    "segment clock skew name=%s skew_s=%.3f tolerance_s=%.3f: no new objects until it is fixed",
+                    segment.name,
+                    reading.skew_s,
+                    self.config.clock_skew_tolerance_s,
+                )
+            else:
+                logger.info("segment clock fixed name=%s skew_s=%.3f: placed on again", segment.name, reading.skew_s)
 
     def drop_segment(self, segment_id: int, reason: str) -> None:
         """Forget a mounted segment and every replica on it (objects left without one go); an

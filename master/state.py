@@ -83,7 +83,7 @@ from kvtier.master.state_types import (
     PutOptions,
     PutStartResult,
     SegmentRecord,
-    SegmentState,
+    SegmentState,  # noqa: F401 (re-exported: kvtier.master.recovery and others import it from here)
     master_key_problem,
 )
 from kvtier.master.tiering import Tiering, dram_key, is_dram
@@ -205,9 +205,9 @@ class MasterState(SegmentTable):
         objects = self._objects
         prefix = name_prefix(namespace)
         alignment = self.config.alignment
-        active = [s for s in self.segments.values() if s.state is SegmentState.ACTIVE and s.saved]
+        active = [s for s in self.segments.values() if s.placeable]
         largest = max((s.capacity for s in active), default=0)
-        static = static_rank(active, options)
+        static = static_rank(active, options, now - self.config.segment_suspect_s)
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         for key, size in zip(keys, sizes, strict=True):

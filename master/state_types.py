@@ -44,6 +44,15 @@ class SegmentRecord:
     # Its name is in the durably saved state (kvtier.master.persist): only then does it take
     # allocations, so a restart right after still waits for it and takes its inventory.
     saved: bool = True
+    # Its wall clock minus ours, seconds (kvtier.master.clock_skew), and whether that is beyond
+    # clock_skew_tolerance_s: then it takes no new objects (its reads are still served).
+    clock_skew_s: float = 0.0
+    clock_skewed: bool = False
+
+    @property
+    def placeable(self) -> bool:
+        """Takes new objects: active, durably known, its clock within tolerance."""
+        return self.state is SegmentState.ACTIVE and self.saved and not self.clock_skewed
 
     @property
     def capacity(self) -> int:

@@ -87,7 +87,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class MountSegmentRequest(_message.Message):
     DISK_ENGINE_FIELD_NUMBER: _ClassVar[int]
     SSD_MAX_OBJECT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -110,10 +111,11 @@ class MountSegmentRequest(_message.Message):
     disk_engine: str
     ssd_max_object: int
     inventory: bool
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ...) -> None: ...
+    wall_clock_ms: int
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index")
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class MountSegmentResponse(_message.Message):
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DISCARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     segment_id: int
@@ -130,7 +133,8 @@ class MountSegmentResponse(_message.Message):
     master_epoch: str
     epoch: int
     discard_index: bool
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ...) -> None: ...
+    wall_clock_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id", "epoch")
@@ -149,7 +153,7 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch")
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SSD_USED_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +161,8 @@ class HeartbeatRequest(_message.Message):
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     ssd_used: int
     dram_bytes_served: int
@@ -164,19 +170,23 @@ class HeartbeatRequest(_message.Message):
     disk_bytes_read: int
     ssd_bytes_offloaded: int
     epoch: int
-    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    wall_clock_ms: int
+    rtt_ms: int
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "master_epoch", "error", "epoch")
+    __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     master_epoch: str
     error: str
     epoch: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    wall_clock_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id")
@@ -533,7 +543,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "clock_skew_s", "clock_skewed")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +562,8 @@ class SegmentInfo(_message.Message):
     SSD_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SKEW_S_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SKEWED_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     name: str
     host_id: str
@@ -570,7 +582,9 @@ class SegmentInfo(_message.Message):
     ssd_bytes_served: int
     disk_bytes_read: int
     ssd_bytes_offloaded: int
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ...) -> None: ...
+    clock_skew_s: float
+    clock_skewed: bool
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only")

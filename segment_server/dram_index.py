@@ -67,12 +67,19 @@ class DramIndex:
         self._clock = clock
         # offset -> entry; a zero-size object (no range of its own) by "namespace NUL key"
         self._entries: dict[int | str, Entry] = {}
+        self._bytes = 0  # sum of the entries' sizes, kept as they change (a scrape must not walk them)
         self._lock = threading.Lock()
         self._seq = 0  # order of commits: a newer entry wins an overlap
         self._session = (0, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def totals(self) -> tuple[int, int]:
+        """(objects, bytes) of the complete objects this region holds by its own index: what the
+        master's accounting of this segment is checked against (no DRAM range leaks)."""
+        with self._lock:
+            return len(self._entries), self._bytes
 
     @property
     def session(self) -> tuple[int, int]:
@@ -86,6 +93,7 @@ class DramIndex:
         """The master will not take this index (it expelled us, or serves already): it is stale."""
         with self._lock:
             self._entries.clear()
+            self._bytes = 0
 
     def apply(self, reply: pb.PollCommitsResponse, session: tuple[int, int]) -> int:
         """Apply one poll's notices in order, if `session` (polled in) is still the current one;
@@ -102,17 +110,19 @@ class DramIndex:
         with self._lock:
             if session != self._session:
                 return -1
-            seq = self._seq
+            seq, total = self._seq, self._bytes
             for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
                 offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
             ):
                 where = offset if size else name
-                if drop:
-                    entries.pop(where, None)
-                else:
+                old = entries.pop(where, None)
+                if old is not None:
+                    total -= old[_SIZE]
+                if not drop:
                     seq += 1
                     entries[where] = (name, size, checksum, instance, rank, pin, deadline, seq)
-            self._seq = seq
+                    total += size
+            self._seq, self._bytes = seq, total
         return count
 
     def inventory(self) -> list[tuple[int, Entry]]:
@@ -153,6 +163,7 @@ class DramIndex:
                 where: int | str = offset if entry[_SIZE] else entry[0]
                 if self._entries.get(where) is entry:
                     del self._entries[where]
+                    self._bytes -= entry[_SIZE]
 
     def pin_ttl_ms(self, entry: Entry) -> int:
         deadline = entry[6]

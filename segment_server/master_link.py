@@ -40,8 +40,10 @@ from kvtier.common.discovery import MasterLocator, leader_hint
 from kvtier.common.poller import Backoff, MasterPoller, StopPolling
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import master_pb2_grpc
+from kvtier.proto.auth import wall_ms
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
+from kvtier.segment_server.master_clock import MasterClock
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ class MasterLink:
         on_fatal: Callable[[str, int], None],
         report: Callable[[], dict[str, int]] | None = None,
         report_disk: Callable[[Any, int, int], None] | None = None,
+        clock: MasterClock | None = None,
     ) -> None:
         """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each
         heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory."""
@@ -120,6 +123,7 @@ class MasterLink:
         self._on_fatal = on_fatal
         self._report = report
         self._report_disk = report_disk
+        self._clock = clock or MasterClock()  # fed the master's wall clock by every reply
         self._poller = MasterPoller(
             "master link",
             self._step,
@@ -180,9 +184,16 @@ class MasterLink:
             else:
                 segment_id, epoch = self._index.session
                 extra = self._report() if self._report is not None else {}
-                reply = self._channels.stub().Heartbeat(
-                    pb.HeartbeatRequest(segment_id=segment_id, epoch=epoch, **extra), timeout=_RPC_TIMEOUT_S
+                request = pb.HeartbeatRequest(
+                    segment_id=segment_id,
+                    epoch=epoch,
+                    wall_clock_ms=wall_ms(),
+                    rtt_ms=self._clock.rtt_ms,
+                    **extra,
                 )
+                sent = time.monotonic()
+                reply = self._channels.stub().Heartbeat(request, timeout=_RPC_TIMEOUT_S)
+                self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
                 if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
                     self._channels.failed(reply.error)
                     raise _Retry(f"master refused the heartbeat: {reply.error}")
@@ -218,7 +229,10 @@ class MasterLink:
             self._verified = self._index.inventory()
         items = self._verified
         stub = self._channels.stub()
+        self._request.wall_clock_ms = wall_ms()
+        sent = time.monotonic()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
+        self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
         if reply.status == Status.SEGMENT_DRAINED:
             raise _Fatal(f"segment was drained by an operator ({reply.error}); exiting", exit_code=0)
         if reply.status == Status.UNAVAILABLE:  # a standby, or etcd says another leads now

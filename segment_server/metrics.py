@@ -48,6 +48,24 @@ class SegmentCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats
+        feed = self._feed()
+        if feed is not None:
+            objects, size = feed.index.totals()
+            indexed = GaugeMetricFamily(
+                "kvtier_segment_indexed_objects",
+                "Complete objects in this segment's DRAM region by its own index (the master's count is "
+                "kvtier_segment_objects{tier=dram}: equal once puts and removes settle).",
+                labels=["segment"],
+            )
+            indexed.add_metric([self._name], objects)
+            yield indexed
+            indexed_bytes = GaugeMetricFamily(
+                "kvtier_segment_indexed_bytes",
+                "Bytes of those objects (the master's kvtier_segment_used_bytes{tier=dram} adds alignment).",
+                labels=["segment"],
+            )
+            indexed_bytes.add_metric([self._name], size)
+            yield indexed_bytes
         served = CounterMetricFamily(
             "kvtier_segment_served_bytes",
             "Object bytes sent to clients, by tier and transport (shm reads bypass the server).",

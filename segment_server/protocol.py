@@ -54,6 +54,7 @@ from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.master_clock import MasterClock
 
 logger = logging.getLogger(__name__)
 _log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peers is no flood of lines
@@ -151,10 +152,13 @@ class DataProtocol(FramedConnection):
         disk: DiskReader | None = None,
         connections: Connections | None = None,
         caps: CapabilityCheck | None = None,
+        clock: MasterClock | None = None,
     ) -> None:
         # The largest frame is a WRITE of the whole region.
         super().__init__(connections, stats, len(region))
         self._region = region
+        # Grant expiries are times on the master's clock (kvtier.segment_server.master_clock).
+        self._now_ms = clock.now_ms if clock is not None else wall_ms
         self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
         self._cap_tags: bytes | None = None  # of the current request
         self._cap_expiry = 0
@@ -367,7 +371,7 @@ class DataProtocol(FramedConnection):
                     Status.CAPABILITY_DENIED,
                     "a READ or WRITE must carry its grant's deadline (FLAG_DEADLINE or FLAG_CAPS)",
                 )
-            left_ms = self._deadline_ms + CLOCK_SKEW_MS - wall_ms()
+            left_ms = self._deadline_ms + CLOCK_SKEW_MS - self._now_ms()
             if left_ms <= 0:
                 return self._refuse(Status.LEASE_EXPIRED, f"the grant of these ranges ended {-left_ms} ms ago")
             self._cut_at = time.monotonic() + left_ms / 1000
@@ -545,7 +549,7 @@ class DataProtocol(FramedConnection):
             return "this segment is not mounted on a master: no capability is valid yet"
         if self._cap_tags is None:
             return "this segment serves only ranges with capabilities from the master (the cluster has a secret)"
-        return key.check(op, self._cap_expiry, self._ranges, self._cap_tags)
+        return key.check(op, self._cap_expiry, self._ranges, self._cap_tags, self._now_ms())
 
     def _fatal(self, message: str) -> None:
         self._stats.protocol_errors += 1

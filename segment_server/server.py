@@ -23,6 +23,7 @@ from kvtier.segment_server.diskio_probe import open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.group_writer import GroupWriter
 from kvtier.segment_server.listeners import ShmListener, TcpListener
+from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
 from kvtier.segment_server.protocol import CapabilityCheck, ConnectionLimits, DataPlaneStats
 from kvtier.segment_server.region import (
@@ -72,6 +73,7 @@ async def serve(config: SegmentConfig) -> int:
         # With a cluster secret the data plane serves only ranges the master granted (capabilities),
         # keyed by the epoch of the current mount (the index's session).
         caps = CapabilityCheck(secret, config.name, lambda: index.session[1], region.nonce.hex()) if secret else None
+        clock = MasterClock()  # grants are judged on the master's clock (kvtier.segment_server.master_clock)
         listeners = [
             TcpListener(
                 config.listen,
@@ -81,6 +83,7 @@ async def serve(config: SegmentConfig) -> int:
                 config.advertise,
                 ConnectionLimits(config.max_connections, config.idle_timeout_s, config.request_timeout_s),
                 caps,
+                clock,
             ),
             ShmListener(
                 grant_socket_path(config.shm_dir, config.cluster_id, config.name),
@@ -130,6 +133,7 @@ async def serve(config: SegmentConfig) -> int:
             report_disk=lambda stub, segment_id, epoch: (
                 worker.report_inventory(stub, segment_id, epoch) if worker is not None else None
             ),
+            clock=clock,
         )
         if store is not None:
             # Mounting read record headers only: payloads are verified in the background.

@@ -7,7 +7,7 @@ truly cannot provide one (a kernel or seccomp profile refusing io_uring, a runne
 root) says so explicitly with KVTIER_TEST_ALLOW_MISSING, a comma-separated list of names below;
 those skip, and still show in the summary.
 
-Names: io_uring, loop-device, o_direct, promtool, root, systemd-analyze, vllm-offloading.
+Names: faketime, io_uring, loop-device, o_direct, promtool, root, systemd-analyze, vllm-offloading.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import NoReturn
 
 import pytest
 
-NAMES = frozenset({"io_uring", "loop-device", "o_direct", "promtool", "root", "systemd-analyze", "vllm-offloading"})
+NAMES = frozenset(
+    {"faketime", "io_uring", "loop-device", "o_direct", "promtool", "root", "systemd-analyze", "vllm-offloading"}
+)
 
 
 def allowed_missing() -> frozenset[str]:

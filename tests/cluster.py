@@ -56,7 +56,10 @@ class Cluster:
         """The per-test state directory master `name` is given (kept across restart_master)."""
         return self.workdir / f"{name}-state"
 
-    def start_master(self, *extra: str, name: str = "master", default_state_dir: bool = False) -> Proc:
+    def start_master(
+        self, *extra: str, name: str = "master", default_state_dir: bool = False, prefix: list[str] | None = None
+    ) -> Proc:
+        """`prefix`: a command that runs the master elsewhere (e.g. on a test host, tests/hosts.py)."""
         # Never the default state directory (/var/lib/kvtier or the home directory): a per-test one,
         # unless the test chooses (--state-dir DIR or none, or default_state_dir for the test of the
         # default itself) or the state lives in etcd.
@@ -74,6 +77,7 @@ class Cluster:
                 *state,
                 *extra,
             ],
+            prefix,
         )  # fmt: skip
         self.masters[name] = proc
         if name == "master" or self.master is None:

@@ -37,7 +37,8 @@ MAX_FAULTS_SHOWN = 6  # the faults closest before the read
 MISMATCH = "CHECKSUM_MISMATCH"
 # Segment losses the checker accepts when the harness faulted that segment first.
 SEGMENT_LOSSES = ("segment:heartbeat ttl expired", "segment:commit feed silent", "segment:remounted")
-SEGMENT_FAULTS = ("kill_segment", "stop_segment")
+# (The network faults of tests/chaos/net_harness.py that can make the master expel a segment too.)
+SEGMENT_FAULTS = ("kill_segment", "stop_segment", "partition_segment_master", "flap_segment")
 REJECTED_EVICTIONS = ("evicted:corrupt", "evicted:corrupt disk")  # a corrupt copy is a bug, not a cache's choice
 # A restarted master rebuilds its tables from the segments' inventories: a segment killed while the
 # master was down or still rebuilding takes its objects with it and no master ever knew them to
@@ -203,7 +204,7 @@ class Checker:
                     counts["indeterminate"] += 1
                 elif isinstance(result, dict) and "v" in result:
                     counts["values"] += 1
-                    violations += self._check_value(key, read, result["v"], puts, writes)
+                    violations += self._check_value(key, read, result["v"], puts, writes, starts)
                     version = result["v"][2]
                     self._seen[version] = max(self._seen.get(version, 0.0), read.t0)
                 elif isinstance(result, dict):
@@ -222,7 +223,7 @@ class Checker:
         return overlapping(self.faults, since, read.t1)
 
     def _check_value(
-        self, key: str, read: KeyOp, ident: list, puts: dict[int, KeyOp], writes: list[KeyOp]
+        self, key: str, read: KeyOp, ident: list, puts: dict[int, KeyOp], writes: list[KeyOp], starts: list[float]
     ) -> list[Violation]:
         got_key, _writer, version = ident
         if got_key != key:
@@ -231,7 +232,10 @@ class Checker:
         if put is None or put.t0 > read.t1:
             why = "returned a version never put" if put is None else "returned a version put after the read"
             return [Violation("PHANTOM", key, read, why, [put.describe()] if put else [])]
-        for rm in writes:
+        # Only the writes invoked after the put and before the read can qualify (writes are in invoke
+        # order): a long run's keys have thousands of them, and every read used to scan them all.
+        for j in range(bisect.bisect_right(starts, put.t0), bisect.bisect_left(starts, read.t0)):
+            rm = writes[j]
             if rm.kind == "remove" and rm.acked and rm.t0 > put.t0 and rm.t1 < read.t0:
                 if self._repeat(("STALE", version)):
                     return []
@@ -256,11 +260,12 @@ class Checker:
         return known is not None
 
     def _check_miss(self, key: str, read: KeyOp, writes: list[KeyOp], starts: list[float]) -> list[Violation]:
-        before = writes[: bisect.bisect_left(starts, read.t0)]
-        last = next((o for o in reversed(before) if o.kind == "put" and o.acked and o.t1 < read.t0), None)
-        if last is None:
+        index = bisect.bisect_left(starts, read.t0) - 1  # the writes invoked before the read, newest first
+        while index >= 0 and not (writes[index].kind == "put" and writes[index].acked and writes[index].t1 < read.t0):
+            index -= 1
+        if index < 0:
             return []
-        index = writes.index(last)
+        last = writes[index]
         after = writes[index + 1] if index + 1 < len(writes) else None
         if after is not None and after.t0 < read.t1:
             self.counts["misses_after_remove"] += 1

@@ -70,3 +70,21 @@ def test_notices_of_an_old_mount_are_not_applied_once_the_session_changed():
     index.set_session((0, 0))  # the link ends the mount (to snapshot and mount again)
     assert index.apply(notices((False, 64, "late", b"w")), (1, 7)) == -1
     assert [entry[0][3:] for _, entry in index.inventory()] == ["k"]
+
+
+def test_totals_follow_commits_replacements_drops_forgets_and_clears():
+    """What the master's accounting is checked against (kvtier_segment_indexed_objects / _bytes)."""
+    region = bytearray(4096)
+    index = DramIndex(memoryview(region))
+    a, b = b"a" * 100, b"b" * 64
+    region[0:100], region[128:192] = a, b
+    index.apply(notices((False, 0, "a", a), (False, 128, "b", b), (False, 0, "empty", b"")), (0, 0))
+    assert index.totals() == (3, 164)
+    index.apply(notices((False, 128, "b2", 32)), (0, 0))  # the same offset committed anew
+    assert index.totals() == (3, 132)
+    index.apply(notices((True, 0, "a", a), (True, 0, "gone", 8)), (0, 0))  # a drop of nothing changes nothing
+    assert index.totals() == (2, 32)
+    index.inventory()  # b2's bytes do not verify (checksum 0): forgotten
+    assert index.totals() == (1, 0)
+    index.clear()
+    assert index.totals() == (0, 0)
