@@ -109,6 +109,9 @@ class TcpConnector:
                     frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
                     buffers: list = [frames.pack_request(op, request_id, table, payload_len, trace, frame_caps)]
                     if op == Op.WRITE and checksums is not None:
+                        # Chunks go out once _CHUNK bytes are checksummed and waiting (still in
+                        # cache): small objects share a sendmsg instead of costing one each.
+                        waiting = 0
                         for i in range(start, end):
                             view = ranges[i][1]
                             crc = 0
@@ -116,8 +119,10 @@ class TcpConnector:
                                 chunk = view[lo : lo + _CHUNK]  # type: ignore[index]
                                 crc = crc32c.crc32c(chunk, crc)
                                 buffers.append(chunk)
-                                send_all(sock, buffers)
-                                buffers = []
+                                waiting += len(chunk)
+                                if waiting >= _CHUNK:
+                                    send_all(sock, buffers)
+                                    buffers, waiting = [], 0
                             checksums[i] = crc
                     elif op == Op.WRITE:
                         buffers.extend(ranges[i][1] for i in range(start, end) if sizes[i])
