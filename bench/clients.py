@@ -4,15 +4,16 @@ Each workload (32-key `batch_put` and `batch_get_into` per object size, per
 transport) runs twice: one client process alone, then N client processes
 together, every one doing the same work. The processes start each workload at
 the same moment (a barrier with this process), and this process reads the
-CPU time (utime + stime, /proc/<pid>/stat) of every client and every segment
-server right before and right after it, so the figures are:
+CPU time (utime + stime, /proc/<pid>/stat) of every client, every segment
+server and the master right before and right after it, so the figures are:
 
 - **aggregate GB/s**: payload bytes of all clients / the wall time from the
   start barrier until the last client finished;
 - **per-client GB/s**: each client's bytes / its own busy time, and the
   largest deviation from their mean (issue 19: within 20%);
-- **CPU seconds per GB** moved, clients and segment servers apart: on a
-  host with more cores than this one, that number decides how far it scales.
+- **CPU seconds per GB** moved, clients, segment servers and the master
+  apart: on a host with more cores than this one, that number decides how
+  far it scales.
 
 Puts write fresh keys and leave them until the workload is over (removing
 them meanwhile would put the removals inside another client's window), so the
@@ -56,6 +57,7 @@ class ClientsResult:
     errors: int
     client_cpu_s_per_gb: float
     segment_cpu_s_per_gb: float
+    master_cpu_s_per_gb: float
     gb_moved: float
     fair: bool = field(default=False)
 
@@ -109,6 +111,7 @@ def run_clients(
     batch: int,
     bytes_per_run: int,
     segment_pids: list[int],
+    master_pid: int = 0,
     progress: Any = None,
 ) -> list[ClientsResult]:
     """Every (size, workload) with each client count of `counts` (e.g. [1, 4]), in that order."""
@@ -131,11 +134,13 @@ def run_clients(
                 start.wait(_BARRIER_S)
                 cpu_clients = [cpu_seconds(p.pid) for p in procs if p.pid is not None]
                 cpu_segments = [cpu_seconds(pid) for pid in segment_pids]
+                cpu_master = cpu_seconds(master_pid) if master_pid else 0.0
                 began = time.perf_counter()
                 done.wait(_BARRIER_S)
                 wall = time.perf_counter() - began
                 client_cpu = sum(cpu_seconds(p.pid) for p in procs if p.pid is not None) - sum(cpu_clients)
                 segment_cpu = sum(cpu_seconds(pid) for pid in segment_pids) - sum(cpu_segments)
+                master_cpu = cpu_seconds(master_pid) - cpu_master if master_pid else 0.0
                 reports = [results.get(timeout=_BARRIER_S) for _ in procs]
                 moved = sum(r[3] for r in reports)
                 rates = [r[3] / r[4] / 1e9 if r[4] else 0.0 for r in reports]
@@ -154,6 +159,7 @@ def run_clients(
                         sum(r[5] for r in reports),
                         client_cpu / gb,
                         segment_cpu / gb,
+                        master_cpu / gb,
                         gb,
                         fair=deviation <= FAIRNESS,
                     )
@@ -203,13 +209,13 @@ def print_clients(results: list[ClientsResult]) -> None:
     print("Many clients: client processes at once against the segments (issue 19)")
     print(
         f"{'transport':<9} {'workload':<15} {'size':>8} {'clients':>7} {'agg GB/s':>8} {'dev':>5} {'errors':>6} "
-        f"{'cpu s/GB client':>15} {'segment':>8}  per-client GB/s"
+        f"{'cpu s/GB client':>15} {'segment':>8} {'master':>7}  per-client GB/s"
     )
     for r in results:
         print(
             f"{r.transport:<9} {r.workload:<15} {format_size(r.size):>8} {r.clients:>7} {r.aggregate_gbps:>8.2f} "
-            f"{r.max_deviation:>5.2f} {r.errors:>6} {r.client_cpu_s_per_gb:>15.3f} {r.segment_cpu_s_per_gb:>8.3f}  "
-            + " ".join(f"{x:.2f}" for x in r.per_client_gbps)
+            f"{r.max_deviation:>5.2f} {r.errors:>6} {r.client_cpu_s_per_gb:>15.3f} {r.segment_cpu_s_per_gb:>8.3f} "
+            f"{r.master_cpu_s_per_gb:>7.3f}  " + " ".join(f"{x:.2f}" for x in r.per_client_gbps)
         )
     for v in verdicts(results):
         mark = "ok" if v["met"] else "NOT MET"

@@ -361,12 +361,12 @@ def _run_clients(opts: argparse.Namespace, sizes: list[int], bytes_per_run: int)
     dram = max(parse_size(opts.dram), needed_dram(opts.clients, sizes, opts.batch, bytes_per_run, 2))
     results = []
     with LocalCluster(dram=str(dram), segments=2, quiet=True, cluster_id=f"bench{uuid.uuid4().hex[:6]}") as local:
-        segment_pids = [child.pid for child in local.children[1:]]
+        master_pid, segment_pids = local.children[0].pid, [child.pid for child in local.children[1:]]
         for transport in transports:
             counts = [1, opts.clients] if opts.clients > 1 else [1]
             results += run_clients(
                 local.master_address, transport, counts, sizes, opts.batch, bytes_per_run, segment_pids,
-                _progress(f"kvtier {transport}"),
+                master_pid, _progress(f"kvtier {transport}"),
             )  # fmt: skip
     if opts.json:
         print(json.dumps({"machine": machine_description(), **as_json(results)}, indent=2))

@@ -11,7 +11,7 @@ MiB = 1 << 20
 
 
 def result(clients: int, gbps: float, rates: list[float], errors: int = 0, fair: bool = True) -> ClientsResult:
-    return ClientsResult("tcp", "batch_put", MiB, clients, gbps, rates, 0.0, errors, 0.1, 0.1, 1.0, fair=fair)
+    return ClientsResult("tcp", "batch_put", MiB, clients, gbps, rates, 0.0, errors, 0.1, 0.1, 0.05, 1.0, fair=fair)
 
 
 def test_many_clients_must_match_one_be_fair_and_make_no_errors():
