@@ -196,3 +196,39 @@ def test_mixed_sizes_round_trip_with_the_checksums_of_what_moved(segment, sizes)
         connector.close()
     assert [bytes(b) for b in buffers] == payloads
     assert written == read == [crc32c.crc32c(p) for p in payloads]
+
+
+def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
+    """Issue 19: 32 x 8 KiB used to cost 32 sendmsg calls to write and 32 receives to read; now
+    one call each way carries them (the checksums still per object)."""
+    import kvtier.client.transport.tcp as tcp
+
+    calls: dict[str, int] = {"send": 0, "recv_into": 0, "recv_into_all": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(tcp, "send_all", counted("send", tcp.send_all))
+    monkeypatch.setattr(tcp, "recv_exact_into", counted("recv_into", tcp.recv_exact_into))
+    monkeypatch.setattr(tcp, "recv_exact_into_all", counted("recv_into_all", tcp.recv_exact_into_all))
+    payloads = [blob(200 + i, 8 << 10) for i in range(32)]
+    ranges = [(i * (8 << 10), memoryview(p)) for i, p in enumerate(payloads)]
+    deadline = int(time.time() * 1000) + 60_000
+    connector = TcpConnector(segment.endpoint, config())
+    try:
+        crcs: list[int | None] = [None] * 32
+        assert connector.write(ranges, crcs, caps=(deadline, [])) == [OK] * 32
+        assert calls["send"] == 1
+        buffers = [bytearray(8 << 10) for _ in range(32)]
+        calls.update(recv_into=0)
+        read: list[int | None] = [None] * 32
+        into = [(o, memoryview(b)) for (o, _), b in zip(ranges, buffers, strict=True)]
+        assert connector.read_into(into, read, caps=(deadline, [])) == [OK] * 32
+        assert calls["recv_into"] == 1 and calls["recv_into_all"] == 1  # the response header, then the payloads
+    finally:
+        connector.close()
+    assert [bytes(b) for b in buffers] == payloads and read == crcs == [crc32c.crc32c(p) for p in payloads]
