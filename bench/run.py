@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transport schemes to measure, comma list (default: tcp,shm on the local cluster; auto with --master)",
     )
     parser.add_argument("--dram", default="1GiB", help="DRAM of the local cluster's segment (default: %(default)s)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="N client processes at once against 2 local segments, beside one alone: aggregate, fairness, "
+        "CPU seconds per GB (32-key batch_put and batch_get_into; default: off)",
+    )
     parser.add_argument("--compare", choices=["redis"], default="", help="also run the workloads against this peer")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument(
@@ -342,6 +349,32 @@ def _run_ssd_write(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _run_clients(opts: argparse.Namespace, sizes: list[int], bytes_per_run: int) -> int:
+    """`--clients N`: kvtier.bench.clients against a local cluster of two segments."""
+    from kvtier.bench.clients import as_json, needed_dram, print_clients, run_clients
+    from kvtier.common.local_cluster import LocalCluster
+
+    if opts.master or opts.clients < 1:
+        print("kvtier bench: --clients takes a positive count and runs its own cluster (no --master)", file=sys.stderr)
+        return 2
+    transports = [t.strip() for t in opts.transport.split(",") if t.strip()] or ["tcp", "shm"]
+    dram = max(parse_size(opts.dram), needed_dram(opts.clients, sizes, opts.batch, bytes_per_run, 2))
+    results = []
+    with LocalCluster(dram=str(dram), segments=2, quiet=True, cluster_id=f"bench{uuid.uuid4().hex[:6]}") as local:
+        master_pid, segment_pids = local.children[0].pid, [child.pid for child in local.children[1:]]
+        for transport in transports:
+            counts = [1, opts.clients] if opts.clients > 1 else [1]
+            results += run_clients(
+                local.master_address, transport, counts, sizes, opts.batch, bytes_per_run, segment_pids,
+                master_pid, _progress(f"kvtier {transport}"),
+            )  # fmt: skip
+    if opts.json:
+        print(json.dumps({"machine": machine_description(), **as_json(results)}, indent=2))
+    else:
+        print_clients(results)
+    return 0
+
+
 def run(opts: argparse.Namespace) -> int:
     from kvtier.client import Client
     from kvtier.common.local_cluster import LocalCluster
@@ -413,6 +446,8 @@ def run(opts: argparse.Namespace) -> int:
             )
         print_ssd_results(ssd_results, opts.json, machine_description(), opts.repeat)
         return 0
+    if opts.clients:
+        return _run_clients(opts, sizes, bytes_per_run)
     selected = {w for w in opts.workloads.split(",") if w}
     # Both same-host transports by default on the local cluster (issue 19 reads each against its limit);
     # against a given master, whatever the client picks unless told.

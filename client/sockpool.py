@@ -151,6 +151,25 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def recv_exact_into_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view, in order, with scatter `recvmsg_into` (MSG_WAITALL): one call for many small
+    buffers instead of one each (continuing after a short receive, as recv_exact_into does)."""
+    index = 0
+    while index < len(views):
+        batch = views[index : index + _IOV_MAX]
+        n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise ReadError("peer closed the connection mid-frame")
+        for view in batch:
+            size = len(view)
+            if n >= size:
+                n -= size
+                index += 1
+            else:
+                views[index] = view[n:]
+                break
+
+
 def recv_exact(sock: socket.socket, size: int) -> bytes:
     data = sock.recv(size, socket.MSG_WAITALL)  # one allocation, received in place
     if len(data) == size:

@@ -191,7 +191,8 @@ class DataProtocol(FramedConnection):
         self._nranges = 0
         self._payload_len = 0
         self._ranges: tuple[int, ...] = ()
-        self._range_index = 0  # WRITE: which range the payload is filling
+        self._range_index = 0  # WRITE: the last range of the run the payload is filling
+        self._run_base = 0  # WRITE: region offset of that run's first byte
         self._drain_left = 0
         self._drain_status = 0
         self._drain_message = ""
@@ -249,7 +250,7 @@ class DataProtocol(FramedConnection):
         if state == _PAYLOAD:
             if time.monotonic() > self._cut_at:  # the grant ended: not one more byte into the region
                 return self._cut_write()
-            base = self._ranges[2 * self._range_index]
+            base = self._run_base
             return self._region[base + self._filled : base + self._need]
         if state == _HEADER:
             return self._header_view[self._filled :]
@@ -432,16 +433,35 @@ class DataProtocol(FramedConnection):
             self._start_header()
 
     def _next_write_range(self) -> None:
-        """Enter the next non-empty range of the current WRITE, or finish it."""
-        ranges = self._ranges
+        """Enter the next run of the current WRITE, or finish it.
+
+        A run is the next non-empty range together with the ranges after it that continue it in
+        the region (a batch's objects are usually allocated back to back): the event loop then
+        receives a run in as few calls as the socket allows, instead of at least one call (and two
+        Python callbacks) per range. Empty ranges carry no bytes and neither start nor break a run.
+        """
+        ranges, count = self._ranges, self._nranges
         index = self._range_index + 1
-        while index < self._nranges and ranges[2 * index + 1] == 0:
+        while index < count and ranges[2 * index + 1] == 0:
             index += 1
-        if index < self._nranges:
-            self._range_index = index
+        if index < count:
+            base = ranges[2 * index]
+            end = base + ranges[2 * index + 1]
+            last = index
+            index += 1
+            while index < count:
+                length = ranges[2 * index + 1]
+                if length and ranges[2 * index] != end:
+                    break
+                if length:
+                    end += length
+                    last = index
+                index += 1
+            self._range_index = last
+            self._run_base = base
             self._state = _PAYLOAD
             self._filled = 0
-            self._need = ranges[2 * index + 1]
+            self._need = end - base
             return
         self._send(frames.pack_response(Op.WRITE, self._request_id, 0))
         self._stats.latency["WRITE"].observe(time.perf_counter() - self._started)

@@ -112,6 +112,45 @@ def test_write_out_of_range_is_drained_and_refused_and_the_connection_keeps_serv
     assert_serving(cluster, value)
 
 
+def test_a_write_of_ranges_back_to_back_lands_byte_for_byte_whatever_the_pieces(cluster, stored):
+    """The segment receives runs of contiguous ranges in one buffer (issue 19): runs are broken by
+    gaps and by ranges that go back, empty ranges neither start nor break one, and a later range
+    over an earlier one's bytes wins, as when each range was received alone."""
+    endpoint, capacity, _offset, value = stored
+    base = capacity - 256 * KiB  # the free tail of the region
+    ranges = [
+        (base, 10 * KiB),
+        (base + 10 * KiB, 0),  # empty, inside a run
+        (base + 10 * KiB, 3),
+        (base + 10 * KiB + 3, 20 * KiB),  # continues the run
+        (base + 64 * KiB, 0),  # empty, elsewhere: does not break the run
+        (base + 30 * KiB + 3, 5),  # still contiguous after it
+        (base + 100 * KiB, 7 * KiB),  # a gap: a new run
+        (base + 2 * KiB, 1 * KiB),  # goes back, over bytes of the first range: written after them
+        (base + 3 * KiB, 0),
+    ]
+    payload = os.urandom(sum(n for _, n in ranges))
+    expected = {}
+    at = 0
+    for offset, size in ranges:
+        expected[(offset, size)] = payload[at : at + size]
+        at += size
+    with connect(endpoint) as sock:
+        sock.sendall(frames.pack_request(Op.WRITE, 1, ranges, len(payload), deadline=far_deadline()))
+        for lo in range(0, len(payload), 4093):  # pieces that straddle every range boundary
+            sock.sendall(payload[lo : lo + 4093])
+        assert recv_response(sock) == (Op.WRITE, 1, Status.OK, b"")
+        first = bytearray(expected[(base, 10 * KiB)])
+        first[2 * KiB : 3 * KiB] = expected[(base + 2 * KiB, 1 * KiB)]
+        reads = [(base, 10 * KiB, bytes(first))] + [
+            (offset, size, data) for (offset, size), data in expected.items() if size and offset != base
+        ]
+        for i, (offset, size, data) in enumerate(reads, 2):
+            send_request(sock, Op.READ, i, [(offset, size)])
+            assert recv_response(sock) == (Op.READ, i, Status.OK, data), (offset, size)
+    assert_serving(cluster, value)
+
+
 BAD_HEADERS = {
     "bad magic": struct.pack("<HBBIIIQ", 0xBEEF, frames.VERSION, Op.PING, 1, 0, 0, 0),
     "bad version": struct.pack("<HBBIIIQ", frames.MAGIC, frames.VERSION + 1, Op.PING, 1, 0, 0, 0),

@@ -12,7 +12,14 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.client.sockpool import _IOV_MAX, SocketPool, recv_exact, recv_exact_into, send_all
+from kvtier.client.sockpool import (
+    _IOV_MAX,
+    SocketPool,
+    recv_exact,
+    recv_exact_into,
+    recv_exact_into_all,
+    send_all,
+)
 from kvtier.proto.errors import ConnectError, ReadError
 
 TIMEOUT_S = 10.0
@@ -500,3 +507,29 @@ def test_a_closed_pool_refuses_new_exchanges_and_wakes_its_waiters(server, pools
     with pytest.raises(ConnectError, match="closed"):
         with pool.socket():
             pass
+
+
+def test_recv_exact_into_all_fills_many_buffers_in_order_across_short_receives(pair):
+    """One scatter receive for a run of small objects (issue 19); the sender trickles the bytes
+    through a 4 KiB socket buffer, so every call returns short and inside a buffer."""
+    a, b = pair
+    sizes = [(i * 7919) % 3000 for i in range(2 * _IOV_MAX + 3)]  # some empty, more than one call holds
+    payload = bytes(i % 251 for i in range(sum(sizes)))
+    views, at = [], 0
+    store = bytearray(len(payload))
+    for size in sizes:
+        views.append(memoryview(store)[at : at + size])
+        at += size
+    sender = threading.Thread(target=a.sendall, args=(payload,))
+    sender.start()
+    recv_exact_into_all(b, views)
+    sender.join(TIMEOUT_S)
+    assert bytes(store) == payload
+
+
+def test_recv_exact_into_all_raises_read_error_when_the_peer_closes_mid_frame(pair):
+    a, b = pair
+    a.sendall(b"x" * 100)
+    a.close()
+    with pytest.raises(ReadError):
+        recv_exact_into_all(b, [memoryview(bytearray(60)), memoryview(bytearray(60))])

@@ -167,3 +167,68 @@ def test_dram_ranges_round_trip_through_the_same_connector(segment):
     finally:
         connector.close()
     assert bytes(segment.region[4096 : 4096 + len(payload)]) == payload
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [16 << 10] * 12 + [0, 520 << 10, 3, 5000, 0] + [40 << 10] * 6 + [17],  # small ones around a large one
+        [40 << 10] * 14 + [0, 3, 5000, 0, 17],  # more small ones than one 512 KiB receive takes
+    ],
+    ids=["around-a-large-one", "past-one-receive"],
+)
+def test_mixed_sizes_round_trip_with_the_checksums_of_what_moved(segment, sizes):
+    """Small objects are sent together and received with one scatter call per 512 KiB; large ones
+    chunk by chunk (issue 19): every range lands in its own buffer with its own CRC32C."""
+    payloads = [blob(100 + i, n) for i, n in enumerate(sizes)]
+    offsets = [sum(sizes[:i]) + 64 * i for i in range(len(sizes))]  # gaps: separate runs on the segment
+    deadline = int(time.time() * 1000) + 60_000
+    connector = TcpConnector(segment.endpoint, config())
+    try:
+        written: list[int | None] = [None] * len(sizes)
+        ranges = [(o, memoryview(p)) for o, p in zip(offsets, payloads, strict=True)]
+        assert connector.write(ranges, written, caps=(deadline, [])) == [OK] * len(sizes)
+        buffers = [bytearray(n) for n in sizes]
+        read: list[int | None] = [None] * len(sizes)
+        ranges = [(o, memoryview(b)) for o, b in zip(offsets, buffers, strict=True)]
+        assert connector.read_into(ranges, read, caps=(deadline, [])) == [OK] * len(sizes)
+    finally:
+        connector.close()
+    assert [bytes(b) for b in buffers] == payloads
+    assert written == read == [crc32c.crc32c(p) for p in payloads]
+
+
+def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
+    """Issue 19: 32 x 8 KiB used to cost 32 sendmsg calls to write and 32 receives to read; now
+    one call each way carries them (the checksums still per object)."""
+    import kvtier.client.transport.tcp as tcp
+
+    calls: dict[str, int] = {"send": 0, "recv_into": 0, "recv_into_all": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(tcp, "send_all", counted("send", tcp.send_all))
+    monkeypatch.setattr(tcp, "recv_exact_into", counted("recv_into", tcp.recv_exact_into))
+    monkeypatch.setattr(tcp, "recv_exact_into_all", counted("recv_into_all", tcp.recv_exact_into_all))
+    payloads = [blob(200 + i, 8 << 10) for i in range(32)]
+    ranges = [(i * (8 << 10), memoryview(p)) for i, p in enumerate(payloads)]
+    deadline = int(time.time() * 1000) + 60_000
+    connector = TcpConnector(segment.endpoint, config())
+    try:
+        crcs: list[int | None] = [None] * 32
+        assert connector.write(ranges, crcs, caps=(deadline, [])) == [OK] * 32
+        assert calls["send"] == 1
+        buffers = [bytearray(8 << 10) for _ in range(32)]
+        calls.update(recv_into=0)
+        read: list[int | None] = [None] * 32
+        into = [(o, memoryview(b)) for (o, _), b in zip(ranges, buffers, strict=True)]
+        assert connector.read_into(into, read, caps=(deadline, [])) == [OK] * 32
+        assert calls["recv_into"] == 1 and calls["recv_into_all"] == 1  # the response header, then the payloads
+    finally:
+        connector.close()
+    assert [bytes(b) for b in buffers] == payloads and read == crcs == [crc32c.crc32c(p) for p in payloads]

@@ -233,6 +233,26 @@ def test_zero_payload_write_gets_ok_without_empty_buffers(conn, ranges):
     assert_back_to_header(conn)
 
 
+def test_ranges_back_to_back_in_the_region_are_one_buffer_each_run(conn):
+    """Issue 19: a batch's objects are allocated back to back; the event loop gets one region buffer
+    per run of them, not one (and two callbacks) per range. Gaps and backward ranges start a new
+    run; empty ranges neither start nor break one."""
+    ranges = [(0, b"a" * 64), (64, b"b" * 64), (128, b""), (128, b"c" * 64), (900, b""), (192, b"d" * 8)]
+    ranges += [(1000, b"e" * 16), (1016, b"f" * 16), (10, b"g" * 4)]  # a gap, then backwards
+    header = pack_request(Op.WRITE, 4, [(o, len(d)) for o, d in ranges], sum(len(d) for _, d in ranges))
+    conn.feed(header)
+    conn.buffer_sizes.clear()
+    conn.feed(b"".join(d for _, d in ranges))
+    assert conn.buffer_sizes == [200, 32, 4]
+    expected = bytearray([SENTINEL]) * CAPACITY
+    for offset, data in ranges:
+        expected[offset : offset + len(data)] = data
+    assert conn.region == expected
+    assert [(r.request_id, r.status) for r in conn.responses()] == [(4, Status.OK)]
+    assert conn.stats.bytes_written == 236
+    assert_back_to_header(conn)
+
+
 def test_overlapping_ranges_land_in_order(conn):
     conn.feed(write_frame(1, [(0, b"aaaa"), (2, b"bb")]), 1)
     assert conn.region[:4] == b"aabb"
