@@ -376,13 +376,23 @@ def run(opts: argparse.Namespace) -> int:
         os.environ["KVTIER_SECRET"] = secrets.token_hex(32)
     if opts.master_scan:
         from kvtier.bench.scan_bench import print_scan_result, run_scan_bench
-        from kvtier.master.sweeps import DEFAULT_SLICE
+        from kvtier.master.sweeps import DEFAULT_SLICE, DEFAULT_SLICE_MS
 
-        if opts.objects < 1000 or opts.scan_objects < 0 or opts.scan_slice < 0 or opts.scan_interval_ms <= 0:
+        if (
+            opts.objects < 1000
+            or opts.scan_objects < 0
+            or opts.scan_slice < 0
+            or opts.scan_slice_ms < 0
+            or opts.scan_interval_ms <= 0
+        ):
             print("kvtier bench: --objects (>= 1000), --scan-* must be positive", file=sys.stderr)
             return 2
         result = run_scan_bench(
-            opts.objects, opts.scan_objects, opts.scan_slice or DEFAULT_SLICE, opts.scan_interval_ms
+            opts.objects,
+            opts.scan_objects,
+            opts.scan_slice or DEFAULT_SLICE,
+            opts.scan_slice_ms or DEFAULT_SLICE_MS,
+            opts.scan_interval_ms,
         )
         print_scan_result(result, opts.json, machine_description())
         return 0

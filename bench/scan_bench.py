@@ -12,7 +12,8 @@ PutStart(+PutEnd) requests at fixed arrival times (`--scan-interval-ms`, default
 latency counted from its planned arrival to its answer (a request arriving while the loop is busy
 waits, as a client's would), and reports p50/p99:
 - idle;
-- (a) while ListKeys pages through prefix "few/" again and again, `limit` 100;
+- (a) while ListKeys pages through prefix "few/" again and again, `limit` 100, as a client
+  would: the next page asked for a loopback round trip (0.2 ms) after the last;
 - (b) while RemovePrefix("rm/") runs until it has answered;
 - (c) while the segment "doomed" is dropped (declared dead) until its cleanup has finished.
 """
@@ -21,12 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import time
 from dataclasses import asdict, dataclass, field
 
 NS = "scan-bench"
 VALUE_SIZE = 64
 BATCH = 10_000
+# A paging client (`kvtier keys`) asks for the next page once the last one arrived: a loopback
+# round trip, during which the master serves others.
+CLIENT_ROUND_TRIP_S = 0.0002
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Phase:
     put_p99_ms: float
     put_max_ms: float
     scan_s: float  # how long the scan took (0 for idle)
+    gc_max_ms: float  # the longest cyclic garbage collection meanwhile: a stall no scan causes
 
 
 @dataclass
@@ -47,7 +53,9 @@ class ScanResult:
     objects: int
     scan_objects: int
     slice_objects: int
+    slice_ms: float
     sliced: bool  # this master sweeps in slices (False: a build before issue 19)
+    interval_ms: float
     phases: list[Phase] = field(default_factory=list)
 
 
@@ -97,14 +105,14 @@ async def _load(state, keys: list[str], interval_s: float, stop: asyncio.Event, 
     loop_time = time.perf_counter
     n = 0
     arrival = loop_time()
-    while not stop.is_set():
+    while True:  # the request that arrived during a stall is answered and counted, then we stop
         arrival += interval_s
         delay = arrival - loop_time()
         if delay > 0:
             await asyncio.sleep(delay)
-        else:
+        else:  # behind: this request arrives now (not queued up), and waits for the loop like any
+            arrival = loop_time()
             await asyncio.sleep(0)
-            arrival = loop_time()  # behind: the next arrival is planned from now, not queued up
         key = keys[n % len(keys)]
         if n % 2 == 0:
             state.exists(NS, [key])
@@ -115,13 +123,26 @@ async def _load(state, keys: list[str], interval_s: float, stop: asyncio.Event, 
             state.put_end(NS, [name], [1], started.put_id)
             put_lat.append(loop_time() - arrival)
         n += 1
+        if stop.is_set():
+            return
 
 
 async def _phase(state, name: str, scan, interval_s: float, idle_s: float) -> Phase:
     keys = [f"k/{i:016x}-block-hash-suffix" for i in range(0, 50_000, 7)] or ["few/0000"]
     stop = asyncio.Event()
     out: dict[str, list[float]] = {"exists": [], "put": []}
+    pauses: list[float] = []
+    began = [0.0]
+
+    def timing(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - began[0])
+
+    gc.callbacks.append(timing)
     load = asyncio.create_task(_load(state, keys, interval_s, stop, out))
+    await asyncio.sleep(0.02)  # the load runs before the scan begins
     started = time.perf_counter()
     if scan is None:
         await asyncio.sleep(idle_s)
@@ -131,6 +152,7 @@ async def _phase(state, name: str, scan, interval_s: float, idle_s: float) -> Ph
         took = time.perf_counter() - started
     stop.set()
     await load
+    gc.callbacks.remove(timing)
     e, p = out["exists"], out["put"]
     return Phase(
         name,
@@ -142,10 +164,13 @@ async def _phase(state, name: str, scan, interval_s: float, idle_s: float) -> Ph
         _pct(p, 0.99),
         max(p, default=0) * 1000,
         took,
+        max(pauses, default=0) * 1000,
     )
 
 
-async def _run(objects: int, scan_objects: int, slice_objects: int, interval_s: float, window_s: float) -> ScanResult:
+async def _run(
+    objects: int, scan_objects: int, slice_objects: int, slice_ms: float, interval_s: float, window_s: float
+) -> ScanResult:
     from kvtier.master.inspection import list_keys
 
     try:
@@ -153,8 +178,8 @@ async def _run(objects: int, scan_objects: int, slice_objects: int, interval_s: 
     except ImportError:  # a build before issue 19: scans run whole, inside one call
         run_sweeper = None
     state, doomed_id = _build(objects, scan_objects)
-    result = ScanResult(objects, scan_objects, slice_objects, run_sweeper is not None)
-    sweeper = asyncio.create_task(run_sweeper(lambda: state, slice_objects)) if run_sweeper else None
+    result = ScanResult(objects, scan_objects, slice_objects, slice_ms, run_sweeper is not None, interval_s * 1000)
+    sweeper = asyncio.create_task(run_sweeper(lambda: state, slice_objects, slice_ms)) if run_sweeper else None
     await asyncio.sleep(0)
     result.phases.append(await _phase(state, "idle", None, interval_s, window_s))
 
@@ -165,7 +190,7 @@ async def _run(objects: int, scan_objects: int, slice_objects: int, interval_s: 
             while True:
                 page = list_keys(state, NS, "few/", after, 100)
                 after = page.next_start_after
-                await asyncio.sleep(0)
+                await asyncio.sleep(CLIENT_ROUND_TRIP_S)  # the next page is asked for once this one arrived
                 if not after:
                     break
 
@@ -191,7 +216,10 @@ async def _run(objects: int, scan_objects: int, slice_objects: int, interval_s: 
     return result
 
 
-def run_scan_bench(objects: int, scan_objects: int, slice_objects: int, interval_ms: float) -> ScanResult:
+def run_scan_bench(
+    objects: int, scan_objects: int, slice_objects: int, slice_ms: float, interval_ms: float
+) -> ScanResult:
+    gc.set_threshold(70_000, 20, 20)  # as kvtier-master runs (master/__main__.py)
     try:
         import uvloop
 
@@ -199,7 +227,7 @@ def run_scan_bench(objects: int, scan_objects: int, slice_objects: int, interval
     except ImportError:
         runner = asyncio.run
     scan_objects = scan_objects or min(1_000_000, objects // 4)
-    return runner(_run(objects, scan_objects, slice_objects, interval_ms / 1000, 2.0))
+    return runner(_run(objects, scan_objects, slice_objects, slice_ms, interval_ms / 1000, 2.0))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--master-scan: objects removed / lost (default: min(1M, objects/4))",
     )
     parser.add_argument(
-        "--scan-slice", type=int, default=0, help="--master-scan: names per sweep slice (default: the master's)"
+        "--scan-slice", type=int, default=0, help="--master-scan: names per sweep slice at most (default: the master's)"
+    )
+    parser.add_argument(
+        "--scan-slice-ms",
+        type=float,
+        default=0.0,
+        help="--master-scan: a sweep slice's time at most (default: the master's)",
     )
     parser.add_argument("--scan-interval-ms", type=float, default=0.5, help="--master-scan: one request every this")
 
@@ -223,8 +257,13 @@ def print_scan_result(result: ScanResult, as_json: bool, machine: dict) -> None:
         print(json.dumps({"machine": machine, "master_scan": asdict(result)}, indent=2))
         return
     print(f"kvtier bench --master-scan: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}")
-    how = f"sliced, {result.slice_objects:,} names a slice" if result.sliced else "whole (no sweeper)"
+    how = (
+        f"sliced, slices of {result.slice_objects:,} names / {result.slice_ms} ms at most"
+        if result.sliced
+        else "whole (no sweeper)"
+    )
     print(f"{result.objects:,} objects, scans of {result.scan_objects:,} objects, {how}; latency in ms")
+    print(f"  one request every {result.interval_ms} ms (Exists and PutStart+PutEnd in turn)")
     idle = result.phases[0]
     print(
         f"  {'phase':<14} {'Exists p50':>10} {'p99':>7} {'max':>7} {'Put p50':>8} {'p99':>7} {'max':>7}"
@@ -235,4 +274,5 @@ def print_scan_result(result: ScanResult, as_json: bool, machine: dict) -> None:
         print(
             f"  {p.name:<14} {p.exists_p50_ms:>10.3f} {p.exists_p99_ms:>7.3f} {p.exists_max_ms:>7.1f} "
             f"{p.put_p50_ms:>8.3f} {p.put_p99_ms:>7.3f} {p.put_max_ms:>7.1f}  {ratio:<11}  {p.scan_s:.2f}"
+            f"  ({p.samples} requests, longest gc {p.gc_max_ms:.0f} ms)"
         )

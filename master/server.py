@@ -419,7 +419,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 logger.exception("tick failed")
 
     tick_task = asyncio.create_task(ticker())
-    sweep_task = asyncio.create_task(run_sweeper(lambda: handlers.state, config.sweep_slice_objects))
+    sweep_task = asyncio.create_task(
+        run_sweeper(lambda: handlers.state, config.sweep_slice_objects, config.sweep_slice_ms)
+    )
     await stop.wait()
     logger.info("master stopping")
     tick_task.cancel()

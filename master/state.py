@@ -482,9 +482,10 @@ class MasterState(SegmentTable):
             self.sweep(1 << 62)
         return removal
 
-    def sweep(self, budget: int) -> bool:
+    def sweep(self, budget: int, max_s: float = 0.0) -> bool:
         """Clean up after prefix removals and dead segments: visit at most `budget` names (the oldest
-        task first), settling each. Whether work is left. The server calls it between requests
+        task first), settling each, and stop after `max_s` seconds (0: no limit; checked every 16
+        names). Whether work is left. The server calls it between requests
         (kvtier.master.sweeps.run_sweeper); each call is one slice of the event loop."""
         sweeps = self.sweeps
         task = sweeps.current()
@@ -493,18 +494,22 @@ class MasterState(SegmentTable):
         names = self._index.after(task.cursor, task.end, budget, inclusive=not task.started)
         task.started = True
         lookup = self.lookup
-        for name in names:
+        until = time.perf_counter() + max_s if max_s else 0.0
+        visited = 0
+        for visited, name in enumerate(names, 1):  # noqa: B007 (read after the loop)
             record = lookup(name)
             if record is not None:
                 self._settled(record)
-        if len(names) < budget:
+            if until and not visited & 15 and time.perf_counter() > until:
+                break
+        if visited == len(names) < budget:
             sweeps.finish(task)
             if task.segment_id:
                 logger.warning(
                     "segment dropped id=%d name=%s objects_lost=%d", task.segment_id, task.segment, task.removed
                 )
-        else:
-            task.cursor = names[-1]
+        elif visited:
+            task.cursor = names[visited - 1]
         return sweeps.current() is not None
 
     def _settled(self, record: ObjectRecord) -> ObjectRecord | None:

@@ -29,9 +29,12 @@ if TYPE_CHECKING:
 
 _COMPLETE = ObjectState.COMPLETE
 
-# Names visited per slice by default: at ~1 us each a slice holds the loop ~1-2 ms on a busy
-# 2-core VM (docs/benchmarks.md, "Scans"); config sweep_slice_objects.
-DEFAULT_SLICE = 2000
+# A slice's bounds by default (config sweep_slice_ms, sweep_slice_objects). A request arriving
+# meanwhile waits for the slice to end, so a slice costs about what an idle request waits anyway;
+# the loop's turn between two slices costs ~10-20 us. Removing an object costs ~3-25 us (quiet
+# machine vs busy 2-core VM, docs/benchmarks.md "Scans"): the time bound is the one that holds.
+DEFAULT_SLICE = 1024
+DEFAULT_SLICE_MS = 0.25
 
 
 @dataclass(slots=True, eq=False)
@@ -131,14 +134,16 @@ async def wait_done(task: Sweep, timeout_s: float) -> bool:
     return True
 
 
-async def run_sweeper(current_state: Callable[[], MasterState], slice_objects: int) -> None:
+async def run_sweeper(
+    current_state: Callable[[], MasterState], slice_objects: int = DEFAULT_SLICE, slice_ms: float = DEFAULT_SLICE_MS
+) -> None:
     """Sweep the current state's tasks forever, one slice per turn of the event loop, so every
     request that arrived meanwhile is served between two slices. Idle: waits to be woken."""
     wakeup = asyncio.Event()
     while True:
         state = current_state()
         state.sweeps.on_work = wakeup.set
-        if state.sweep(slice_objects):
+        if state.sweep(slice_objects, slice_ms / 1000):
             await asyncio.sleep(0)
             continue
         wakeup.clear()
