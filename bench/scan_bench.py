@@ -2,7 +2,8 @@
 
 In process: one real `MasterState` (kvtier.master.state) on an asyncio event loop (uvloop when
 installed, as the master runs), driven through the same state methods its RPC handlers call, with
-the server's sweeper task (kvtier.master.sweeps.run_sweeper) running beside the load. No sockets:
+the server's sweeper task (kvtier.master.sweeps.run_sweeper) running beside the load, and a task
+acknowledging the commit notices every millisecond as the segments' polls do. No sockets:
 what is measured is how long the event loop keeps a request waiting, not the transport.
 
 Fill `--objects` objects (default 1M; 10M with --objects 10000000) on two segments: a segment
@@ -73,6 +74,19 @@ def _fill(state, keys: list[str]) -> None:
         if any(started.statuses):
             raise RuntimeError(f"PutStart failed: {started.first_error}")
         state.put_end(NS, chunk, [1] * len(chunk), started.put_id)
+        _ack_all(state)
+
+
+def _ack_all(state) -> None:
+    """What the segments' commit polls do (PollCommits): acknowledge every notice queued."""
+    for segment_id in list(state.segments):
+        state.commits.poll(segment_id, 1 << 62, 0)
+
+
+async def _acker(state) -> None:
+    while True:  # a segment polls again as soon as it acknowledged: here every millisecond
+        _ack_all(state)
+        await asyncio.sleep(0.001)
 
 
 def _build(objects: int, scan_objects: int):
@@ -180,6 +194,7 @@ async def _run(
     state, doomed_id = _build(objects, scan_objects)
     result = ScanResult(objects, scan_objects, slice_objects, slice_ms, run_sweeper is not None, interval_s * 1000)
     sweeper = asyncio.create_task(run_sweeper(lambda: state, slice_objects, slice_ms)) if run_sweeper else None
+    acker = asyncio.create_task(_acker(state))
     await asyncio.sleep(0)
     result.phases.append(await _phase(state, "idle", None, interval_s, window_s))
 
@@ -211,6 +226,7 @@ async def _run(
     for name, scan in (("list_keys", listing), ("remove_prefix", remove_prefix), ("segment_death", segment_dies)):
         await asyncio.sleep(0.05)  # the previous phase's load has drained
         result.phases.append(await _phase(state, name, scan, interval_s, window_s))
+    acker.cancel()
     if sweeper is not None:
         sweeper.cancel()
     return result

@@ -1,11 +1,14 @@
 """Segment membership of `MasterState` (kvtier.master.state): mount and remount, the recovery gate,
 heartbeats, and dropping a segment with every replica on it (fencing what its index may still
-claim, kvtier.master.fences). A mixin of `MasterState`: same tables, same single owner thread."""
+claim, kvtier.master.fences), and the sweeps that clean up after a segment's death or a prefix
+removal in slices (kvtier.master.sweeps). A mixin of `MasterState`: same tables, same single owner
+thread."""
 
 from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Sequence
 
 from kvtier.master.allocator import OffsetAllocator
@@ -181,6 +184,54 @@ class SegmentTable:
         if self.sweep_inline:
             while self.sweep(1 << 62):
                 pass
+
+    def sweep(self, budget: int, max_s: float = 0.0) -> bool:
+        """Clean up after prefix removals and dead segments: visit at most `budget` names (the oldest
+        task first), settling each, and stop after `max_s` seconds (0: no limit; checked every 16
+        names). Whether work is left. The server calls it between requests
+        (kvtier.master.sweeps.run_sweeper); each call is one slice of the event loop."""
+        sweeps = self.sweeps
+        task = sweeps.current()
+        if task is None:
+            return False
+        lookup = self.lookup
+        until = time.perf_counter() + max_s if max_s else 0.0
+        left = budget
+        while left > 0:
+            # A few names at a time, each batch a fresh seek from the cursor: the time bound stops
+            # a slice between two batches, and names added or removed meanwhile never derail it.
+            names = self._index.after(task.cursor, task.end, min(left, 16), inclusive=not task.started)
+            task.started = True
+            for name in names:
+                record = lookup(name)
+                if record is not None:
+                    self._settled(record)
+            if len(names) < min(left, 16):
+                sweeps.finish(task)
+                if task.segment_id:
+                    logger.warning(
+                        "segment dropped id=%d name=%s objects_lost=%d", task.segment_id, task.segment, task.removed
+                    )
+                break
+            task.cursor = names[-1]
+            left -= len(names)
+            if until and time.perf_counter() > until:
+                break
+        return sweeps.current() is not None
+
+    def _settled(self, record: ObjectRecord) -> ObjectRecord | None:
+        """`record` after applying what a prefix removal or a segment's death still owes it: None
+        when that removes it. Called only while `self.sweeps.active`."""
+        sweeps = self.sweeps
+        removal = sweeps.removing(record)
+        if removal is not None:
+            removal.removed += 1
+            self.discard(record.name)
+            return None
+        dead = sweeps.dead_segments
+        if dead and any(r >> SEGMENT_SHIFT in dead for r in record.replicas):
+            return self._lose_dead_replicas(record)
+        return record
 
     def _strip_dead(self, record: ObjectRecord) -> None:
         """Take `record`'s copies on dead segments off it, and their DRAM bytes off its owner."""

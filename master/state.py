@@ -33,7 +33,9 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
   `discard(name, forget_disk=...)`;
 - ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
-- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`.
+- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`;
+- names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
+  `visible(name)`, `start_remove_prefix(namespace, prefix)`, `sweep(budget, max_s)`.
 
 tests/unit/master/test_state_encapsulation.py fails when another module uses a private member.
 """
@@ -481,50 +483,6 @@ class MasterState(SegmentTable):
         if self.sweep_inline:
             self.sweep(1 << 62)
         return removal
-
-    def sweep(self, budget: int, max_s: float = 0.0) -> bool:
-        """Clean up after prefix removals and dead segments: visit at most `budget` names (the oldest
-        task first), settling each, and stop after `max_s` seconds (0: no limit; checked every 16
-        names). Whether work is left. The server calls it between requests
-        (kvtier.master.sweeps.run_sweeper); each call is one slice of the event loop."""
-        sweeps = self.sweeps
-        task = sweeps.current()
-        if task is None:
-            return False
-        names = self._index.after(task.cursor, task.end, budget, inclusive=not task.started)
-        task.started = True
-        lookup = self.lookup
-        until = time.perf_counter() + max_s if max_s else 0.0
-        visited = 0
-        for visited, name in enumerate(names, 1):  # noqa: B007 (read after the loop)
-            record = lookup(name)
-            if record is not None:
-                self._settled(record)
-            if until and not visited & 15 and time.perf_counter() > until:
-                break
-        if visited == len(names) < budget:
-            sweeps.finish(task)
-            if task.segment_id:
-                logger.warning(
-                    "segment dropped id=%d name=%s objects_lost=%d", task.segment_id, task.segment, task.removed
-                )
-        elif visited:
-            task.cursor = names[visited - 1]
-        return sweeps.current() is not None
-
-    def _settled(self, record: ObjectRecord) -> ObjectRecord | None:
-        """`record` after applying what a prefix removal or a segment's death still owes it: None
-        when that removes it. Called only while `self.sweeps.active`."""
-        sweeps = self.sweeps
-        removal = sweeps.removing(record)
-        if removal is not None:
-            removal.removed += 1
-            self.discard(record.name)
-            return None
-        dead = sweeps.dead_segments
-        if dead and any(r >> SEGMENT_SHIFT in dead for r in record.replicas):
-            return self._lose_dead_replicas(record)
-        return record
 
     def visible(self, name: str) -> ObjectRecord | None:
         """`lookup(name)`, less what a removal or a segment's death in progress took."""
