@@ -111,7 +111,9 @@ class CommitWaiter:
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
         put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
-        if put_ack is not None and (lost := put_ack.settle(state.segments, reply.statuses)):
+        if put_ack is not None and (
+            lost := put_ack.settle(state.segments, reply.statuses, bool(state.sweeps.dead_segments))
+        ):
             # Acknowledged means stored: a segment expelled or replaced during the wait took them.
             handlers.puts_lost += lost
             logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)

@@ -132,3 +132,25 @@ def test_a_removal_and_a_segment_death_sweeping_together(state):
     sweep_all(state, 33)
     assert removal.removed == 200 and state.snapshot().objects == 200
     assert_consistent(state)
+
+
+def test_a_segment_remounting_while_its_old_copies_are_swept_gets_them_adopted_again(state):
+    from tests.unit.master.test_recovery import chunk, inventory_done, report_dram_objects
+
+    state.begin_recovery(set(), timeout_s=1.0)
+    a = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], 1 << 20, inventory=True).segment
+    inventory_done(state, a.segment_id)
+    started = state.put_start(NS, ["k"], [100], 1)
+    assert state.put_end(NS, ["k"], [5], started.put_id) == [OK]
+    state.commits.poll(a.segment_id, 1 << 62, 0)  # the segment acknowledged the commit
+    offset = started.replica_offsets[0]
+    # the process restarts under its name: its old id is dead, its records not swept yet
+    again = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], 1 << 20, inventory=True)
+    assert state.sweeps.active and not again.discard_index
+    assert not visible(state, "k")  # the old copy is never handed out
+    assert report_dram_objects(state, again.segment.segment_id, chunk([("k", 100, 5, offset)])) == [OK]
+    inventory_done(state, again.segment.segment_id)
+    sweep_all(state, 4)
+    assert visible(state, "k") and state.get_replicas(NS, ["k"]).replica_segments == [again.segment.segment_id]
+    # (assert_consistent's model of the segment's index knows only notices, not an inventory)
+    assert state.snapshot().objects == 1 and state.names_after("", inclusive=True) == ["ns\x00k"]
