@@ -13,7 +13,7 @@ discards it when the record leaves (kvtier.master.state).
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Iterator
 
 # A chunk is split at 2 * LOAD names: inserts move at most that many pointers (a memmove of 8 KiB),
@@ -73,6 +73,30 @@ class NameIndex:
             if chunk[j] == name:
                 return
             chunk.insert(j, name)
+        self._len += 1
+        if len(chunk) > 2 * LOAD:
+            self._chunks.insert(i + 1, chunk[LOAD:])
+            del chunk[LOAD:]
+            maxes.insert(i, chunk[-1])
+
+    def insert(self, name: str) -> None:
+        """Add a name known to be absent (the caller's tables say so): `add` less its duplicate
+        check, one C-level `insort`. The write path's call: every new object pays it."""
+        maxes = self._maxes
+        i = bisect_left(maxes, name)
+        if i == len(maxes):
+            if not maxes:
+                self._chunks.append([name])
+                maxes.append(name)
+                self._len = 1
+                return
+            i -= 1
+            chunk = self._chunks[i]
+            chunk.append(name)
+            maxes[i] = name
+        else:
+            chunk = self._chunks[i]
+            insort(chunk, name)
         self._len += 1
         if len(chunk) > 2 * LOAD:
             self._chunks.insert(i + 1, chunk[LOAD:])

@@ -223,7 +223,7 @@ class MasterState(SegmentTable):
         static = static_rank(active, options)
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
-        sweeps, index_add = self.sweeps, self._index.add
+        sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
