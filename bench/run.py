@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from kvtier.bench.limits import LATENCY_RATIOS, WIRE_SIZES, WIRE_WORKLOADS, Limits, measure_limits, wire_target
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
+from kvtier.bench.scan_bench import add_arguments as add_scan_arguments
 from kvtier.common.units import format_size, parse_size
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
@@ -112,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--tier ssd: the segment's --ssd-read-coalesce (default: the segment's; 0 reads every record alone)",
     )
     add_master_arguments(parser)
+    add_scan_arguments(parser)
     add_recovery_arguments(parser)
 
 
@@ -405,6 +407,28 @@ def run(opts: argparse.Namespace) -> int:
         import secrets
 
         os.environ["KVTIER_SECRET"] = secrets.token_hex(32)
+    if opts.master_scan:
+        from kvtier.bench.scan_bench import print_scan_result, run_scan_bench
+        from kvtier.master.sweeps import DEFAULT_SLICE, DEFAULT_SLICE_MS
+
+        if (
+            opts.objects < 1000
+            or opts.scan_objects < 0
+            or opts.scan_slice < 0
+            or opts.scan_slice_ms < 0
+            or opts.scan_interval_ms <= 0
+        ):
+            print("kvtier bench: --objects (>= 1000), --scan-* must be positive", file=sys.stderr)
+            return 2
+        result = run_scan_bench(
+            opts.objects,
+            opts.scan_objects,
+            opts.scan_slice or DEFAULT_SLICE,
+            opts.scan_slice_ms or DEFAULT_SLICE_MS,
+            opts.scan_interval_ms,
+        )
+        print_scan_result(result, opts.json, machine_description())
+        return 0
     if opts.master_only:
         from kvtier.bench.master_bench import print_master_result, run_master_bench
 

@@ -14,6 +14,7 @@ from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.gates import DATA
 from kvtier.master.handlers import MasterHandlers
 from kvtier.master.state import MasterState
+from kvtier.master.sweeps import Removal, wait_done
 from kvtier.master.tiering import TierTask
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
@@ -79,6 +80,17 @@ class CommitWaiter:
         barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation else None
 
+    async def after_removal(self, reply: Any, removal: Removal) -> Any:
+        """RemovePrefix's answer once its sweep removed everything it hides (kvtier.master.sweeps),
+        then once the segments acknowledged those removals: a restart never brings them back."""
+        state = self._handlers.state
+        while not await wait_done(removal, 1.0):
+            if self._handlers.state is not state:
+                return type(reply)(status=Status.UNAVAILABLE, error="master changed")
+        reply.removed = removal.removed
+        barrier = self.barrier()
+        return reply if barrier is None else await self.finish(reply, barrier)
+
     async def finish(self, reply: Any, barrier: Barrier) -> Any:
         """Wait for `barrier`, then the reply to send. A master deposed meanwhile answers
         UNAVAILABLE: its commits may not have reached the segments the new leader rebuilds from."""
@@ -99,7 +111,9 @@ class CommitWaiter:
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
         put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
-        if put_ack is not None and (lost := put_ack.settle(state.segments, reply.statuses)):
+        if put_ack is not None and (
+            lost := put_ack.settle(state.segments, reply.statuses, bool(state.sweeps.dead_segments))
+        ):
             # Acknowledged means stored: a segment expelled or replaced during the wait took them.
             handlers.puts_lost += lost
             logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)

@@ -236,17 +236,20 @@ class PutAcknowledgement:
     which ends the wait, and its copies are gone (with shm, a writer may even have copied the
     bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
     never OK. Cheap on the hot path: dropping a segment gives every record on it a new replicas
-    tuple, so a record whose tuple is still the one committed needs no further look.
+    tuple once its sweep reached it, so while no dead segment is being swept, a record whose tuple
+    is still the one committed needs no further look.
     """
 
     # (index in the answer, the committed record, its replicas then), from MasterState.put_end
     committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] = field(default_factory=list)
 
-    def settle(self, mounted: Container[int], statuses: Any) -> int:
-        """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many."""
+    def settle(self, mounted: Container[int], statuses: Any, sweeping: bool = False) -> int:
+        """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many.
+        `sweeping`: a dead segment's records are still being swept (kvtier.master.sweeps), so an
+        unchanged tuple proves nothing and every key is checked."""
         lost = 0
         for i, record, replicas in self.committed:
-            if record.replicas is replicas:
+            if record.replicas is replicas and not sweeping:
                 continue
             if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)

@@ -90,6 +90,11 @@ class MasterConfig:
     promotion_budget: str = "256MiB"
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
+    # A prefix removal or a dead segment's cleanup runs in slices of the event loop, requests served
+    # between them (master/sweeps.py): a slice visits at most this many object names and lasts at
+    # most this long. Smaller: shorter waits for requests, longer sweeps.
+    sweep_slice_objects: int = 1024
+    sweep_slice_ms: float = 0.25
     # Restart and HA (docs/architecture.md, "Master restart and HA").
     # Standalone: where segment names, registrations and the epoch are saved. Empty: the default
     # directory (default_state_dir); "none": nothing is saved (a restart loses every DRAM object).
@@ -201,6 +206,10 @@ class MasterConfig:
             raise ValueError(f"ssd_admit_after_reads must be in [0, {READS_CAP}], got {self.ssd_admit_after_reads}")
         check_field("ssd_admit_min_bytes", parse_size, self.ssd_admit_min_bytes)
         check_field("promotion_budget", parse_size, self.promotion_budget)
+        if self.sweep_slice_ms <= 0:
+            raise ValueError(f"sweep_slice_ms must be positive, got {self.sweep_slice_ms}")
+        if self.sweep_slice_objects < 1:
+            raise ValueError(f"sweep_slice_objects must be at least 1, got {self.sweep_slice_objects}")
         if self.fence_max_keys < 0:
             raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:

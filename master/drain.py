@@ -141,7 +141,7 @@ class Drainer:
         self._moving.discard(id(record))
         if target is None:
             return False
-        alive = state.lookup(record.name) is record
+        alive = state.visible(record.name) is record
         target_segment = state.segments.get(replica_segment(target))
         if moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)

@@ -63,6 +63,7 @@ _SCRATCH = memoryview(bytearray(BASE_BUFFER))  # shared by closed connections: w
 _LOG_LINES_PER_S = 20  # refusals and cuts logged per second per listener; the rest counted
 
 _WAITING = {rpcframe.METHOD_IDS[name] for name in WAITING_CALLS if name in rpcframe.METHOD_IDS}
+_REMOVE_PREFIX = rpcframe.METHOD_IDS.get("RemovePrefix", -1)
 _PUT_START = rpcframe.METHOD_IDS["PutStart"]  # may wait for offload (kvtier.master.backpressure)
 _POLL_COMMITS = rpcframe.METHOD_IDS["PollCommits"]  # a segment's long poll (kvtier.master.commit_wait)
 
@@ -356,6 +357,8 @@ class FastPathProtocol(FramedConnection):
             wait = None
             if method == _PUT_START and (held := self._handlers.take_put_hold()) is not None:
                 wait = self._handlers.put_waiter.finish(held)
+            elif method == _REMOVE_PREFIX and (removal := self._handlers.take_removal()) is not None:
+                wait = self._waiter.after_removal(response, removal)  # a sweep in slices: answered when done
             elif method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
                 wait = self._waiter.finish(response, barrier)
             elif method == _POLL_COMMITS:

@@ -31,6 +31,7 @@ from kvtier.master.handlers_admin import AdminCalls
 from kvtier.master.handlers_data import DataCalls
 from kvtier.master.handlers_segment import SegmentCalls
 from kvtier.master.state import MasterState
+from kvtier.master.sweeps import Removal
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 
@@ -67,6 +68,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
+        self.removal: Removal | None = None  # of the RemovePrefix just handled, still sweeping
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
         self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
         self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart

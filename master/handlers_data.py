@@ -186,8 +186,18 @@ class DataCalls:
 
     @rpc(pb.RemoveResponse)
     def RemovePrefix(self, request):
+        """Starts the removal (hidden from every reader at once); unless it finished here, the
+        caller awaits `take_removal()` before answering (kvtier.master.commit_wait.after_removal)."""
         namespace = check_namespace(request.namespace)
-        return pb.RemoveResponse(status=Status.OK, removed=self.state.remove_prefix(namespace, request.prefix))
+        removal = self.state.start_remove_prefix(namespace, request.prefix)
+        if not removal.done:
+            self.removal = removal
+        return pb.RemoveResponse(status=Status.OK, removed=removal.removed)
+
+    def take_removal(self):
+        """The prefix removal the last RemovePrefix began and left running, once (None if none)."""
+        removal, self.removal = self.removal, None
+        return removal
 
     @rpc(pb.RegisterInstanceResponse)
     def RegisterInstance(self, request):

@@ -170,7 +170,7 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             out.append(int(Status.CHECKSUM_MISMATCH))  # changed while the segment was away
             state.fences.refused += 1
             continue
-        record = state.lookup(name)
+        record = state.visible(name)  # settled: a copy on a dead segment being swept is no copy
         if record is not None:
             if record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))

@@ -1,19 +1,27 @@
 """Segment membership of `MasterState` (kvtier.master.state): mount and remount, the recovery gate,
 heartbeats, and dropping a segment with every replica on it (fencing what its index may still
-claim, kvtier.master.fences). A mixin of `MasterState`: same tables, same single owner thread."""
+claim, kvtier.master.fences), and the sweeps that clean up after a segment's death or a prefix
+removal in slices (kvtier.master.sweeps). A mixin of `MasterState`: same tables, same single owner
+thread."""
 
 from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Sequence
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.clock_skew import SkewReading
-from kvtier.master.records import MAX_SEGMENT_CAPACITY, SEGMENT_SHIFT, TIER_SHIFT, ObjectState, on_segment
+from kvtier.master.records import (
+    MAX_SEGMENT_CAPACITY,
+    SEGMENT_SHIFT,
+    ObjectRecord,
+    ObjectState,
+)
 from kvtier.master.recovery import Recovery
 from kvtier.master.state_types import MountResult, SegmentRecord, SegmentState
-from kvtier.master.tiering import dram_key, is_dram
+from kvtier.master.tiering import is_dram
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -190,28 +198,91 @@ class SegmentTable:
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)
         self.saved_state_stale = True
-        doomed = []
-        now_disk_only = []
-        dram = dram_key(segment_id)
-        for name, record in self.named_records():
-            if not on_segment(record.replicas, segment_id):
-                continue
-            if record.owner is not None and any(r >> TIER_SHIFT == dram for r in record.replicas):
-                record.owner.used -= self.aligned(record.size)
-            record.replicas = tuple(r for r in record.replicas if r >> SEGMENT_SHIFT != segment_id)
-            if not record.replicas or record.state is _PENDING:
-                doomed.append(name)
-            elif name in self._objects and not any(is_dram(r) for r in record.replicas):
-                now_disk_only.append(name)
-        for name in doomed:
-            if self.history is not None:
-                self.history.left(self.lookup(name), f"segment:{reason}", segment.name)
-            self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
-        for name in now_disk_only:
-            self._disk_only[name] = self._objects.pop(name)
-        lost = len(doomed)
         self._deferred = [d for d in self._deferred if d[2] != segment_id]
         heapq.heapify(self._deferred)
+        # Dead from now on: lookups skip (settle) its copies at once, the walk over every record
+        # happens in slices between requests (kvtier.master.sweeps); logged when it ends.
+        self.sweeps.segment_died(segment_id, segment.name, reason)
         logger.warning(
-            "segment dropped id=%d name=%s reason=%s objects_lost=%d", segment_id, segment.name, reason, lost
+            "segment dropped id=%d name=%s reason=%s: its copies are being forgotten", segment_id, segment.name, reason
         )
+        if self.sweep_inline:
+            while self.sweep(1 << 62):
+                pass
+
+    def sweep(self, budget: int, max_s: float = 0.0) -> bool:
+        """Clean up after prefix removals and dead segments: visit at most `budget` names (the oldest
+        task first), settling each, and stop after `max_s` seconds (0: no limit; checked every 16
+        names). Whether work is left. The server calls it between requests
+        (kvtier.master.sweeps.run_sweeper); each call is one slice of the event loop."""
+        sweeps = self.sweeps
+        task = sweeps.current()
+        if task is None:
+            return False
+        lookup = self.lookup
+        until = time.perf_counter() + max_s if max_s else 0.0
+        left = budget
+        while left > 0:
+            # A few names at a time, each batch a fresh seek from the cursor: the time bound stops
+            # a slice between two batches, and names added or removed meanwhile never derail it.
+            names = self._index.after(task.cursor, task.end, min(left, 16), inclusive=not task.started)
+            task.started = True
+            for name in names:
+                record = lookup(name)
+                if record is not None:
+                    self._settled(record)
+            if len(names) < min(left, 16):
+                sweeps.finish(task)
+                if task.segment_id:
+                    logger.warning(
+                        "segment dropped id=%d name=%s objects_lost=%d", task.segment_id, task.segment, task.removed
+                    )
+                break
+            task.cursor = names[-1]
+            left -= len(names)
+            if until and time.perf_counter() > until:
+                break
+        return sweeps.current() is not None
+
+    def _settled(self, record: ObjectRecord) -> ObjectRecord | None:
+        """`record` after applying what a prefix removal or a segment's death still owes it: None
+        when that removes it. Called only while `self.sweeps.active`."""
+        sweeps = self.sweeps
+        removal = sweeps.removing(record)
+        if removal is not None:
+            removal.removed += 1
+            self.discard(record.name)
+            return None
+        dead = sweeps.dead_segments
+        if dead and any(r >> SEGMENT_SHIFT in dead for r in record.replicas):
+            return self._lose_dead_replicas(record)
+        return record
+
+    def _strip_dead(self, record: ObjectRecord) -> None:
+        """Take `record`'s copies on dead segments off it, and their DRAM bytes off its owner."""
+        dead = self.sweeps.dead_segments
+        replicas = record.replicas
+        if not any(r >> SEGMENT_SHIFT in dead for r in replicas):
+            return
+        if record.owner is not None:
+            lost = sum(1 for r in replicas if r >> SEGMENT_SHIFT in dead and is_dram(r))
+            record.owner.used -= self.aligned(record.size) * lost
+        record.replicas = tuple(r for r in replicas if r >> SEGMENT_SHIFT not in dead)
+
+    def _lose_dead_replicas(self, record: ObjectRecord) -> ObjectRecord | None:
+        """What a dead segment's drop does to one record: its copies there go; a record left with
+        none, or pending (its writer's copy is lost), goes (None); one left only on disk leaves the
+        eviction order."""
+        dead = self.sweeps.dead_segments
+        task = next(dead[r >> SEGMENT_SHIFT] for r in record.replicas if r >> SEGMENT_SHIFT in dead)
+        self._strip_dead(record)
+        name = record.name
+        if not record.replicas or record.state is _PENDING:
+            task.removed += 1
+            if self.history is not None:
+                self.history.left(record, f"segment:{task.reason}", task.segment)
+            self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
+            return None
+        if self._objects.get(name) is record and not any(is_dram(r) for r in record.replicas):
+            self._disk_only[name] = self._objects.pop(name)
+        return record

@@ -49,6 +49,7 @@ from kvtier.master.persist import (
 )
 from kvtier.master.servicer import MasterServicer
 from kvtier.master.state import MasterState
+from kvtier.master.sweeps import run_sweeper
 from kvtier.proto import master_pb2_grpc
 from kvtier.proto.auth import CLOCK_SKEW_MS, read_secret
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
@@ -168,6 +169,7 @@ class Roles:
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.sweep_inline = False  # swept in slices between requests (run_sweeper)
         state.capabilities = self.handlers.minter.enabled
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
@@ -197,6 +199,7 @@ class Roles:
         state = MasterState(self.config)
         state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
         state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+        state.sweep_inline = False  # swept in slices between requests (run_sweeper)
         state.capabilities = self.handlers.minter.enabled
         self.servicer.attach(state)
         self.handlers.state = state
@@ -307,6 +310,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     handlers.minter = Minter(handlers.auth.cluster_secret)
     state.capability_ttl_s = handlers.minter.ttl_s(config)
     state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+    state.sweep_inline = False  # swept in slices between requests (run_sweeper)
     state.capabilities = handlers.minter.enabled
     # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
@@ -415,9 +419,13 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 logger.exception("tick failed")
 
     tick_task = asyncio.create_task(ticker())
+    sweep_task = asyncio.create_task(
+        run_sweeper(lambda: handlers.state, config.sweep_slice_objects, config.sweep_slice_ms)
+    )
     await stop.wait()
     logger.info("master stopping")
     tick_task.cancel()
+    sweep_task.cancel()
     if election is not None:
         await loop.run_in_executor(None, election.stop)
     if fast_server is not None:

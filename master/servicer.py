@@ -48,6 +48,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         reply = getattr(self.handlers, name)(request)
         if reply.status != Status.OK:
             return reply
+        if name == "RemovePrefix" and (removal := self.handlers.take_removal()) is not None:
+            return await self.waiter.after_removal(reply, removal)
         barrier = self.waiter.barrier()
         return reply if barrier is None else await self.waiter.finish(reply, barrier)
 

@@ -33,7 +33,9 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
   `discard(name, forget_disk=...)`;
 - ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
-- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`.
+- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`;
+- names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
+  `visible(name)`, `start_remove_prefix(namespace, prefix)`, `sweep(budget, max_s)`.
 
 tests/unit/master/test_state_encapsulation.py fails when another module uses a private member.
 """
@@ -57,6 +59,7 @@ from kvtier.master.eviction import pick_victims
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
+from kvtier.master.name_index import NameIndex, prefix_end
 from kvtier.master.placement import place, static_rank
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
@@ -86,6 +89,7 @@ from kvtier.master.state_types import (
     SegmentState,  # noqa: F401 (re-exported: kvtier.master.recovery and others import it from here)
     master_key_problem,
 )
+from kvtier.master.sweeps import Removal, Sweeps
 from kvtier.master.tiering import Tiering, dram_key, is_dram
 from kvtier.proto.keys import NAME_SEPARATOR, SHORT_KEY_CHARS
 from kvtier.proto.status import Status
@@ -115,6 +119,12 @@ class MasterState(SegmentTable):
         # DRAM, and millions of them must not sit in front of every eviction scan.
         self._objects: dict[str, ObjectRecord] = {}
         self._disk_only: dict[str, ObjectRecord] = {}
+        # Every name of both dicts in code point order: listings and prefix removals seek in it
+        # instead of walking every object (kvtier.master.name_index, issue 19).
+        self._index = NameIndex()
+        # Prefix removals and dead segments still being cleaned up in slices; until then lookups
+        # settle what they meet (`_settled`), so nothing removed or lost is ever handed out.
+        self.sweeps = Sweeps()
         # Pending puts in start order, for reclaim: name -> record.
         self._pending: dict[str, ObjectRecord] = {}
         # Ranges of removed objects still under a read lease: (release_at, seq, segment_id, offset, size).
@@ -160,6 +170,9 @@ class MasterState(SegmentTable):
         self.object_count = 0
         # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
         self.history = open_history(config.history_log, config.history_log_max_bytes)
+        # Sweeps run to their end inside the call that starts them (a bare state, unit tests); the
+        # server clears this and sweeps in slices between requests (kvtier.master.sweeps).
+        self.sweep_inline = True
 
     # ------------------------------------------------------------------ writes
 
@@ -210,6 +223,7 @@ class MasterState(SegmentTable):
         static = static_rank(active, options, now - self.config.segment_suspect_s)
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
+        sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
@@ -217,6 +231,8 @@ class MasterState(SegmentTable):
                 status = Status.INVALID_KEY
             else:
                 existing = objects.get(name) or self._disk_only.get(name)
+                if existing is not None and sweeps.active:
+                    existing = self._settled(existing)
                 if existing is not None:
                     if existing.state is _COMPLETE:
                         statuses.append(_OK)
@@ -262,6 +278,7 @@ class MasterState(SegmentTable):
                             self.evict_one(victim, "quota")
                     record = ObjectRecord(name, size, placed, put_id, now, owner, pin_until)
                     objects[name] = record
+                    index_add(name)
                     self._pending[name] = record
                     self.object_count += 1
                     if owner is not None:
@@ -298,11 +315,14 @@ class MasterState(SegmentTable):
         pending = self._pending
         prefix = name_prefix(namespace)
         not_pending = int(Status.NOT_PENDING)
+        sweeps = self.sweeps
         done: list[ObjectRecord] = []  # told to their segments in one go after the loop
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
             name = prefix + key
             record = objects.get(name) or self._disk_only.get(name)  # a retry may find it offloaded
+            if record is not None and sweeps.active:
+                record = self._settled(record)
             if record is None or record.put_id != put_id:
                 out.append(not_pending)
             elif record.state is _COMPLETE:
@@ -317,6 +337,8 @@ class MasterState(SegmentTable):
                     committed.append((len(out), record, record.replicas))
                 out.append(_OK)
         if done:
+            if sweeps.removals:  # completed after a RemovePrefix began: not what it removes
+                sweeps.completed(done)
             self.commits.committed_records(done)  # replicas all DRAM while pending
             self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
             if self.fences.recording:
@@ -330,6 +352,8 @@ class MasterState(SegmentTable):
         out = []
         for key in keys:
             record = objects.get(prefix + key)
+            if record is not None and self.sweeps.active:
+                record = self._settled(record)
             if record is None or record.put_id != put_id or record.state is not _PENDING:
                 out.append(int(Status.NOT_PENDING))
                 continue
@@ -360,10 +384,17 @@ class MasterState(SegmentTable):
         not_found = int(Status.NOT_FOUND)
         leased: list[ObjectRecord] | None = [] if releasable else None
         leases = self.leases
+        sweeps = self.sweeps
         for key in keys:
             name = prefix + key
             record = objects.get(name)
-            if record is None:
+            if sweeps.active:  # a removal or a segment's death in progress: settle what we meet
+                record = self.visible(name)
+                if record is not None and record.state is _COMPLETE and objects.get(name) is record:
+                    del objects[name]
+                    objects[record.name] = record
+                    record.reads += record.reads < READS_CAP
+            elif record is None:
                 record = disk_only.get(name)  # no recency to refresh: not in the eviction order
             elif record.state is _COMPLETE:
                 del objects[name]  # a read refreshes recency: move to the most recently used end
@@ -404,9 +435,12 @@ class MasterState(SegmentTable):
         objects, disk_only = self._objects, self._disk_only
         prefix = name_prefix(namespace)
         found = []
+        sweeps = self.sweeps
         for key in keys:
             name = prefix + key
             record = objects.get(name) or disk_only.get(name)
+            if sweeps.active and record is not None:
+                record = self._settled(record)
             found.append(record is not None and record.state is _COMPLETE)
         return found, found.index(False) if False in found else len(found)
 
@@ -417,7 +451,7 @@ class MasterState(SegmentTable):
         prefix = name_prefix(namespace)
         out = []
         for key in keys:
-            record = self.lookup(prefix + key)
+            record = self.visible(prefix + key)
             if record is None:
                 out.append(int(Status.NOT_FOUND))
                 if self.fences.recording:  # maybe lost with a segment that returns: it must not
@@ -430,20 +464,41 @@ class MasterState(SegmentTable):
         return out
 
     def remove_prefix(self, namespace: str, prefix: str) -> int:
-        """Remove every complete object of `namespace` whose key starts with `prefix`."""
+        """Remove every complete object of `namespace` whose key starts with `prefix`, at once; how
+        many. (The server removes in slices instead: `start_remove_prefix`.)"""
+        removal = self.start_remove_prefix(namespace, prefix)
+        while not removal.done:
+            self.sweep(1 << 62)
+        return removal.removed
+
+    def start_remove_prefix(self, namespace: str, prefix: str) -> Removal:
+        """Begin removing every object of `namespace` whose key starts with `prefix` and that is
+        complete now. O(1) here: from now on no lookup sees them (each settles the record it meets,
+        `_settled`), and `sweep` discards them in slices; `removal.done` once all are gone. Objects
+        put or completed after this call are not removed."""
         start = object_name(namespace, prefix)
         if self.fences.recording:
             self.fences.touch_prefix(start)
-        doomed = [name for name, r in self.named_records() if name.startswith(start) and r.state is _COMPLETE]
-        for name in doomed:
-            self.discard(name)
-        return len(doomed)
+        removal = self.sweeps.remove_prefix(start, prefix_end(start))
+        if self.sweep_inline:
+            self.sweep(1 << 62)
+        return removal
+
+    def visible(self, name: str) -> ObjectRecord | None:
+        """`lookup(name)`, less what a removal or a segment's death in progress took."""
+        record = self.lookup(name)
+        if record is not None and self.sweeps.active:
+            record = self._settled(record)
+        return record
 
     def _delete(self, record: ObjectRecord, forget_disk: bool = True, changed: bool = True) -> None:
         """Forget a record already popped from the object dict; free or defer its DRAM ranges,
         and (with `forget_disk`) have segments tombstone its disk copies. `changed`: the key's
         state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
+        self._index.discard(record.name)
+        if self.sweeps.dead_segments:  # copies on a segment being swept: its bytes leave the quota here
+            self._strip_dead(record)
         if changed and self.fences.recording:
             self.fences.touch(record.name)
         if record.state is _PENDING:
@@ -686,7 +741,13 @@ class MasterState(SegmentTable):
     # ------------------------------------------------------------------ views
 
     def record(self, namespace: str, key: str) -> ObjectRecord | None:
-        return self.lookup(object_name(namespace, key))
+        """The record of `key` as readers see it (`visible`), pending or complete, or None."""
+        return self.visible(object_name(namespace, key))
+
+    def names_after(self, start: str, end: str = "", limit: int = 0, inclusive: bool = False) -> list[str]:
+        """Up to `limit` object names (0 = all) after `start` (or from it, `inclusive`) and before `end`
+        ("" = no bound), in code point order: O(log n + limit) (kvtier.master.name_index)."""
+        return self._index.after(start, end, limit, inclusive)
 
     def records(self) -> Iterable[ObjectRecord]:
         """Every record, pending or complete: those holding DRAM least recently used first, then the
@@ -716,6 +777,7 @@ class MasterState(SegmentTable):
         caller has checked that no record of its name exists and counts its owner."""
         table = self._objects if any(is_dram(r) for r in record.replicas) else self._disk_only
         table[record.name] = record
+        self._index.add(record.name)
         self.object_count += 1
 
     def discard(self, name: str, *, forget_disk: bool = True) -> None:

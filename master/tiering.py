@@ -420,7 +420,7 @@ class Tiering:
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record
-        return record is not None and self.state.lookup(task.name) is record and record.state is ObjectState.COMPLETE
+        return record is not None and self.state.visible(task.name) is record and record.state is ObjectState.COMPLETE
 
     def _offload_done(self, task: TierTask, status: int, location: int) -> None:
         self._end_offload(task)
@@ -576,7 +576,7 @@ class Tiering:
                 out.append(refused)
                 continue
             packed = replica(segment_id, location, TIER_SSD)
-            record = state.lookup(name)
+            record = state.visible(name)
             if record is None:
                 record = ObjectRecord(name, size, (packed,), 0, now)
                 record.complete(checksum)
@@ -607,7 +607,7 @@ class Tiering:
         dropped = 0
         for namespace, key, location in zip(namespaces, keys, locations, strict=True):
             name = object_name(namespace, key)
-            record = state.lookup(name)
+            record = state.visible(name)
             packed = replica(segment_id, location, TIER_SSD)
             if record is None or packed not in record.replicas:
                 continue

@@ -60,6 +60,8 @@ def namespace_records(state: MasterState, namespace: str) -> dict:
 
 def assert_consistent(state: MasterState) -> None:
     alignment = state.config.alignment
+    # The name index (kvtier.master.name_index) holds exactly the tables' names, in order.
+    assert state.names_after("", inclusive=True) == sorted(state.names()), "name index out of step"
 
     def aligned(size: int) -> int:
         return -(-size // alignment) * alignment
