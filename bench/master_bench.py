@@ -22,6 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import status_name
 
 VALUE_SIZE = 64
 
@@ -64,7 +65,8 @@ def _fill(master, namespace: str, keys: list[str], batch: int) -> float:
             pb.PutEndRequest(namespace=namespace, keys=chunk, checksums=checksums[: len(chunk)], put_id=reply.put_id),
         )
         if any(ended.statuses):
-            raise RuntimeError("PutEnd failed")
+            failed = sorted({status_name(s) for s in ended.statuses if s})
+            raise RuntimeError(f"PutEnd failed at object {lo:,}: {status_name(ended.status)} {failed} {ended.error}")
     return len(keys) / (time.perf_counter() - started)
 
 

@@ -235,8 +235,10 @@ class PutAcknowledgement:
     A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
     which ends the wait, and its copies are gone (with shm, a writer may even have copied the
     bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
-    never OK. Cheap on the hot path: dropping a segment gives every record on it a new replicas
-    tuple, so a record whose tuple is still the one committed needs no further look.
+    never OK. Cheap on the hot path: dropping a segment takes its replicas out of every record
+    on it, so a record whose replicas still equal the ones committed (segment ids are never
+    reused) needs no further look. (Equal, not identical: a packed record builds the tuple on
+    each read, kvtier.master.records.)
     """
 
     # (index in the answer, the committed record, its replicas then), from MasterState.put_end
@@ -246,7 +248,7 @@ class PutAcknowledgement:
         """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many."""
         lost = 0
         for i, record, replicas in self.committed:
-            if record.replicas is replicas:
+            if record.replicas == replicas:
                 continue
             if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)
