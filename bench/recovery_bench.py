@@ -128,7 +128,9 @@ def _verify(client, payloads: Payloads, numbers: list[int], key=_key) -> tuple[l
         if not missing:
             break
         time.sleep(0.5)
-        got = client.batch_get([key(n) for n in missing])
+        got = []  # in batches: after a large loss, one request of every missing key is refused
+        for lo in range(0, len(missing), PUT_BATCH):
+            got += client.batch_get([key(n) for n in missing[lo : lo + PUT_BATCH]])
         flaky += sum(1 for n, v in zip(missing, got, strict=True) if v is not None and payloads.matches(n, v))
         wrong += [n for n, v in zip(missing, got, strict=True) if v is not None and not payloads.matches(n, v)]
         missing = [n for n, v in zip(missing, got, strict=True) if v is None]
