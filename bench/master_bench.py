@@ -7,7 +7,10 @@ link (the framed fast path, as engines use it):
   metadata is measured) with PutStart + PutEnd -> keys/s;
 - batched Exists and GetReplicas over random stored keys -> keys/s;
 - the master's RSS (from /proc) per stored object at the end of the fill,
-  and after `--cycles` fill/remove cycles, the RSS growth over the first.
+  and after `--cycles` fill/remove cycles, the RSS growth over the first;
+- the segment server's RSS growth per object over the fill: its DRAM index
+  (kvtier.segment_server.dram_index; the values' bytes are never written).
+`--objects 10000000 --cycles 0` is the issue 19 scale run (about 4 GB of RAM).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import status_name
 
 VALUE_SIZE = 64
 
@@ -31,6 +35,7 @@ class MasterResult:
     exists_keys_per_s: float
     get_replicas_keys_per_s: float
     rss_bytes_per_object: float
+    segment_rss_bytes_per_object: float
     rss_growth_after_cycles_bytes: int
     cycles: int
 
@@ -60,7 +65,8 @@ def _fill(master, namespace: str, keys: list[str], batch: int) -> float:
             pb.PutEndRequest(namespace=namespace, keys=chunk, checksums=checksums[: len(chunk)], put_id=reply.put_id),
         )
         if any(ended.statuses):
-            raise RuntimeError("PutEnd failed")
+            failed = sorted({status_name(s) for s in ended.statuses if s})
+            raise RuntimeError(f"PutEnd failed at object {lo:,}: {status_name(ended.status)} {failed} {ended.error}")
     return len(keys) / (time.perf_counter() - started)
 
 
@@ -86,14 +92,15 @@ def run_master_bench(objects: int, batch: int, cycles: int) -> MasterResult:
     dram = max(256 << 20, objects * 128)
     with LocalCluster(dram=str(dram), quiet=True, cluster_id=f"mbench{uuid.uuid4().hex[:6]}") as cluster:
         master_pid = cluster.children[0].popen.pid
+        segment_pid = cluster.children[1].popen.pid
         with Client(cluster.master_address, timeout=120.0) as client:
             client.exists("warm-up")  # discovers the fast path
             master = client._master
             namespace = "master-bench"
             keys = [f"{i:016x}{'-block-hash-suffix'}" for i in range(objects)]
-            rss_before = _rss(master_pid)
+            rss_before, segment_before = _rss(master_pid), _rss(segment_pid)
             put_rate = _fill(master, namespace, keys, batch)
-            rss_full = _rss(master_pid)
+            rss_full, segment_full = _rss(master_pid), _rss(segment_pid)
             rounds = max(5, 200_000 // batch)
             exists_rate = _read_rate(master, "Exists", namespace, keys, batch, rounds)
             get_rate = _read_rate(master, "GetReplicas", namespace, keys, batch, rounds)
@@ -112,6 +119,7 @@ def run_master_bench(objects: int, batch: int, cycles: int) -> MasterResult:
         exists_keys_per_s=exists_rate,
         get_replicas_keys_per_s=get_rate,
         rss_bytes_per_object=(rss_full - rss_before) / objects,
+        segment_rss_bytes_per_object=(segment_full - segment_before) / objects,
         rss_growth_after_cycles_bytes=rss_last - rss_first_cycle,
         cycles=cycles,
     )
@@ -136,4 +144,5 @@ def print_master_result(result: MasterResult, as_json: bool, machine: dict) -> N
     print(f"  Exists            {result.exists_keys_per_s:>12,.0f} keys/s")
     print(f"  GetReplicas       {result.get_replicas_keys_per_s:>12,.0f} keys/s")
     print(f"  master RSS        {result.rss_bytes_per_object:>12,.0f} bytes/object")
+    print(f"  segment RSS       {result.segment_rss_bytes_per_object:>12,.0f} bytes/object (its DRAM index)")
     print(f"  RSS growth after {result.cycles} fill/remove cycles: {result.rss_growth_after_cycles_bytes:,} bytes")

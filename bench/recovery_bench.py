@@ -74,15 +74,16 @@ IN_FLIGHT_S = 0.1  # see the module docstring: a put ending this long after the 
 
 
 class Payloads:
-    """Value number n: a slice of one random pool, its size (1-16 KiB) and start fixed by n."""
+    """Value number n: a slice of one random pool, its size (1-16 KiB, or `fixed` bytes) and start
+    fixed by n."""
 
-    def __init__(self, seed: int = 6) -> None:
-        self.pool = random.Random(seed).randbytes(MAX_SIZE + POOL_SLACK)
+    def __init__(self, seed: int = 6, fixed: int = 0) -> None:
+        self.fixed = fixed
+        self.pool = random.Random(seed).randbytes(max(MAX_SIZE, fixed) + POOL_SLACK)
         self.view = memoryview(self.pool)
 
-    @staticmethod
-    def size(n: int) -> int:
-        return MIN_SIZE + (n * 2654435761) % (MAX_SIZE - MIN_SIZE + 1)
+    def size(self, n: int) -> int:
+        return self.fixed or MIN_SIZE + (n * 2654435761) % (MAX_SIZE - MIN_SIZE + 1)
 
     def value(self, n: int) -> memoryview:
         start = (n * 40503) % POOL_SLACK
@@ -127,7 +128,9 @@ def _verify(client, payloads: Payloads, numbers: list[int], key=_key) -> tuple[l
         if not missing:
             break
         time.sleep(0.5)
-        got = client.batch_get([key(n) for n in missing])
+        got = []  # in batches: after a large loss, one request of every missing key is refused
+        for lo in range(0, len(missing), PUT_BATCH):
+            got += client.batch_get([key(n) for n in missing[lo : lo + PUT_BATCH]])
         flaky += sum(1 for n, v in zip(missing, got, strict=True) if v is not None and payloads.matches(n, v))
         wrong += [n for n, v in zip(missing, got, strict=True) if v is not None and not payloads.matches(n, v)]
         missing = [n for n, v in zip(missing, got, strict=True) if v is None]
@@ -142,9 +145,9 @@ def _count_missing(client, keys: list[str]) -> int:
     return missing
 
 
-def _segment_dram(opts_dram: str, objects: int, extra: int) -> int:
+def _segment_dram(opts_dram: str, objects: int, extra: int, fixed: int = 0) -> int:
     """Per segment (two): room for the objects with a third to spare, and `extra`; at least --dram."""
-    mean = (MIN_SIZE + MAX_SIZE) // 2 + 64
+    mean = (fixed or (MIN_SIZE + MAX_SIZE) // 2) + 64
     need = objects * mean * 4 // 3 // 2 + extra
     return max(parse_size(opts_dram), -(-need // (64 << 20)) * (64 << 20))
 
@@ -196,9 +199,9 @@ class RecoveryResult:
         return statistics.median(getattr(r, name) for r in self.runs)
 
 
-def run_recovery_bench(objects: int, repeat: int, dram: str) -> RecoveryResult:
-    payloads = Payloads()
-    segment_dram = _segment_dram(dram, objects, 0)
+def run_recovery_bench(objects: int, repeat: int, dram: str, value_size: int = 0) -> RecoveryResult:
+    payloads = Payloads(fixed=value_size)
+    segment_dram = _segment_dram(dram, objects, 0, value_size)
     with Processes("rbench") as procs:
         state_dir = procs.dir / "master-state"
         master_args = ["-m", "kvtier.master", "--cluster-id", procs.cluster_id, "--state-dir", str(state_dir)]
@@ -252,7 +255,7 @@ def run_recovery_bench(objects: int, repeat: int, dram: str) -> RecoveryResult:
         lost, wrong, flaky = _verify(getter, payloads, list(range(objects)))
         return RecoveryResult(
             objects=objects,
-            payload_bytes=sum(Payloads.size(n) for n in range(objects)),
+            payload_bytes=sum(payloads.size(n) for n in range(objects)),
             segment_dram=segment_dram,
             fill_s=fill_s,
             runs=runs,
@@ -454,6 +457,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=100_000,
         help="--recovery/--failover: 1-16 KiB objects stored first (default: %(default)s)",
     )
+    parser.add_argument(
+        "--recovery-value-size",
+        type=int,
+        default=0,
+        help="--recovery: every value this many bytes instead of 1-16 KiB, e.g. 64 for 10,000,000 objects "
+        "(issue 19: what recovery costs per object, not per byte)",
+    )
     parser.add_argument("--etcd-binary", default="/usr/bin/etcd", help="--failover: etcd to run (%(default)s)")
 
 
@@ -561,6 +571,9 @@ def run_recovery(opts: argparse.Namespace, machine: dict) -> int:
     if opts.recovery_objects < 1:
         print("kvtier bench: --recovery-objects must be positive", file=sys.stderr)
         return 2
+    if opts.recovery_value_size < 0 or opts.recovery_value_size > 64 << 20:
+        print("kvtier bench: --recovery-value-size must be 0..64 MiB", file=sys.stderr)
+        return 2
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the children
     # The clients' warnings (master unreachable, fast path lost) are what this bench causes on purpose.
     client_logger = logging.getLogger("kvtier.client")
@@ -569,7 +582,7 @@ def run_recovery(opts: argparse.Namespace, machine: dict) -> int:
     try:
         recovery = failover = None
         if opts.recovery:
-            recovery = run_recovery_bench(opts.recovery_objects, opts.repeat, opts.dram)
+            recovery = run_recovery_bench(opts.recovery_objects, opts.repeat, opts.dram, opts.recovery_value_size)
         if opts.failover:
             failover = run_failover_bench(opts.recovery_objects, opts.repeat, opts.dram, opts.etcd_binary)
     finally:

@@ -235,9 +235,10 @@ class PutAcknowledgement:
     A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
     which ends the wait, and its copies are gone (with shm, a writer may even have copied the
     bytes into a dead segment's still-mapped region). Such keys are answered SEGMENT_NOT_FOUND,
-    never OK. Cheap on the hot path: dropping a segment gives every record on it a new replicas
-    tuple once its sweep reached it, so while no dead segment is being swept, a record whose tuple
-    is still the one committed needs no further look.
+    never OK. Cheap on the hot path: dropping a segment gives every record on it new replicas once
+    its sweep reached it, so while no dead segment is being swept, a record whose replicas still equal
+    the ones committed (segment ids are never reused) needs no further look. (Equal, not identical: a
+    packed record builds the tuple on each read, kvtier.master.records.)
     """
 
     # (index in the answer, the committed record, its replicas then), from MasterState.put_end
@@ -249,7 +250,7 @@ class PutAcknowledgement:
         unchanged tuple proves nothing and every key is checked."""
         lost = 0
         for i, record, replicas in self.committed:
-            if record.replicas is replicas and not sweeping:
+            if record.replicas == replicas and not sweeping:
                 continue
             if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)

@@ -1,15 +1,17 @@
-"""The master's per-object record, packed: a million objects must fit in a few hundred MB.
+"""The master's per-object record, packed: ten million objects must fit in 2.5 GB.
 
-Issue 4 budgets <= 400 bytes of master RSS per object. What an object costs
-(CPython 3.11, measured with tracemalloc; see docs/benchmarks.md):
+Issue 19 budgets <= 250 bytes of master RSS per object at 10M objects (issue 4
+had 400 at 1M). What an object costs (CPython 3.11; see docs/benchmarks.md):
 
 - one entry in the master's single object dict, keyed by `object_name`
-  (namespace + NUL + key), which is also the least-recently-used order;
+  (namespace + NUL + key), which is also the least-recently-used order
+  (about 34-42 bytes, depending on where the dict is between resizes);
 - the name string itself (the record keeps a reference, not a copy);
-- an `ObjectRecord` of ten slots; the batch-wide values (put id, start
-  time, lease end, pin end, owner) are one shared object per batch;
-- `meta`: size and checksum packed into one integer;
-- `replicas`: a tuple of integers, each packing segment id, tier and offset.
+- an `ObjectRecord` of four slots (64 bytes with its GC header);
+- one int packing size, checksum, state, read count and the replica (48 bytes
+  for a one-replica object; a replica packs segment id, tier and offset);
+- the batch-wide values (put id, start time, owner, pin end) are one tuple
+  shared by every record of a PutStart batch.
 
 Nothing per object lives anywhere else: no per-namespace dicts, no separate
 LRU index, no per-allocation table in the allocators.
@@ -42,7 +44,17 @@ SEGMENT_SHIFT = OFFSET_BITS + 2
 MAX_SEGMENT_CAPACITY = 1 << OFFSET_BITS
 
 _CHECKSUM_MASK = 0xFFFF_FFFF
-READS_CAP = 255  # ObjectRecord.reads stops here: small ints are shared, a larger count would cost memory
+READS_CAP = 255  # ObjectRecord.reads stops here: it is 8 bits of the record's packed int
+
+# ObjectRecord._m, low to high: checksum 32 bits, state 1, reads 8, size 49, then the replica.
+_STATE_BIT = 1 << 32
+_READS_SHIFT = 33
+_READS_ONE = 1 << _READS_SHIFT
+_READS_FULL = READS_CAP << _READS_SHIFT
+_SIZE_SHIFT = 41
+_SIZE_MAX = (1 << 49) - 1  # > MAX_SEGMENT_CAPACITY: any object a segment can hold
+_REP_SHIFT = 90
+_LOW_MASK = (1 << _REP_SHIFT) - 1
 
 # The master's one index key for (namespace, key) is the joined name kvtier.proto.keys owns
 # (`namespace NUL key`); `name_prefix(namespace) + key` builds it once per batch.
@@ -74,29 +86,31 @@ class ObjectState(enum.Enum):
     COMPLETE = 2  # PutEnd received: all bytes are in place, readable
 
 
+_PENDING, _COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
+_last_batch: tuple = (None, None, None, None)  # the last PutStart batch's shared values (ObjectRecord._b)
+
+
 class ObjectRecord:
     """One object: where its replicas are, its size and checksum, who owns it, what protects it.
 
     `pin_until` is the whole pin: 0.0 unpinned, a time for a soft pin, +inf
     for a hard pin. `lease_until` is when the last granted read lease ends.
     `reads` counts GetReplicas hits while it held DRAM, saturating at
-    READS_CAP (a small int: no allocation), for SSD write admission
-    (kvtier.master.admission).
+    READS_CAP, for SSD write admission (kvtier.master.admission).
     Recency is the record's position in the master's object dict, not a field.
+
+    Packed for ten million objects (issue 19; docs/architecture.md "The master's
+    tables"): four slots, 64 bytes. The attributes above are properties over
+    - `_m`: one int holding checksum (bits 0-31), state (32), reads (33-40),
+      size (41-89) and, when the object has exactly one replica (the usual
+      case), that replica (from bit 90 up); otherwise a (low bits, replicas)
+      tuple;
+    - `_b`: (put_id, started_at, owner, pin_until), one tuple shared by every
+      record of a PutStart batch; changing one of them gives the record its own;
+    - `lease_until`, a plain slot: it changes on every read.
     """
 
-    __slots__ = (
-        "name",
-        "meta",
-        "replicas",
-        "state",
-        "put_id",
-        "started_at",
-        "owner",
-        "pin_until",
-        "lease_until",
-        "reads",
-    )
+    __slots__ = ("name", "_m", "_b", "lease_until")
 
     def __init__(
         self,
@@ -108,24 +122,126 @@ class ObjectRecord:
         owner: Owner | None = None,
         pin_until: float = 0.0,
     ) -> None:
+        global _last_batch
+        if not 0 <= size <= _SIZE_MAX:
+            raise ValueError(f"object size {size} outside 0..{_SIZE_MAX}")
         self.name = name
-        self.meta = size << 32
-        self.replicas = replicas
-        self.state = ObjectState.PENDING
-        self.put_id = put_id
-        self.started_at = started_at
-        self.owner = owner
-        self.pin_until = pin_until
+        low = size << _SIZE_SHIFT
+        self._m = low | replicas[0] << _REP_SHIFT if len(replicas) == 1 else (low, tuple(replicas))
+        b = _last_batch
+        if b[0] != put_id or b[1] != started_at or b[2] is not owner or b[3] != pin_until:
+            b = _last_batch = (put_id, started_at, owner, pin_until)
+        self._b = b
         self.lease_until = 0.0
-        self.reads = 0
+
+    # ---- the low bits: checksum, state, reads, size
+
+    def _low(self) -> int:
+        m = self._m
+        return m & _LOW_MASK if m.__class__ is int else m[0]
+
+    def _set_low(self, low: int) -> None:
+        m = self._m
+        self._m = m & ~_LOW_MASK | low if m.__class__ is int else (low, m[1])
+
+    @property
+    def meta(self) -> int:
+        """size << 32 | checksum (the form the segments' inventories use)."""
+        low = self._low()
+        return (low >> _SIZE_SHIFT) << 32 | low & _CHECKSUM_MASK
 
     @property
     def size(self) -> int:
-        return self.meta >> 32
+        return self._low() >> _SIZE_SHIFT & _SIZE_MAX
 
     @property
     def checksum(self) -> int:
-        return self.meta & _CHECKSUM_MASK
+        return self._low() & _CHECKSUM_MASK
+
+    @property
+    def state(self) -> ObjectState:
+        m = self._m
+        return _COMPLETE if (m if m.__class__ is int else m[0]) & _STATE_BIT else _PENDING
+
+    @state.setter
+    def state(self, value: ObjectState) -> None:
+        low = self._low()
+        self._set_low(low | _STATE_BIT if value is _COMPLETE else low & ~_STATE_BIT)
+
+    @property
+    def reads(self) -> int:
+        return self._low() >> _READS_SHIFT & READS_CAP
+
+    @reads.setter
+    def reads(self, value: int) -> None:
+        self._set_low(self._low() & ~(READS_CAP << _READS_SHIFT) | min(value, READS_CAP) << _READS_SHIFT)
+
+    def count_read(self) -> None:
+        """One more read while in DRAM (saturating): the hot path's `reads += 1`."""
+        m = self._m
+        if m.__class__ is int:
+            if m & _READS_FULL != _READS_FULL:
+                self._m = m + _READS_ONE
+        elif m[0] & _READS_FULL != _READS_FULL:
+            self._m = (m[0] + _READS_ONE, m[1])
+
+    def complete(self, checksum: int) -> None:
+        low = self._low() & ~_CHECKSUM_MASK
+        self._set_low(low | checksum & _CHECKSUM_MASK | _STATE_BIT)
+
+    # ---- replicas
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        m = self._m
+        return (m >> _REP_SHIFT,) if m.__class__ is int else m[1]
+
+    @replicas.setter
+    def replicas(self, value: tuple[int, ...]) -> None:
+        low = self._low()
+        self._m = low | value[0] << _REP_SHIFT if len(value) == 1 else (low, tuple(value))
+
+    # ---- the batch-wide values
+
+    @property
+    def put_id(self) -> int:
+        return self._b[0]
+
+    @put_id.setter
+    def put_id(self, value: int) -> None:
+        self._set_batch(0, value)
+
+    @property
+    def started_at(self) -> float:
+        return self._b[1]
+
+    @started_at.setter
+    def started_at(self, value: float) -> None:
+        self._set_batch(1, value)
+
+    @property
+    def owner(self) -> Owner | None:
+        return self._b[2]
+
+    @owner.setter
+    def owner(self, value: Owner | None) -> None:
+        self._set_batch(2, value)
+
+    @property
+    def pin_until(self) -> float:
+        return self._b[3]
+
+    @pin_until.setter
+    def pin_until(self, value: float) -> None:
+        self._set_batch(3, value)
+
+    def _set_batch(self, i: int, value: object) -> None:
+        b = self._b
+        if b[i] is value or (i != 2 and b[i] == value):  # unchanged: keep sharing the batch's tuple
+            return  # (the owner compares by identity: quotas count per Owner object)
+        self._b = (*b[:i], value, *b[i + 1 :])
+
+    # ---- derived
 
     @property
     def namespace(self) -> str:
@@ -137,13 +253,10 @@ class ObjectRecord:
 
     @property
     def pin(self) -> int:
-        if self.pin_until == math.inf:
+        pin_until = self._b[3]
+        if pin_until == math.inf:
             return PIN_HARD
-        return PIN_SOFT if self.pin_until else PIN_NONE
-
-    def complete(self, checksum: int) -> None:
-        self.meta = self.meta & ~_CHECKSUM_MASK | checksum & _CHECKSUM_MASK
-        self.state = ObjectState.COMPLETE
+        return PIN_SOFT if pin_until else PIN_NONE
 
     def __repr__(self) -> str:
         return f"ObjectRecord({self.namespace!r}, {self.key!r}, size={self.size}, {self.state.name})"

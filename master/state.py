@@ -66,7 +66,6 @@ from kvtier.master.records import (
     OFFSET_MASK,
     PIN_HARD,
     PIN_SOFT,
-    READS_CAP,
     SEGMENT_SHIFT,
     TIER_DRAM,
     TIER_MASK,
@@ -393,13 +392,13 @@ class MasterState(SegmentTable):
                 if record is not None and record.state is _COMPLETE and objects.get(name) is record:
                     del objects[name]
                     objects[record.name] = record
-                    record.reads += record.reads < READS_CAP
+                    record.count_read()
             elif record is None:
                 record = disk_only.get(name)  # no recency to refresh: not in the eviction order
             elif record.state is _COMPLETE:
                 del objects[name]  # a read refreshes recency: move to the most recently used end
                 objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
-                record.reads += record.reads < READS_CAP  # reads while in DRAM, for SSD admission
+                record.count_read()  # reads while in DRAM, for SSD admission
             if record is None or record.state is not _COMPLETE:
                 statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
                 sizes.append(0)
@@ -412,13 +411,13 @@ class MasterState(SegmentTable):
                 leases.uncounted(record, lease_until)
                 if record.lease_until < lease_until:
                     record.lease_until = lease_until
-            meta = record.meta
             statuses.append(_OK)
-            sizes.append(meta >> 32)
-            checksums.append(meta & 0xFFFF_FFFF)
-            counts.append(len(record.replicas))
+            sizes.append(record.size)
+            checksums.append(record.checksum)
+            replicas = record.replicas
+            counts.append(len(replicas))
             in_dram = False
-            for packed in record.replicas:
+            for packed in replicas:
                 segments.append(packed >> SEGMENT_SHIFT)
                 offsets.append(packed & OFFSET_MASK)
                 tier = packed >> TIER_SHIFT & TIER_MASK
