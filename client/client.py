@@ -25,14 +25,14 @@ import math
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import crc32c
 
 from kvtier.client.config import ClientConfig
-from kvtier.client.keys import DEFAULT_PAGE, KeyInfo, KeyPage, ObjectInfo
+from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
 from kvtier.client.tensors import TensorMixin
@@ -116,7 +116,7 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
-class Client(TensorMixin):  # put_tensor / get_tensor: kvtier.client.tensors
+class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tensors; list_keys/stat: client.keys
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -771,50 +771,3 @@ class Client(TensorMixin):  # put_tensor / get_tensor: kvtier.client.tensors
     def cluster_status(self) -> pb.StatusResponse:
         """The master's view of the cluster (segments, capacity, objects)."""
         return self._master.call("Status", pb.StatusRequest())
-
-    # ------------------------------------------------------------------ ops inspection (kvtier.client.keys)
-
-    def list_keys(
-        self, prefix: str = "", *, start_after: str = "", limit: int = DEFAULT_PAGE, include_pending: bool = False
-    ) -> KeyPage:
-        """One page of this namespace's keys that start with `prefix`, after `start_after`, in code
-        point order: at most `limit` (the master caps a page at 10,000). Pass the page's
-        `next_start_after` back as `start_after` until it is "": every key present throughout is
-        listed exactly once. Read-only: no lease, no recency refresh."""
-        if limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        request = pb.ListKeysRequest(
-            namespace=self.namespace,
-            prefix=prefix,
-            start_after=start_after,
-            limit=limit,
-            include_pending=include_pending,
-        )
-        reply = self._master.call("ListKeys", request)
-        return KeyPage([KeyInfo.from_pb(e) for e in reply.entries], reply.next_start_after)
-
-    def iter_keys(
-        self, prefix: str = "", *, start_after: str = "", page_size: int = DEFAULT_PAGE, include_pending: bool = False
-    ) -> Iterator[KeyInfo]:
-        """Every key under `prefix` after `start_after`, one `list_keys` page at a time."""
-        while True:
-            page = self.list_keys(prefix, start_after=start_after, limit=page_size, include_pending=include_pending)
-            yield from page.keys
-            if not page.next_start_after:
-                return
-            start_after = page.next_start_after
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        """`key`'s whole record (size, checksum, state, replicas with tier and location, lease, pin,
-        owner), pending objects included; None when the master has none. Read-only."""
-        return self.batch_stat([key])[0]
-
-    def batch_stat(self, keys: Sequence[str]) -> list[ObjectInfo | None]:
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        reply = self._master.call("StatKeys", pb.KeysRequest(namespace=self.namespace, keys=keys))
-        return [
-            ObjectInfo.from_pb(self.namespace, info) if status == _OK else None
-            for status, info in zip(reply.statuses, reply.objects, strict=True)
-        ]

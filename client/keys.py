@@ -7,13 +7,16 @@ no lease and save nothing from eviction).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.keys import check_key
+from kvtier.proto.status import Status
 
 if TYPE_CHECKING:
-    pass
+    from kvtier.client.master import MasterClient
 
 TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 PINS = {pb.PIN_NONE: "none", pb.PIN_SOFT: "soft", pb.PIN_HARD: "hard"}
@@ -103,3 +106,56 @@ class ObjectInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class KeyInspection:
+    """`Client`'s read-only inspection calls (the master's ListKeys and StatKeys), kept beside the
+    records they return. Needs the client's `namespace` and master link (`_master`)."""
+
+    namespace: str
+    _master: MasterClient
+
+    def list_keys(
+        self, prefix: str = "", *, start_after: str = "", limit: int = DEFAULT_PAGE, include_pending: bool = False
+    ) -> KeyPage:
+        """One page of this namespace's keys that start with `prefix`, after `start_after`, in code
+        point order: at most `limit` (the master caps a page at 10,000). Pass the page's
+        `next_start_after` back as `start_after` until it is "": every key present throughout is
+        listed exactly once. Read-only: no lease, no recency refresh."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        request = pb.ListKeysRequest(
+            namespace=self.namespace,
+            prefix=prefix,
+            start_after=start_after,
+            limit=limit,
+            include_pending=include_pending,
+        )
+        reply = self._master.call("ListKeys", request)
+        return KeyPage([KeyInfo.from_pb(e) for e in reply.entries], reply.next_start_after)
+
+    def iter_keys(
+        self, prefix: str = "", *, start_after: str = "", page_size: int = DEFAULT_PAGE, include_pending: bool = False
+    ) -> Iterator[KeyInfo]:
+        """Every key under `prefix` after `start_after`, one `list_keys` page at a time."""
+        while True:
+            page = self.list_keys(prefix, start_after=start_after, limit=page_size, include_pending=include_pending)
+            yield from page.keys
+            if not page.next_start_after:
+                return
+            start_after = page.next_start_after
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """`key`'s whole record (size, checksum, state, replicas with tier and location, lease, pin,
+        owner), pending objects included; None when the master has none. Read-only."""
+        return self.batch_stat([key])[0]
+
+    def batch_stat(self, keys: Sequence[str]) -> list[ObjectInfo | None]:
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        reply = self._master.call("StatKeys", pb.KeysRequest(namespace=self.namespace, keys=keys))
+        return [
+            ObjectInfo.from_pb(self.namespace, info) if status == Status.OK else None
+            for status, info in zip(reply.statuses, reply.objects, strict=True)
+        ]
