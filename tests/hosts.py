@@ -248,6 +248,22 @@ def _cleanup_block(tag: str) -> None:
     for path in Path("/etc/netns").glob(f"{tag}-*") if Path("/etc/netns").is_dir() else []:
         shutil.rmtree(path, ignore_errors=True)
     _ip("link", "del", f"{tag}br", check=False)
+    # A namespace dies when its last process has gone, after `netns del` returns (the SIGKILLed ones
+    # may still be exiting), and its veth pairs with it: delete the root-side ends ourselves and
+    # wait until none of the block's links is left, or the next `link add` finds the name taken.
+    deadline = time.monotonic() + 10
+    while links := [n for n in _link_names() if n.startswith(tag)]:
+        for name in links:
+            _ip("link", "del", name, check=False)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"links of a test network would not go away: {links}")
+        time.sleep(0.05)
+
+
+def _link_names() -> list[str]:
+    """Interface names in the root namespace ("veth0@if12" is listed as "veth0")."""
+    listed = _ip("-o", "link", "show", check=False).stdout.splitlines()
+    return [line.split(":")[1].strip().split("@")[0] for line in listed if line.count(":") >= 2]
 
 
 class EtcdCluster:
