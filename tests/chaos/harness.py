@@ -60,6 +60,22 @@ def artifacts_root() -> Path:
     return Path(os.environ.get("KVTIER_ARTIFACTS") or REPO / ".kvtier" / "chaos")
 
 
+def wait_for_workers(workers: dict[str, subprocess.Popen], timeout_s: float) -> list[str]:
+    """Wait for every worker to end after the stop file; what went wrong (a worker killed at the
+    deadline, or one that exited with an error), one line each."""
+    problems = []
+    for name, popen in workers.items():
+        try:
+            popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            problems.append(f"worker {name} still running after the deadline: killed")
+            popen.kill()
+            popen.wait()
+        if popen.returncode not in (0, -signal.SIGKILL):
+            problems.append(f"worker {name} exited with {popen.returncode} (see worker-{name}.log)")
+    return problems
+
+
 @dataclass
 class ChaosConfig:
     seconds: float = 20.0  # how long the workers run
@@ -258,15 +274,7 @@ class Harness:
         for popen in self.workers.values():
             if popen.poll() is None:
                 popen.send_signal(signal.SIGCONT)
-        for name, popen in self.workers.items():
-            try:
-                popen.wait(timeout=self.config.client_timeout_s * 4 + 10)
-            except subprocess.TimeoutExpired:
-                self.problems.append(f"worker {name} still running after the deadline: killed")
-                popen.kill()
-                popen.wait()
-            if popen.returncode not in (0, -signal.SIGKILL):
-                self.problems.append(f"worker {name} exited with {popen.returncode} (see worker-{name}.log)")
+        self.problems += wait_for_workers(self.workers, self.config.client_timeout_s * 4 + 10)
         for proc in [*self.cluster.segments.values(), *self.cluster.masters.values()]:
             if proc.alive:
                 proc.popen.send_signal(signal.SIGCONT)

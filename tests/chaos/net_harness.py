@@ -34,7 +34,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +43,7 @@ from pathlib import Path
 
 from kvtier.client import Client, KvtierError
 from tests.chaos.checker import Checker, Report, read_jsonl
-from tests.chaos.harness import REPO, artifacts_root
+from tests.chaos.harness import REPO, artifacts_root, wait_for_workers
 from tests.cluster import Cluster
 from tests.hosts import EtcdCluster, Network
 
@@ -413,15 +412,7 @@ class NetHarness:
     def finish(self) -> list[dict]:
         (self.run_dir / "stop").touch()
         self.net.heal()
-        for name, popen in self.workers.items():
-            try:
-                popen.wait(timeout=self.config.client_timeout_s * 4 + 15)
-            except subprocess.TimeoutExpired:
-                self.problems.append(f"worker {name} still running after the deadline: killed")
-                popen.kill()
-                popen.wait()
-            if popen.returncode not in (0, -signal.SIGKILL):
-                self.problems.append(f"worker {name} exited with {popen.returncode} (see worker-{name}.log)")
+        self.problems += wait_for_workers(self.workers, self.config.client_timeout_s * 4 + 15)
         samples = self.sampler.stop() if self.sampler is not None else []
         try:
             if self.probe is not None:
