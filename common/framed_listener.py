@@ -32,6 +32,7 @@ Everything runs on the event loop's thread: no locks.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import socket
 import time
@@ -89,7 +90,7 @@ class ConnectionSet(Generic[C]):
         self._timer = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
 
 
-class FramedConnection(asyncio.BufferedProtocol):
+class FramedConnection(asyncio.BufferedProtocol, metaclass=abc.ABCMeta):
     """One connection's accept, refusal, backpressure clock and sweep test (see the module docstring).
 
     A side implements `refusal`, `_is_closed`, `_mark_closed`, `_between_requests`,
@@ -113,32 +114,33 @@ class FramedConnection(asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- to implement
 
+    @abc.abstractmethod
     def refusal(self, limit: int) -> bytes:
         """The frame that tells a connection over the limit why it is closed (no request read)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _is_closed(self) -> bool:
-        raise NotImplementedError
+        """Whether the side has closed (or marked closed) this connection."""
 
+    @abc.abstractmethod
     def _mark_closed(self) -> None:
         """From now on every byte that arrives is dropped, and nothing more is parsed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _between_requests(self) -> bool:
         """No byte of a request received yet (idle)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _request_since(self) -> float:
         """Monotonic time of the current request's first byte, or of the last request when idle."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _server_busy(self) -> bool:
         """The server is the one late (it holds an answer back on purpose): not the peer's stall."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _log_abort(self, reason: str) -> None:
         """Log that the sweep (or the side itself) cuts this connection."""
-        raise NotImplementedError
 
     # ----------------------------------------------------------- optional hooks
 
