@@ -179,7 +179,7 @@ class SegmentCalls:
         segment = self.state.segments.get(request.segment_id)
         if segment is None:
             return pb.KeyStatusResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
-        columns = (
+        columns = (  # DramObjects' fields after the namespaces, in order
             request.keys,
             request.sizes,
             request.checksums,
@@ -196,17 +196,7 @@ class SegmentCalls:
         statuses = report_dram_objects(
             self.state,
             request.segment_id,
-            DramObjects(
-                request.namespaces,
-                request.keys,
-                request.sizes,
-                request.checksums,
-                request.offsets,
-                request.instances,
-                request.ranks,
-                request.pins,
-                request.pin_ttl_ms,
-            ),
+            DramObjects(request.namespaces, *columns),
         )
         if request.done:
             inventory_done(self.state, request.segment_id)
