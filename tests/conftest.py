@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import Cluster
-from tests.etcd import ETCD_BINARY, EtcdServer, etcd_available
+from tests.etcd import EtcdServer, require_etcd
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -54,10 +53,7 @@ def cluster(bare_cluster: Cluster) -> Cluster:
 @pytest.fixture
 def etcd(tmp_path: Path, request: pytest.FixtureRequest):
     """A single-member etcd on free loopback ports (see tests/etcd.py); skipped when etcd is not installed."""
-    if not etcd_available():
-        if os.environ.get("CI"):  # CI installs etcd-server (.ci/run): a skip there would hide a broken setup
-            pytest.fail(f"etcd not installed at {ETCD_BINARY} in CI")
-        pytest.skip(f"etcd not installed at {ETCD_BINARY} (apt-get install etcd-server, or set KVTIER_TEST_ETCD)")
+    require_etcd()
     server = EtcdServer(tmp_path)
     yield server
     server.stop()

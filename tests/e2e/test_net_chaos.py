@@ -23,7 +23,7 @@ from kvtier.client import KvtierError
 from tests.chaos.harness import artifacts_root
 from tests.chaos.net_harness import NET_FAULTS, NetChaosConfig, growth_problems, run_net_chaos
 from tests.cluster import Cluster
-from tests.etcd import ETCD_BINARY, etcd_available
+from tests.etcd import require_etcd
 from tests.faultproxy import FaultProxy
 from tests.hosts import Network
 
@@ -42,10 +42,7 @@ FAILOVER_TARGET_S = 15.0  # first acknowledged put after the leading master is c
 
 @pytest.fixture
 def etcd_installed() -> None:
-    if not etcd_available():
-        if os.environ.get("CI"):  # .ci/run installs etcd-server: a skip there would hide a broken setup
-            pytest.fail(f"etcd not installed at {ETCD_BINARY} in CI")
-        pytest.skip(f"etcd not installed at {ETCD_BINARY} (apt-get install etcd-server)")
+    require_etcd()
 
 
 def check_unavailability(unavailability: list[dict]) -> None:

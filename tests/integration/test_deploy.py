@@ -34,7 +34,7 @@ from kvtier.proto.region import HEADER_SIZE
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.server import FD_RESERVE, max_buckets
 from tests.capability import require
-from tests.etcd import ETCD_BINARY, EtcdServer, etcd_available
+from tests.etcd import ETCD_BINARY, EtcdServer, etcd_available, require_etcd
 from tests.integration.test_alerts import rule_metric_names
 from tests.integration.test_tls import pki  # noqa: F401  (the fixture)
 
@@ -527,8 +527,7 @@ def test_compose_passes_no_secret_through_the_environment_and_make_secrets_makes
     names |= {"client.pem": "etcd-client.pem", "client.key": "etcd-client.key"}
     for ours, theirs in names.items():
         shutil.copy(compose_secrets / theirs, made / ours)
-    if not etcd_available():
-        pytest.skip("etcd is not installed")
+    require_etcd()
     etcd = EtcdServer(tmp_path, tls=made, client_cert_auth=True)
     try:
         security = EtcdSecurity(str(made / "ca.pem"), str(made / "client.pem"), str(made / "client.key"))
