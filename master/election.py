@@ -245,6 +245,7 @@ class LeaderElection:
         """Keep the lease alive until deposed or stopped."""
         valid_until = self._leader_until
         next_at = valid_until - self.grace_s + self.keepalive_interval_s
+        late_since: float | None = None  # clock() of the first renewal in a row that came back too late
         while True:
             delay = next_at - self._clock()
             if self._stop.wait(max(delay, 0.0)):
@@ -277,6 +278,22 @@ class LeaderElection:
             valid_until = max(valid_until, sent_at + min(self.ttl_s, ttl) - self.margin_s)
             self._leader_until = valid_until
             next_at = sent_at + self.keepalive_interval_s
+            # A renewal that succeeds but returns after the belief it buys has lapsed keeps the key ours
+            # in etcd while we never serve: a host too loaded (or an etcd too slow) for this TTL would
+            # hold the whole cluster leaderless for as long as that lasts. After a TTL of nothing but
+            # late renewals, give the key up and let a standby with quicker round trips take it.
+            now = self._clock()
+            if now < valid_until:
+                late_since = None
+                continue
+            late_since = sent_at if late_since is None else late_since
+            if now - late_since >= self.ttl_s:
+                self._depose(
+                    f"renewals came back too late for {now - late_since:.1f}s: etcd round trips outlast "
+                    f"the grace of {self.grace_s:.1f}s (raise --etcd-lease-ttl-s on a loaded host)"
+                )
+                self._stop.wait(self.ttl_s)  # a standby campaigns first: it may be the healthier one
+                return
 
     def _depose(self, reason: str) -> None:
         self._leader_until = NOT_LEADER

@@ -350,3 +350,23 @@ def test_locator_concurrent_use(candidates, etcd: EtcdServer):
         assert results == [leader.address] * 8
     finally:
         locator.close()
+
+
+def test_a_leader_whose_renewals_always_land_too_late_steps_down_for_a_standby(candidates, etcd: EtcdServer):
+    """Renewals that succeed but return after the belief has lapsed (a host so loaded that each etcd round
+    trip outlasts the grace period) keep the lease alive in etcd while the leader never serves: without a
+    step-down nobody leads for as long as it lasts (CI saw a minute of "not the leader; leader=<itself>")."""
+    slow_clock = [0.0]
+
+    def slow() -> float:
+        slow_clock[0] += 0.6  # every reading is later: a round trip between two readings outlasts the grace
+        return time.monotonic() + slow_clock[0]
+
+    (slow_one,) = candidates(1, clock=slow)
+    with EtcdClient(etcd.endpoint) as client:
+        wait_for(lambda: client.get(leader_key("c")) is not None, 3.0, "the slow candidate to take the key")
+        assert json.loads(client.get(leader_key("c")).value)["address"] == slow_one.address
+    (healthy,) = candidates(1)
+    wait_for(healthy.election.is_leader, 6 * TTL_S, "the healthy standby to lead")
+    assert any("too late" in reason for reason in slow_one.deposed)
+    assert not slow_one.election.is_leader()
