@@ -108,6 +108,7 @@ class MasterClient:
         self._want_fast = fast_path
         self._connections = connections
         self._fast: SocketPool | None = None
+        self._fast_master = ""  # the master (gRPC address) whose Hello gave the fast path in use
         self._next_hello = 0.0  # monotonic time of the next Hello when the fast path is unknown
         self._lock = threading.Lock()
         self._request_ids = itertools.count(1)
@@ -173,13 +174,11 @@ class MasterClient:
 
     # ------------------------------------------------------------------ which master
 
-    def _grpc_stub(self) -> Any:
-        """The stub for the locator's current address (a new channel when the leader moved)."""
+    def _grpc_stub(self) -> tuple[Any, str]:
+        """The stub for the locator's current address (a new channel when the leader moved), and that address."""
         address = self._locator.address
         if not address:
             raise ConnectError(f"no leading master known for {self.spec}")
-        if address == self.address and self.stub is not None:
-            return self.stub
         with self._lock:
             if address != self.address or self.stub is None:
                 old = self._channel
@@ -188,20 +187,24 @@ class MasterClient:
                 self.address = address
                 if old is not None:
                     old.close()
-            return self.stub
+            return self.stub, self.address
 
     def _moved(self, error: str = "") -> None:
         """The master failed or refused: find the leader (a standby's hint first), and forget the
         fast path when it is elsewhere now."""
         if not self._locator.is_multi and not leader_hint(error):
             return
-        before = self.address
-        if self._locator.refresh(leader_hint(error)) != before:
-            with self._lock:
-                pool, self._fast = self._fast, None
-                self._next_hello = 0.0
+        leader = self._locator.refresh(leader_hint(error))
+        # Compared with the master the fast path belongs to, not with self.address: another thread's
+        # gRPC call may already have moved self.address while this pool still talks to the old master,
+        # which then refuses every call naming a leader equal to self.address, forever.
+        with self._lock:
+            pool = self._fast if self._fast is not None and self._fast_master != leader else None
             if pool is not None:
-                pool.close()
+                self._fast = None
+                self._next_hello = 0.0
+        if pool is not None:
+            pool.close()
 
     # ------------------------------------------------------------------ fast path
 
@@ -213,9 +216,11 @@ class MasterClient:
             if self._fast is not None or time.monotonic() < self._next_hello:
                 return self._fast
             self._next_hello = time.monotonic() + _HELLO_RETRY_S
+        answered_by: list[str] = []
         try:
             hello = self._check(
-                "Hello", self._call_grpc("Hello", pb.HelloRequest(), min(deadline, time.monotonic() + 1))
+                "Hello",
+                self._call_grpc("Hello", pb.HelloRequest(), min(deadline, time.monotonic() + 1), answered_by),
             )
         except KvtierError as exc:
             logger.debug("Hello failed; using gRPC for now: %s", exc)
@@ -231,8 +236,8 @@ class MasterClient:
             on_connect=self._authenticate if self.credentials.token else None,
         )
         with self._lock:
-            if self._fast is None and self._want_fast:
-                self._fast = new
+            if self._fast is None and self._want_fast and answered_by[-1] == self._locator.address:
+                self._fast, self._fast_master = new, answered_by[-1]
                 logger.debug("using the master fast path at %s", hello.fast_endpoint)
                 return new
         new.close()
@@ -279,15 +284,18 @@ class MasterClient:
 
     # ------------------------------------------------------------------ gRPC
 
-    def _call_grpc(self, method: str, request: Any, deadline: float) -> Any:
+    def _call_grpc(self, method: str, request: Any, deadline: float, answered_by: list[str] | None = None) -> Any:
+        """`answered_by`, when given, gets the address of each master tried (the last one answered)."""
         backoff = _backoff()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} did not answer in time")
             try:
-                rpc = getattr(self._grpc_stub(), method)
-                return rpc(request, timeout=min(remaining, self._attempt_s))
+                stub, address = self._grpc_stub()
+                if answered_by is not None:
+                    answered_by.append(address)
+                return getattr(stub, method)(request, timeout=min(remaining, self._attempt_s))
             except (grpc.RpcError, ConnectError) as exc:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._locator.is_multi:
