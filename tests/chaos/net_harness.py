@@ -463,8 +463,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--fault-every", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--faults", default=",".join(NET_FAULTS), help="comma-separated fault kinds, in turn")
     args = parser.parse_args(argv)
-    config = NetChaosConfig(seconds=args.seconds, fault_every_s=args.fault_every)
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    config = NetChaosConfig(seconds=args.seconds, fault_every_s=args.fault_every, faults=faults)
     if args.seed is not None:
         config.seed = args.seed
     result = run_net_chaos(config)
