@@ -100,6 +100,10 @@ class MasterConfig:
     # directory (default_state_dir); "none": nothing is saved (a restart loses every DRAM object).
     state_dir: str = ""
     recovery_timeout_s: float = 5.0  # after a restart: wait this long at most for segment inventories
+    # ...and this long at most while an expected segment is still reporting (each chunk is a heartbeat,
+    # so a stalled one is expelled at segment_ttl_s): 10M objects take minutes to report, not seconds.
+    # Never shorter than recovery_timeout_s.
+    recovery_max_s: float = 300.0
     # A returning segment re-adopts its copies except those of keys changed while it was away; at most
     # this many such keys are remembered for all segments away together, past that the oldest one away
     # discards its copies when it returns (master/fences.py).
@@ -178,6 +182,7 @@ class MasterConfig:
             "put_timeout_s",
             "tick_interval_s",
             "recovery_timeout_s",
+            "recovery_max_s",
             "clock_skew_tolerance_s",
         ):
             if getattr(self, name) <= 0:

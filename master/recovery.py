@@ -24,7 +24,7 @@ the same rules. A master without saved state
 
 The master answers data RPCs with UNAVAILABLE ("recovering") until every
 segment it expects is back, or `recovery_timeout_s` has passed (longer while
-an expected segment is still reporting, up to ten times that); clients retry
+an expected segment is still reporting, up to `recovery_max_s`); clients retry
 within their timeout. The segments it expects are those mounted when the
 previous incarnation last saved its state (kvtier.master.persist).
 
@@ -88,6 +88,7 @@ class Recovery:
     refused: int = 0  # inventory entries not registered
     finished_at: float | None = None
     timeout_s: float = 5.0
+    max_s: float = 300.0  # while an expected segment is mid-inventory (its chunks keep it alive)
 
     @property
     def active(self) -> bool:
@@ -95,16 +96,12 @@ class Recovery:
 
     def check(self, now: float, mid_inventory: bool = False) -> bool:
         """Finish when everything expected is back, or time is up and no expected segment is in
-        the middle of its inventory (a large one takes a while to verify), or at ten times the
-        timeout whatever happens; True when it just finished."""
+        the middle of its inventory (a large one takes a while to verify and report), or at `max_s`
+        whatever happens; True when it just finished."""
         if self.finished_at is not None:
             return False
         waited = now - self.started_at
-        if (
-            self.expected <= self.reported
-            or (waited >= self.timeout_s and not mid_inventory)
-            or waited >= 10 * self.timeout_s
-        ):
+        if self.expected <= self.reported or (waited >= self.timeout_s and not mid_inventory) or waited >= self.max_s:
             self.finished_at = now
             missing = sorted(self.expected - self.reported)
             logger.info(

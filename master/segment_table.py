@@ -116,12 +116,17 @@ class SegmentTable:
         )
         return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
 
-    def begin_recovery(self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset()) -> None:
+    def begin_recovery(
+        self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset(), max_s: float = 300.0
+    ) -> None:
         """Take segment inventories, and answer data RPCs with UNAVAILABLE until the `expected`
-        segments have reported theirs or `timeout_s` has passed (kvtier.master.recovery).
-        `expelled` segments (saved by an earlier incarnation) must discard their index."""
+        segments have reported theirs or `timeout_s` has passed (up to `max_s` while one is still
+        reporting; kvtier.master.recovery). `expelled` segments (saved by an earlier incarnation)
+        must discard their index."""
         self.expelled = set(expelled)
-        self.recovery = Recovery(started_at=self.clock(), expected=set(expected), timeout_s=timeout_s)
+        self.recovery = Recovery(
+            started_at=self.clock(), expected=set(expected), timeout_s=timeout_s, max_s=max(max_s, timeout_s)
+        )
         self.recovery.check(self.clock())
 
     def segment_named(self, name: str) -> SegmentRecord | None:

@@ -182,6 +182,7 @@ class Roles:
                 set(saved.segments) if saved else set(),
                 self.config.recovery_timeout_s,
                 set(saved.expelled) if saved else set(),
+                self.config.recovery_max_s,
             )
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)

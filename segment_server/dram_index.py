@@ -128,6 +128,12 @@ class DramIndex:
     def inventory(self) -> list[tuple[int, Entry]]:
         """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of
         two overlapping entries is kept). Entries that fail are removed from the index."""
+        return self.verify(self.plan())
+
+    def plan(self) -> list[tuple[int, Entry]]:
+        """The inventory before its bytes are checked: entries that fit the region, in increasing
+        offset order, without overlaps (the newer of two overlapping entries is kept; the others
+        leave the index). Cheap (a sort): `verify` does the per-byte work, chunk by chunk."""
         with self._lock:
             snapshot = list(self._entries.items())
         empty = [(0, e) for k, e in snapshot if isinstance(k, str)]  # zero-size: nothing to overlap or verify
@@ -145,16 +151,25 @@ class DramIndex:
                     continue
                 bad.append(kept.pop())
             kept.append((offset, entry))
-        verified = []
-        for offset, entry in kept:
-            if crc32c.crc32c(region[offset : offset + entry[_SIZE]]) == entry[_CHECKSUM]:
+        if bad:
+            self.forget(bad)
+            logger.warning("dropped %d DRAM index entries that overlap a newer one or the region's end", len(bad))
+        return empty + kept
+
+    def verify(self, items: list[tuple[int, Entry]]) -> list[tuple[int, Entry]]:
+        """The `items` (from `plan`) whose bytes still match their checksum; the others leave the index."""
+        region = self._region
+        verified, bad = [], []
+        for offset, entry in items:
+            size = entry[_SIZE]
+            if not size or crc32c.crc32c(region[offset : offset + size]) == entry[_CHECKSUM]:
                 verified.append((offset, entry))
             else:
                 bad.append((offset, entry))
         if bad:
             self.forget(bad)
-            logger.warning("dropped %d DRAM index entries that no longer verify or overlap", len(bad))
-        return empty + verified
+            logger.warning("dropped %d DRAM index entries that no longer verify", len(bad))
+        return verified
 
     def forget(self, items: list[tuple[int, Entry]]) -> None:
         """Remove these entries (unless a newer commit replaced them meanwhile)."""
@@ -173,12 +188,17 @@ class DramIndex:
 def report_dram_inventory(
     stub: Any, segment_id: int, epoch: int, index: DramIndex, items: list[tuple[int, Entry]]
 ) -> tuple[int, int]:
-    """Send `items` (the index's verified `inventory()`) to the master in chunks (the last one
-    not yet marked done: the caller sends `done` after the SSD inventory). Entries it refuses
-    leave the index at once. Returns (objects reported, objects refused)."""
-    refused_total = 0
+    """Verify `items` (the index's `plan()`) and send them to the master, chunk by chunk, each
+    verified just before it is sent (the last chunk not yet marked done: the caller sends `done`
+    after the SSD inventory). Verifying after the mount, not before, matters at scale: the master's
+    recovery gate waits for a segment in the middle of its inventory (each chunk also counts as a
+    heartbeat), not for one that has not mounted yet, and checking 5M entries takes tens of seconds.
+    Entries that fail the check or that the master refuses leave the index at once. Returns
+    (objects reported, objects refused)."""
+    refused_total = reported = 0
     for lo in range(0, len(items), _REPORT_BATCH):
-        chunk = items[lo : lo + _REPORT_BATCH]
+        chunk = index.verify(items[lo : lo + _REPORT_BATCH])
+        reported += len(chunk)
         request = pb.DramObjectsRequest(segment_id=segment_id, epoch=epoch)
         for offset, entry in chunk:
             namespace, key = split_name(entry[0])
@@ -198,7 +218,7 @@ def report_dram_inventory(
         if refused:
             index.forget(refused)
             refused_total += len(refused)
-    return len(items), refused_total
+    return reported, refused_total
 
 
 class InventoryRefused(Exception):

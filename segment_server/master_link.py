@@ -135,9 +135,6 @@ class MasterLink:
         )
         self._interval_s = 1.0
         self._last_heartbeat = time.monotonic()  # of the last heartbeat (or mount) the master answered
-        # The verified index while no mount holds (it cannot change then): retried mounts against a
-        # master that is still away do not verify every byte again.
-        self._verified: list | None = None
 
     # The session, (segment id, epoch) of the current mount once its inventory is in, lives in the
     # index: notices are applied only under the session they were polled in.
@@ -225,9 +222,6 @@ class MasterLink:
 
     def _mount(self) -> None:
         self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
-        if self._verified is None:  # verified before mounting: the master waits on nothing slow
-            self._verified = self._index.inventory()
-        items = self._verified
         stub = self._channels.stub()
         self._request.wall_clock_ms = wall_ms()
         sent = time.monotonic()
@@ -242,12 +236,11 @@ class MasterLink:
             raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch
         if reply.discard_index:
-            if items:
-                logger.warning("master does not take our DRAM index (%d objects): discarding it", len(items))
+            if len(self._index):
+                logger.warning("master does not take our DRAM index (%d objects): discarding it", len(self._index))
             self._index.clear()
-            items = []
-        self._verified = None  # from here on the index may change (refused entries leave it)
-        reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index, items)
+        # Planned now, verified chunk by chunk as it is sent: see report_dram_inventory.
+        reported, refused = report_dram_inventory(stub, segment_id, epoch, self._index, self._index.plan())
         if self._report_disk is not None:
             self._report_disk(stub, segment_id, epoch)
         done = stub.ReportDramObjects(
