@@ -216,3 +216,38 @@ def test_the_replica_command(cluster):
     assert unknown.returncode == 1 and b"SEGMENT_NOT_FOUND" in unknown.stderr
     usage = kvtier(cluster, "copy", "k")
     assert usage.returncode == 2
+
+
+def test_with_a_cluster_secret_copies_carry_capabilities_and_tenants_are_refused(bare_cluster, tmp_path):
+    """Capabilities on: the copy reads and writes with per-range tags minted for its own source and
+    target segments; replica operations are the operator's (cluster principal), never a tenant's."""
+    from kvtier.client import Client, KvtierError
+    from tests.integration.test_security import secret_file
+
+    cluster = bare_cluster
+    cluster.secret_file = secret_file(tmp_path, "cluster.secret")
+    alice = secret_file(tmp_path, "alice.secret", b"a" * 32)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\nsecret_file = "{alice}"\nnamespaces = ["alice-*"]\n')
+    cluster.start_master("--tenants-file", str(tenants))
+    for name in ("seg0", "seg1", "seg2"):
+        cluster.start_segment(name, "16MiB")
+    client = cluster.client(transport="tcp", namespace="alice-ns")
+    values = {f"s/{i}": os.urandom(20 * KiB + i) for i in range(3)}
+    client.put("s/0", values["s/0"], preferred_segment="seg0")
+    client.put("s/1", values["s/1"], preferred_segment="seg1")
+    client.put("s/2", values["s/2"], preferred_segment="seg0")
+
+    # one batch, two sources (seg0, seg1): each read needs its own segment's tags
+    assert client.batch_copy_replica(["s/0", "s/1"], "seg2") == [Status.OK, Status.OK]
+    assert client.move_replica("s/2", "seg1") == Status.OK
+    assert segments_of(client, "s/0") == ["seg0", "seg2"] and segments_of(client, "s/1") == ["seg1", "seg2"]
+    assert segments_of(client, "s/2") == ["seg1"]
+    assert client.batch_get(list(values)) == list(values.values())
+
+    with Client(cluster.master_address, namespace="alice-ns", principal="alice", secret_file=alice) as tenant:
+        for call in (tenant.copy_replica, tenant.remove_replica):
+            with pytest.raises(KvtierError) as refused:
+                call("s/0", "seg1")
+            assert refused.value.status == Status.PERMISSION_DENIED
+    assert segments_of(client, "s/0") == ["seg0", "seg2"]
