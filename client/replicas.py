@@ -16,7 +16,8 @@ was copied from: bytes that fail the check come back as CHECKSUM_MISMATCH with n
 key removed or put again meanwhile as NOT_FOUND, and their target ranges are released. The
 master never moves bytes. `copy_batch` is the one copy routine: `kvtier drain` uses it too.
 
-Statuses per key: OK; NOT_FOUND; PUT_IN_PROGRESS (pending, or a copy/move/drain of it in flight);
+Statuses per key: OK; NOT_FOUND; PUT_IN_PROGRESS (pending, or a copy/move/drain of it in flight, or
+for remove an SSD offload/promotion of it on that segment);
 SEGMENT_NOT_FOUND (unknown segment); INVALID_ARGUMENT (the target is draining); REPLICA_EXISTS
 (copy/move: the target holds one already); REPLICA_NOT_FOUND (remove: none on that segment;
 copy/move: no DRAM replica on the source to read, e.g. an SSD-only object); LAST_REPLICA (remove:

@@ -8,6 +8,9 @@ segment (`Tiering.remove_disk_copy`). The last complete replica is refused with 
 an operator never loses an object by accident; `allow_last` removes the object instead, as
 `Remove` would (Mooncake's `batch_replica_clear` does that).
 
+A replica with a tier task of its own in flight on that segment (an offload to its SSD, a promotion
+into its DRAM) answers PUT_IN_PROGRESS: finishing, the task would put a copy back there.
+
 Owned by `MasterState`'s thread like everything else; only MasterState's public methods are used.
 """
 
@@ -43,7 +46,9 @@ def remove_replicas(
             out.append(int(Status.PUT_IN_PROGRESS))
             continue
         mine = [r for r in record.replicas if replica_segment(r) == segment_id]
-        if not mine:
+        if _tier_task_on(state, record.name, segment_id):
+            out.append(int(Status.PUT_IN_PROGRESS))  # it would bring a copy back there when done
+        elif not mine:
             out.append(int(Status.REPLICA_NOT_FOUND))
         elif len(mine) == len(record.replicas):
             if allow_last:
@@ -61,3 +66,10 @@ def remove_replicas(
                 state.history.left(record, "removed:replica", segment_name, replica=True)
             out.append(int(Status.OK))
     return Status.OK, out
+
+
+def _tier_task_on(state: MasterState, name: str, segment_id: int) -> bool:
+    """An offload or promotion of object `name` on `segment_id` is queued or in flight."""
+    tiering = state.tiering
+    tasks = (tiering.offloading.get(name), tiering.promotion_of(name))
+    return any(task is not None and task.segment_id == segment_id for task in tasks)

@@ -191,3 +191,21 @@ def test_an_unfinished_copy_is_released_by_the_tick(state, clock):
     assert state.segment_named("b").allocator.used == 0
     assert copy(state, "k", "b") == (OK, OK, [OK]), "no migration of it is left in flight"
     assert_consistent(state)
+
+
+def test_a_replica_being_offloaded_is_not_removed_meanwhile(clock):
+    """The offload would put a copy back on the segment when done: PUT_IN_PROGRESS until then."""
+    state = make_state(clock)
+    a = mount_ssd(state, "a", 4 * KiB)
+    mount_ssd(state, "b", 4 * KiB, offload=False)
+    put(state, "k", replicas=2)
+    for i in range(3):
+        put(state, f"x{i}", preferred_segment="a")  # past the watermark: offloads are queued
+    state.tick()
+    assert state.tiering.offloading, "an offload task is queued"
+    name, task = next(iter(state.tiering.offloading.items()))
+    key = name.split("\x00", 1)[1]
+    assert task.segment_id == a
+
+    assert remove_replicas(state, NS, [key], "a", True) == (OK, [Status.PUT_IN_PROGRESS])
+    assert_consistent(state)
