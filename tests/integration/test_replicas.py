@@ -64,7 +64,11 @@ def test_a_copy_is_a_second_replica_readable_with_the_first_segment_killed(three
     assert client.get("k") == value
 
 
-def test_a_copy_of_damaged_bytes_is_refused_and_adds_no_replica(cluster):
+def test_a_copy_of_damaged_bytes_is_refused_and_adds_no_replica(bare_cluster):
+    cluster = bare_cluster
+    cluster.start_master("--lease-s", "1")  # the refused copies' targets are held as long as their grant
+    cluster.start_segment("seg0")
+    cluster.start_segment("seg1")
     client = cluster.client()
     value = os.urandom(64 * KiB)
     client.put("k", value, preferred_segment="seg0")
