@@ -16,10 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import crc32c
-
 from kvtier.client.client import Client
-from kvtier.client.transport.base import Caps
+from kvtier.client.replicas import copy_batch
 from kvtier.proto import master_pb2 as pb
 
 _OK = 0
@@ -76,49 +74,15 @@ def drain_segment(
 
 
 def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainReport) -> list[bool]:
-    segments = {s.segment_id: s for s in start.segments}
-    source = segments.get(start.source_segment)
-    moved = [False] * len(start.keys)
-    if source is None:
-        return moved
-    todo = [i for i, status in enumerate(start.statuses) if status == _OK]
-    report.no_space += len(start.keys) - len(todo)
-    buffers = {i: bytearray(start.sizes[i]) for i in todo}
-    rank = {i: n for n, i in enumerate(todo)}  # capabilities come for the movable objects, in order
-
-    def caps(tags: bytes, indices: list[int]) -> Caps:
-        """The migration's grant: its tags, or without a secret only its expiry (the frames' deadline)."""
-        if not tags:
-            return (start.tag_expiry_ms, []) if start.tag_expiry_ms else None
-        return start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices]
-
-    reads = client._connector(source).read_into(
-        [(start.source_offsets[i], memoryview(buffers[i])) for i in todo], None, caps=caps(start.source_tags, todo)
-    )
-    verified = [
-        i
-        for i, status in zip(todo, reads, strict=True)
-        if status == _OK and crc32c.crc32c(buffers[i]) == start.checksums[i]
-    ]
-    report.failed += len(todo) - len(verified)
-    by_target: dict[int, list[int]] = {}
-    for i in verified:
-        by_target.setdefault(start.target_segments[i], []).append(i)
-    for target_id, indices in by_target.items():
-        target = segments.get(target_id)
-        if target is None:
-            report.failed += len(indices)
-            continue
-        results = client._connector(target).write(
-            [(start.target_offsets[i], memoryview(buffers[i])) for i in indices],
-            None,
-            caps=caps(start.target_tags, indices),
-        )
-        for i, status in zip(indices, results, strict=True):
-            if status == _OK:
-                moved[i] = True
-                report.moved += 1
-                report.moved_bytes += start.sizes[i]
-            else:
-                report.failed += 1
+    """Copy and verify the batch (kvtier.client.replicas.copy_batch, shared with `kvtier replica`)."""
+    statuses = copy_batch(client, start)
+    moved = [status == _OK for status in statuses]
+    for i, (status, ok) in enumerate(zip(start.statuses, moved, strict=True)):
+        if status != _OK:
+            report.no_space += 1
+        elif ok:
+            report.moved += 1
+            report.moved_bytes += start.sizes[i]
+        else:
+            report.failed += 1
     return moved

@@ -8,6 +8,8 @@
                                                              keys in key order, size, state, tiers, pin
     kvtier stat KEY [--namespace NS] [--json]                one object: replicas, size, tiers, lease, pin
     kvtier drain SEGMENT|--segment-config PATH [--json]      move a segment's objects away, unmount it
+    kvtier replica remove|copy|move KEY SEGMENT [--namespace NS] [--json]
+                                                             one replica of a key: drop, add a verified copy, move
     kvtier evict --prefix P [--namespace NS] [--include-pinned] [--dry-run] [--json]
                                                              remove the objects under a prefix, page by page
     kvtier top [--interval S] [--iterations N] [--json]      live throughput, hit ratios per tier, capacity
@@ -156,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up on the rest")
     drain.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
+    from kvtier.cli.replica import add_parser as add_replica_parser
+
+    add_replica_parser(sub, _add_master, _add_namespace)
+
     evict = sub.add_parser("evict", help="remove the objects under a prefix from the cache, page by page")
     _add_master(evict, json_help="machine-readable summary")
     _add_namespace(evict)
@@ -277,6 +283,7 @@ def cmd_up(opts: argparse.Namespace) -> int:
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     from kvtier.cli import ops as ops_cli
+    from kvtier.cli.replica import cmd_replica
     from kvtier.cli.top import run_top
 
     return {
@@ -288,6 +295,7 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
         "stat": ops_cli.cmd_stat,
         "drain": ops_cli.cmd_drain,
         "evict": ops_cli.cmd_evict,
+        "replica": cmd_replica,
         "top": run_top,
         "put": cmd_put,
         "get": cmd_get,

@@ -64,6 +64,7 @@ _TRACED = frozenset(
         pb.PutEndRequest,
         pb.PutRevokeRequest,
         pb.RemovePrefixRequest,
+        pb.RemoveReplicasRequest,
         pb.RegisterInstanceRequest,
         pb.ReportCorruptRequest,
     )

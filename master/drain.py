@@ -12,6 +12,12 @@ moved are dropped (a cache can always recompute them). The drained
 incarnation (name + region nonce) is refused if its process mounts again, so
 it exits instead of coming back; a restarted process has a new nonce.
 
+Replica copies and moves (issue 21, kvtier.client.replicas, `kvtier replica`) use the same
+batches: `migrate_keys` names the keys, the target segment and optionally the source, and a copy
+(`keep_source`) adds the verified target as one more replica instead of swapping it in. Whatever
+happens to the key meanwhile (removed, put again, its source replica gone), `migrate_end` finds
+it and releases the target: a replica never becomes visible on a record it was not copied from.
+
 Owned by `MasterState`'s thread like everything else; it changes the state's
 tables through MasterState's public methods (see its module docstring).
 """
@@ -27,9 +33,12 @@ from kvtier.master.records import (
     TIER_SHIFT,
     ObjectRecord,
     ObjectState,
+    name_prefix,
+    on_segment,
     replica,
     replica_offset,
     replica_segment,
+    replica_tier,
 )
 from kvtier.master.state_types import SegmentState
 from kvtier.proto.status import Status
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
     from kvtier.master.state import MasterState, SegmentRecord
 
 _OK = int(Status.OK)
+_NOT_FOUND = int(Status.NOT_FOUND)
 
 
 @dataclass(slots=True)
@@ -53,6 +63,10 @@ class MigrationBatch:
     source_segment: int
     started_at: float
     items: list[Migration] = field(default_factory=list)
+    keep_source: bool = False  # a copy: the target is added as a replica, the source stays
+    # Keyed batches (`migrate_keys`): request position -> why that key does not move; the other
+    # positions are `items`, in request order.
+    refused: dict[int, int] = field(default_factory=dict)
 
 
 class Drainer:
@@ -110,32 +124,88 @@ class Drainer:
             )
             target = None
             for candidate in candidates:
-                offset = candidate.allocator.allocate(record.size) if record.size else 0
-                if offset is not None:
-                    candidate.objects += 1
-                    target = replica(candidate.segment_id, offset)
+                target = self._reserve(record, candidate, lease_until)
+                if target is not None:
                     break
-            if target is not None:
-                record.lease_until = max(record.lease_until, lease_until)
-                state.leases.uncounted(record, lease_until)  # no reader's release cuts the copy's read
-                self._moving.add(id(record))
             batch.items.append(Migration(record, source, target))
         self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
+    def migrate_keys(
+        self, namespace: str, keys: list[str], source_name: str, target_name: str, keep_source: bool
+    ) -> tuple[Status, MigrationBatch | None]:
+        """Start copying (`keep_source`) or moving `keys` to segment `target_name`, each from a DRAM
+        replica on `source_name` ("" = any segment). SEGMENT_NOT_FOUND for an unknown segment,
+        INVALID_ARGUMENT for a target that takes no allocations (draining); per key (`refused`):
+        NOT_FOUND, PUT_IN_PROGRESS (pending, or a migration of it in flight), REPLICA_EXISTS (the
+        target holds one), REPLICA_NOT_FOUND (no DRAM replica to read); NO_SPACE as a target-less item."""
+        state = self.state
+        target = state.segment_named(target_name)
+        source_segment = state.segment_named(source_name) if source_name else None
+        if target is None or (source_name and source_segment is None):
+            return Status.SEGMENT_NOT_FOUND, None
+        if not target.placeable:
+            return Status.INVALID_ARGUMENT, None
+        now = state.clock()
+        lease_until = now + state.config.lease_s
+        source_id = source_segment.segment_id if source_segment is not None else 0
+        batch = MigrationBatch(next(self._ids), source_id, now, keep_source=keep_source)
+        prefix = name_prefix(namespace)
+        for position, key in enumerate(keys):
+            record = state.visible(prefix + key)
+            if record is None:
+                batch.refused[position] = _NOT_FOUND
+            elif record.state is not ObjectState.COMPLETE or id(record) in self._moving:
+                batch.refused[position] = int(Status.PUT_IN_PROGRESS)
+            elif on_segment(record.replicas, target.segment_id):
+                batch.refused[position] = int(Status.REPLICA_EXISTS)
+            elif (source := self._source(record, source_id)) is None:
+                batch.refused[position] = int(Status.REPLICA_NOT_FOUND)
+            else:
+                batch.items.append(Migration(record, source, self._reserve(record, target, lease_until)))
+        if any(item.target is not None for item in batch.items):  # else nothing to end or release
+            self._batches[batch.migration_id] = batch
+        return Status.OK, batch
+
+    def _source(self, record: ObjectRecord, segment_id: int) -> int | None:
+        """A DRAM replica of `record` to read from: on `segment_id`, or (0) on any live segment."""
+        for packed in record.replicas:
+            if replica_tier(packed) != TIER_DRAM:
+                continue
+            holder = replica_segment(packed)
+            if holder == segment_id or (not segment_id and holder in self.state.segments):
+                return packed
+        return None
+
+    def _reserve(self, record: ObjectRecord, segment: SegmentRecord, lease_until: float) -> int | None:
+        """Allocate `record`'s target range on `segment` and hold its source for the copy; None: no room."""
+        offset = segment.allocator.allocate(record.size) if record.size else 0
+        if offset is None:
+            return None
+        segment.objects += 1
+        record.lease_until = max(record.lease_until, lease_until)
+        self.state.leases.uncounted(record, lease_until)  # no reader's release cuts the copy's read
+        self._moving.add(id(record))
+        return replica(segment.segment_id, offset)
+
     def migrate_end(self, migration_id: int, moved: dict[tuple[str, str], bool]) -> tuple[Status, list[int]]:
-        """Swap in the targets of moved objects; release every other target. Per reported key: OK/NOT_PENDING."""
+        """Swap in (a copy: add) the targets of moved objects; release every other target. Per
+        reported key: OK, NOT_FOUND (the object was removed or replaced meanwhile), NOT_PENDING."""
         batch = self._batches.pop(migration_id, None)
         if batch is None:
             return Status.NOT_PENDING, []
         out = {}
         for item in batch.items:
             key = (item.record.namespace, item.record.key)
-            ok = self._finish(item, moved.get(key, False))
-            out[key] = _OK if ok else int(Status.NOT_PENDING)
+            if self._finish(item, moved.get(key, False), batch.keep_source):
+                out[key] = _OK
+            elif self.state.visible(item.record.name) is not item.record:
+                out[key] = _NOT_FOUND
+            else:
+                out[key] = int(Status.NOT_PENDING)
         return Status.OK, [out.get(key, int(Status.NOT_PENDING)) for key in moved]
 
-    def _finish(self, item: Migration, moved: bool) -> bool:
+    def _finish(self, item: Migration, moved: bool, keep_source: bool = False) -> bool:
         state = self.state
         record, source, target = item.record, item.source, item.target
         self._moving.discard(id(record))
@@ -143,7 +213,12 @@ class Drainer:
             return False
         alive = state.visible(record.name) is record
         target_segment = state.segments.get(replica_segment(target))
-        if moved and alive and target_segment is not None and source in record.replicas:
+        if keep_source:
+            holds = target_segment is not None and on_segment(record.replicas, target_segment.segment_id)
+            if moved and alive and target_segment is not None and not holds:
+                self._add_copy(record, target)
+                return True
+        elif moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)
             source_id = replica_segment(source)
             state.commits.committed(replica_segment(target), replica_offset(target), record)
@@ -164,6 +239,15 @@ class Drainer:
         else:
             state.release_ranges([target], record.size)
         return False
+
+    def _add_copy(self, record: ObjectRecord, target: int) -> None:
+        """A verified copy becomes one more DRAM replica: told to its segment, counted to its owner."""
+        state = self.state
+        record.replicas = (*record.replicas, target)
+        state.commits.committed(replica_segment(target), replica_offset(target), record)
+        if record.owner is not None:
+            record.owner.used += state.aligned(record.size)
+        state.now_in_dram(record)  # its source may have left DRAM meanwhile
 
     def tick(self, now: float) -> None:
         """Release the targets of migration batches nobody finished (the drainer died)."""

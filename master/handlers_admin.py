@@ -7,9 +7,10 @@ from __future__ import annotations
 from kvtier.master.gates import rpc
 from kvtier.master.inspection import list_keys, stat_keys
 from kvtier.master.records import replica_offset, replica_segment
+from kvtier.master.replicas import remove_replicas
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
-from kvtier.proto.keys import check_namespace
+from kvtier.proto.keys import check_key, check_namespace
 from kvtier.proto.status import Status
 
 
@@ -26,33 +27,62 @@ class AdminCalls:
 
     @rpc(pb.MigrateStartResponse)
     def MigrateStart(self, request):
-        status, batch = self.state.drainer.migrate_start(request.segment, request.max_objects or 256)
-        if batch is None:
-            reason = "is not draining" if status == Status.INVALID_ARGUMENT else "does not exist"
-            return pb.MigrateStartResponse(status=status, error=f"segment {request.segment!r} {reason}")
+        """A drain's batch of `segment`'s objects or, with `keys`, a replica copy/move of those keys."""
+        if request.keys:
+            if rejected := self._too_many(request.keys, pb.MigrateStartResponse):
+                return rejected
+            keys = [check_key(key) for key in request.keys]
+            status, batch = self.state.drainer.migrate_keys(
+                check_namespace(request.namespace), keys, request.segment, request.target, request.keep_source
+            )
+            if batch is None:
+                names = f"segment {request.target!r}" + (f" or {request.segment!r}" if request.segment else "")
+                reason = "takes no new replicas (draining)" if status == Status.INVALID_ARGUMENT else "does not exist"
+                return pb.MigrateStartResponse(status=status, error=f"{names} {reason}")
+        else:
+            keys = []
+            status, batch = self.state.drainer.migrate_start(request.segment, request.max_objects or 256)
+            if batch is None:
+                reason = "is not draining" if status == Status.INVALID_ARGUMENT else "does not exist"
+                return pb.MigrateStartResponse(status=status, error=f"segment {request.segment!r} {reason}")
         reply = pb.MigrateStartResponse(
             status=Status.OK, migration_id=batch.migration_id, source_segment=batch.source_segment
         )
         no_space = int(Status.NO_SPACE)
-        for item in batch.items:
+        items = iter(batch.items)
+        for position in range(len(keys) or len(batch.items)):
+            if (refused := batch.refused.get(position)) is not None:  # keyed: this key does not move
+                reply.namespaces.append(request.namespace)
+                reply.keys.append(keys[position])
+                reply.statuses.append(refused)
+                for column in (reply.sizes, reply.checksums, reply.source_offsets, reply.source_segments):
+                    column.append(0)
+                reply.target_segments.append(0)
+                reply.target_offsets.append(0)
+                continue
+            item = next(items)
             record = item.record
             reply.namespaces.append(record.namespace)
             reply.keys.append(record.key)
             reply.sizes.append(record.size)
             reply.checksums.append(record.checksum)
             reply.source_offsets.append(replica_offset(item.source))
+            reply.source_segments.append(replica_segment(item.source))
             reply.statuses.append(0 if item.target is not None else no_space)
             reply.target_segments.append(replica_segment(item.target) if item.target is not None else 0)
             reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
-        segment_ids = [batch.source_segment] + [replica_segment(i.target) for i in batch.items if i.target is not None]
+        moving = [i for i, status in enumerate(reply.statuses) if status == 0]
+        segment_ids = [batch.source_segment, *(reply.source_segments[i] for i in moving)]
+        segment_ids += [reply.target_segments[i] for i in moving]
         reply.segments.extend(self._endpoints(segment_ids))
         # Read the source, write the target, while the migration's lease holds (the frames' deadline).
         reply.tag_expiry_ms = self.minter.expiry_in(self.state.config.lease_s)
         if self.minter.enabled:
-            moving = [i for i, status in enumerate(reply.statuses) if status == 0]
-            source = self.minter.key(self.state.segments.get(batch.source_segment), self.epoch)
             reply.source_tags = b"".join(
-                source.tag(Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]) for i in moving
+                self.minter.key(self.state.segments.get(reply.source_segments[i]), self.epoch).tag(
+                    Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]
+                )
+                for i in moving
             )
             reply.target_tags = b"".join(
                 self.minter.key(self.state.segments.get(reply.target_segments[i]), self.epoch).tag(
@@ -70,6 +100,17 @@ class AdminCalls:
         status, statuses = self.state.drainer.migrate_end(request.migration_id, moved)
         if status != Status.OK:
             return pb.KeyStatusResponse(status=status, error=f"no migration {request.migration_id} in flight")
+        return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+    @rpc(pb.KeyStatusResponse)
+    def RemoveReplicas(self, request):
+        namespace = check_namespace(request.namespace)
+        if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
+            return rejected
+        keys = [check_key(key) for key in request.keys]
+        status, statuses = remove_replicas(self.state, namespace, keys, request.segment, request.allow_last)
+        if status != Status.OK:
+            return pb.KeyStatusResponse(status=status, error=f"no segment named {request.segment!r}")
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     def _quota_infos(self) -> list[pb.QuotaInfo]:

@@ -67,6 +67,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def RemovePrefix(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer_when_acknowledged("RemovePrefix", request)
 
+    async def MigrateEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A moved or copied replica is in its segment's index before the caller hears OK."""
+        return await self._answer_when_acknowledged("MigrateEnd", request)
+
+    async def RemoveReplicas(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Answers once the dropped replicas' segments acknowledged: a restart does not bring them back."""
+        return await self._answer_when_acknowledged("RemoveReplicas", request)
+
     async def RegisterInstance(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Answers once the registration is saved: one acknowledged is one a restart keeps."""
         reply = self.handlers.RegisterInstance(request)
@@ -103,6 +111,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
 
 _AWAITED = ("PutStart", "PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects")  # not delegated
+_AWAITED += ("MigrateEnd", "RemoveReplicas")
 
 
 def _delegate(name: str):

@@ -417,15 +417,23 @@ class DrainSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class MigrateStartRequest(_message.Message):
-    __slots__ = ("segment", "max_objects")
+    __slots__ = ("segment", "max_objects", "namespace", "keys", "target", "keep_source")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     MAX_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     segment: str
     max_objects: int
-    def __init__(self, segment: _Optional[str] = ..., max_objects: _Optional[int] = ...) -> None: ...
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    target: str
+    keep_source: bool
+    def __init__(self, segment: _Optional[str] = ..., max_objects: _Optional[int] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., keep_source: _Optional[bool] = ...) -> None: ...
 
 class MigrateStartResponse(_message.Message):
-    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment", "source_tags", "target_tags", "tag_expiry_ms")
+    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment", "source_tags", "target_tags", "tag_expiry_ms", "source_segments")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +450,7 @@ class MigrateStartResponse(_message.Message):
     SOURCE_TAGS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TAGS_FIELD_NUMBER: _ClassVar[int]
     TAG_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     migration_id: int
@@ -458,7 +467,8 @@ class MigrateStartResponse(_message.Message):
     source_tags: bytes
     target_tags: bytes
     tag_expiry_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ..., source_tags: _Optional[bytes] = ..., target_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
+    source_segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ..., source_tags: _Optional[bytes] = ..., target_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ..., source_segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MigrateEndRequest(_message.Message):
     __slots__ = ("migration_id", "namespaces", "keys", "moved")
@@ -915,3 +925,17 @@ class DramObjectsRequest(_message.Message):
     done: bool
     epoch: int
     def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RemoveReplicasRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "segment", "allow_last", "request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_LAST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    segment: str
+    allow_last: bool
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., segment: _Optional[str] = ..., allow_last: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...

@@ -164,6 +164,11 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
                 _registered_method=True)
+        self.RemoveReplicas = channel.unary_unary(
+                '/kvtier.v1.Master/RemoveReplicas',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -356,6 +361,16 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveReplicas(self, request, context):
+        """Replica operations (kvtier.client.replicas, `kvtier replica`): drop the replicas one segment
+        holds of keys; the last complete replica is refused (LAST_REPLICA) unless `allow_last`, which
+        removes the object. Copies and moves go through MigrateStart/MigrateEnd with `keys` set: the
+        caller copies and verifies the bytes over the data plane, the master only records.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -487,6 +502,11 @@ def add_MasterServicer_to_server(servicer, server):
             'ReportDramObjects': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportDramObjects,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
+            ),
+            'RemoveReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplicas,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
             ),
     }
@@ -1191,6 +1211,33 @@ class Master:
             target,
             '/kvtier.v1.Master/ReportDramObjects',
             kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/RemoveReplicas',
+            kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
             options,
             channel_credentials,

@@ -51,6 +51,9 @@ _GRPC_BY_NAME = {
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "CAPABILITY_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "TOO_MANY_CONNECTIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "LAST_REPLICA": grpc.StatusCode.FAILED_PRECONDITION,
+    "REPLICA_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+    "REPLICA_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
 }
 
 GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}

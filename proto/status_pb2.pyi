@@ -35,6 +35,9 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PERMISSION_DENIED: _ClassVar[Status]
     CAPABILITY_DENIED: _ClassVar[Status]
     TOO_MANY_CONNECTIONS: _ClassVar[Status]
+    LAST_REPLICA: _ClassVar[Status]
+    REPLICA_EXISTS: _ClassVar[Status]
+    REPLICA_NOT_FOUND: _ClassVar[Status]
 OK: Status
 INTERNAL: Status
 INVALID_ARGUMENT: Status
@@ -64,3 +67,6 @@ UNAUTHENTICATED: Status
 PERMISSION_DENIED: Status
 CAPABILITY_DENIED: Status
 TOO_MANY_CONNECTIONS: Status
+LAST_REPLICA: Status
+REPLICA_EXISTS: Status
+REPLICA_NOT_FOUND: Status

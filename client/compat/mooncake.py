@@ -13,9 +13,15 @@ is listed in docs/integrations.md ("Mooncake Store API"); in short:
   and `close` keeps the objects this client stored.
 - A put on a key that already holds an object succeeds without rewriting it
   (as Mooncake's put does); kvtier has no atomic overwrite yet, so `upsert`
-  answers UNAVAILABLE_IN_CURRENT_MODE and changes nothing. So do
-  `get_into_ranges` (no verified ranged reads yet) and `batch_replica_clear`
-  (no per-replica removal yet): an unsupported call never fakes its effect.
+  answers UNAVAILABLE_IN_CURRENT_MODE and changes nothing. So does
+  `get_into_ranges` (no verified ranged reads yet): an unsupported call never
+  fakes its effect.
+- `batch_replica_clear(keys, segment_name="")` answers the keys it cleared, as
+  Mooncake's does: every replica of each key (the object goes), or only those
+  on `segment_name` (the object goes when none is left elsewhere). Mooncake
+  skips objects with a live read lease; kvtier needs not (a cleared replica's
+  range is freed only when its read leases end), and a client's namespace
+  stands for Mooncake's owner check.
 - Raw pointers are only read or written inside buffers registered with
   `register_buffer`: a pointer outside them is INVALID_PARAMS, never a crash.
 """
@@ -133,6 +139,9 @@ _BY_STATUS_NAME: dict[str, ErrorCode] = {
     "PERMISSION_DENIED": ErrorCode.ILLEGAL_CLIENT,
     "CAPABILITY_DENIED": ErrorCode.ILLEGAL_CLIENT,
     "TOO_MANY_CONNECTIONS": ErrorCode.RPC_FAIL,
+    "LAST_REPLICA": ErrorCode.INVALID_REPLICA,
+    "REPLICA_EXISTS": ErrorCode.REPLICA_ALREADY_EXISTS,
+    "REPLICA_NOT_FOUND": ErrorCode.REPLICA_NOT_FOUND,
 }
 
 
@@ -295,6 +304,10 @@ def _code(code: int, args: tuple) -> int:
 
 def _empty(code: int, args: tuple) -> bytes:
     return b""
+
+
+def _no_keys(code: int, args: tuple) -> list[str]:
+    return []
 
 
 def _none(code: int, args: tuple) -> None:
@@ -608,10 +621,19 @@ class MooncakeDistributedStore:
         """Remove every object of this namespace (tenant): the count removed."""
         return self._client.remove_prefix("")
 
-    @_answers(_code)
-    def batch_replica_clear(self, keys: Sequence[str], *args: Any, **kwargs: Any) -> int:
-        """Not supported yet (kvtier cannot drop one replica): UNAVAILABLE_IN_CURRENT_MODE, nothing removed."""
-        return int(NOT_SUPPORTED)
+    @_answers(_no_keys)
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        """Clear the replicas of `keys` (those on `segment_name`, or all): the keys cleared, in order.
+
+        Mooncake's rules: a key missing, pending, or without a replica on the segment is left out;
+        a key whose last replica goes is removed. An unknown segment clears nothing.
+        """
+        keys = [key for key in keys if key]  # Mooncake skips empty keys
+        if segment_name:
+            statuses = self._client.batch_remove_replica(keys, segment_name, allow_last=True)
+        else:
+            statuses = self._client.batch_remove(keys)
+        return [key for key, status in zip(keys, statuses, strict=True) if status == Status.OK]
 
     # ------------------------------------------------------------------ tensors (kvtier.client.tensors)
 

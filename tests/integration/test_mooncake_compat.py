@@ -309,7 +309,7 @@ def test_failures_are_codes_never_exceptions(store):
 
 
 def test_unsupported_calls_answer_a_code_and_change_nothing(store):
-    """No atomic overwrite, ranged reads or replica removal in the core yet: each answers
+    """No atomic overwrite or ranged reads in the core yet: each answers
     UNAVAILABLE_IN_CURRENT_MODE and leaves the store and the caller's buffers as they were."""
     assert store.put("weights", b"old-bytes") == 0
     assert store.upsert("weights", b"new-bytes") == NOT_SUPPORTED
@@ -322,5 +322,25 @@ def test_unsupported_calls_answer_a_code_and_change_nothing(store):
     assert results == [[[NOT_SUPPORTED, NOT_SUPPORTED]]]
     assert bytes(buf) == b"\xa5" * 32
 
-    assert store.batch_replica_clear(["weights"], "seg0") == NOT_SUPPORTED
-    assert store.get("weights") == b"old-bytes"
+
+def test_batch_replica_clear_answers_the_cleared_keys_as_mooncake_does(cluster, store):
+    """Mooncake: replicas on `segment_name` go (the object too when none is left); with no
+    segment every replica goes; missing keys and segments without a replica are left out."""
+    client = cluster.client()
+    assert store.put("both", b"two copies", ReplicateConfig(replica_num=2)) == 0
+    assert store.put("only0", b"one copy", ReplicateConfig(preferred_segment="seg0")) == 0
+    assert store.put("only1", b"other copy", ReplicateConfig(preferred_segment="seg1")) == 0
+    assert store.put("all", b"everything", ReplicateConfig(replica_num=2)) == 0
+
+    cleared = store.batch_replica_clear(["both", "only0", "only1", "missing", ""], "seg0")
+
+    assert cleared == ["both", "only0"]  # only1 has no replica on seg0; missing/"" are skipped
+    assert [r.segment for r in client.stat("both").replicas] == ["seg1"]
+    assert store.get("both") == b"two copies"
+    assert store.is_exist("only0") == 0  # its last replica went: the object went with it
+    assert store.get("only1") == b"other copy"
+
+    assert store.batch_replica_clear(["all", "missing"]) == ["all"]  # every segment
+    assert store.is_exist("all") == 0
+    assert store.batch_replica_clear(["only1"], "no-such-segment") == []
+    assert store.get("only1") == b"other copy"

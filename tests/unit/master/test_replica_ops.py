@@ -1,0 +1,211 @@
+"""Replica operations on the master's tables (issue 21): `remove_replicas` (kvtier.master.replicas)
+and keyed copies/moves (`Drainer.migrate_keys`). Scenario style, injected clock, books checked
+from scratch after each (tests/unit/master/accounting.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_segment
+from kvtier.master.replicas import remove_replicas
+from kvtier.master.state import MasterState
+from kvtier.proto.status import Status
+from tests.unit.master.accounting import assert_consistent
+from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put
+from tests.unit.master.test_state import FakeClock, advance_alive
+from tests.unit.master.test_tiering import mount_ssd, tiers
+
+OK = Status.OK
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> MasterState:
+    state = make_state(clock)
+    for name in ("a", "b", "c"):
+        mount_ssd(state, name, 16 * KiB, offload=False)
+    return state
+
+
+def seg(state: MasterState, name: str) -> int:
+    return state.segment_named(name).segment_id
+
+
+def holders(state: MasterState, key: str) -> list[str]:
+    record = state.record(NS, key)
+    return sorted(state.segments[replica_segment(r)].name for r in record.replicas) if record else []
+
+
+def copy(state: MasterState, key: str, target: str, keep_source: bool = True, source: str = "", moved: bool = True):
+    """Start a keyed migration of one key and report it `moved`; (start status, per-key, end statuses)."""
+    status, batch = state.drainer.migrate_keys(NS, [key], source, target, keep_source)
+    if batch is None:
+        return status, None, None
+    if batch.refused:
+        return status, batch.refused[0], None
+    (item,) = batch.items
+    if item.target is None:
+        return status, int(Status.NO_SPACE), None
+    return status, OK, state.drainer.migrate_end(batch.migration_id, {(NS, key): moved})[1]
+
+
+# ------------------------------------------------------------------ remove
+
+
+def test_remove_drops_one_replica_and_refuses_the_last(state):
+    put(state, "k", replicas=2, preferred_segment="a")
+    assert holders(state, "k") == ["a", "b"]
+
+    assert remove_replicas(state, NS, ["k"], "a", False) == (OK, [OK])
+    assert holders(state, "k") == ["b"]
+    assert remove_replicas(state, NS, ["k", "k", "gone"], "b", False) == (
+        OK,
+        [Status.LAST_REPLICA, Status.LAST_REPLICA, Status.NOT_FOUND],
+    )
+    assert remove_replicas(state, NS, ["k"], "a", False) == (OK, [Status.REPLICA_NOT_FOUND])
+    assert remove_replicas(state, NS, ["k"], "nope", False) == (Status.SEGMENT_NOT_FOUND, [])
+    assert_consistent(state)
+
+    assert remove_replicas(state, NS, ["k"], "b", True) == (OK, [OK])
+    assert state.record(NS, "k") is None
+    assert_consistent(state)
+
+
+def test_a_removed_replicas_range_is_reused_only_after_its_read_lease(state, clock):
+    put(state, "k", size=8 * KiB, replicas=2, preferred_segment="a")
+    state.get_replicas(NS, ["k"])  # a reader's lease on both replicas
+    offset = replica_offset(next(r for r in state.record(NS, "k").replicas if replica_segment(r) == seg(state, "a")))
+    assert remove_replicas(state, NS, ["k"], "a", False) == (OK, [OK])
+
+    other = put(state, "other", size=8 * KiB, preferred_segment="a")
+    assert other.replica_offsets[0] != offset, "the reader may still be reading that range"
+    clock.advance(LEASE_S + 1)
+    state.tick()
+    assert put(state, "third", size=8 * KiB, preferred_segment="a").replica_offsets[0] == offset
+    assert_consistent(state)
+
+
+def test_remove_takes_a_segments_disk_copy_too(state):
+    a = seg(state, "a")
+    put(state, "k", preferred_segment="b")
+    assert state.tiering.report_disk_objects(a, [NS], ["k"], [KiB], [7], [1]) == [OK]
+    assert tiers(state, "k") == sorted([(a, TIER_SSD), (seg(state, "b"), TIER_DRAM)])
+
+    assert remove_replicas(state, NS, ["k"], "a", False) == (OK, [OK])
+
+    assert tiers(state, "k") == [(seg(state, "b"), TIER_DRAM)]
+    assert [t.name for t in state.tiering.pending_forgets()] == [f"{NS}\x00k"], "the segment tombstones it"
+    assert_consistent(state)
+
+
+def test_a_pending_put_is_not_touched(state):
+    started = state.put_start(NS, ["p"], [KiB], 1)
+    assert started.statuses == [OK]
+    assert remove_replicas(state, NS, ["p"], "a", True)[1] == [Status.PUT_IN_PROGRESS]
+    assert copy(state, "p", "b")[1] == Status.PUT_IN_PROGRESS
+
+
+# ------------------------------------------------------------------ copy and move
+
+
+def test_a_copy_adds_a_replica_counted_to_its_owner(state):
+    assert state.register_instance("llm", 1, 1, 64 * KiB) == 64 * KiB
+    put(state, "k", preferred_segment="a", instance="llm")
+    (owner,) = state.quotas.snapshot()
+    used = owner.used
+
+    assert copy(state, "k", "b") == (OK, OK, [OK])
+
+    assert holders(state, "k") == ["a", "b"]
+    assert owner.used == 2 * used
+    assert_consistent(state)
+
+
+def test_a_move_swaps_the_source_for_the_target(state):
+    put(state, "k", replicas=2, preferred_segment="a")
+    assert copy(state, "k", "c", keep_source=False, source="b") == (OK, OK, [OK])
+    assert holders(state, "k") == ["a", "c"]
+    assert_consistent(state)
+
+
+def test_refusals(state):
+    put(state, "k", preferred_segment="a")
+    assert copy(state, "k", "nope")[:2] == (Status.SEGMENT_NOT_FOUND, None)
+    assert copy(state, "k", "b", source="nope")[:2] == (Status.SEGMENT_NOT_FOUND, None)
+    assert copy(state, "gone", "b")[1] == Status.NOT_FOUND
+    assert copy(state, "k", "a")[1] == Status.REPLICA_EXISTS
+    assert copy(state, "k", "b", source="c")[1] == Status.REPLICA_NOT_FOUND
+    put(state, "big", size=16 * KiB, preferred_segment="b")
+    assert copy(state, "k", "b")[1] == Status.NO_SPACE
+    assert state.drainer.drain("c", finish=False)[0] == OK
+    assert copy(state, "k", "c")[:2] == (Status.INVALID_ARGUMENT, None)
+    assert holders(state, "k") == ["a"]
+    assert_consistent(state)
+
+
+def test_a_disk_only_object_has_no_source_to_copy(state):
+    a = seg(state, "a")
+    assert state.tiering.report_disk_objects(a, [NS], ["d"], [KiB], [7], [1]) == [OK]
+    assert copy(state, "d", "b")[1] == Status.REPLICA_NOT_FOUND
+
+
+def test_a_copy_not_verified_adds_nothing_and_its_target_is_released(state, clock):
+    put(state, "k", preferred_segment="a")
+    assert copy(state, "k", "b", moved=False) == (OK, OK, [Status.NOT_PENDING])
+    assert holders(state, "k") == ["a"]
+    clock.advance(LEASE_S + 1)  # the copier's write grant ends with the migration's lease
+    state.tick()
+    assert state.segment_named("b").allocator.used == 0
+    assert_consistent(state)
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["removed", "put-again"])
+def test_a_key_removed_during_its_copy_gets_no_orphan_replica(state, clock, again):
+    put(state, "k", preferred_segment="a")
+    status, batch = state.drainer.migrate_keys(NS, ["k"], "", "b", True)
+    assert status == OK and batch.items[0].target is not None
+    assert state.remove(NS, ["k"]) == [OK]
+    if again:
+        put(state, "k", preferred_segment="c")
+
+    assert state.drainer.migrate_end(batch.migration_id, {(NS, "k"): True}) == (OK, [Status.NOT_FOUND])
+
+    assert holders(state, "k") == (["c"] if again else [])
+    clock.advance(LEASE_S + 1)
+    state.tick()
+    assert state.segment_named("b").allocator.used == 0
+    assert_consistent(state)
+
+
+def test_an_unfinished_copy_is_released_by_the_tick(state, clock):
+    put(state, "k", preferred_segment="a")
+    status, batch = state.drainer.migrate_keys(NS, ["k"], "", "b", True)
+    assert status == OK
+    advance_alive(state, clock, state.config.put_timeout_s + 1)  # the copier died
+    state.tick()
+    assert holders(state, "k") == ["a"]
+    assert state.segment_named("b").allocator.used == 0
+    assert copy(state, "k", "b") == (OK, OK, [OK]), "no migration of it is left in flight"
+    assert_consistent(state)
+
+
+def test_a_replica_being_offloaded_is_not_removed_meanwhile(clock):
+    """The offload would put a copy back on the segment when done: PUT_IN_PROGRESS until then."""
+    state = make_state(clock)
+    a = mount_ssd(state, "a", 4 * KiB)
+    mount_ssd(state, "b", 4 * KiB, offload=False)
+    put(state, "k", replicas=2)
+    for i in range(3):
+        put(state, f"x{i}", preferred_segment="a")  # past the watermark: offloads are queued
+    state.tick()
+    assert state.tiering.offloading, "an offload task is queued"
+    name, task = next(iter(state.tiering.offloading.items()))
+    key = name.split("\x00", 1)[1]
+    assert task.segment_id == a
+
+    assert remove_replicas(state, NS, [key], "a", True) == (OK, [Status.PUT_IN_PROGRESS])
+    assert_consistent(state)
