@@ -61,6 +61,8 @@ class EvictionPolicy(Protocol):
 
     def queued(self) -> Iterable[str] | None: ...
 
+    def queue_sizes(self) -> dict[str, int]: ...
+
     def victims(
         self,
         now: float,
@@ -106,6 +108,9 @@ class LruPolicy:
     def queued(self) -> Iterable[str] | None:
         """None: the membership dict is the order (nothing of its own to check)."""
         return None
+
+    def queue_sizes(self) -> dict[str, int]:
+        return {}
 
     def victims(
         self,
@@ -269,6 +274,10 @@ class S3FifoPolicy:
     def sizes(self) -> tuple[int, int, int]:
         """(small, main, ghost) entries."""
         return len(self._small), len(self._main), len(self._ghost)
+
+    def queue_sizes(self) -> dict[str, int]:
+        """kvtier_master_eviction_queue_entries{queue}."""
+        return {"small": len(self._small), "main": len(self._main), "ghost": len(self._ghost)}
 
     def where(self, name: str) -> str:
         """ "small", "main" or "" (in no queue): for tests and `kvtier inspect`-style views."""
