@@ -34,6 +34,7 @@ Policies:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -192,22 +193,14 @@ class S3FifoPolicy:
         return small > 0 and small >= SMALL_SHARE * (small + len(self._main))
 
     def _records(self, names: Iterable[str]) -> Iterator[ObjectRecord]:
-        objects = self._objects
-        for name in names:
-            record = objects.get(name)
-            if record is not None:
-                yield record
+        """The records of `names` (C-level iteration: bounded scans walk this per put)."""
+        return filter(None, map(self._objects.get, names))
 
     def order(self) -> Iterable[ObjectRecord]:
         """Small FIFO then main (main first while the small FIFO is under its share), each oldest
         first, ignoring main's frequencies: read-only, for views and bounded opportunistic scans."""
         small, main = self._records(self._small), self._records(self._main)
-        if self._small_first():
-            yield from small
-            yield from main
-        else:
-            yield from main
-            yield from small
+        return itertools.chain(small, main) if self._small_first() else itertools.chain(main, small)
 
     def _main_candidates(self) -> Iterator[ObjectRecord]:
         """Main's records in clock order: a pass yields those at frequency 0 and notes the others
@@ -254,14 +247,9 @@ class S3FifoPolicy:
         evicts nothing: it is where the hand is, not a decision."""
         small = self._records(self._small)  # not changed before pick_victims returns
         main = self._main_candidates()
-        first, then = (small, main) if self._small_first() else (main, small)
-
-        def candidates() -> Iterator[ObjectRecord]:
-            yield from first
-            yield from then
-
+        candidates = itertools.chain(small, main) if self._small_first() else itertools.chain(main, small)
         try:
-            return pick_victims(candidates(), now, need, weight, eligible, scan_limit)
+            return pick_victims(candidates, now, need, weight, eligible, scan_limit)
         finally:
             self._age()
 
