@@ -28,8 +28,8 @@ Policies:
   therefore passes through the small FIFO without pushing the re-read hot set out of main,
   which plain LRU does. Per object: one entry in the small or the main dict (name -> frequency;
   the name string is the record's own, the frequency a cached small int): about 35-45 bytes on
-  top of the membership dict. The ghost holds 64-bit name hashes (an int, ~32 bytes, plus the
-  entry), at most as many as DRAM objects; a hash collision only sends a new object to main.
+  top of the membership dict. The ghost holds 64-bit name hashes (an int and its entry: ~88
+  bytes), at most as many as DRAM objects; a hash collision only sends a new object to main.
 """
 
 from __future__ import annotations
