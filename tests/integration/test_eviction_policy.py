@@ -68,3 +68,29 @@ def test_a_hot_set_read_twice_survives_a_one_shot_scan_under_s3fifo_not_lru(bare
         [*KVTIER, "status", "--master", cluster.master_address], capture_output=True, timeout=60, check=True
     )
     assert f"eviction {policy}" in text.stdout.decode().splitlines()[0]
+
+
+@pytest.mark.parametrize(("before", "after"), [("lru", "s3fifo"), ("s3fifo", "lru")])
+def test_changing_the_policy_across_a_restart_keeps_every_object_and_rebuilds_the_order(bare_cluster, before, after):
+    cluster = bare_cluster
+    cluster.start_master("--eviction-policy", before)
+    cluster.start_segment("seg0")
+    client = cluster.client()
+    keys = [f"k/{i:02d}" for i in range(20)]
+    values = [key.encode() * 100 for key in keys]
+    assert not any(client.batch_put(keys, values))
+    for _ in range(2):
+        assert client.batch_get(keys[:10]) == values[:10]  # under s3fifo: these are in main
+
+    cluster.restart_master("--eviction-policy", after, "--metrics", "127.0.0.1:0")
+
+    # the same client retries while the master recovers from the segment's inventory
+    assert client.batch_get(keys) == values
+    status = client.cluster_status()
+    assert (status.eviction_policy, status.objects, status.recovery["objects"]) == (after, 20, 20)
+    metrics = scrape(cluster.master.info["metrics"])
+    assert value(metrics, "kvtier_master_eviction_policy_info", policy=after) == 1
+    assert value(metrics, "kvtier_master_eviction_policy_info", policy=before) == 0
+    if after == "s3fifo":  # every recovered object is in the order: the small FIFO (one read since)
+        entries = "kvtier_master_eviction_queue_entries"
+        assert value(metrics, entries, queue="small") + value(metrics, entries, queue="main") == 20
