@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from kvtier.bench.eviction_bench import add_arguments as add_eviction_arguments
 from kvtier.bench.limits import LATENCY_RATIOS, WIRE_SIZES, WIRE_WORKLOADS, Limits, measure_limits, wire_target
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
@@ -115,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_master_arguments(parser)
     add_scan_arguments(parser)
     add_recovery_arguments(parser)
+    add_eviction_arguments(parser)
 
 
 def machine_description() -> dict[str, str | int]:
@@ -407,6 +409,22 @@ def run(opts: argparse.Namespace) -> int:
         import secrets
 
         os.environ["KVTIER_SECRET"] = secrets.token_hex(32)
+    if opts.eviction:
+        from kvtier.bench.eviction_bench import check_arguments, print_eviction_result, run_eviction_bench
+
+        if problem := check_arguments(opts):
+            print(f"kvtier bench: {problem}", file=sys.stderr)
+            return 2
+        result = run_eviction_bench(
+            opts.eviction_capacity,
+            opts.eviction_hot,
+            opts.eviction_scan,
+            opts.eviction_reads,
+            opts.eviction_cluster,
+            opts.eviction_cluster_scale,
+        )
+        print_eviction_result(result, opts.json, machine_description())
+        return 0
     if opts.master_scan:
         from kvtier.bench.scan_bench import print_scan_result, run_scan_bench
         from kvtier.master.sweeps import DEFAULT_SLICE, DEFAULT_SLICE_MS

@@ -130,6 +130,7 @@ def status_dict(reply: Any) -> dict[str, Any]:
         "lookup_keys": dict(reply.lookup_keys),
         "lookup_hits": dict(reply.lookup_hits),
         "lookup_hits_disk_only": reply.lookup_hits_disk_only,
+        "eviction_policy": reply.eviction_policy,
         "quotas": [quota_dict(q) for q in reply.quotas],
         "evictions": {e.reason: {"objects": e.objects, "bytes": e.bytes} for e in reply.evictions},
         "capacity": reply.capacity,
@@ -151,7 +152,8 @@ def cmd_status(opts: argparse.Namespace) -> int:
     print(
         f"cluster {data['cluster_id']}  master {opts.master}  epoch {data['master_epoch']}  "
         f"objects {data['objects']}  used {format_size(data['used'])} / {format_size(data['capacity'])} "
-        f"({percent(data['used'], data['capacity']) if data['capacity'] else '0.0%'})"
+        f"({percent(data['used'], data['capacity']) if data['capacity'] else '0.0%'})  "
+        f"eviction {data['eviction_policy'] or '?'}"
     )
     recovery = data["recovery"]
     if data["role"] != "leader" or recovery.get("segments_expected"):

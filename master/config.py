@@ -21,6 +21,7 @@ from kvtier.common.units import (
 )
 from kvtier.master.admission import Admission
 from kvtier.master.auth import load_tenants
+from kvtier.master.eviction_policy import POLICIES
 from kvtier.master.records import READS_CAP
 from kvtier.proto.auth import read_secret
 from kvtier.proto.keys import cluster_id_problem
@@ -79,6 +80,10 @@ class MasterConfig:
     # a quarter): enough fdatasync groups in flight to keep its disk busy.
     offload_in_flight: str = "256MiB"
     soft_pin_ttl_s: float = 300.0  # default lifetime of a soft pin
+    # The order DRAM copies are evicted in (master/eviction_policy.py): "lru" (least recently used
+    # first) or "s3fifo" (scan-resistant: objects read fewer than twice leave before the re-read
+    # ones; a one-shot scan does not flush the hot set). Safe to change across a restart.
+    eviction_policy: str = "lru"
     promote_after_reads: int = 2  # a disk-only object read this often is copied back to DRAM (0 = never)
     # SSD write admission (master/admission.py): objects smaller than this, or read (while in DRAM)
     # fewer times than that, are never offloaded; eviction drops them (recompute) instead. Saves disk
@@ -200,6 +205,8 @@ class MasterConfig:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:
             raise ValueError(f"soft_pin_ttl_s must be positive, got {self.soft_pin_ttl_s}")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
         if self.dram_full_policy not in ("wait", "drop"):
             raise ValueError(f"dram_full_policy must be wait or drop, got {self.dram_full_policy!r}")
         if self.put_backpressure_s < 0:

@@ -181,6 +181,7 @@ class AdminCalls:
             lookup_keys=dict(self.lookup_keys),
             lookup_hits=dict(self.lookup_hits),
             lookup_hits_disk_only=self.lookup_hits_disk_only,
+            eviction_policy=self.state.policy.name,
         )
 
     # -------------------------------------------------------------- inspection

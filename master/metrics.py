@@ -60,6 +60,8 @@ class _Snapshot:
     quotas: list[tuple[str, int, int, int, int]]  # (instance, rank, quota, used, objects)
     epoch: int
     role: str
+    eviction_policy: str
+    eviction_queues: dict[str, int]  # s3fifo: small, main, ghost entries; empty under lru
     recovering: bool
     fast_path: FastPathStats | None  # a copy; None when the fast path is off
 
@@ -118,6 +120,8 @@ class MasterCollector(Collector):
             quotas=[(o.instance, o.rank, o.quota, o.used, o.objects) for o in state.quotas.snapshot()],
             epoch=h.epoch,
             role=h.role,
+            eviction_policy=state.policy.name,
+            eviction_queues=state.policy.queue_sizes(),
             recovering=not state.serving,
             fast_path=dataclasses.replace(self._fast_path) if self._fast_path is not None else None,
         )
@@ -323,6 +327,20 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     role = GaugeMetricFamily("kvtier_master_role", "1 for this master's role.", labels=["role"])
     role.add_metric([s.role], 1)
     yield role
+    policy = GaugeMetricFamily(
+        "kvtier_master_eviction_policy_info", "1 for the eviction order in force (eviction_policy).", labels=["policy"]
+    )
+    policy.add_metric([s.eviction_policy], 1)
+    yield policy
+    if s.eviction_queues:
+        queues = GaugeMetricFamily(
+            "kvtier_master_eviction_queue_entries",
+            "S3-FIFO's queues: objects in the small and main FIFOs, names remembered in the ghost.",
+            labels=["queue"],
+        )
+        for queue, entries in s.eviction_queues.items():
+            queues.add_metric([queue], entries)
+        yield queues
     yield GaugeMetricFamily("kvtier_master_epoch", "This master incarnation's epoch.", value=s.epoch)
     if (fast := s.fast_path) is not None:
         yield GaugeMetricFamily(

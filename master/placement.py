@@ -106,7 +106,7 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
             eligible = lambda r, on_segment=on_segment, protected=protected: on_segment(r) and not protected(r)  # noqa: E731
         now = state.clock()
         # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
-        # go first: dropping them loses nothing. A bounded look only, then plain LRU.
+        # go first: dropping them loses nothing. A bounded look only, then the eviction policy's order.
         victims = pick_victims(
             state.dram_lru(),
             now,
@@ -116,9 +116,9 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
             scan_limit=REDUNDANT_SCAN,
         )
         if not fits_after(state, segment, victims, need):
-            victims = pick_victims(state.dram_lru(), now, need, state.replica_bytes, eligible)
+            victims = state.policy.victims(now, need, state.replica_bytes, eligible)
         if not fits_after(state, segment, victims, need):
-            victims = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, eligible)
+            victims = state.policy.victims(now, segment.capacity, state.replica_bytes, eligible)
             if not fits_after(state, segment, victims, need):
                 if protected is not None:
                     everything = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, on_segment)

@@ -13,8 +13,10 @@ had 400 at 1M). What an object costs (CPython 3.11; see docs/benchmarks.md):
 - the batch-wide values (put id, start time, owner, pin end) are one tuple
   shared by every record of a PutStart batch.
 
-Nothing per object lives anywhere else: no per-namespace dicts, no separate
-LRU index, no per-allocation table in the allocators.
+Nothing per object lives anywhere else under the default eviction policy (lru): no
+per-namespace dicts, no separate LRU index, no per-allocation table in the allocators.
+`eviction_policy = "s3fifo"` adds one dict entry per complete DRAM object, about 40 bytes
+(kvtier.master.eviction_policy).
 """
 
 from __future__ import annotations

@@ -288,6 +288,6 @@ class SegmentTable:
                 self.history.left(record, f"segment:{task.reason}", task.segment)
             self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
             return None
-        if self._objects.get(name) is record and not any(is_dram(r) for r in record.replicas):
-            self._disk_only[name] = self._objects.pop(name)
+        if not any(is_dram(r) for r in record.replicas):
+            self._leave_dram(record)
         return record

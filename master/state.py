@@ -17,11 +17,11 @@ Object lifecycle (per namespace and key):
 Only COMPLETE objects are visible to `get_replicas` and `exists`. Ranges of a
 removed object whose read lease is still running are freed when it ends.
 
-Space: complete objects are kept in least-recently-used order (reads refresh
-it, existence checks do not). A segment fuller than `high_watermark` evicts
-down to `high_watermark - eviction_ratio` on the next tick; an allocation that
-does not fit evicts from its segment first; a rank over its quota evicts its
-own objects first. Victim rules are in `kvtier.master.eviction`.
+Space: complete objects are kept in the order of the cluster's `eviction_policy` (lru or
+s3fifo, kvtier.master.eviction_policy; reads count, existence checks do not). A segment
+fuller than `high_watermark` evicts down to `high_watermark - eviction_ratio` on the next
+tick; an allocation that does not fit evicts from its segment first; a rank over its quota
+evicts its own objects first. Victim rules are in `kvtier.master.eviction`.
 
 Public face. MasterState alone touches its tables (`_objects`, `_disk_only`, `_pending`,
 `_deferred`, `_segments_by_name`); the policy modules it builds on (tiering, placement, prefetch,
@@ -55,7 +55,7 @@ from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
-from kvtier.master.eviction import pick_victims
+from kvtier.master.eviction_policy import make_policy
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
@@ -117,6 +117,8 @@ class MasterState(SegmentTable):
         # eviction scan walks it. `_disk_only`: objects whose copies are all on SSD; they free no
         # DRAM, and millions of them must not sit in front of every eviction scan.
         self._objects: dict[str, ObjectRecord] = {}
+        # The order eviction takes the complete ones in (kvtier.master.eviction_policy, issue 21).
+        self.policy = make_policy(config.eviction_policy, self._objects)
         self._disk_only: dict[str, ObjectRecord] = {}
         # Every name of both dicts in code point order: listings and prefix removals seek in it
         # instead of walking every object (kvtier.master.name_index, issue 19).
@@ -194,7 +196,7 @@ class MasterState(SegmentTable):
         cannot be evicted; NO_SPACE when the segments are full of objects that
         cannot be evicted; OFFLOAD_BEHIND when room needs DRAM copies not yet on
         SSD (kvtier.master.backpressure: the caller waits and retries the key
-        with the same `put_id`). Evicts (LRU, see the module docstring) to make room.
+        with the same `put_id`). Evicts (in `eviction_policy` order) to make room.
         """
         now = self.clock()
         put_id = put_id or next(self._put_ids)
@@ -258,8 +260,7 @@ class MasterState(SegmentTable):
                     status = Status.QUOTA_EXCEEDED
                 else:
                     # the rank's own objects that hold DRAM: disk-only ones free no quota
-                    quota_victims = pick_victims(
-                        objects.values(),
+                    quota_victims = self.policy.victims(
                         now,
                         over,
                         self._record_bytes,
@@ -316,6 +317,7 @@ class MasterState(SegmentTable):
         not_pending = int(Status.NOT_PENDING)
         sweeps = self.sweeps
         done: list[ObjectRecord] = []  # told to their segments in one go after the loop
+        inserted = self.policy.inserted
         out = []
         for key, checksum in zip(keys, checksums, strict=True):
             name = prefix + key
@@ -330,6 +332,7 @@ class MasterState(SegmentTable):
                 # Recency starts at PutStart: the record was inserted at the most recently used end
                 # then, milliseconds ago; moving it again here would cost more than it tells.
                 record.complete(checksum)
+                inserted(record)  # lru: nothing (see above); s3fifo: into the small FIFO
                 del pending[name]
                 done.append(record)
                 if committed is not None:
@@ -384,20 +387,24 @@ class MasterState(SegmentTable):
         leased: list[ObjectRecord] | None = [] if releasable else None
         leases = self.leases
         sweeps = self.sweeps
+        # lru: a read moves the record to the most recently used end (inlined: hot); others count it
+        lru, touched = self.policy.name == "lru", self.policy.touched
         for key in keys:
             name = prefix + key
             record = objects.get(name)
             if sweeps.active:  # a removal or a segment's death in progress: settle what we meet
                 record = self.visible(name)
                 if record is not None and record.state is _COMPLETE and objects.get(name) is record:
-                    del objects[name]
-                    objects[record.name] = record
+                    touched(record)
                     record.count_read()
             elif record is None:
                 record = disk_only.get(name)  # no recency to refresh: not in the eviction order
             elif record.state is _COMPLETE:
-                del objects[name]  # a read refreshes recency: move to the most recently used end
-                objects[record.name] = record  # (keyed by the record's own string, not the copy `name`)
+                if lru:
+                    del objects[name]  # keyed by the record's own string below, not the copy `name`
+                    objects[record.name] = record
+                else:
+                    touched(record)
                 record.count_read()  # reads while in DRAM, for SSD admission
             if record is None or record.state is not _COMPLETE:
                 statuses.append(int(Status.INVALID_KEY) if master_key_problem(key) else not_found)
@@ -596,25 +603,6 @@ class MasterState(SegmentTable):
         dram = dram_key(segment_id)
         return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
 
-    def _evict(
-        self,
-        need: int,
-        eligible: Callable[[ObjectRecord], bool],
-        weight: Callable[[ObjectRecord], int],
-        reason: str,
-        segment_id: int = 0,
-    ) -> int:
-        """Evict LRU objects that `eligible` accepts until `weight` frees `need` bytes; bytes freed.
-
-        With `segment_id`, space is wanted on that segment only: an object with
-        other replicas loses just its copy there and stays readable; otherwise
-        (quota) the whole object goes.
-        """
-        freed = 0
-        for record in pick_victims(self._objects.values(), self.clock(), need, weight, eligible):
-            freed += self.evict_one(record, reason, segment_id)
-        return freed
-
     def evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""
         self.pressure.evicting(record, reason, segment_id)
@@ -627,7 +615,7 @@ class MasterState(SegmentTable):
             self.drop_dram_replica(record, segment_id)
         else:
             freed = self._record_bytes(record)
-            self._pop(record.name)
+            self._pop(record.name, evicted=True)
             self._delete(record)
         counts = self.evictions.setdefault(reason, [0, 0])
         counts[0] += 1
@@ -647,8 +635,8 @@ class MasterState(SegmentTable):
             self.commits.dropped(segment_id, packed & OFFSET_MASK, record)
         if record.owner is not None:
             record.owner.used -= self.aligned(record.size) * len(dropped)
-        if not any(is_dram(r) for r in record.replicas) and self._objects.get(record.name) is record:
-            self._disk_only[record.name] = self._objects.pop(record.name)  # out of the eviction order
+        if not any(is_dram(r) for r in record.replicas):
+            self._leave_dram(record)
         reuse_at = self._reuse_at(record)
         if reuse_at > self.clock() and record.size:
             segment = self.segments.get(segment_id)
@@ -730,7 +718,7 @@ class MasterState(SegmentTable):
         on_segment = self.has_dram_on(segment_id)
         evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
         eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
-        victims = pick_victims(self._objects.values(), self.clock(), need, self.replica_bytes, eligible)
+        victims = self.policy.victims(self.clock(), need, self.replica_bytes, eligible)
         offload = tiering.can_offload(segment)
         for victim in victims:
             if offload and tiering.offload(victim, segment):
@@ -765,17 +753,19 @@ class MasterState(SegmentTable):
         return self._objects.get(name) or self._disk_only.get(name)
 
     def dram_lru(self) -> Iterable[ObjectRecord]:
-        """Pending records and those with a DRAM copy, least recently used first: what eviction
-        scans (kvtier.master.eviction.pick_victims). Disk-only records free no DRAM and are not in
-        it. Do not mutate while iterating: collect victims first."""
-        return self._objects.values()
+        """Records with a DRAM copy in eviction order, first to go first (kvtier.master.eviction_policy:
+        under lru also the pending ones, least recently used first): what bounded opportunistic scans
+        walk. Disk-only records free no DRAM and are not in it. Do not mutate while iterating."""
+        return self.policy.order()
 
     def adopt(self, record: ObjectRecord) -> None:
         """Add a complete record a segment's inventory brought (kvtier.master.recovery, tiering):
         into the eviction order when it has a DRAM copy, among the disk-only ones otherwise. The
         caller has checked that no record of its name exists and counts its owner."""
-        table = self._objects if any(is_dram(r) for r in record.replicas) else self._disk_only
-        table[record.name] = record
+        in_dram = any(is_dram(r) for r in record.replicas)
+        (self._objects if in_dram else self._disk_only)[record.name] = record
+        if in_dram:
+            self.policy.inserted(record)
         self._index.add(record.name)
         self.object_count += 1
 
@@ -785,15 +775,25 @@ class MasterState(SegmentTable):
         copies (without: the segment deletes them itself)."""
         self._delete(self._pop(name), forget_disk=forget_disk)
 
-    def _pop(self, name: str) -> ObjectRecord:
+    def _pop(self, name: str, evicted: bool = False) -> ObjectRecord:
         """Take a record out of whichever dict holds it (KeyError when none does)."""
         record = self._objects.pop(name, None)
-        return record if record is not None else self._disk_only.pop(name)
+        if record is None:
+            return self._disk_only.pop(name)
+        self.policy.removed(record, evicted)
+        return record
+
+    def _leave_dram(self, record: ObjectRecord) -> None:
+        """Its last DRAM copy went (evicted after offload, lost with a segment): out of the eviction order."""
+        if self._objects.get(record.name) is record:
+            self._disk_only[record.name] = self._objects.pop(record.name)
+            self.policy.removed(record, True)
 
     def now_in_dram(self, record: ObjectRecord) -> None:
         """A disk-only record got a DRAM copy: back into the eviction order, most recently used."""
         if self._disk_only.get(record.name) is record:
             self._objects[record.name] = self._disk_only.pop(record.name)
+            self.policy.inserted(record)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))

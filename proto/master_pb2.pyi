@@ -597,7 +597,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only")
+    __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only", "eviction_policy")
     class RpcRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -662,6 +662,7 @@ class StatusResponse(_message.Message):
     LOOKUP_KEYS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HITS_DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     master_epoch: str
     objects: int
@@ -684,7 +685,8 @@ class StatusResponse(_message.Message):
     lookup_keys: _containers.ScalarMap[str, int]
     lookup_hits: _containers.ScalarMap[str, int]
     lookup_hits_disk_only: int
-    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., recovery: _Optional[_Mapping[str, float]] = ..., lookup_keys: _Optional[_Mapping[str, int]] = ..., lookup_hits: _Optional[_Mapping[str, int]] = ..., lookup_hits_disk_only: _Optional[int] = ...) -> None: ...
+    eviction_policy: str
+    def __init__(self, cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., rpc_requests: _Optional[_Mapping[str, int]] = ..., rpc_failures: _Optional[_Mapping[str, int]] = ..., quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ..., evictions: _Optional[_Iterable[_Union[EvictionInfo, _Mapping]]] = ..., tiering: _Optional[_Mapping[str, int]] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., recovery: _Optional[_Mapping[str, float]] = ..., lookup_keys: _Optional[_Mapping[str, int]] = ..., lookup_hits: _Optional[_Mapping[str, int]] = ..., lookup_hits_disk_only: _Optional[int] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class ListKeysRequest(_message.Message):
     __slots__ = ("namespace", "prefix", "start_after", "limit", "include_pending")

@@ -53,6 +53,7 @@ def test_status_json_matches_the_cluster(cluster):
     assert data["capacity"] == 2 * 64 * 1024 * 1024
     assert data["used"] == sum(s["dram_used"] for s in data["segments"]) == 3 * 128  # 100 B rounded to 64 B units
     assert all(s["state"] == "ACTIVE" for s in data["segments"])
+    assert data["eviction_policy"] == "lru"  # the default
 
 
 def test_status_table_names_every_segment(cluster):

@@ -81,6 +81,10 @@ def assert_consistent(state: MasterState) -> None:
     for record in state._disk_only.values():
         assert record.state is ObjectState.COMPLETE, f"{record.key!r}: a pending record among the disk-only ones"
         assert all(replica_tier(r) != TIER_DRAM for r in record.replicas), f"{record.key!r} holds DRAM"
+    queued = state.policy.queued()  # the policy orders exactly the complete records holding DRAM
+    if queued is not None:
+        complete_in_dram = {n for n, r in state._objects.items() if r.state is ObjectState.COMPLETE}
+        assert sorted(queued) == sorted(complete_in_dram), "eviction policy out of step with the tables"
     for record in state._objects.values():
         if record.state is ObjectState.COMPLETE:
             assert any(replica_tier(r) == TIER_DRAM for r in record.replicas), (

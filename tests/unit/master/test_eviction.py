@@ -687,10 +687,12 @@ class EvictionMachine(RuleBasedStateMachine):
     exceeded right after a put that the quota admitted.
     """
 
+    policy = "lru"  # tests/unit/master/test_eviction_policy.py runs it under s3fifo too
+
     @initialize()
     def setup(self):
         self.clock = FakeClock()
-        self.state = make_state(self.clock, soft_pin_ttl_s=8.0)
+        self.state = make_state(self.clock, soft_pin_ttl_s=8.0, eviction_policy=self.policy)
         for name in ("a", "b", "c"):
             mount(self.state, name, SEGMENT)
         self.hard: set[str] = set()  # complete hard-pinned keys: may go only by remove or segment loss
