@@ -20,6 +20,7 @@ Contracts every method keeps:
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import math
 import threading
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.failures import FailureReports, SegmentFailures
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
@@ -116,7 +118,7 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
-class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tensors; list_keys/stat: client.keys
+class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tensors, client.keys, client.failures
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -177,6 +179,8 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
+        # Segments whose transfers failed: avoided by the next puts, reported to the master (quarantine).
+        self._failures = SegmentFailures(self.config.avoid_failed_s, self.config.failure_report_interval_s)
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # reads in flight on the segment): more of them start the disk sooner after each batch's
         # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
@@ -263,6 +267,8 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
                 if self._closed:
                     raise KvtierError(Status.CANCELLED, "client is closed")
                 connector = make(endpoints)
+                if hasattr(connector, "on_failure"):  # told each failed transfer's kind (client.failures)
+                    connector.on_failure = functools.partial(self._failures.note, name)
                 if known is not None:
                     stale.append(known[1])
             table[name] = (endpoints, connector, now)
@@ -343,6 +349,7 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
                     released_leases=self._done_leases.take(),
+                    avoid_segments=self._failures.avoid(),
                 ),
             )
         except KvtierError as exc:
@@ -401,6 +408,7 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
                     statuses[i] = int(exc.status)
         if failed:
             self._revoke([keys[i] for i in failed], reply.put_id)
+        self._report_failures()
         self._count(
             puts=len(keys),
             put_failures=sum(1 for s in statuses if s != _OK),
@@ -438,6 +446,7 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
             return self._connector(segment).write(ranges, crcs, caps=caps), crcs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
+            self._transport_failed(segment.name, exc)
             return [int(exc.status)] * len(ranges), crcs
 
     def _revoke(self, keys: list[str], put_id: int) -> None:
@@ -515,6 +524,8 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
         segments = {s.segment_id: s for s in reply.segments}
         host = local_host_id()
         local = {s.segment_id for s in reply.segments if s.host_id == host}
+        failed = self._failures.recently_failed()  # segments that just failed this client: read last
+        shunned = {s.segment_id for s in reply.segments if s.name in failed} if failed else ()
 
         def same_host(position: int) -> bool:
             return reply.replica_segments[position] in local
@@ -530,10 +541,15 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
                 elif count == 1:
                     replicas[i] = [pos]
                 else:
-                    # DRAM before SSD, same-host replicas first (a memcpy instead of a socket), then in
-                    # the master's order.
+                    # Segments that just failed this client last, DRAM before SSD, same-host replicas
+                    # first (a memcpy instead of a socket), then in the master's order (quarantined last).
                     replicas[i] = sorted(
-                        range(pos, pos + count), key=lambda j: (reply.replica_tiers[j] != pb.DRAM, not same_host(j))
+                        range(pos, pos + count),
+                        key=lambda j: (
+                            reply.replica_segments[j] in shunned,
+                            reply.replica_tiers[j] != pb.DRAM,
+                            not same_host(j),
+                        ),
                     )
             pos += count
         attempt = 0
@@ -597,6 +613,7 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
         self._done_leases.add(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
+        self._report_failures()
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
         self._count(
             gets=len(keys),
@@ -668,6 +685,7 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
             return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
+            self._transport_failed(segment.name, exc)
             return [int(exc.status)] * len(indices), crcs, ""
 
     # ------------------------------------------------------------------ presence

@@ -66,6 +66,7 @@ _TRACED = frozenset(
         pb.RemovePrefixRequest,
         pb.RegisterInstanceRequest,
         pb.ReportCorruptRequest,
+        pb.SegmentFailuresRequest,
     )
 )
 
