@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import ConnectError, TransportError
+from kvtier.proto.status import Status
 
 logger = logging.getLogger("kvtier.client.client")
 
@@ -55,6 +56,7 @@ class SegmentFailures:
         self._failed_at: OrderedDict[str, float] = OrderedDict()  # segment -> last failure, oldest first
         self._pending: dict[tuple[str, str], int] = {}  # (segment, kind) -> failures not yet reported
         self._next_report = 0.0
+        self.reporting = True  # False once the master refused this client's reports (a tenant)
 
     def note(self, segment: str, kind: str) -> None:
         """A transfer to `segment` failed (kind: "connect", "timeout" or "transfer")."""
@@ -113,7 +115,7 @@ class FailureReports:
         """Tell the master which segments failed this client (kvtier.master.quarantine), when a report
         is due. Best effort: bounded by the client's timeout, never raising."""
         report = self._failures.take_report()
-        if not report:
+        if not report or not self._failures.reporting:
             return
         request = pb.SegmentFailuresRequest(
             reporter=self._failures.reporter,
@@ -122,6 +124,11 @@ class FailureReports:
         try:
             self._master.call("ReportSegmentFailures", request)
         except Exception as exc:  # noqa: BLE001 - a report must never fail the call it rides on
+            if getattr(exc, "status", None) == Status.PERMISSION_DENIED:
+                # A tenant's credentials: reports are the cluster's (kvtier.master.auth); it still avoids.
+                self._failures.reporting = False
+                logger.info("segment failure reports are not accepted for this client's principal: not sent")
+                return
             logger.warning("reporting failures of %d segments to the master failed: %s", len(report), exc)
             self._count(failure_reports_failed=1)
             return

@@ -87,12 +87,8 @@ class Quarantine:
             return segment in self._quarantined
         reason = f"{total} failures from {len(who)} clients within {self.window_s:g}s (last: {kind})"
         if track.until <= now:
-            logger.warning(
-                "segment quarantined name=%s reason=%r cooloff_s=%g: placed on last, read last",
-                segment,
-                reason,
-                self.cooloff_s,
-            )
+            # placed on last, read last, until the cool-off ends
+            logger.warning("segment quarantined name=%s cooloff_s=%g reason=%s", segment, self.cooloff_s, reason)
         track.until = now + self.cooloff_s
         track.reason = reason
         self._quarantined.add(segment)
@@ -119,7 +115,7 @@ class Quarantine:
                 self._quarantined.discard(name)
                 left.append(name)
                 reason = track.reason if track is not None else ""
-                logger.info("segment quarantine over name=%s: placed on again (it was: %s)", name, reason)
+                logger.info("segment quarantine over name=%s was=%s", name, reason)  # placed on again
         horizon = now - self.window_s
         # Segments with nothing recent and no quarantine need no memory.
         idle = [n for n, t in self._tracks.items() if t.until <= now and (not t.events or t.events[-1][0] < horizon)]
