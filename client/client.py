@@ -3,7 +3,10 @@
 Contracts every method keeps:
 - One master round trip per batch: `batch_put` makes one PutStart and one
   PutEnd (plus one PutRevoke only when some writes failed); `batch_get*` make
-  one GetReplicas, whatever the number of keys.
+  one GetReplicas, whatever the number of keys. When a segment's connection
+  failed (kvtier.client.failures): one ReportSegmentFailures at most every
+  half second, and a put's failed keys are placed once more elsewhere (a
+  second PutStart/PutEnd) if that happened in the first half of the timeout.
 - Integrity: a CRC32C of every value goes to the master at PutEnd; every read
   is verified against it. Bytes that fail verification are never returned:
   the key is a miss (counted in `stats()["checksum_mismatches"]`) after the
@@ -54,6 +57,7 @@ C = TypeVar("C", bound=Connector)  # a connector kind: one cache per kind (_cach
 _OK = 0
 _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
+_SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
@@ -331,6 +335,28 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
+        started = time.monotonic()
+        placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment)
+        statuses, retry, written = self._put_once(keys, views, *placement)
+        # A write that failed on its segment (no connection, cut mid-frame) is retried once on another
+        # placement: the failed keys were revoked first (a late byte there lands in a range the master
+        # does not reuse before the grant ends), and the segment is in this client's avoid list. Only
+        # when the failure came in the first half of the timeout, so the retry has time of its own.
+        if retry and time.monotonic() - started < self.config.timeout / 2:
+            again = self._put_once([keys[i] for i in retry], [views[i] for i in retry], *placement)
+            for i, status in zip(retry, again[0], strict=True):
+                statuses[i] = status
+            written += again[2]
+            self._count(put_retries=len(retry))
+        self._report_failures()
+        self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK), bytes_written=written)
+        return [to_status(s) for s in statuses]
+
+    def _put_once(
+        self, keys: list[str], views: list[memoryview], replicas: int, pin: int, pin_ttl_ms: int, preferred: str
+    ) -> tuple[list[int], list[int], int]:
+        """One PutStart, the writes, PutEnd and PutRevoke: per-key statuses, the keys (indices) whose
+        write failed on its segment's connection (revoked: worth another placement), bytes written."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
         try:
@@ -343,9 +369,9 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
                     replicas=replicas,
                     instance=self.instance,
                     rank=self.rank,
-                    pin=_PINS[pin],
+                    pin=pin,
                     pin_ttl_ms=pin_ttl_ms,
-                    preferred_segment=preferred_segment,
+                    preferred_segment=preferred,
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
                     released_leases=self._done_leases.take(),
@@ -355,7 +381,7 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
         except KvtierError as exc:
             logger.warning("batch_put failed: %s", exc)
             _put_failure.set(exc.message)
-            return [exc.status] * len(keys)
+            return [int(exc.status)] * len(keys), [], 0
         statuses = list(reply.statuses)
         counts = reply.replica_counts
         if reply.error:
@@ -408,13 +434,8 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
                     statuses[i] = int(exc.status)
         if failed:
             self._revoke([keys[i] for i in failed], reply.put_id)
-        self._report_failures()
-        self._count(
-            puts=len(keys),
-            put_failures=sum(1 for s in statuses if s != _OK),
-            bytes_written=sum(sizes[i] * counts[i] for i in written),
-        )
-        return [to_status(s) for s in statuses]
+        retry = [i for i in failed if statuses[i] in _SEGMENT_FAILED]
+        return statuses, retry, sum(sizes[i] * counts[i] for i in written)
 
     batch_put_from = batch_put
 
