@@ -646,30 +646,6 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
         )
         return out
 
-    def _report_corrupt(
-        self, keys: Sequence[str], reply: pb.GetReplicasResponse, corrupt: list[tuple[int, int]]
-    ) -> None:
-        """Tell the master which copies failed verification, so it drops them (kvtier.master.corrupt)
-        and the next put of the key writes it anew. Best effort: one call, bounded by the client's
-        timeout, never raising; the reads stay misses (or the other replica's bytes) either way."""
-        names = {s.segment_id: s.name for s in reply.segments}
-        request = pb.ReportCorruptRequest(
-            namespace=self.namespace,
-            keys=[keys[i] for i, _ in corrupt],
-            segment_ids=[reply.replica_segments[j] for _, j in corrupt],
-            tiers=[reply.replica_tiers[j] for _, j in corrupt],
-            offsets=[reply.replica_offsets[j] for _, j in corrupt],
-            checksums=[reply.checksums[i] for i, _ in corrupt],
-            segment_names=[names.get(reply.replica_segments[j], "") for _, j in corrupt],
-        )
-        try:
-            statuses = self._master.call("ReportCorrupt", request).statuses
-        except Exception as exc:  # noqa: BLE001 - a report must never turn a miss into an error
-            logger.warning("reporting %d corrupt copies to the master failed: %s", len(corrupt), exc)
-            self._count(corrupt_reports_failed=len(corrupt))
-            return
-        self._count(corrupt_reported=len(corrupt), corrupt_dropped=sum(1 for st in statuses if st == _OK))
-
     def _read_segment(
         self,
         segment: pb.SegmentEndpoint | None,

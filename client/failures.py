@@ -1,7 +1,8 @@
-"""A client's data-plane failures per segment: what it avoids for its own next puts, and what it
-reports to the master (`ReportSegmentFailures`, kvtier.master.quarantine).
+"""What a client tells the master about failures: the copies that failed verification
+(`ReportCorrupt`, kvtier.master.corrupt), and its data-plane failures per segment, which it also
+avoids for its own next puts and reports (`ReportSegmentFailures`, kvtier.master.quarantine).
 
-Counted: a connection that could not be made (refused, timed out), one that stopped answering
+Segment failures counted: a connection that could not be made (refused, timed out), one that stopped answering
 (timeout), one that broke mid-frame (transfer). Not counted: a segment's answer, whatever it says
 (a checksum mismatch of one object, NOT_FOUND, an expired grant): the segment is reachable.
 
@@ -18,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.proto import master_pb2 as pb
@@ -99,11 +100,13 @@ class SegmentFailures:
 
 
 class FailureReports:
-    """`Client`'s side of it (a mixin): its `_failures`, `_master` and `_count`."""
+    """What `Client` tells the master about failures (a mixin over its `_failures`, `_master`,
+    `namespace` and `_count`): segments it cannot use, and copies that failed verification."""
 
     _failures: SegmentFailures
     _master: Any
     _count: Callable[..., None]
+    namespace: str
 
     def _transport_failed(self, segment: str, exc: TransportError) -> None:
         """No connector for `segment` (connectors report their own transfers' failures)."""
@@ -133,3 +136,27 @@ class FailureReports:
             self._count(failure_reports_failed=1)
             return
         self._count(failure_reports=1)
+
+    def _report_corrupt(
+        self, keys: Sequence[str], reply: pb.GetReplicasResponse, corrupt: list[tuple[int, int]]
+    ) -> None:
+        """Tell the master which copies failed verification, so it drops them (kvtier.master.corrupt)
+        and the next put of the key writes it anew. Best effort: one call, bounded by the client's
+        timeout, never raising; the reads stay misses (or the other replica's bytes) either way."""
+        names = {s.segment_id: s.name for s in reply.segments}
+        request = pb.ReportCorruptRequest(
+            namespace=self.namespace,
+            keys=[keys[i] for i, _ in corrupt],
+            segment_ids=[reply.replica_segments[j] for _, j in corrupt],
+            tiers=[reply.replica_tiers[j] for _, j in corrupt],
+            offsets=[reply.replica_offsets[j] for _, j in corrupt],
+            checksums=[reply.checksums[i] for i, _ in corrupt],
+            segment_names=[names.get(reply.replica_segments[j], "") for _, j in corrupt],
+        )
+        try:
+            statuses = self._master.call("ReportCorrupt", request).statuses
+        except Exception as exc:  # noqa: BLE001 - a report must never turn a miss into an error
+            logger.warning("reporting %d corrupt copies to the master failed: %s", len(corrupt), exc)
+            self._count(corrupt_reports_failed=len(corrupt))
+            return
+        self._count(corrupt_reported=len(corrupt), corrupt_dropped=sum(1 for st in statuses if st == Status.OK))
