@@ -22,6 +22,10 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.master.config import MasterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,11 @@ class Quarantine:
         # (segment, kind) -> failures reported, for kvtier_master_segment_failure_reports_total
         self.reported: dict[tuple[str, str], int] = {}
         self._quarantined: set[str] = set()  # names with until > now, as of the last expire()
+
+    @classmethod
+    def of(cls, config: MasterConfig, clock: Callable[[], float]) -> Quarantine:
+        c = config
+        return cls(c.quarantine_failures, c.quarantine_reporters, c.quarantine_window_s, c.quarantine_cooloff_s, clock)
 
     def report(self, segment: str, count: int, kind: str, reporter: str) -> bool:
         """Note `count` failures of `kind` on `segment` by `reporter`. Whether the segment is in

@@ -139,10 +139,7 @@ class MasterState(SegmentTable):
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
-        c = config  # clients' reports of segments they cannot use (kvtier.master.quarantine)
-        self.quarantine = Quarantine(
-            c.quarantine_failures, c.quarantine_reporters, c.quarantine_window_s, c.quarantine_cooloff_s, clock
-        )
+        self.quarantine = Quarantine.of(config, clock)  # segments clients cannot use (kvtier.master.quarantine)
         self.quarantined_ids: set[int] = set()  # mounted segments in quarantine: their replicas read last
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
@@ -388,8 +385,7 @@ class MasterState(SegmentTable):
         disk_only = self._disk_only
         not_found = int(Status.NOT_FOUND)
         leased: list[ObjectRecord] | None = [] if releasable else None
-        leases = self.leases
-        sweeps = self.sweeps
+        leases, sweeps, shunned = self.leases, self.sweeps, self.quarantined_ids
         for key in keys:
             name = prefix + key
             record = objects.get(name)
@@ -421,8 +417,8 @@ class MasterState(SegmentTable):
             sizes.append(record.size)
             checksums.append(record.checksum)
             replicas = record.replicas
-            if self.quarantined_ids and len(replicas) > 1:  # quarantined copies last: read only if others fail
-                replicas = sorted(replicas, key=lambda p: p >> SEGMENT_SHIFT in self.quarantined_ids)
+            if shunned and len(replicas) > 1:  # copies on quarantined segments last: read if others fail
+                replicas = sorted(replicas, key=lambda p: p >> SEGMENT_SHIFT in shunned)
             counts.append(len(replicas))
             in_dram = False
             for packed in replicas:

@@ -10,6 +10,7 @@ import pytest
 from kvtier.master import quarantine as q
 from kvtier.master.config import MasterConfig
 from kvtier.master.quarantine import Quarantine
+from kvtier.master.records import replica_segment
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
 from tests.unit.master.test_state import NS, FakeClock, mount
@@ -172,6 +173,17 @@ def test_replicas_on_a_quarantined_segment_are_listed_last_for_reads(state, cloc
     assert state.get_replicas(NS, ["k"]).replica_segments == [b, a]
     cool_off(state, clock)
     assert state.get_replicas(NS, ["k"]).replica_segments == [a, b]
+
+
+def test_a_drain_moves_objects_to_other_segments_before_a_quarantined_one(state):
+    a, b, c = mount(state, "a"), mount(state, "b"), mount(state, "c")
+    assert placed_on(state, "x", preferred_segment="a") == [a]
+    placed_on(state, "fill-c", size=4096, preferred_segment="c")  # c the fuller: freest-first would pick b
+    state.report_segment_failures([("b", 1, "connect")], "c1")
+    assert state.drainer.drain("a", finish=False)[0] == Status.OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    targets = [replica_segment(item.target) for item in batch.items]
+    assert status == Status.OK and targets == [c] and b not in targets
 
 
 def test_reports_about_segments_not_mounted_are_ignored(state):
