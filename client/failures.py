@@ -74,6 +74,8 @@ class SegmentFailures:
     def avoid(self) -> list[str]:
         """Segments that failed this client within `avoid_s`: its puts ask the master to place
         elsewhere (PutStartRequest.avoid_segments), so a cut segment costs one timeout, not one per put."""
+        if not self._failed_at:  # the common case, without the lock (a racing note() shows next time)
+            return []
         horizon = self.clock() - self.avoid_s
         with self._lock:
             while self._failed_at:
@@ -85,11 +87,13 @@ class SegmentFailures:
 
     def recently_failed(self) -> frozenset[str]:
         """`avoid()` as a set: reads try these segments' replicas last."""
-        return frozenset(self.avoid()) if self._failed_at else frozenset()
+        return frozenset(self.avoid())
 
     def take_report(self) -> list[tuple[str, int, str]]:
         """(segment, count, kind) to report now, or [] when nothing is pending or the last report
         was less than `report_interval_s` ago (what is pending then waits for the next one)."""
+        if not self._pending:  # the common case, without the lock
+            return []
         now = self.clock()
         with self._lock:
             if not self._pending or now < self._next_report:
