@@ -545,8 +545,8 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
         segments = {s.segment_id: s for s in reply.segments}
         host = local_host_id()
         local = {s.segment_id for s in reply.segments if s.host_id == host}
-        failed = self._failures.recently_failed()  # segments that just failed this client: read last
-        shunned = {s.segment_id for s in reply.segments if s.name in failed} if failed else ()
+        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
+        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
 
         def same_host(position: int) -> bool:
             return reply.replica_segments[position] in local
@@ -562,8 +562,8 @@ class Client(TensorMixin, KeyInspection, FailureReports):  # mixins: client.tens
                 elif count == 1:
                     replicas[i] = [pos]
                 else:
-                    # Segments that just failed this client last, DRAM before SSD, same-host replicas
-                    # first (a memcpy instead of a socket), then in the master's order (quarantined last).
+                    # Segments that just failed this client or are quarantined last, DRAM before SSD,
+                    # same-host replicas first (a memcpy instead of a socket), then in the master's order.
                     replicas[i] = sorted(
                         range(pos, pos + count),
                         key=lambda j: (

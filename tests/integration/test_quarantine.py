@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from tests.cluster import Cluster
 from tests.faultproxy import FaultProxy
@@ -94,6 +95,8 @@ def test_a_segment_clients_cannot_reach_costs_one_timeout_then_is_quarantined_an
         assert [r["segment"] for r in fresh.locate("fresh")] == ["good"]
         # Reads: the replica on the quarantined segment is listed last, so tried last.
         assert [r["segment"] for r in fresh.locate("both")] == ["good", "cut"]
+        reply = fresh._master.call("GetReplicas", pb.KeysRequest(namespace=fresh.namespace, keys=["both"]))
+        assert {e.name: e.quarantined for e in reply.segments} == {"cut": True, "good": False}
         started = time.monotonic()
         assert fresh.get("both") == value_bytes
         assert time.monotonic() - started < TIMEOUT_S / 2
