@@ -100,12 +100,19 @@ def segment_dict(s: Any) -> dict[str, Any]:
         # its wall clock minus the master's; skewed: beyond the master's tolerance, out of placement
         "clock_skew_s": round(s.clock_skew_s, 3),
         "clock_skewed": s.clock_skewed,
+        # clients reported repeated data-plane failures: placed on last, read last, for this much longer
+        "quarantined": s.quarantined,
+        "quarantine_left_s": round(s.quarantine_left_s, 1),
     }
 
 
 def state_text(s: dict[str, Any]) -> str:
-    """The STATE column: the state, and a clock skew that keeps the segment out of placement."""
-    return f"{s['state']} CLOCK_SKEW {s['clock_skew_s']:+.1f}s" if s["clock_skewed"] else s["state"]
+    """The STATE column: the state, a clock skew that keeps the segment out of placement, and a
+    quarantine (kvtier.master.quarantine) with the seconds of cool-off left."""
+    text = f"{s['state']} CLOCK_SKEW {s['clock_skew_s']:+.1f}s" if s["clock_skewed"] else s["state"]
+    if s.get("quarantined"):
+        text += f" QUARANTINED {s['quarantine_left_s']:.0f}s"
+    return text
 
 
 ADMISSION_VETOES = ("min_size", "reads")  # kvtier.master.admission.REASONS

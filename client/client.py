@@ -3,7 +3,10 @@
 Contracts every method keeps:
 - One master round trip per batch: `batch_put` makes one PutStart and one
   PutEnd (plus one PutRevoke only when some writes failed); `batch_get*` make
-  one GetReplicas, whatever the number of keys.
+  one GetReplicas, whatever the number of keys. When a segment's connection
+  failed (kvtier.client.failures): one ReportSegmentFailures at most every
+  half second, and a put's failed keys are placed once more elsewhere (a
+  second PutStart/PutEnd) if that happened in the first half of the timeout.
 - Integrity: a CRC32C of every value goes to the master at PutEnd; every read
   is verified against it. Bytes that fail verification are never returned:
   the key is a miss (counted in `stats()["checksum_mismatches"]`) after the
@@ -20,6 +23,7 @@ Contracts every method keeps:
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import math
 import threading
@@ -32,6 +36,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.failures import FailureReports, SegmentFailures
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
@@ -53,6 +58,7 @@ C = TypeVar("C", bound=Connector)  # a connector kind: one cache per kind (_cach
 _OK = 0
 _NOT_FOUND = int(Status.NOT_FOUND)
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
+_SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
@@ -118,8 +124,8 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps
-):  # tensors, list_keys/stat, *_replica: client.{tensors,keys,replicas}
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports
+):  # mixins: client.tensors, client.keys, client.replicas, client.failures
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -180,6 +186,8 @@ class Client(
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
+        # Segments whose transfers failed: avoided by the next puts, reported to the master (quarantine).
+        self._failures = SegmentFailures(self.config.avoid_failed_s, self.config.failure_report_interval_s)
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
         # reads in flight on the segment): more of them start the disk sooner after each batch's
         # GetReplicas and shorten its tail; measured in docs/benchmarks.md (2 -> 4 with issue 17).
@@ -266,6 +274,8 @@ class Client(
                 if self._closed:
                     raise KvtierError(Status.CANCELLED, "client is closed")
                 connector = make(endpoints)
+                if hasattr(connector, "on_failure"):  # told each failed transfer's kind (client.failures)
+                    connector.on_failure = functools.partial(self._failures.note, name)
                 if known is not None:
                     stale.append(known[1])
             table[name] = (endpoints, connector, now)
@@ -328,6 +338,28 @@ class Client(
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
+        started = time.monotonic()
+        placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment)
+        statuses, retry, written = self._put_once(keys, views, *placement)
+        # A write that failed on its segment (no connection, cut mid-frame) is retried once on another
+        # placement: the failed keys were revoked first (a late byte there lands in a range the master
+        # does not reuse before the grant ends), and the segment is in this client's avoid list. Only
+        # when the failure came in the first half of the timeout, so the retry has time of its own.
+        if retry and time.monotonic() - started < self.config.timeout / 2:
+            again = self._put_once([keys[i] for i in retry], [views[i] for i in retry], *placement)
+            for i, status in zip(retry, again[0], strict=True):
+                statuses[i] = status
+            written += again[2]
+            self._count(put_retries=len(retry))
+        self._report_failures()
+        self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK), bytes_written=written)
+        return [to_status(s) for s in statuses]
+
+    def _put_once(
+        self, keys: list[str], views: list[memoryview], replicas: int, pin: int, pin_ttl_ms: int, preferred: str
+    ) -> tuple[list[int], list[int], int]:
+        """One PutStart, the writes, PutEnd and PutRevoke: per-key statuses, the keys (indices) whose
+        write failed on its segment's connection (revoked: worth another placement), bytes written."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
         try:
@@ -340,18 +372,19 @@ class Client(
                     replicas=replicas,
                     instance=self.instance,
                     rank=self.rank,
-                    pin=_PINS[pin],
+                    pin=pin,
                     pin_ttl_ms=pin_ttl_ms,
-                    preferred_segment=preferred_segment,
+                    preferred_segment=preferred,
                     client_host=local_host_id(),
                     wait_ms=self._put_wait_ms,
                     released_leases=self._done_leases.take(),
+                    avoid_segments=self._failures.avoid(),
                 ),
             )
         except KvtierError as exc:
             logger.warning("batch_put failed: %s", exc)
             _put_failure.set(exc.message)
-            return [exc.status] * len(keys)
+            return [int(exc.status)] * len(keys), [], 0
         statuses = list(reply.statuses)
         counts = reply.replica_counts
         if reply.error:
@@ -404,12 +437,8 @@ class Client(
                     statuses[i] = int(exc.status)
         if failed:
             self._revoke([keys[i] for i in failed], reply.put_id)
-        self._count(
-            puts=len(keys),
-            put_failures=sum(1 for s in statuses if s != _OK),
-            bytes_written=sum(sizes[i] * counts[i] for i in written),
-        )
-        return [to_status(s) for s in statuses]
+        retry = [i for i in failed if statuses[i] in _SEGMENT_FAILED]
+        return statuses, retry, sum(sizes[i] * counts[i] for i in written)
 
     batch_put_from = batch_put
 
@@ -441,6 +470,7 @@ class Client(
             return self._connector(segment).write(ranges, crcs, caps=caps), crcs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
+            self._transport_failed(segment.name, exc)
             return [int(exc.status)] * len(ranges), crcs
 
     def _revoke(self, keys: list[str], put_id: int) -> None:
@@ -518,6 +548,8 @@ class Client(
         segments = {s.segment_id: s for s in reply.segments}
         host = local_host_id()
         local = {s.segment_id for s in reply.segments if s.host_id == host}
+        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
+        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
 
         def same_host(position: int) -> bool:
             return reply.replica_segments[position] in local
@@ -533,10 +565,15 @@ class Client(
                 elif count == 1:
                     replicas[i] = [pos]
                 else:
-                    # DRAM before SSD, same-host replicas first (a memcpy instead of a socket), then in
-                    # the master's order.
+                    # Segments that just failed this client or are quarantined last, DRAM before SSD,
+                    # same-host replicas first (a memcpy instead of a socket), then in the master's order.
                     replicas[i] = sorted(
-                        range(pos, pos + count), key=lambda j: (reply.replica_tiers[j] != pb.DRAM, not same_host(j))
+                        range(pos, pos + count),
+                        key=lambda j: (
+                            reply.replica_segments[j] in shunned,
+                            reply.replica_tiers[j] != pb.DRAM,
+                            not same_host(j),
+                        ),
                     )
             pos += count
         attempt = 0
@@ -600,6 +637,7 @@ class Client(
         self._done_leases.add(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
+        self._report_failures()
         hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
         self._count(
             gets=len(keys),
@@ -610,30 +648,6 @@ class Client(
             **verified,
         )
         return out
-
-    def _report_corrupt(
-        self, keys: Sequence[str], reply: pb.GetReplicasResponse, corrupt: list[tuple[int, int]]
-    ) -> None:
-        """Tell the master which copies failed verification, so it drops them (kvtier.master.corrupt)
-        and the next put of the key writes it anew. Best effort: one call, bounded by the client's
-        timeout, never raising; the reads stay misses (or the other replica's bytes) either way."""
-        names = {s.segment_id: s.name for s in reply.segments}
-        request = pb.ReportCorruptRequest(
-            namespace=self.namespace,
-            keys=[keys[i] for i, _ in corrupt],
-            segment_ids=[reply.replica_segments[j] for _, j in corrupt],
-            tiers=[reply.replica_tiers[j] for _, j in corrupt],
-            offsets=[reply.replica_offsets[j] for _, j in corrupt],
-            checksums=[reply.checksums[i] for i, _ in corrupt],
-            segment_names=[names.get(reply.replica_segments[j], "") for _, j in corrupt],
-        )
-        try:
-            statuses = self._master.call("ReportCorrupt", request).statuses
-        except Exception as exc:  # noqa: BLE001 - a report must never turn a miss into an error
-            logger.warning("reporting %d corrupt copies to the master failed: %s", len(corrupt), exc)
-            self._count(corrupt_reports_failed=len(corrupt))
-            return
-        self._count(corrupt_reported=len(corrupt), corrupt_dropped=sum(1 for st in statuses if st == _OK))
 
     def _read_segment(
         self,
@@ -671,6 +685,7 @@ class Client(
             return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
+            self._transport_failed(segment.name, exc)
             return [int(exc.status)] * len(indices), crcs, ""
 
     # ------------------------------------------------------------------ presence

@@ -21,6 +21,10 @@ class ClientConfig:
     connector_idle_s: float = 60.0  # a segment connection (socket pool, mapping) unused this long is closed
     frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)
     transport: str = ""  # force a scheme ("tcp"); default from KVTIER_TRANSPORT, else best available
+    # A segment this client's transfers just failed on (kvtier.client.failures) is avoided by its
+    # puts this long; failures are reported to the master at most once per interval (quarantine).
+    avoid_failed_s: float = 10.0
+    failure_report_interval_s: float = 0.5
     # Credentials (docs/security.md); each defaults to its KVTIER_* variable: the cluster's or a
     # tenant's secret (a file, or KVTIER_SECRET itself), the principal it proves ("cluster", or the
     # tenant's name), and TLS to the master (the CA of its certificate; a client certificate for mTLS).

@@ -67,6 +67,7 @@ _TRACED = frozenset(
         pb.RemoveReplicasRequest,
         pb.RegisterInstanceRequest,
         pb.ReportCorruptRequest,
+        pb.SegmentFailuresRequest,
     )
 )
 

@@ -38,6 +38,12 @@ _SIMPLE = (
     ("checksum_mismatches", "kvtier_client_checksum_mismatches", "Copies whose bytes failed verification."),
     ("puts", "kvtier_client_puts", "Keys put."),
     ("put_failures", "kvtier_client_put_failures", "Keys whose put failed."),
+    ("put_retries", "kvtier_client_put_retries", "Keys placed once more after a write failed on its segment."),
+    (
+        "failure_reports",
+        "kvtier_client_segment_failure_reports",
+        "Reports of data-plane failures per segment sent to the master (quarantine).",
+    ),
     ("bytes_written", "kvtier_client_written_bytes", "Object bytes written (every replica)."),
     ("bytes_read", "kvtier_client_transferred_bytes", "Object bytes transferred to the client, verified or not."),
 )

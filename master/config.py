@@ -117,6 +117,14 @@ class MasterConfig:
     # allowing for the round trip: kvtier.master.clock_skew) takes no new objects until it is fixed;
     # its reads are still served. Below CLOCK_SKEW_MS (2 s), the margin grants are reused after.
     clock_skew_tolerance_s: float = 1.0
+    # Quarantine (kvtier.master.quarantine): data-plane failures that clients report on a segment,
+    # from at least quarantine_reporters clients, adding up to quarantine_failures within
+    # quarantine_window_s, put it in quarantine for quarantine_cooloff_s: placed on only where no
+    # other segment can take an object, its replicas read last. quarantine_failures = 0: off.
+    quarantine_failures: int = 3
+    quarantine_reporters: int = 1
+    quarantine_window_s: float = 30.0
+    quarantine_cooloff_s: float = 30.0
     etcd: str = ""  # HA: etcd://HOST:PORT[,HOST:PORT]/CLUSTER (CLUSTER = cluster_id) or HOST:PORT[,...]
     etcd_lease_ttl_s: float = 5.0  # leader lease; also how long a leader serves with etcd unreachable
     # A secured etcd (docs/security.md, "etcd"): TLS checked against this CA (PEM), this client
@@ -189,6 +197,8 @@ class MasterConfig:
             "recovery_timeout_s",
             "recovery_max_s",
             "clock_skew_tolerance_s",
+            "quarantine_window_s",
+            "quarantine_cooloff_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -222,6 +232,10 @@ class MasterConfig:
             raise ValueError(f"sweep_slice_ms must be positive, got {self.sweep_slice_ms}")
         if self.sweep_slice_objects < 1:
             raise ValueError(f"sweep_slice_objects must be at least 1, got {self.sweep_slice_objects}")
+        if self.quarantine_failures < 0:
+            raise ValueError(f"quarantine_failures must be >= 0 (0: quarantine off), got {self.quarantine_failures}")
+        if self.quarantine_reporters < 1:
+            raise ValueError(f"quarantine_reporters must be at least 1, got {self.quarantine_reporters}")
         if self.fence_max_keys < 0:
             raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:

@@ -118,9 +118,13 @@ class Drainer:
             if source is None:
                 continue
             holders = {replica_segment(r) for r in record.replicas}
+            # Quarantined segments last (kvtier.master.quarantine): the mover could not write there.
             candidates = sorted(
                 (s for s in targets if s.segment_id not in holders),
-                key=lambda s: s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
+                key=lambda s: (
+                    s.segment_id in state.quarantined_ids,
+                    s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
+                ),
             )
             target = None
             for candidate in candidates:

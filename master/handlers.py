@@ -123,12 +123,17 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
 
     def _endpoints(self, segment_ids: Iterable[int]) -> list[pb.SegmentEndpoint]:
         out = []
+        quarantined = self.state.quarantined_ids
         for segment_id in set(segment_ids):
             segment = self.state.segments.get(segment_id)
             if segment is not None:
                 out.append(
                     pb.SegmentEndpoint(
-                        segment_id=segment_id, name=segment.name, host_id=segment.host_id, endpoints=segment.endpoints
+                        segment_id=segment_id,
+                        name=segment.name,
+                        host_id=segment.host_id,
+                        endpoints=segment.endpoints,
+                        quarantined=segment_id in quarantined,
                     )
                 )
         return out

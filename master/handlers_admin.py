@@ -135,6 +135,7 @@ class AdminCalls:
     def Status(self, request):
         snap = self.state.snapshot()
         now = self.state.clock()
+        quarantine = self.state.quarantine
         segments = [
             pb.SegmentInfo(
                 segment_id=s.segment_id,
@@ -153,6 +154,8 @@ class AdminCalls:
                 offload=s.offload,
                 clock_skew_s=s.clock_skew_s,
                 clock_skewed=s.clock_skewed,
+                quarantined=quarantine.is_quarantined(s.name),
+                quarantine_left_s=quarantine.left_s(s.name),
                 **s.io_counters,
             )
             for s in snap.segments

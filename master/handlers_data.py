@@ -16,6 +16,10 @@ from kvtier.proto.frames import Op
 from kvtier.proto.keys import check_namespace
 from kvtier.proto.status import Status
 
+# Segments a PutStart may ask to avoid, and failure entries a report may carry: the rest is ignored
+# (a client tracks at most kvtier.client.failures.MAX_SEGMENTS).
+MAX_AVOID = 256
+
 
 class DataCalls:
     """Clients' RPCs; mixed into `MasterHandlers`, whose state and counters they use."""
@@ -63,6 +67,7 @@ class DataCalls:
             pin_ttl_s=request.pin_ttl_ms / 1000,
             preferred_segment=request.preferred_segment,
             client_host=request.client_host,
+            avoid_segments=frozenset(request.avoid_segments[:MAX_AVOID]),
         )
         started = self.state.clock()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
@@ -183,6 +188,13 @@ class DataCalls:
             for i, (key, segment_id, tier, offset, checksum) in enumerate(zip(request.keys, *columns, strict=True))
         ]
         return pb.KeyStatusResponse(status=Status.OK, statuses=self.state.corrupt.report(namespace, reports))
+
+    @rpc(pb.SegmentFailuresResponse)
+    def ReportSegmentFailures(self, request):
+        """Advice about segments clients cannot use (kvtier.master.quarantine): always OK."""
+        failures = [(f.segment, f.count, f.kind) for f in request.failures[:MAX_AVOID]]
+        quarantined = self.state.report_segment_failures(failures, request.reporter[:64])
+        return pb.SegmentFailuresResponse(status=Status.OK, quarantined=quarantined)
 
     @rpc(pb.RemoveResponse)
     def RemovePrefix(self, request):

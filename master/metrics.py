@@ -44,8 +44,9 @@ class _Snapshot:
     objects: int
     pending: int
     # (name, state, dram capacity, dram used, objects, ssd capacity, ssd used, ssd objects, age,
-    # clock skew in seconds, skewed)
+    # clock skew in seconds, skewed, quarantined)
     segments: list[tuple]
+    failure_reports: dict[tuple[str, str], int]  # (segment, kind) -> failures clients reported
     evictions: dict[str, tuple[int, int]]
     corrupt: dict[str, int]  # replicas dropped on readers' reports, by tier
     corrupt_stale: int
@@ -103,9 +104,11 @@ class MasterCollector(Collector):
                     now - s.last_heartbeat,
                     s.clock_skew_s,
                     s.clock_skewed,
+                    state.quarantine.is_quarantined(s.name),
                 )
                 for s in snap.segments
             ],
+            failure_reports=dict(state.quarantine.reported),
             evictions={reason: (objects, size) for reason, (objects, size) in state.evictions.items()},
             corrupt=dict(state.corrupt.dropped),
             corrupt_stale=state.corrupt.stale,
@@ -196,6 +199,12 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "1 while the segment's clock is beyond clock_skew_tolerance_s (out of placement).",
         labels=["segment"],
     )
+    in_quarantine = GaugeMetricFamily(
+        "kvtier_master_segment_quarantined",
+        "1 while the segment is in quarantine (clients reported repeated data-plane failures): placed on "
+        "last, read last.",
+        labels=["segment"],
+    )
     for (
         name,
         seg_state,
@@ -208,7 +217,9 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         heartbeat,
         clock_skew,
         clock_skewed,
+        quarantined,
     ) in s.segments:
+        in_quarantine.add_metric([name], 1 if quarantined else 0)
         skew.add_metric([name], clock_skew)
         skewed.add_metric([name], 1 if clock_skewed else 0)
         capacity.add_metric([name, "dram"], dram_cap)
@@ -220,7 +231,16 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
             copies.add_metric([name, "ssd"], ssd_objects)
         age.add_metric([name], heartbeat)
         state.add_metric([name, seg_state.lower()], 1)
-    yield from (capacity, used, copies, age, state, skew, skewed)
+    yield from (capacity, used, copies, age, state, skew, skewed, in_quarantine)
+    reports = CounterMetricFamily(
+        "kvtier_master_segment_failure_reports",
+        "Data-plane failures clients reported on the segment (ReportSegmentFailures), by kind: connect, "
+        "timeout, transfer, other.",
+        labels=["segment", "kind"],
+    )
+    for (segment, kind), count in sorted(s.failure_reports.items()):
+        reports.add_metric([segment, kind], count)
+    yield reports
     evicted = CounterMetricFamily("kvtier_master_evictions", "Objects evicted, by reason.", labels=["reason"])
     evicted_bytes = CounterMetricFamily("kvtier_master_evicted_bytes", "Bytes evicted, by reason.", labels=["reason"])
     for reason, (count, size) in sorted(s.evictions.items()):

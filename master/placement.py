@@ -1,16 +1,23 @@
 """Placement: which segments get a new object's replicas, and making room there.
 
 Functions over `MasterState`'s tables through its public methods (same owner,
-same thread); split out of state.py to keep each module readable. Preference per key: segments heard
-from lately (a segment whose heartbeats stopped ranks last), the put's
-preferred segment, then segments on the writer's host, then the highest free
-ratio; replicas on distinct segments, on distinct hosts first. When nothing
-fits, LRU eviction on the most preferred segment that could hold the range,
-only where it will work (a refused put must not destroy anything).
+same thread); split out of state.py to keep each module readable. Preference per key: segments
+writers can likely reach first, the put's preferred segment, then segments on the writer's host,
+then the highest free ratio; replicas on distinct segments, on distinct hosts first. When nothing
+fits, LRU eviction on the most preferred segment that could hold the range, only where it will
+work (a refused put must not destroy anything).
+
+"Likely reachable" excludes (shuns) a segment whose heartbeats stopped, one in quarantine
+(kvtier.master.quarantine: clients reported it failing) and one the writer itself just failed on
+(PutStartRequest.avoid_segments). A shunned segment is a last resort, tried only once no other
+segment can take the range, eviction included: a write sent there would most likely hang until
+the writer's timeout, which costs more than an evicted object's recompute. Not excluded outright:
+a false alarm (or a cluster of one segment) must not refuse every put.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from kvtier.master.eviction import pick_victims
@@ -24,16 +31,19 @@ REDUNDANT_SCAN = 4096  # records looked at for redundant copies before plain LRU
 
 
 def static_rank(
-    active: list[SegmentRecord], options: PutOptions, silent_since: float = float("-inf")
+    active: list[SegmentRecord],
+    options: PutOptions,
+    silent_since: float = float("-inf"),
+    quarantined: Container[str] = frozenset(),
 ) -> dict[int, tuple[bool, bool, bool]]:
-    """The batch-constant part of placement preference: heard from lately, preferred segment, then
-    the writer's host. A segment whose last heartbeat is older than `silent_since` (cut off, frozen:
-    the master expels it only at segment_ttl_s) ranks last, even when preferred: a write sent there
-    would most likely hang until the client's timeout, so it takes new objects only where no other
-    segment can."""
+    """The batch-constant part of placement preference: not shunned, preferred segment, then the
+    writer's host. Shunned (see the module docstring), even when preferred: a segment whose last
+    heartbeat is older than `silent_since` (cut off, frozen: the master expels it only at
+    segment_ttl_s), one in `quarantined`, one in the put's `avoid_segments`."""
+    avoid = options.avoid_segments
     return {
         s.segment_id: (
-            s.last_heartbeat < silent_since,
+            s.last_heartbeat < silent_since or s.name in quarantined or s.name in avoid,
             s.name != options.preferred_segment,
             not options.client_host or s.host_id != options.client_host,
         )
@@ -69,7 +79,11 @@ def place(
     for _ in range(replicas):
         fresh_host = [s for s in order if s.segment_id not in used_segments and s.host_id not in used_hosts]
         others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
-        segment, offset = allocate_on(state, fresh_host + others, size)
+        candidates = fresh_host + others
+        # Shunned segments only once the others cannot take the range even by eviction.
+        segment, offset = allocate_on(state, [s for s in candidates if not static[s.segment_id][0]], size)
+        if segment is None:
+            segment, offset = allocate_on(state, [s for s in candidates if static[s.segment_id][0]], size)
         if segment is None:
             state.release_ranges(placed, size)
             return None

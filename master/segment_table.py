@@ -106,6 +106,8 @@ class SegmentTable:
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
+        if self.quarantine.is_quarantined(name):  # by name: a re-mount is not a cure
+            self.refresh_quarantine()
         self.tiering.mounted(segment)
         self.commits.mounted(segment.segment_id, keeps_index=inventory)
         self.saved_state_stale = True
@@ -180,6 +182,23 @@ class SegmentTable:
                 )
             else:
                 logger.info("segment clock fixed name=%s skew_s=%.3f: placed on again", segment.name, reading.skew_s)
+
+    def report_segment_failures(self, failures: Sequence[tuple[str, int, str]], reporter: str) -> list[str]:
+        """A client's data-plane failures, (segment name, count, kind) each (kvtier.master.quarantine).
+        Names not mounted are ignored (a late report about a segment gone, or made up). The names of
+        the reported segments now in quarantine."""
+        quarantined = []
+        for name, count, kind in failures:
+            if name in self._segments_by_name and self.quarantine.report(name, count, kind, reporter):
+                quarantined.append(name)
+        if quarantined:  # kept in memory only: a restarted master starts without (it is advice)
+            self.refresh_quarantine()
+        return quarantined
+
+    def refresh_quarantine(self) -> None:
+        """The ids of the mounted segments in quarantine, after it changed."""
+        by_name = self._segments_by_name
+        self.quarantined_ids = {by_name[n] for n in self.quarantine.names if n in by_name}
 
     def drop_segment(self, segment_id: int, reason: str) -> None:
         """Forget a mounted segment and every replica on it (objects left without one go); an

@@ -61,6 +61,7 @@ from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
 from kvtier.master.placement import place, static_rank
+from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.records import (
     OFFSET_MASK,
@@ -140,6 +141,8 @@ class MasterState(SegmentTable):
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
+        self.quarantine = Quarantine.of(config, clock)  # segments clients cannot use (kvtier.master.quarantine)
+        self.quarantined_ids: set[int] = set()  # mounted segments in quarantine: their replicas read last
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
         # Segments mounted and instances registered changed since the server last saved them.
@@ -221,7 +224,7 @@ class MasterState(SegmentTable):
         alignment = self.config.alignment
         active = [s for s in self.segments.values() if s.placeable]
         largest = max((s.capacity for s in active), default=0)
-        static = static_rank(active, options, now - self.config.segment_suspect_s)
+        static = static_rank(active, options, now - self.config.segment_suspect_s, self.quarantine.names)
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
@@ -385,8 +388,7 @@ class MasterState(SegmentTable):
         disk_only = self._disk_only
         not_found = int(Status.NOT_FOUND)
         leased: list[ObjectRecord] | None = [] if releasable else None
-        leases = self.leases
-        sweeps = self.sweeps
+        leases, sweeps, shunned = self.leases, self.sweeps, self.quarantined_ids
         # lru: a read moves the record to the most recently used end (inlined: hot); others count it
         lru, touched = self.policy.name == "lru", self.policy.touched
         for key in keys:
@@ -422,6 +424,8 @@ class MasterState(SegmentTable):
             sizes.append(record.size)
             checksums.append(record.checksum)
             replicas = record.replicas
+            if shunned and len(replicas) > 1:  # copies on quarantined segments last: read if others fail
+                replicas = sorted(replicas, key=lambda p: p >> SEGMENT_SHIFT in shunned)
             counts.append(len(replicas))
             in_dram = False
             for packed in replicas:
@@ -685,6 +689,8 @@ class MasterState(SegmentTable):
                 segment.allocator.release(offset, size)
         self.drainer.tick(now)
         self.tiering.tick(now)
+        if self.quarantine.expire():
+            self.refresh_quarantine()
         self.recovery.check(now, mid_inventory=self.mid_inventory())
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         offload_at = self.config.offload_watermark

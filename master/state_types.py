@@ -73,6 +73,8 @@ class PutOptions:
     pin_ttl_s: float = 0.0  # PIN_SOFT lifetime; 0 = config.soft_pin_ttl_s
     preferred_segment: str = ""
     client_host: str = ""  # host id of the writer: same-host segments are preferred
+    # Segments the writer's transfers just failed on (names): placed on only where nothing else fits.
+    avoid_segments: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)

@@ -75,16 +75,18 @@ class HelloResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., fast_endpoint: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class SegmentEndpoint(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "quarantined")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     name: str
     host_id: str
     endpoints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
+    quarantined: bool
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
     __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms")
@@ -189,7 +191,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id")
+    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id", "avoid_segments")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class PutStartRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AVOID_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -216,7 +219,8 @@ class PutStartRequest(_message.Message):
     wait_ms: int
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., wait_ms: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    avoid_segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., wait_ms: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., avoid_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id", "replica_tags", "tag_expiry_ms")
@@ -553,7 +557,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "clock_skew_s", "clock_skewed")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "clock_skew_s", "clock_skewed", "quarantined", "quarantine_left_s")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +578,8 @@ class SegmentInfo(_message.Message):
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEW_S_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEWED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     name: str
     host_id: str
@@ -594,7 +600,9 @@ class SegmentInfo(_message.Message):
     ssd_bytes_offloaded: int
     clock_skew_s: float
     clock_skewed: bool
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ...) -> None: ...
+    quarantined: bool
+    quarantine_left_s: float
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., quarantine_left_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only", "eviction_policy")
@@ -941,3 +949,33 @@ class RemoveReplicasRequest(_message.Message):
     allow_last: bool
     request_id: int
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., segment: _Optional[str] = ..., allow_last: _Optional[bool] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class SegmentFailure(_message.Message):
+    __slots__ = ("segment", "count", "kind")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    count: int
+    kind: str
+    def __init__(self, segment: _Optional[str] = ..., count: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class SegmentFailuresRequest(_message.Message):
+    __slots__ = ("failures", "reporter", "request_id")
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    failures: _containers.RepeatedCompositeFieldContainer[SegmentFailure]
+    reporter: str
+    request_id: int
+    def __init__(self, failures: _Optional[_Iterable[_Union[SegmentFailure, _Mapping]]] = ..., reporter: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class SegmentFailuresResponse(_message.Message):
+    __slots__ = ("status", "error", "quarantined")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    quarantined: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., quarantined: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -169,6 +169,11 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
                 _registered_method=True)
+        self.ReportSegmentFailures = channel.unary_unary(
+                '/kvtier.v1.Master/ReportSegmentFailures',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -371,6 +376,16 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportSegmentFailures(self, request, context):
+        """A client's data-plane failures per segment since its last report (batched, at most one report
+        per client every few hundred ms): enough of them within the master's quarantine_window_s put
+        the segment in quarantine (kvtier.master.quarantine). Reports about names not mounted are
+        ignored. Always OK: a report is advice, never a request that can fail a caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -508,6 +523,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.RemoveReplicas,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.SerializeToString,
+            ),
+            'ReportSegmentFailures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSegmentFailures,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1239,6 +1259,33 @@ class Master:
             '/kvtier.v1.Master/RemoveReplicas',
             kvtier_dot_proto_dot_master__pb2.RemoveReplicasRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.KeyStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSegmentFailures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/ReportSegmentFailures',
+            kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.FromString,
             options,
             channel_credentials,
             insecure,

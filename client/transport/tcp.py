@@ -14,11 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.failures import Refused, failure_kind
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, recv_exact_into_all, send_all
 from kvtier.client.transport.base import Buffer, Caps, DiskItem
 from kvtier.common.logs import request_id as current_request_id
@@ -40,6 +41,8 @@ _MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the tra
 class TcpConnector:
     scheme = "tcp"
     reads_disk = True  # a DiskConnector (kvtier.client.transport.base): the segment streams its SSD records
+    # Told the kind of every failed transfer (kvtier.client.failures), set by the client that owns it.
+    on_failure: Callable[[str], None] | None = None
 
     def __init__(self, endpoint: str, config: ClientConfig) -> None:
         self.endpoint = endpoint
@@ -71,7 +74,7 @@ class TcpConnector:
         recv_exact_into(sock, memoryview(header))
         magic, version, _op, rid, status, _flags, payload_len = frames.RESPONSE.unpack(header)
         if magic == frames.MAGIC and rid == 0 and status == _TOO_MANY:  # refused at connect
-            raise ConnectError(f"segment {self.endpoint}: {self._error_message(sock, payload_len)}")
+            raise Refused(f"segment {self.endpoint}: {self._error_message(sock, payload_len)}")
         if magic != frames.MAGIC or version != frames.VERSION or rid != request_id:
             raise ProtocolError(f"bad response from {self.endpoint}: magic={magic:#x} request={rid}/{request_id}")
         return status, payload_len
@@ -176,9 +179,16 @@ class TcpConnector:
                         results[start:end] = [_OK] * (end - start)
         except (ConnectError, ReadError, ProtocolError) as exc:
             logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc.message)
+            self._failed(exc)
         except OSError as exc:  # timeouts (EAGAIN), resets, broken pipes
             logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc)
+            self._failed(exc)
         return results
+
+    def _failed(self, exc: BaseException) -> None:
+        kind = failure_kind(exc)
+        if kind is not None and self.on_failure is not None:
+            self.on_failure(kind)
 
     @staticmethod
     def _receive_small(
@@ -270,6 +280,8 @@ class TcpConnector:
                         results[i] = item_status
         except (ConnectError, ReadError, ProtocolError) as exc:
             logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc.message)
+            self._failed(exc)
         except OSError as exc:
             logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc)
+            self._failed(exc)
         return results

@@ -31,6 +31,7 @@ REQUIRED = {
     "frequent leader changes": "KvtierFrequentLeaderChanges",
     "segment down": "KvtierSegmentDown",
     "segment expelled": "KvtierSegmentExpelled",
+    "segment quarantined (issue 21)": "KvtierSegmentQuarantined",
     "DRAM nearly full": "KvtierDramNearlyFull",
     "sustained eviction": "KvtierSustainedEviction",
     "checksum mismatches": "KvtierChecksumMismatch",
