@@ -33,7 +33,7 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
   `discard(name, forget_disk=...)`;
 - ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
-- segments: `drop_segment(segment_id, reason)`, `mid_inventory()`;
+- segments (the SegmentTable mixin): `drop_segment(segment_id, reason)`, `mid_inventory()`, `forgive_deafness(gap_s)`;
 - names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
   `visible(name)`, `start_remove_prefix(namespace, prefix)`, `sweep(budget, max_s)`.
 
@@ -701,17 +701,6 @@ class MasterState(SegmentTable):
                 # Copy LRU objects to SSD ahead of need (they keep their DRAM copy), so eviction
                 # later drops copies already safe instead of objects only DRAM held.
                 self.pressure.feed(segment)
-
-    def forgive_deafness(self, gap_s: float) -> None:
-        """The master did not run for `gap_s` (SIGSTOP, a stalled loop, a suspended VM): it heard
-        nobody meanwhile, their heartbeats and polls sit unread in its sockets. Silence counts only
-        while it listened, so every segment is credited the gap; otherwise the first tick after a long
-        stop would expel every segment before reading what they sent, their objects lost to a pause of
-        the master's own. The ticker (kvtier.master.server) measures the gap."""
-        logger.warning("master was not running for %.1fs: segments are not counted silent for it", gap_s)
-        for segment in self.segments.values():
-            segment.last_heartbeat += gap_s
-        self.commits.forgive(gap_s)
 
     def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
         """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
