@@ -95,6 +95,10 @@ class MasterConfig:
     promotion_budget: str = "256MiB"
     alignment: int = 64  # allocation granularity inside a region, bytes
     tick_interval_s: float = 0.2  # how often expiry and reclaim run
+    # Freeze the garbage collector's view of long-lived objects (master/long_lived.py) once the master
+    # holds this many objects, and again at each 25% growth: full collections stop walking millions of
+    # records on the event loop. 0 = never.
+    gc_freeze_min_objects: int = 200_000
     # A prefix removal or a dead segment's cleanup runs in slices of the event loop, requests served
     # between them (master/sweeps.py): a slice visits at most this many object names and lasts at
     # most this long. Smaller: shorter waits for requests, longer sweeps.
@@ -236,6 +240,8 @@ class MasterConfig:
             raise ValueError(f"quarantine_failures must be >= 0 (0: quarantine off), got {self.quarantine_failures}")
         if self.quarantine_reporters < 1:
             raise ValueError(f"quarantine_reporters must be at least 1, got {self.quarantine_reporters}")
+        if self.gc_freeze_min_objects < 0:
+            raise ValueError(f"gc_freeze_min_objects must be >= 0 (0: never), got {self.gc_freeze_min_objects}")
         if self.fence_max_keys < 0:
             raise ValueError(f"fence_max_keys must be >= 0, got {self.fence_max_keys}")
         if self.max_batch_keys < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -139,6 +140,11 @@ class MasterCollector(Collector):
             logger.warning("metrics scrape: no snapshot from the event loop (%s)", exc)
             return
         yield from _families(snap)
+        yield GaugeMetricFamily(
+            "kvtier_master_gc_frozen_objects",
+            "Objects moved to the garbage collector's permanent generation (kvtier.master.long_lived).",
+            value=gc.get_freeze_count(),
+        )
 
 
 def _families(s: _Snapshot) -> Iterable[Metric]:

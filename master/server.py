@@ -39,6 +39,7 @@ from kvtier.master.commit_wait import CommitWaiter
 from kvtier.master.config import MasterConfig
 from kvtier.master.fastpath import FastPathLimits, start_fast_path
 from kvtier.master.handlers import MasterHandlers
+from kvtier.master.long_lived import LongLivedFreezer
 from kvtier.master.persist import (
     FileStateStore,
     NoStateStore,
@@ -402,6 +403,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
 
+    freezer = LongLivedFreezer(minimum=config.gc_freeze_min_objects)
+
     async def ticker() -> None:
         while True:
             before = time.monotonic()
@@ -414,6 +417,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 if deaf_s > config.segment_ttl_s / 4:
                     handlers.state.forgive_deafness(deaf_s)
                 handlers.state.tick()
+                freezer.observe(handlers.state.object_count)
                 if handlers.state.saved_state_stale:
                     asyncio.create_task(roles.save())
             except Exception:  # a bug here must not stop expiry forever

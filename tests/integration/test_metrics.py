@@ -4,6 +4,7 @@ and honest about what a "hit" is."""
 from __future__ import annotations
 
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -169,3 +170,17 @@ def test_health_and_readiness_probes_follow_the_service_state(bare_cluster, tmp_
     code, reason = probe(segment_http, "/readyz")
     assert "no heartbeat answered" in reason or "not mounted" in reason, reason
     assert probe(segment_http, "/healthz")[0] == 200
+
+
+def test_the_master_freezes_its_long_lived_records_once_it_holds_enough(bare_cluster):
+    bare_cluster.start_master("--metrics", "127.0.0.1:0", "--gc-freeze-min-objects", "300")
+    bare_cluster.start_segment("seg0", "16MiB")
+    client = bare_cluster.client()
+    master_http = bare_cluster.master.info["metrics"]
+    assert not any(client.batch_put([f"few/{i}" for i in range(100)], [b"x"] * 100))
+    time.sleep(0.5)  # a few of the master's ticks (0.2 s): under the minimum, nothing is frozen
+    assert value(scrape(master_http), "kvtier_master_gc_frozen_objects") == 0
+    assert not any(client.batch_put([f"many/{i}" for i in range(300)], [b"x"] * 300))
+    assert bare_cluster.wait_for(
+        lambda: value(scrape(master_http), "kvtier_master_gc_frozen_objects") >= 400, timeout=10
+    )
