@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.events import EventWatching
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
@@ -116,7 +117,9 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
-class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tensors; list_keys/stat: client.keys
+class Client(
+    TensorMixin, KeyInspection, EventWatching
+):  # put_tensor/get_tensor: client.tensors; list_keys/stat: client.keys
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or

@@ -307,6 +307,14 @@ class MasterClient:
                     raise KvtierError(_DENIED[code], f"{method}: {details}") from None
                 raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {details}") from None
 
+    def stream(self, method: str, request: Any) -> Any:
+        """A server-streaming call to the current leader, no deadline: its response iterator
+        (cancel() ends it). Not retried: the caller resumes from what it saw."""
+        try:
+            return getattr(self._grpc_stub(), method)(request)
+        except grpc.RpcError as exc:
+            raise ConnectError(f"{method}: master {self.address or self.spec}: {exc.details()}") from None
+
     @staticmethod
     def _check(method: str, reply: Any) -> Any:
         status = getattr(reply, "status", 0)

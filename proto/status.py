@@ -51,6 +51,12 @@ _GRPC_BY_NAME = {
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "CAPABILITY_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "TOO_MANY_CONNECTIONS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "WATCH_CUT_SLOW": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "WATCH_MISSED": grpc.StatusCode.OUT_OF_RANGE,
+    "WATCH_EPOCH_CHANGED": grpc.StatusCode.FAILED_PRECONDITION,
+    "TOO_MANY_WATCHERS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "EVENTS_DISABLED": grpc.StatusCode.FAILED_PRECONDITION,
+    "WATCH_CLOSED": grpc.StatusCode.UNAVAILABLE,
 }
 
 GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}

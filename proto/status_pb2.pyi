@@ -35,6 +35,12 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PERMISSION_DENIED: _ClassVar[Status]
     CAPABILITY_DENIED: _ClassVar[Status]
     TOO_MANY_CONNECTIONS: _ClassVar[Status]
+    WATCH_CUT_SLOW: _ClassVar[Status]
+    WATCH_MISSED: _ClassVar[Status]
+    WATCH_EPOCH_CHANGED: _ClassVar[Status]
+    TOO_MANY_WATCHERS: _ClassVar[Status]
+    EVENTS_DISABLED: _ClassVar[Status]
+    WATCH_CLOSED: _ClassVar[Status]
 OK: Status
 INTERNAL: Status
 INVALID_ARGUMENT: Status
@@ -64,3 +70,9 @@ UNAUTHENTICATED: Status
 PERMISSION_DENIED: Status
 CAPABILITY_DENIED: Status
 TOO_MANY_CONNECTIONS: Status
+WATCH_CUT_SLOW: Status
+WATCH_MISSED: Status
+WATCH_EPOCH_CHANGED: Status
+TOO_MANY_WATCHERS: Status
+EVENTS_DISABLED: Status
+WATCH_CLOSED: Status
