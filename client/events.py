@@ -29,6 +29,7 @@ from kvtier.proto.status import Status, to_status
 if TYPE_CHECKING:
     from kvtier.client.master import MasterClient
 
+EPOCH_HEADER, START_HEADER = "kvtier-epoch", "kvtier-start-seq"  # kvtier.master.event_stream
 KINDS = {pb.STORED: "stored", pb.REMOVED: "removed", pb.EVICTED: "evicted", pb.TIER_CHANGED: "tier_changed"}
 KIND_VALUES = {name: value for value, name in KINDS.items()}
 
@@ -79,8 +80,14 @@ class EventStream:
     def __init__(self, calls: Any) -> None:
         self._calls = calls  # the gRPC response iterator (also the call: cancel())
         self._closed = threading.Event()
-        self.epoch = 0  # of the events seen (0 = none yet)
-        self.last_seq = 0  # the last event's seq: resume with since=last_seq + 1, epoch=epoch
+        self.epoch = 0  # the master epoch of this stream (0 = refused)
+        self.last_seq = 0  # the last event's seq (or the one before the first): resume from +1
+        # Blocks until the master subscribed the watcher (or refused: then next() raises): from
+        # here on, every event published is in this stream.
+        headers = dict(calls.initial_metadata() or ())
+        if EPOCH_HEADER in headers:
+            self.epoch = int(headers[EPOCH_HEADER])
+            self.last_seq = int(headers[START_HEADER]) - 1
 
     def __iter__(self) -> Iterator[Event]:
         return self
@@ -135,7 +142,9 @@ class EventWatching:
         `all_namespaces`: cluster credentials only), of `kinds` ("stored", "removed", "evicted",
         "tier_changed"; None = all). `since` 0: from now on; N: every event from seq N on that the
         master still holds, N a seq of master epoch `epoch` (both from an earlier stream).
-        Refusals raise `WatchEnded` on the first `next()`; see the module docstring."""
+        Returns once the master subscribed it: every event published afterwards is in the stream
+        (subscribe, then list the keys, and nothing falls between). Refusals raise `WatchEnded`
+        on the first `next()`; see the module docstring."""
         values = []
         for kind in kinds or ():
             if kind not in KIND_VALUES:

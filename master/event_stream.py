@@ -21,6 +21,8 @@ from kvtier.proto.keys import split_name
 from kvtier.proto.status import Status
 
 TAKE = 256  # events taken from the ring per turn; gRPC's flow control paces the writes
+# Initial metadata of a subscribed stream: the master epoch and the first seq it will look at.
+EPOCH_HEADER, START_HEADER = "kvtier-epoch", "kvtier-start-seq"
 
 
 def end_message(status: int, words: str, epoch: int) -> Any:

@@ -98,6 +98,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if watcher is None:
             yield event_stream.end_message(reply.status, reply.error, handlers.epoch)
             return
+        # Subscribed: the client's watch_events returns once it has this, so whatever is published
+        # after it returned is in its stream (a router can subscribe, then list, and miss nothing).
+        await context.send_initial_metadata(
+            ((event_stream.EPOCH_HEADER, str(handlers.epoch)), (event_stream.START_HEADER, str(watcher.cursor)))
+        )
         segments = handlers.state.segments
 
         def segment_name(segment_id: int) -> str:
