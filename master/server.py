@@ -430,4 +430,5 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         await loop.run_in_executor(None, election.stop)
     if fast_server is not None:
         fast_server.close()
+    handlers.state.events.close("the master is stopping: reconnect (to the next leader)")  # streams end in the grace
     await server.stop(grace=1.0)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import queue
+import signal
 import subprocess
 import sys
 import threading
 
 import pytest
 
-from kvtier.client import Client, Event, EventStream, Status, WatchEnded
+from kvtier.client import Client, ConnectError, Event, EventStream, Status, WatchEnded
 from tests.cluster import Cluster
 
 WAIT_S = 20.0  # a stream that says nothing this long is broken
@@ -305,3 +306,28 @@ def test_watchers_are_bounded(bare_cluster: Cluster):
 
     assert bare_cluster.wait_for(subscribes)
     b.close()
+
+
+def test_a_master_restart_breaks_the_stream_and_its_seqs_are_refused_after(bare_cluster: Cluster):
+    bare_cluster.start_master()
+    bare_cluster.start_segment("seg0")
+    client = bare_cluster.client()
+    reader = Reader(client.watch_events())
+    client.put("before", b"b")
+    [seen] = reader.take(1)
+    bare_cluster.restart_master()
+    broken = reader._queue.get(timeout=WAIT_S)
+    assert isinstance(broken, ConnectError), repr(broken)
+    assert bare_cluster.wait_for(lambda: client.exists("before"), timeout=WAIT_S), "the segment's objects come back"
+    with pytest.raises(WatchEnded) as refused:
+        next(client.watch_events(since=seen.seq + 1, epoch=seen.epoch))
+    assert refused.value.status == Status.WATCH_EPOCH_CHANGED
+    with client.watch_events() as fresh:
+        assert fresh.epoch > seen.epoch  # a new epoch: the router resyncs, then follows this stream
+
+
+def test_a_stopping_master_ends_its_streams_with_the_reason(cluster: Cluster):
+    reader = Reader(cluster.client().watch_events())
+    cluster.kill(cluster.master, signal.SIGTERM)
+    ended = reader.end()
+    assert ended.status == Status.WATCH_CLOSED and "stopping" in ended.message
