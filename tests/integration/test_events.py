@@ -18,6 +18,7 @@ import pytest
 
 from kvtier.client import Client, ConnectError, Event, EventStream, Status, WatchEnded
 from tests.cluster import Cluster
+from tests.integration.test_metrics import scrape, value
 
 WAIT_S = 20.0  # a stream that says nothing this long is broken
 
@@ -148,7 +149,9 @@ def test_resume_from_since_gets_exactly_the_missed_events(cluster: Cluster):
 
 
 def test_since_older_than_the_buffer_is_told_the_oldest_seq_held(bare_cluster: Cluster):
-    bare_cluster.start_master("--events-buffer", "16", "--events-watcher-queue", "16")
+    master = bare_cluster.start_master(
+        "--events-buffer", "16", "--events-watcher-queue", "16", "--metrics", "127.0.0.1:0"
+    )
     bare_cluster.start_segment("seg0")
     client = bare_cluster.client()
     probe = Reader(client.watch_events())
@@ -169,6 +172,11 @@ def test_since_older_than_the_buffer_is_told_the_oldest_seq_held(bare_cluster: C
     assert [e.key for e in events] == keys[-16:]
     client.put("marker", b"m")
     assert kinds_keys(held.take(1)) == [("stored", "marker")], "exactly the held ones, then live"
+    samples = scrape(master.info["metrics"])
+    assert value(samples, "kvtier_master_events_buffered") == 16, "the ring holds events_buffer, no more"
+    assert value(samples, "kvtier_master_events_published_total", kind="STORED") == 42
+    assert value(samples, "kvtier_master_event_watchers") == 1
+    assert value(samples, "kvtier_master_event_watchers_cut_total", reason="missed") == 1
     held.stream.close()
 
 
