@@ -34,6 +34,15 @@ KINDS = {pb.STORED: "stored", pb.REMOVED: "removed", pb.EVICTED: "evicted", pb.T
 KIND_VALUES = {name: value for value, name in KINDS.items()}
 
 
+# Refused before the handler (kvtier.master.auth's interceptor, an undecodable request).
+_GRPC_STATUS = {
+    grpc.StatusCode.UNAUTHENTICATED: Status.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: Status.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT: Status.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Status.TOO_MANY_CONNECTIONS,
+}
+
+
 class WatchEnded(KvtierError):
     """The master ended (or refused) the event stream; `status` says why, the message in words."""
 
@@ -100,9 +109,11 @@ class EventStream:
         except grpc.RpcError as exc:
             if self._closed.is_set():
                 raise StopIteration from None
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
                 raise ConnectError(f"WatchEvents: master unavailable: {exc.details()}") from None
-            raise KvtierError(Status.INTERNAL, f"WatchEvents: {exc.code().name}: {exc.details()}") from None
+            status = _GRPC_STATUS.get(code, Status.INTERNAL)
+            raise WatchEnded(status, f"WatchEvents: {code.name}: {exc.details()}") from None
         if message.kind == pb.EVENT_END or message.status:
             self.close()
             raise WatchEnded(to_status(message.status), message.error)

@@ -339,3 +339,42 @@ def test_a_stopping_master_ends_its_streams_with_the_reason(cluster: Cluster):
     cluster.kill(cluster.master, signal.SIGTERM)
     ended = reader.end()
     assert ended.status == Status.WATCH_CLOSED and "stopping" in ended.message
+
+
+def test_a_tenant_watches_its_own_namespaces_only(bare_cluster: Cluster, tmp_path):
+    from tests.integration.test_security import secret_file
+
+    bare_cluster.secret_file = secret_file(tmp_path, "cluster.secret")
+    alice = secret_file(tmp_path, "alice.secret", b"a" * 32)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\nsecret_file = "{alice}"\nnamespaces = ["alice-*"]\n')
+    bare_cluster.start_master("--tenants-file", str(tenants))
+    bare_cluster.start_segment("seg0", "16MiB")
+    tenant = Client(bare_cluster.master_address, namespace="alice-1", principal="alice", secret_file=alice, timeout=5.0)
+    anonymous = Client(bare_cluster.master_address, namespace="alice-1", timeout=5.0)
+    try:
+        reader = Reader(tenant.watch_events())
+        tenant.put("mine", b"m")
+        bare_cluster.client(namespace="bob-1").put("theirs", b"t")
+        tenant.put("mine2", b"m")
+        assert [(e.namespace, e.key) for e in reader.take(2)] == [("alice-1", "mine"), ("alice-1", "mine2")]
+        reader.stream.close()
+        for stream in (tenant.watch_events(all_namespaces=True), bare_cluster_watch(tenant, "bob-1")):
+            with pytest.raises(WatchEnded) as denied:
+                next(stream)
+            assert denied.value.status == Status.PERMISSION_DENIED
+        with pytest.raises(WatchEnded) as unauthenticated:
+            next(anonymous.watch_events())
+        assert unauthenticated.value.status == Status.UNAUTHENTICATED
+    finally:
+        tenant.close()
+        anonymous.close()
+
+
+def bare_cluster_watch(client: Client, namespace: str) -> EventStream:
+    """A stream of another namespace's events, asked with `client`'s credentials."""
+    saved, client.namespace = client.namespace, namespace
+    try:
+        return client.watch_events()
+    finally:
+        client.namespace = saved
