@@ -1,5 +1,5 @@
 """`kvtier events`: follow the master's event stream (WatchEvents; docs/events.md), one line per
-event (JSON lines with --json), until Ctrl-C. When the master ends the stream (cut for being slow,
+event (JSON lines with --json), until Ctrl-C (exit 0). When the master ends the stream (cut for being slow,
 events missed, refused) it says why on stderr and exits 1; --json also prints a last line
 {"end": STATUS, "error": ..., "epoch": E, "last_seq": N} on stdout, so a script can resume with
 `--since N+1 --epoch E`."""
@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import signal
 import sys
+import threading
 
 from kvtier.client.events import KIND_VALUES, Event, WatchEnded
 
@@ -48,24 +50,52 @@ def _line(event: Event) -> str:
 
 
 def cmd_events(opts: argparse.Namespace) -> int:
+    """Follow until Ctrl-C (exit 0) or until the master ends the stream (exit 1)."""
     from kvtier.client import Client
 
     if opts.since < 0 or opts.epoch < 0 or (opts.since and not opts.epoch):
         print("kvtier events: --since N needs --epoch E (both from an earlier event)", file=sys.stderr)
         return 2
-    with Client(opts.master, namespace=opts.namespace) as client:
-        stream = client.watch_events(
-            opts.prefix, opts.since, opts.kinds, epoch=opts.epoch, all_namespaces=opts.all_namespaces
-        )
-        try:
-            for event in stream:
-                print(json.dumps(event.to_dict()) if opts.json else _line(event), flush=True)
-        except WatchEnded as exc:
-            if opts.json:
-                end = {"end": exc.status.name, "error": exc.message, "epoch": stream.epoch, "last_seq": stream.last_seq}
-                print(json.dumps(end), flush=True)
-            print(f"kvtier events: stream ended: {exc}", file=sys.stderr)
-            return 1
-        finally:
+    # As in `kvtier top`: Ctrl-C sets a flag, never raises inside a gRPC call. The stream is read on
+    # a thread; the main thread waits for Ctrl-C or the stream's end, then closes it.
+    done = threading.Event()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGINT, lambda signum, frame: done.set()) if in_main_thread else None
+    outcome: list[BaseException | None] = []
+    try:
+        with Client(opts.master, namespace=opts.namespace) as client:
+            stream = client.watch_events(
+                opts.prefix, opts.since, opts.kinds, epoch=opts.epoch, all_namespaces=opts.all_namespaces
+            )
+
+            def follow() -> None:
+                try:
+                    for event in stream:
+                        print(json.dumps(event.to_dict()) if opts.json else _line(event), flush=True)
+                    outcome.append(None)
+                except BaseException as exc:  # noqa: BLE001 (reported by the main thread)
+                    outcome.append(exc)
+                finally:
+                    done.set()
+
+            reader = threading.Thread(target=follow, name="kvtier-events", daemon=True)
+            reader.start()
+            while not done.wait(0.5):
+                pass
             stream.close()
+            reader.join(5.0)
+    except KeyboardInterrupt:  # before the handler was installed, or outside the main thread
+        return 0
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
+    error = outcome[0] if outcome else None
+    if isinstance(error, WatchEnded):
+        if opts.json:
+            end = {"end": error.status.name, "error": error.message, "epoch": stream.epoch, "last_seq": stream.last_seq}
+            print(json.dumps(end), flush=True)
+        print(f"kvtier events: stream ended: {error}", file=sys.stderr)
+        return 1
+    if error is not None:
+        raise error  # main() reports it (master unreachable: exit 1)
     return 0

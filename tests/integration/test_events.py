@@ -281,9 +281,12 @@ def test_kvtier_events_json_lines_and_a_clear_end(cluster: Cluster):
         ]
         seqs = [first["seq"]] + [line["seq"] for line in lines]
         assert seqs == sorted(seqs)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the normal way to stop following
+        assert proc.wait(timeout=WAIT_S) == 0
     finally:
-        proc.terminate()
-        proc.wait(timeout=WAIT_S)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT_S)
         proc.stdout.close()
         proc.stderr.close()
     # Ended by the master: says why, non-zero exit, and a last JSON line to resume from.

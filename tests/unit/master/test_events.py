@@ -131,3 +131,20 @@ def test_a_standby_refuses_to_stream():
     reply = handlers.WatchEvents(pb.WatchEventsRequest())
     assert reply.status == Status.UNAVAILABLE and "leader=10.0.0.1:50051" in reply.error
     assert handlers.take_watcher() is None and handlers.state.events.watchers == 0
+
+
+def test_new_tables_close_the_old_tables_watchers_and_keep_the_totals():
+    from kvtier.master.commit_wait import CommitWaiter
+    from kvtier.master.servicer import MasterServicer
+
+    config = MasterConfig(cluster_id="t")
+    handlers = MasterHandlers(MasterState(config), epoch=7)
+    servicer = MasterServicer(handlers, CommitWaiter(handlers, 1.0))
+    assert handlers.WatchEvents(pb.WatchEventsRequest()).status == Status.OK
+    watcher = handlers.take_watcher()
+    old = handlers.state
+    old.events.stored([Record("n\x00k")])
+    new = MasterState(config)
+    servicer.attach(new)  # what Roles.lead and Roles.stand_by do before swapping the tables
+    assert watcher.end is not None and watcher.end[0] == Status.WATCH_CLOSED
+    assert new.events.published == {"STORED": 1} and new.events.cuts == {"closed": 1}
