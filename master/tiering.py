@@ -601,6 +601,7 @@ class Tiering:
                 continue
             else:
                 record.replicas = (*record.replicas, packed)
+                state.events.changed(record, "recovered")
             segment.ssd_objects += 1
             out.append(_OK)
         if fence is not None:

@@ -381,3 +381,23 @@ def bare_cluster_watch(client: Client, namespace: str) -> EventStream:
         return client.watch_events()
     finally:
         client.namespace = saved
+
+
+def test_a_segment_lost_then_back_streams_removed_then_recovered(bare_cluster: Cluster):
+    bare_cluster.start_master()
+    segment = bare_cluster.start_segment("seg0")
+    client = bare_cluster.client()
+    client.batch_put(["k1", "k2"], [b"1" * 100, b"2" * 100])
+    reader = Reader(client.watch_events())
+    segment.popen.send_signal(signal.SIGSTOP)  # silent past its TTL: expelled, its objects lost
+    try:
+        lost = reader.take(2)
+    finally:
+        segment.popen.send_signal(signal.SIGCONT)
+    assert sorted(kinds_keys(lost)) == [("removed", "k1"), ("removed", "k2")]
+    assert {e.reason for e in lost} == {"segment:heartbeat ttl expired"}
+    back = reader.take(2)  # it mounts again and its index brings back what nothing touched meanwhile
+    assert sorted(kinds_keys(back)) == [("stored", "k1"), ("stored", "k2")]
+    assert {e.reason for e in back} == {"recovered"} and {e.segments for e in back} == {("seg0",)}
+    assert client.get("k1") == b"1" * 100
+    reader.stream.close()
