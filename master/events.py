@@ -19,7 +19,8 @@ Bounded, and never in a writer's way:
   events, so a watcher is cut at most CHECK_EVERY events late; the config keeps
   `watcher_queue <= capacity` and the ring holds CHECK_EVERY more than that (`_ring_size`), so a
   watcher is always cut before the ring overwrites an event it has not been handed.
-- At most `max_watchers` streams at once (TOO_MANY_WATCHERS beyond).
+- At most `max_watchers` streams at once (TOO_MANY_WATCHERS beyond), cut ones included until their
+  RPC ends: a reader that stopped reading holds at most its slot and what gRPC buffered for it.
 
 Sequence numbers start at 1 in every epoch (a new MasterState: a restart, a failover): the
 servicer stamps each event with the epoch and refuses to resume one epoch's seq in another.
@@ -108,6 +109,9 @@ class EventLog:
     _ring: list[tuple | None] = field(default_factory=list)
     _watchers: list[Watcher] = field(default_factory=list)
     _check_at: int = CHECK_EVERY
+    # Streams open, `max_watchers` at most. A cut stream whose reader stopped reading waits in gRPC's
+    # write until the reader reads or goes (keepalive finds a dead one): it keeps its slot till then.
+    _open: int = 0
 
     def __post_init__(self) -> None:
         self._ring = [None] * self._ring_size() if self.capacity else []
@@ -131,7 +135,8 @@ class EventLog:
 
     @property
     def watchers(self) -> int:
-        return len(self._watchers)
+        """Streams open: fed, or ended and still delivering their end (counted until `unwatch`)."""
+        return self._open
 
     # ------------------------------------------------------------------ publishing (hot path)
 
@@ -201,7 +206,7 @@ class EventLog:
         words name the oldest seq; `since` past the next seq is INVALID_ARGUMENT)."""
         if not self.capacity:
             return Status.EVENTS_DISABLED, "events are off on this master (events_buffer = 0)"
-        if len(self._watchers) >= self.max_watchers:
+        if self._open >= self.max_watchers:
             self.cuts["too_many"] += 1
             return Status.TOO_MANY_WATCHERS, f"{self.max_watchers} event streams are open (events_max_watchers)"
         if since and since < self.oldest:
@@ -219,6 +224,7 @@ class EventLog:
             handed=start - 1,
         )
         self._watchers.append(watcher)
+        self._open += 1
         return watcher
 
     def missed_words(self, since: int) -> str:
@@ -251,8 +257,10 @@ class EventLog:
         return out
 
     def unwatch(self, watcher: Watcher) -> None:
+        """The watcher's stream is over (its RPC ended): its slot is free. Once per watcher."""
         if watcher in self._watchers:
             self._watchers.remove(watcher)
+        self._open -= 1
 
     def close(self, words: str) -> None:
         """Every watcher ends WATCH_CLOSED (this log's tables are being replaced: a new epoch, or
@@ -264,6 +272,6 @@ class EventLog:
     def _end(self, watcher: Watcher, status: Status, why: str, words: str) -> None:
         watcher.end = (status, words)
         self.cuts[why] += 1
-        self._watchers.remove(watcher)  # no longer counted against max_watchers nor looked at
+        self._watchers.remove(watcher)  # no longer fed nor looked at (its slot: until `unwatch`)
         watcher.waiting = False
         watcher.wake()

@@ -168,7 +168,7 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     yield GaugeMetricFamily(
         "kvtier_master_events_buffered", "Events held for resuming watchers (at most events_buffer).", s.events_held
     )
-    yield GaugeMetricFamily("kvtier_master_event_watchers", "WatchEvents streams being fed.", s.event_watchers)
+    yield GaugeMetricFamily("kvtier_master_event_watchers", "WatchEvents streams open.", s.event_watchers)
     yield counter(
         "kvtier_master_event_watchers_cut",
         "WatchEvents streams the master ended or refused: slow (cut), missed, closed, too_many.",

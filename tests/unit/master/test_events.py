@@ -66,7 +66,10 @@ def test_a_watcher_behind_by_more_than_its_queue_is_cut_a_parked_one_is_not():
     assert slow.end is not None and slow.end[0] == Status.WATCH_CUT_SLOW
     assert "last seq handed 0" in slow.end[1] and log.take(slow, 10) == []
     assert parked.end is None and woken == [1]
-    assert log.watchers == 1 and log.cuts == {"slow": 1}
+    assert log.cuts == {"slow": 1}
+    assert log.watchers == 2, "a cut stream keeps its slot until its RPC ends"
+    log.unwatch(slow)
+    assert log.watchers == 1
 
 
 def test_watchers_are_bounded_and_a_disabled_log_publishes_nothing():
