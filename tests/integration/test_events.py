@@ -187,8 +187,8 @@ def test_a_watcher_that_never_reads_is_cut_and_puts_carry_on(bare_cluster: Clust
     stalled = client.watch_events()  # opened, then not read while the puts run
     live = Reader(client.watch_events(kinds=["removed"]))
     # Enough events that gRPC's flow-control window fills and the stalled stream's writes wait:
-    # 4000 events of ~250 bytes, 10 times what the window takes before it stops.
-    stem = "k" * 200
+    # 4000 events of ~650 bytes, 2.6 MB: 20 times what the window took before it stopped here.
+    stem = "k" * 600
     for batch in range(40):
         keys = [f"{stem}{batch}-{i}" for i in range(100)]
         assert client.batch_put(keys, [b"v"] * 100) == [Status.OK] * 100, "puts never wait for a watcher"
