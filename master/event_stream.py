@@ -48,24 +48,22 @@ def to_message(event: Published, epoch: int, segment_name: Callable[[int], str])
 
 
 async def stream(log: EventLog, watcher: Watcher, epoch: int, segment_name: Callable[[int], str]) -> AsyncIterator[Any]:
-    """The messages of one watcher's stream, until the log ends it (then its EVENT_END)."""
+    """The messages of one watcher's stream, until the log ends it (then its EVENT_END). The
+    caller unwatches when the call is over."""
     ready = asyncio.Event()
     watcher.wake = ready.set
-    try:
-        while True:
-            batch = log.take(watcher, TAKE)
-            for event in batch:
-                yield to_message(event, epoch, segment_name)
-            if batch:
-                continue
-            if watcher.end is not None:
-                status, words = watcher.end
-                yield end_message(status, words, epoch)
-                return
-            # Caught up: park until the next publish. Nothing is published between take() and
-            # here (one thread, no await in between), so no wake-up is lost.
-            ready.clear()
-            watcher.waiting = True
-            await ready.wait()
-    finally:
-        log.unwatch(watcher)
+    while True:
+        batch = log.take(watcher, TAKE)
+        for event in batch:
+            yield to_message(event, epoch, segment_name)
+        if batch:
+            continue
+        if watcher.end is not None:
+            status, words = watcher.end
+            yield end_message(status, words, epoch)
+            return
+        # Caught up: park until the next publish. Nothing is published between take() and here
+        # (one thread, no await in between), so no wake-up is lost.
+        ready.clear()
+        watcher.waiting = True
+        await ready.wait()

@@ -98,19 +98,26 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if watcher is None:
             yield event_stream.end_message(reply.status, reply.error, handlers.epoch)
             return
-        # Subscribed: the client's watch_events returns once it has this, so whatever is published
-        # after it returned is in its stream (a router can subscribe, then list, and miss nothing).
-        await context.send_initial_metadata(
-            ((event_stream.EPOCH_HEADER, str(handlers.epoch)), (event_stream.START_HEADER, str(watcher.cursor)))
-        )
-        segments = handlers.state.segments
+        # The tables it subscribed to, whatever replaces them meanwhile (their log then ends it).
+        state, epoch = handlers.state, handlers.epoch
+        segments = state.segments
 
         def segment_name(segment_id: int) -> str:
             segment = segments.get(segment_id)
             return segment.name if segment is not None else ""
 
-        async for message in event_stream.stream(handlers.state.events, watcher, handlers.epoch, segment_name):
-            yield message
+        messages = event_stream.stream(state.events, watcher, epoch, segment_name)
+        try:
+            # Subscribed: the client's watch_events returns once it has this, so whatever is
+            # published after it returned is in its stream (subscribe, then list: nothing missed).
+            await context.send_initial_metadata(
+                ((event_stream.EPOCH_HEADER, str(epoch)), (event_stream.START_HEADER, str(watcher.cursor)))
+            )
+            async for message in messages:
+                yield message
+        finally:  # however the call ends (its end sent, the client gone, the server stopping)
+            await messages.aclose()
+            state.events.unwatch(watcher)  # its slot is free
 
     async def PollTierTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         handlers = self.handlers
