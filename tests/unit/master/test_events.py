@@ -151,3 +151,12 @@ def test_new_tables_close_the_old_tables_watchers_and_keep_the_totals():
     servicer.attach(new)  # what Roles.lead and Roles.stand_by do before swapping the tables
     assert watcher.end is not None and watcher.end[0] == Status.WATCH_CLOSED
     assert new.events.published == {"STORED": 1} and new.events.cuts == {"closed": 1}
+
+
+def test_a_batch_bigger_than_the_ring_ends_a_parked_watcher_missed_never_with_a_gap():
+    log = EventLog(capacity=16, watcher_queue=16, max_watchers=2)
+    watcher = subscribe(log)
+    watcher.waiting = True  # caught up: not cut as slow
+    log.stored([Record(f"n\x00{i}") for i in range(16 + CHECK_EVERY + 1)])
+    assert log.take(watcher, 1000) == []
+    assert watcher.end is not None and watcher.end[0] == Status.WATCH_MISSED
