@@ -13,6 +13,8 @@
     kvtier evict --prefix P [--namespace NS] [--include-pinned] [--dry-run] [--json]
                                                              remove the objects under a prefix, page by page
     kvtier top [--interval S] [--iterations N] [--json]      live throughput, hit ratios per tier, capacity
+    kvtier events [--prefix P] [--since N --epoch E] [--kinds stored,removed] [--namespace NS] [--json]
+                                                             follow stored/removed/evicted/tier events
     kvtier put KEY FILE|-                                    store a file (or stdin)
     kvtier get KEY [-o FILE]                                 fetch to a file (or stdout)
     kvtier bench [--master ADDR] ...                         throughput and latency
@@ -176,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_interval, default=2.0, help="seconds between refreshes (default: 2)")
     top.add_argument("--iterations", type=_count, default=0, help="stop after N refreshes (default: 0 = Ctrl-C)")
 
+    events = sub.add_parser("events", help="follow objects stored, removed, evicted, moved between tiers")
+    _add_master(events, json_help="one JSON object per event (JSON lines)")
+    _add_namespace(events)
+    from kvtier.cli.events import add_arguments as add_event_arguments
+
+    add_event_arguments(events)
+
     put = sub.add_parser("put", help="store a file's bytes (or stdin with '-') under KEY")
     _add_master(put, json_help="")
     _add_namespace(put)
@@ -283,6 +292,7 @@ def cmd_up(opts: argparse.Namespace) -> int:
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     from kvtier.cli import ops as ops_cli
+    from kvtier.cli.events import cmd_events
     from kvtier.cli.replica import cmd_replica
     from kvtier.cli.top import run_top
 
@@ -297,6 +307,7 @@ def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
         "evict": ops_cli.cmd_evict,
         "replica": cmd_replica,
         "top": run_top,
+        "events": cmd_events,
         "put": cmd_put,
         "get": cmd_get,
     }

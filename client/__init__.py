@@ -4,6 +4,7 @@ Importing this package needs only grpcio, protobuf and crc32c.
 """
 
 from kvtier.client.client import Client
+from kvtier.client.events import Event, EventStream, WatchEnded
 from kvtier.client.tensors import TensorMismatchError
 from kvtier.proto.errors import (
     ConnectError,
@@ -25,4 +26,7 @@ __all__ = [
     "ReadError",
     "ProtocolError",
     "TensorMismatchError",
+    "Event",
+    "EventStream",
+    "WatchEnded",
 ]

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from kvtier.client.config import ClientConfig
+from kvtier.client.events import EventWatching
 from kvtier.client.failures import FailureReports, SegmentFailures
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
@@ -124,8 +125,8 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports
-):  # mixins: client.tensors, client.keys, client.replicas, client.failures
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching
+):  # mixins: client.tensors, client.keys, client.replicas, client.failures, client.events
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or

@@ -317,6 +317,29 @@ class MasterClient:
                     raise KvtierError(_DENIED[code], f"{method}: {details}") from None
                 raise KvtierError(Status.INTERNAL, f"{method}: {code.name}: {details}") from None
 
+    def stream(self, method: str, request: Any) -> Any:
+        """A server-streaming call to the leader, without deadline: its response iterator (cancel()
+        ends it), returned once the master sent its initial metadata (or ended the call). A master
+        that cannot be reached is retried, the leader looked up again, like `call`, until the
+        client's timeout; once a stream is open nothing is retried: its reader resumes."""
+        deadline = time.monotonic() + self.timeout
+        backoff = _backoff()
+        while True:
+            try:
+                calls = getattr(self._grpc_stub(), method)(request)
+            except ConnectError:
+                calls = None
+            if calls is not None:
+                calls.initial_metadata()  # blocks until the master answered, or the call failed
+                if not calls.done() or calls.code() != grpc.StatusCode.UNAVAILABLE:
+                    return calls  # open, or ended with its answer (read by the caller)
+            if deadline - time.monotonic() <= backoff.current_s:
+                if calls is None:
+                    raise ConnectError(f"{method}: no leading master known for {self.spec}")
+                return calls  # its UNAVAILABLE surfaces on the first read
+            self._moved()
+            time.sleep(backoff.next())
+
     @staticmethod
     def _check(method: str, reply: Any) -> Any:
         status = getattr(reply, "status", 0)

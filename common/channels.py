@@ -72,7 +72,7 @@ class Credentials:
         )
 
 
-class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, token: str) -> None:
         self._metadata = ((AUTH_METADATA, token),)
 
@@ -80,6 +80,10 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor):
         # gRPC's call details are a namedtuple: a copy with the token added
         metadata = tuple(details.metadata or ()) + self._metadata
         return continuation(details._replace(metadata=metadata), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
+        """Streams too (WatchEvents): the same token."""
+        return self.intercept_unary_unary(continuation, details, request)
 
 
 def open_channel(address: str, credentials: Credentials) -> grpc.Channel:

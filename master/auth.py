@@ -42,7 +42,7 @@ current_principal: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_
 # What a tenant may call; each of these names its namespace(s) in the request.
 TENANT_RPCS = frozenset(
     ("Hello", "PutStart", "PutEnd", "PutRevoke", "GetReplicas", "Exists", "Remove", "RemovePrefix", "ReportCorrupt")
-    + ("ListKeys", "StatKeys")
+    + ("ListKeys", "StatKeys", "WatchEvents")
 )
 
 

@@ -172,6 +172,12 @@ class MasterConfig:
     # the tables other than by a client's remove, appended to this file; empty = off (no cost).
     history_log: str = ""
     history_log_max_size: str = "64MiB"  # the log stops growing here (its last line says so)
+    # Event stream for routers (WatchEvents, master/events.py, docs/events.md): the last events_buffer
+    # events are held for resuming watchers (0 = no events at all); a watcher more than
+    # events_watcher_queue events behind is cut; at most events_max_watchers streams at once.
+    events_buffer: int = 65536
+    events_watcher_queue: int = 8192
+    events_max_watchers: int = 64
 
     @property
     def history_log_max_bytes(self) -> int:
@@ -297,6 +303,16 @@ class MasterConfig:
             )
         check_log_level(self.log_level)
         check_field("history_log_max_size", parse_size, self.history_log_max_size)
+        if self.events_buffer < 0 or self.events_max_watchers < 1:
+            raise ValueError(
+                f"events_buffer must be >= 0 and events_max_watchers at least 1, got {self.events_buffer} "
+                f"and {self.events_max_watchers}"
+            )
+        if self.events_buffer and not 1 <= self.events_watcher_queue <= self.events_buffer:
+            raise ValueError(
+                f"events_watcher_queue must be between 1 and events_buffer ({self.events_buffer}), "
+                f"got {self.events_watcher_queue}"
+            )
         return self
 
     def with_defaults(self) -> MasterConfig:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.common.logs import LogBudget
+from kvtier.master.events import EventKind
 from kvtier.master.records import OFFSET_MASK, TIER_DRAM, TIER_SSD, ObjectState, name_prefix, replica
 from kvtier.proto.status import Status
 
@@ -86,11 +87,13 @@ class CorruptReplicas:
             last = len(record.replicas) == 1
             if r.tier == TIER_DRAM:
                 if last:
+                    state.events.gone(record, EventKind.EVICTED, "corrupt")
                     state.discard(prefix + r.key)
                 else:
                     state.drop_dram_replica(record, r.segment_id)
+                    state.events.changed(record, "corrupt")
             else:  # the segment is told to tombstone the disk copy (FORGET)
-                state.tiering.remove_disk_copy(record, packed, forget=True)
+                state.tiering.remove_disk_copy(record, packed, forget=True, reason="corrupt")
             tier = _TIER_NAMES[r.tier]
             self.dropped[tier] += 1
             _log.log(

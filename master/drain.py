@@ -224,6 +224,7 @@ class Drainer:
                 return True
         elif moved and alive and target_segment is not None and source in record.replicas:
             record.replicas = tuple(target if r == source else r for r in record.replicas)
+            state.events.changed(record, "drained")
             source_id = replica_segment(source)
             state.commits.committed(replica_segment(target), replica_offset(target), record)
             state.commits.dropped_after(source_id, replica_offset(source), record, replica_segment(target))

@@ -26,6 +26,7 @@ from kvtier.master.auth import Authenticator
 from kvtier.master.backpressure import HeldPut, PutWaiter
 from kvtier.master.capabilities import Minter
 from kvtier.master.commits import PutAcknowledgement
+from kvtier.master.events import Watcher
 from kvtier.master.gates import DATA
 from kvtier.master.handlers_admin import AdminCalls
 from kvtier.master.handlers_data import DataCalls
@@ -69,6 +70,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.removal: Removal | None = None  # of the RemovePrefix just handled, still sweeping
+        self.watcher: Watcher | None = None  # subscribed by the WatchEvents just handled
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
         self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
         self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvtier.master.auth import current_principal
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.corrupt import CorruptReport
+from kvtier.master.events import EventKind, Watcher
 from kvtier.master.gates import rpc
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.prefetch import prefetch
@@ -19,6 +20,11 @@ from kvtier.proto.status import Status
 # Segments a PutStart may ask to avoid, and failure entries a report may carry: the rest is ignored
 # (a client tracks at most kvtier.client.failures.MAX_SEGMENTS).
 MAX_AVOID = 256
+_EVENT_KINDS = frozenset(int(kind) for kind in EventKind)
+
+
+def _no_wake() -> None:
+    """A watcher's wake until the servicer gives it its own."""
 
 
 class DataCalls:
@@ -210,6 +216,40 @@ class DataCalls:
         """The prefix removal the last RemovePrefix began and left running, once (None if none)."""
         removal, self.removal = self.removal, None
         return removal
+
+    @rpc(pb.Event)
+    def WatchEvents(self, request):
+        """Subscribes a watcher (kvtier.master.events); the servicer streams its events once it
+        took it (`take_watcher`). Else the refusal, for the stream's EVENT_END: INVALID_ARGUMENT,
+        WATCH_EPOCH_CHANGED (`since` of another epoch), WATCH_MISSED, TOO_MANY_WATCHERS,
+        EVENTS_DISABLED (and, from the gate, UNAVAILABLE on a standby, PERMISSION_DENIED)."""
+        if request.namespace:
+            check_namespace(request.namespace)
+        kinds = set(request.kinds)
+        if unknown := kinds - _EVENT_KINDS:
+            return pb.Event(status=Status.INVALID_ARGUMENT, error=f"unknown event kinds {sorted(unknown)}")
+        if request.since and not request.epoch:
+            return pb.Event(
+                status=Status.INVALID_ARGUMENT,
+                error="since needs the epoch of the events it counts from (every event carries it)",
+            )
+        if request.since and request.epoch != self.epoch:
+            return pb.Event(
+                status=Status.WATCH_EPOCH_CHANGED,
+                error=f"since={request.since} is a seq of master epoch {request.epoch}, this is epoch {self.epoch} "
+                "(a restart or failover): events were missed, resync",
+            )
+        watcher = self.state.events.watch(request.namespace, request.prefix, request.since, kinds, _no_wake)
+        if not isinstance(watcher, Watcher):
+            status, words = watcher
+            return pb.Event(status=status, error=words)
+        self.watcher = watcher
+        return pb.Event(status=Status.OK, epoch=self.epoch)
+
+    def take_watcher(self) -> Watcher | None:
+        """The watcher the last WatchEvents subscribed, once (None when it refused)."""
+        watcher, self.watcher = self.watcher, None
+        return watcher
 
     @rpc(pb.RegisterInstanceResponse)
     def RegisterInstance(self, request):

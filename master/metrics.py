@@ -66,6 +66,10 @@ class _Snapshot:
     eviction_queues: dict[str, int]  # s3fifo: small, main, ghost entries; empty under lru
     recovering: bool
     fast_path: FastPathStats | None  # a copy; None when the fast path is off
+    events_published: dict[str, int]  # kind -> events (kvtier.master.events)
+    events_held: int
+    event_watchers: int
+    event_watchers_ended: dict[str, int]  # why -> streams ended by the master
 
 
 class MasterCollector(Collector):
@@ -128,6 +132,10 @@ class MasterCollector(Collector):
             eviction_queues=state.policy.queue_sizes(),
             recovering=not state.serving,
             fast_path=dataclasses.replace(self._fast_path) if self._fast_path is not None else None,
+            events_published=dict(state.events.published),
+            events_held=state.events.held,
+            event_watchers=state.events.watchers,
+            event_watchers_ended=dict(state.events.cuts),
         )
 
     def collect(self) -> Iterable[Metric]:
@@ -166,6 +174,19 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "Metadata latency: time in the master's handler per RPC (data-plane latency is the segments').",
         "method",
         s.latency,
+    )
+    yield counter(
+        "kvtier_master_events_published", "Events published for WatchEvents, by kind.", "kind", s.events_published
+    )
+    yield GaugeMetricFamily(
+        "kvtier_master_events_buffered", "Events held for resuming watchers (at most events_buffer).", s.events_held
+    )
+    yield GaugeMetricFamily("kvtier_master_event_watchers", "WatchEvents streams open.", s.event_watchers)
+    yield counter(
+        "kvtier_master_event_watchers_cut",
+        "WatchEvents streams the master ended or refused: slow (cut), missed, closed, too_many.",
+        "reason",
+        s.event_watchers_ended,
     )
     yield counter("kvtier_master_lookup_keys", "Keys asked by Exists and GetReplicas.", "rpc", s.lookup_keys)
     yield counter(

@@ -187,11 +187,13 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             record = ObjectRecord(name, size, (packed,), 0, now, owner, _pin_until(pin, pin_ttl_ms, now))
             record.complete(checksum)
             state.adopt(record)
+            state.events.stored((record,), "recovered")  # visible again (a returning segment's copy)
             if owner is not None:
                 owner.objects += 1
         else:
             record.replicas = (packed, *record.replicas)
             state.now_in_dram(record)
+            state.events.changed(record, "recovered")
             record.pin_until = max(record.pin_until, _pin_until(pin, pin_ttl_ms, now))
             if record.owner is None and owner is not None:  # known so far from a disk copy (no owner)
                 record.owner = owner

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.clock_skew import SkewReading
+from kvtier.master.events import EventKind
 from kvtier.master.records import (
     MAX_SEGMENT_CAPACITY,
     SEGMENT_SHIFT,
@@ -286,6 +287,7 @@ class SegmentTable:
         removal = sweeps.removing(record)
         if removal is not None:
             removal.removed += 1
+            self.events.gone(record, EventKind.REMOVED, "remove_prefix")
             self.discard(record.name)
             return None
         dead = sweeps.dead_segments
@@ -316,8 +318,11 @@ class SegmentTable:
             task.removed += 1
             if self.history is not None:
                 self.history.left(record, f"segment:{task.reason}", task.segment)
+            self.events.gone(record, EventKind.REMOVED, f"segment:{task.reason}")
             self._delete(self._pop(name), changed=False)  # lost, not changed: no fence needs it
             return None
+        if record.state is ObjectState.COMPLETE:
+            self.events.changed(record, f"segment:{task.reason}")
         if not any(is_dram(r) for r in record.replicas):
             self._leave_dram(record)
         return record

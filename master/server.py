@@ -22,7 +22,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -101,20 +101,38 @@ class DecodeCheck(grpc.aio.ServerInterceptor):
         if checked is not None:
             return checked
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler  # unknown methods stay UNIMPLEMENTED
-        parse, behavior, method = handler.request_deserializer, handler.unary_unary, details.method
+        parse, method = handler.request_deserializer, details.method
 
-        async def parse_first(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
-                request = parse(raw)
+                return parse(raw)
             except DecodeError:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request for {method}")
-            return await behavior(request, context)
 
-        checked = self._checked[method] = grpc.unary_unary_rpc_method_handler(
-            parse_first, request_deserializer=None, response_serializer=handler.response_serializer
-        )
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def parse_first(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await behavior(await parsed(raw, context), context)
+
+            checked = grpc.unary_unary_rpc_method_handler(
+                parse_first, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        elif handler.unary_stream is not None:  # WatchEvents
+            stream = handler.unary_stream
+
+            async def parse_then_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for message in stream(await parsed(raw, context), context):
+                    yield message
+
+            checked = grpc.unary_stream_rpc_method_handler(
+                parse_then_stream, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        else:
+            return handler
+        self._checked[method] = checked
         return checked
 
 
@@ -435,4 +453,5 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
         await loop.run_in_executor(None, election.stop)
     if fast_server is not None:
         fast_server.close()
+    handlers.state.events.close("the master is stopping: reconnect (to the next leader)")  # streams end in the grace
     await server.stop(grace=1.0)

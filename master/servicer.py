@@ -5,11 +5,12 @@ acknowledgements (kvtier.master.commit_wait), held puts and durable saves."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from kvtier.master import event_stream
 from kvtier.master.commit_wait import LONG_POLL_MAX_S, WAITING_CALLS, CommitWaiter
 from kvtier.master.handlers import RPC_NAMES, MasterHandlers
 from kvtier.master.state import MasterState
@@ -22,6 +23,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     `PollTierTasks` and `PollCommits` wait: for work of their segment to be queued, or `wait_ms`.
     `PutEnd` answers once the segments acknowledged its commits (`CommitWaiter`).
+    `WatchEvents` streams (kvtier.master.event_stream).
     """
 
     def __init__(self, handlers: MasterHandlers, waiter: CommitWaiter) -> None:
@@ -37,6 +39,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             event.set()  # long polls of the old state's segments answer now (their ids mean nothing here)
         self._task_events.clear()
         state.tiering.notify = self._wake
+        old = self.handlers.state
+        if old is not state:  # a new epoch, or standing by: the old tables' watchers must resync
+            old.events.close("the master's tables were replaced (a new epoch, or it no longer leads): resync")
+            state.events.published, state.events.cuts = old.events.published, old.events.cuts  # totals go on
         self.waiter.attach(state)  # commit notices wake the commit long polls (CommitPolls)
 
     def _wake(self, segment_id: int) -> None:
@@ -93,6 +99,34 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self.waiter.polls.poll(request)
 
+    async def WatchEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        handlers = self.handlers
+        reply = handlers.WatchEvents(request)
+        watcher = handlers.take_watcher()
+        if watcher is None:
+            yield event_stream.end_message(reply.status, reply.error, handlers.epoch)
+            return
+        # The tables it subscribed to, whatever replaces them meanwhile (their log then ends it).
+        state, epoch = handlers.state, handlers.epoch
+        segments = state.segments
+
+        def segment_name(segment_id: int) -> str:
+            segment = segments.get(segment_id)
+            return segment.name if segment is not None else ""
+
+        messages = event_stream.stream(state.events, watcher, epoch, segment_name)
+        try:
+            # Subscribed: the client's watch_events returns once it has this, so whatever is
+            # published after it returned is in its stream (subscribe, then list: nothing missed).
+            await context.send_initial_metadata(
+                ((event_stream.EPOCH_HEADER, str(epoch)), (event_stream.START_HEADER, str(watcher.cursor)))
+            )
+            async for message in messages:
+                yield message
+        finally:  # however the call ends (its end sent, the client gone, the server stopping)
+            await messages.aclose()
+            state.events.unwatch(watcher)  # its slot is free
+
     async def PollTierTasks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         handlers = self.handlers
         wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
@@ -110,7 +144,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return handlers.PollTierTasks(request)
 
 
-_AWAITED = ("PutStart", "PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects")  # not delegated
+_AWAITED = ("PutStart", "PollTierTasks", "PollCommits", "RegisterInstance", "ReportDramObjects", "WatchEvents")
 _AWAITED += ("MigrateEnd", "RemoveReplicas")
 
 

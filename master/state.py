@@ -55,6 +55,7 @@ from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
+from kvtier.master.events import EventKind, EventLog
 from kvtier.master.eviction_policy import make_policy
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
@@ -99,8 +100,6 @@ logger = logging.getLogger(__name__)
 _OK = int(Status.OK)
 _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
-
-
 _DEFAULT_PUT = PutOptions()  # frozen: safe to share as a default
 
 
@@ -174,6 +173,7 @@ class MasterState(SegmentTable):
         self.object_count = 0
         # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
         self.history = open_history(config.history_log, config.history_log_max_bytes)
+        self.events = EventLog(config.events_buffer, config.events_watcher_queue, config.events_max_watchers)
         # Sweeps run to their end inside the call that starts them (a bare state, unit tests); the
         # server clears this and sweeps in slices between requests (kvtier.master.sweeps).
         self.sweep_inline = True
@@ -345,6 +345,7 @@ class MasterState(SegmentTable):
             if sweeps.removals:  # completed after a RemovePrefix began: not what it removes
                 sweeps.completed(done)
             self.commits.committed_records(done)  # replicas all DRAM while pending
+            self.events.stored(done)  # routers' stream (kvtier.master.events)
             self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
             if self.fences.recording:
                 self.fences.touch_many(r.name for r in done)
@@ -469,6 +470,7 @@ class MasterState(SegmentTable):
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
             else:
+                self.events.gone(record, EventKind.REMOVED, "remove")
                 self.discard(record.name)
                 out.append(_OK)
         return out
@@ -617,8 +619,10 @@ class MasterState(SegmentTable):
         if segment_id and len(record.replicas) > 1:
             freed = self.replica_bytes(record)
             self.drop_dram_replica(record, segment_id)
+            self.events.changed(record, f"evicted:{reason}")
         else:
             freed = self._record_bytes(record)
+            self.events.gone(record, EventKind.EVICTED, reason)
             self._pop(record.name, evicted=True)
             self._delete(record)
         counts = self.evictions.setdefault(reason, [0, 0])

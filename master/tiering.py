@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.master.events import EventKind
 from kvtier.master.records import (
     OFFSET_MASK,
     TIER_DRAM,
@@ -458,6 +459,7 @@ class Tiering:
         # ahead of need: both stay, and eviction drops the least recently used such copies first.
         if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
             state.drop_dram_replica(record, task.segment_id)
+        state.events.changed(record, "offloaded")
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
         """The segment found the DRAM bytes do not match the object's checksum: that copy can only
@@ -478,17 +480,19 @@ class Tiering:
             segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
             name = segment.name if segment else ""
             self.state.history.left(record, "evicted:corrupt disk", name, replica=len(record.replicas) > 1)
-        self.remove_disk_copy(record, packed, forget=True)
+        self.remove_disk_copy(record, packed, forget=True, reason="corrupt")
 
-    def remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool) -> None:
-        """Take one disk replica off a live record (the object goes when it was the last replica);
-        with `forget`, the segment is told to tombstone it."""
+    def remove_disk_copy(self, record: ObjectRecord, packed: int, forget: bool, reason: str = "disk") -> None:
+        """Take one disk replica off a live record (the object goes when it was the last replica:
+        EVICTED for `reason`); with `forget`, the segment is told to tombstone it."""
         state = self.state
         segment_id = packed >> TIER_SHIFT >> 2
         if len(record.replicas) == 1:
+            state.events.gone(record, EventKind.EVICTED, reason)
             state.discard(record.name, forget_disk=forget)
             return
         record.replicas = tuple(r for r in record.replicas if r != packed)
+        state.events.changed(record, reason)
         state.segments[segment_id].ssd_objects -= 1
         if forget:
             self.forget(segment_id, record.name, packed & OFFSET_MASK)
@@ -531,6 +535,7 @@ class Tiering:
         assert record is not None
         record.replicas = (replica(task.segment_id, task.dram_offset), *record.replicas)
         state.now_in_dram(record)
+        state.events.changed(record, "promoted")
         state.commits.committed(task.segment_id, task.dram_offset, record)
         segment.objects += 1
         if record.owner is not None:
@@ -581,6 +586,7 @@ class Tiering:
                 record = ObjectRecord(name, size, (packed,), 0, now)
                 record.complete(checksum)
                 state.adopt(record)
+                state.events.stored((record,), "recovered")
             elif record.state is ObjectState.PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
                 continue
@@ -595,6 +601,7 @@ class Tiering:
                 continue
             else:
                 record.replicas = (*record.replicas, packed)
+                state.events.changed(record, "recovered")
             segment.ssd_objects += 1
             out.append(_OK)
         if fence is not None:

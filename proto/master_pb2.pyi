@@ -31,6 +31,15 @@ class TierTaskKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OFFLOAD: _ClassVar[TierTaskKind]
     PROMOTE: _ClassVar[TierTaskKind]
     FORGET: _ClassVar[TierTaskKind]
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_UNKNOWN: _ClassVar[EventKind]
+    STORED: _ClassVar[EventKind]
+    REMOVED: _ClassVar[EventKind]
+    EVICTED: _ClassVar[EventKind]
+    TIER_CHANGED: _ClassVar[EventKind]
+    EVENT_END: _ClassVar[EventKind]
 DRAM: Tier
 SSD: Tier
 PIN_NONE: Pin
@@ -43,6 +52,12 @@ TASK_NONE: TierTaskKind
 OFFLOAD: TierTaskKind
 PROMOTE: TierTaskKind
 FORGET: TierTaskKind
+EVENT_UNKNOWN: EventKind
+STORED: EventKind
+REMOVED: EventKind
+EVICTED: EventKind
+TIER_CHANGED: EventKind
+EVENT_END: EventKind
 
 class HelloRequest(_message.Message):
     __slots__ = ("client_version",)
@@ -979,3 +994,47 @@ class SegmentFailuresResponse(_message.Message):
     error: str
     quarantined: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., quarantined: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("namespace", "prefix", "since", "epoch", "kinds", "request_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prefix: str
+    since: int
+    epoch: int
+    kinds: _containers.RepeatedScalarFieldContainer[EventKind]
+    request_id: int
+    def __init__(self, namespace: _Optional[str] = ..., prefix: _Optional[str] = ..., since: _Optional[int] = ..., epoch: _Optional[int] = ..., kinds: _Optional[_Iterable[_Union[EventKind, str]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "epoch", "kind", "namespace", "key", "size", "tiers", "segments", "reason", "time", "status", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    epoch: int
+    kind: EventKind
+    namespace: str
+    key: str
+    size: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    time: float
+    status: _status_pb2.Status
+    error: str
+    def __init__(self, seq: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., namespace: _Optional[str] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., segments: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., time: _Optional[float] = ..., status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -174,6 +174,11 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvtier.v1.Master/WatchEvents',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.Event.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -386,6 +391,15 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Routers: a stream of objects stored, removed, evicted and moved between tiers (docs/events.md).
+        Events come in `seq` order; the stream's last message may be a terminal one (kind EVENT_END)
+        saying why it ended (status WATCH_*, UNAVAILABLE on a standby). Only the leader serves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -528,6 +542,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportSegmentFailures,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.Event.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1286,6 +1305,33 @@ class Master:
             '/kvtier.v1.Master/ReportSegmentFailures',
             kvtier_dot_proto_dot_master__pb2.SegmentFailuresRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.SegmentFailuresResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvtier.v1.Master/WatchEvents',
+            kvtier_dot_proto_dot_master__pb2.WatchEventsRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

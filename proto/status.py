@@ -54,6 +54,12 @@ _GRPC_BY_NAME = {
     "LAST_REPLICA": grpc.StatusCode.FAILED_PRECONDITION,
     "REPLICA_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "REPLICA_NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "WATCH_CUT_SLOW": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "WATCH_MISSED": grpc.StatusCode.OUT_OF_RANGE,
+    "WATCH_EPOCH_CHANGED": grpc.StatusCode.FAILED_PRECONDITION,
+    "TOO_MANY_WATCHERS": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "EVENTS_DISABLED": grpc.StatusCode.FAILED_PRECONDITION,
+    "WATCH_CLOSED": grpc.StatusCode.UNAVAILABLE,
 }
 
 GRPC_CODE: dict[Status, grpc.StatusCode] = {Status[name]: code for name, code in _GRPC_BY_NAME.items()}

@@ -38,6 +38,12 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAST_REPLICA: _ClassVar[Status]
     REPLICA_EXISTS: _ClassVar[Status]
     REPLICA_NOT_FOUND: _ClassVar[Status]
+    WATCH_CUT_SLOW: _ClassVar[Status]
+    WATCH_MISSED: _ClassVar[Status]
+    WATCH_EPOCH_CHANGED: _ClassVar[Status]
+    TOO_MANY_WATCHERS: _ClassVar[Status]
+    EVENTS_DISABLED: _ClassVar[Status]
+    WATCH_CLOSED: _ClassVar[Status]
 OK: Status
 INTERNAL: Status
 INVALID_ARGUMENT: Status
@@ -70,3 +76,9 @@ TOO_MANY_CONNECTIONS: Status
 LAST_REPLICA: Status
 REPLICA_EXISTS: Status
 REPLICA_NOT_FOUND: Status
+WATCH_CUT_SLOW: Status
+WATCH_MISSED: Status
+WATCH_EPOCH_CHANGED: Status
+TOO_MANY_WATCHERS: Status
+EVENTS_DISABLED: Status
+WATCH_CLOSED: Status

@@ -95,9 +95,9 @@ def test_bench_refuses_bad_thread_counts_before_starting_anything(args, message)
 
 def test_help_lists_every_command_and_each_ops_command_takes_json():
     text = kvtier("--help").stdout.decode()
-    commands = "up status segments quotas keys stat drain replica evict top put get bench".split()
+    commands = "up status segments quotas keys stat drain replica evict top events put get bench".split()
     assert "{" + ",".join(commands) + "}" in text
-    for command in ("status", "segments", "quotas", "keys", "stat", "drain", "evict", "top", "bench"):
+    for command in ("status", "segments", "quotas", "keys", "stat", "drain", "evict", "top", "events", "bench"):
         assert "--json" in kvtier(command, "--help").stdout.decode(), command
     for operation in ("remove", "copy", "move"):
         assert "--json" in kvtier("replica", operation, "--help").stdout.decode(), operation
