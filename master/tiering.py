@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.master.events import EventKind
 from kvtier.master.records import (
+    MAX_SEGMENT_CAPACITY,
     OFFSET_MASK,
     TIER_DRAM,
     TIER_SHIFT,
@@ -558,7 +559,8 @@ class Tiering:
     ) -> list[int]:
         """Register a segment's disk copies. Per copy: OK (now a replica, or already one);
         CHECKSUM_MISMATCH (the master knows the key with other bytes: the segment must forget the
-        copy); PUT_IN_PROGRESS (a put of the key is pending: not registered); INVALID_KEY."""
+        copy); PUT_IN_PROGRESS (a put of the key is pending: not registered); INVALID_KEY; INVALID_ARGUMENT
+        (a size no segment could hold)."""
         state = self.state
         segment = state.segments[segment_id]
         now = state.clock()
@@ -569,6 +571,9 @@ class Tiering:
         for namespace, key, size, checksum, location in zip(namespaces, keys, sizes, checksums, locations, strict=True):
             if master_key_problem(key) or master_key_problem(namespace) or location > OFFSET_MASK:
                 out.append(int(Status.INVALID_KEY))
+                continue
+            if size > MAX_SEGMENT_CAPACITY:  # no segment could hold it: garbage, not a copy
+                out.append(int(Status.INVALID_ARGUMENT))
                 continue
             if location in forgotten:  # removed while the segment was away: never registered again
                 out.append(refused)
