@@ -90,6 +90,7 @@ from kvtier.master.state_types import (
 )
 from kvtier.master.sweeps import Removal, Sweeps
 from kvtier.master.tiering import Tiering, dram_key, is_dram
+from kvtier.master.upsert import Upserts
 from kvtier.proto.keys import NAME_SEPARATOR, SHORT_KEY_CHARS
 from kvtier.proto.status import Status
 
@@ -137,6 +138,7 @@ class MasterState(SegmentTable):
         self.pressure = Pressure(self)  # which DRAM copies may go for room (kvtier.master.backpressure)
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
+        self.upserts = Upserts(self)  # new versions of complete objects, put-time leases (master/upsert.py)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         # Not recovering until the server says so (begin_recovery): a first start has nothing to wait for.
         self.recovery = Recovery(started_at=self.started_at, finished_at=self.started_at)
@@ -223,9 +225,11 @@ class MasterState(SegmentTable):
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
+        upserts, overwrite = self.upserts, options.overwrite
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
+            replacing = False
             if not key or separator in key or (len(key) > short and master_key_problem(key)):  # inlined: hot
                 status = Status.INVALID_KEY
             else:
@@ -234,10 +238,12 @@ class MasterState(SegmentTable):
                     existing = self._settled(existing)
                 if existing is not None:
                     if existing.state is _COMPLETE:
-                        statuses.append(_OK)
-                        counts.append(0)
-                        continue
-                    if now - existing.started_at < self.config.put_timeout_s:
+                        if not overwrite:
+                            statuses.append(_OK)
+                            counts.append(0)
+                            continue
+                        status, replacing = upserts.admit(name, now), True  # a new version beside it
+                    elif now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
                         if self.history is not None:
@@ -276,9 +282,14 @@ class MasterState(SegmentTable):
                         if owner.over_by(charge) and objects.get(victim.name) is victim:
                             self.evict_one(victim, "quota")
                     record = ObjectRecord(name, size, placed, put_id, now, owner, pin_until)
-                    objects[name] = record
-                    index_add(name)
-                    self._pending[name] = record
+                    if replacing:
+                        upserts.started(record)  # the visible version stays where it is
+                    else:
+                        objects[name] = record
+                        index_add(name)
+                        self._pending[name] = record
+                    if options.lease_s:
+                        upserts.request_lease(record, options.lease_s)
                     self.object_count += 1
                     if owner is not None:
                         owner.used += charge
@@ -323,7 +334,12 @@ class MasterState(SegmentTable):
             if record is not None and sweeps.active:
                 record = self._settled(record)
             if record is None or record.put_id != put_id:
-                out.append(not_pending)
+                new = self.upserts.end(name, put_id, checksum, record) if self.upserts.pending else None
+                if new is not None:  # an upsert: `new` replaced `record` (kvtier.master.upsert)
+                    done.append(new)
+                    if committed is not None:
+                        committed.append((len(out), new, new.replicas))
+                out.append(not_pending if new is None else _OK)
             elif record.state is _COMPLETE:
                 out.append(_OK if record.checksum == checksum else not_pending)
             else:
@@ -340,6 +356,8 @@ class MasterState(SegmentTable):
                 sweeps.completed(done)
             self.commits.committed_records(done)  # replicas all DRAM while pending
             self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
+            if self.upserts.lease_requests:
+                self.upserts.completed(done)  # put-time leases start at PutEnd
             if self.fences.recording:
                 self.fences.touch_many(r.name for r in done)
         return out
@@ -354,7 +372,8 @@ class MasterState(SegmentTable):
             if record is not None and self.sweeps.active:
                 record = self._settled(record)
             if record is None or record.put_id != put_id or record.state is not _PENDING:
-                out.append(int(Status.NOT_PENDING))
+                revoked = self.upserts.pending and self.upserts.revoke(prefix + key, put_id)
+                out.append(_OK if revoked else int(Status.NOT_PENDING))
                 continue
             if self.history is not None:
                 self.history.left(record, "revoked")
@@ -445,10 +464,12 @@ class MasterState(SegmentTable):
 
     # ------------------------------------------------------------------ removal
 
-    def remove(self, namespace: str, keys: Sequence[str]) -> list[int]:
-        """Remove complete objects. OK, NOT_FOUND, or PUT_IN_PROGRESS per key."""
+    def remove(self, namespace: str, keys: Sequence[str], force: bool = False) -> list[int]:
+        """Remove complete objects. OK, NOT_FOUND, PUT_IN_PROGRESS, or LEASE_HELD (a put-time
+        lease runs and not `force`: nothing done; kvtier.master.upsert) per key."""
         prefix = name_prefix(namespace)
         out = []
+        leases, now = self.upserts, self.clock()
         for key in keys:
             record = self.visible(prefix + key)
             if record is None:
@@ -457,6 +478,8 @@ class MasterState(SegmentTable):
                     self.fences.touch(prefix + key)
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
+            elif not force and leases.leases and leases.held(record, now):
+                out.append(int(Status.LEASE_HELD))
             else:
                 self.discard(record.name)
                 out.append(_OK)
@@ -495,13 +518,17 @@ class MasterState(SegmentTable):
         and (with `forget_disk`) have segments tombstone its disk copies. `changed`: the key's
         state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
-        self._index.discard(record.name)
+        if self.lookup(record.name) is None:  # else another version holds the name (an upsert's)
+            self._index.discard(record.name)
+        if self.upserts.leases or self.upserts.lease_requests:
+            self.upserts.leaving(record)
         if self.sweeps.dead_segments:  # copies on a segment being swept: its bytes leave the quota here
             self._strip_dead(record)
         if changed and self.fences.recording:
             self.fences.touch(record.name)
         if record.state is _PENDING:
-            self._pending.pop(record.name, None)
+            if self._pending.get(record.name) is record:  # (an upsert's new version is not there)
+                del self._pending[record.name]
         else:
             for packed in record.replicas:
                 if is_dram(packed):
@@ -689,6 +716,7 @@ class MasterState(SegmentTable):
                 self.history.left(record, "reclaimed")
             self._delete(record)
             self.lease_expiries["put"] += 1
+        self.upserts.tick(now)
         self.leases.expire(now)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
@@ -785,6 +813,20 @@ class MasterState(SegmentTable):
         copies (without: the segment deletes them itself)."""
         self._delete(self._pop(name), forget_disk=forget_disk)
 
+    def replace(self, old: ObjectRecord | None, new: ObjectRecord) -> None:
+        """An upsert's swap (kvtier.master.upsert): complete `new` takes the place of `old` (None:
+        gone meanwhile) under its name, most recently used; `old` leaves as a removed object does
+        (ranges after its leases, disk copies tombstoned). One call: no reader sees neither."""
+        if old is not None:
+            self._delete(self._pop(old.name))  # its drop notices go before `new`'s commits
+        self._objects[new.name] = new
+        self._index.add(new.name)
+
+    def drop_version(self, record: ObjectRecord) -> None:
+        """Forget an upsert's pending new version (never in the tables): its ranges are freed
+        after its write grant, as a revoked put's are."""
+        self._delete(record)
+
     def _pop(self, name: str) -> ObjectRecord:
         """Take a record out of whichever dict holds it (KeyError when none does)."""
         record = self._objects.pop(name, None)
@@ -796,4 +838,5 @@ class MasterState(SegmentTable):
             self._objects[record.name] = self._disk_only.pop(record.name)
 
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))
+        pending = len(self._pending) + len(self.upserts.pending)
+        return ClusterSnapshot(self.object_count - pending, pending, list(self.segments.values()))

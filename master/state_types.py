@@ -73,6 +73,8 @@ class PutOptions:
     pin_ttl_s: float = 0.0  # PIN_SOFT lifetime; 0 = config.soft_pin_ttl_s
     preferred_segment: str = ""
     client_host: str = ""  # host id of the writer: same-host segments are preferred
+    overwrite: bool = False  # upsert: a complete key gets a new version (kvtier.master.upsert)
+    lease_s: float = 0.0  # put-time lease from PutEnd on (kvtier.master.upsert); 0 = none
 
 
 @dataclass(slots=True)

@@ -1,0 +1,190 @@
+"""Upsert (atomic overwrite) and put-time leases in MasterState (kvtier.master.upsert), on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.master.config import MasterConfig
+from kvtier.master.records import replica_offset
+from kvtier.master.state import MasterState, PutOptions
+from kvtier.proto.status import Status
+from tests.unit.master.accounting import assert_consistent
+from tests.unit.master.test_state import NS, FakeClock, mount, put
+
+OK = Status.OK
+MiB = 1 << 20
+UPSERT = PutOptions(overwrite=True)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> MasterState:
+    config = MasterConfig(
+        cluster_id="unit", segment_ttl_s=1000.0, heartbeat_interval_s=1.0, lease_s=5.0, put_timeout_s=30.0
+    ).validate()
+    state = MasterState(config, clock=clock)
+    mount(state, "s0", 64 * 4096)
+    return state
+
+
+def visible(state: MasterState, key: str) -> tuple[int, int, list[int]]:
+    """(status, checksum, offsets) a reader gets for `key` now."""
+    got = state.get_replicas(NS, [key])
+    return got.statuses[0], got.checksums[0], list(got.replica_offsets)
+
+
+def test_upsert_keeps_old_version_visible_until_put_end_then_swaps(state: MasterState) -> None:
+    put(state, "k", checksum=1)
+    old = visible(state, "k")
+    started = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert started.statuses == [OK] and started.replica_counts == [1]  # a new range, beside the old one
+    assert started.replica_offsets[0] not in old[2]
+    assert visible(state, "k") == old  # the new version is invisible while written
+    assert state.exists(NS, ["k"])[0] == [True]
+    assert_consistent(state)
+    assert state.put_end(NS, ["k"], [2], started.put_id) == [OK]
+    assert visible(state, "k") == (OK, 2, started.replica_offsets)
+    assert state.put_end(NS, ["k"], [2], started.put_id) == [OK]  # a retried PutEnd is harmless
+    assert_consistent(state)
+
+
+def test_old_ranges_wait_for_the_read_lease(state: MasterState, clock: FakeClock) -> None:
+    put(state, "k", size=4096, checksum=1)
+    segment = next(iter(state.segments.values()))
+    state.get_replicas(NS, ["k"])  # a reader holds a lease on the old version
+    started = state.put_start(NS, ["k"], [4096], 1, UPSERT)
+    state.put_end(NS, ["k"], [2], started.put_id)
+    assert segment.used == 2 * 4096  # the old range is still the reader's
+    assert_consistent(state)
+    clock.advance(state.config.lease_s + 0.1)
+    state.tick()
+    assert segment.used == 4096
+    assert_consistent(state)
+
+
+def test_revoked_or_abandoned_upsert_keeps_the_old_version(state: MasterState, clock: FakeClock) -> None:
+    put(state, "k", checksum=1)
+    before = visible(state, "k")
+    started = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert state.put_revoke(NS, ["k"], started.put_id) == [OK]
+    assert visible(state, "k") == before
+    assert state.put_end(NS, ["k"], [2], started.put_id) == [Status.NOT_PENDING]
+    started = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    clock.advance(state.config.put_timeout_s + 1)
+    state.tick()  # reclaimed
+    assert state.put_end(NS, ["k"], [3], started.put_id) == [Status.NOT_PENDING]
+    assert visible(state, "k")[:2] == before[:2]
+    assert_consistent(state)
+
+
+def test_second_upsert_answers_put_in_progress(state: MasterState, clock: FakeClock) -> None:
+    put(state, "k", checksum=1)
+    first = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert state.put_start(NS, ["k"], [1000], 1, UPSERT).statuses == [Status.PUT_IN_PROGRESS]
+    assert state.put_start(NS, ["k"], [1000], 1).statuses == [OK]  # a plain put: already stored
+    clock.advance(state.config.put_timeout_s + 1)
+    second = state.put_start(NS, ["k"], [1000], 1, UPSERT)  # the abandoned one is reclaimed
+    assert second.statuses == [OK]
+    assert state.put_end(NS, ["k"], [5], first.put_id) == [Status.NOT_PENDING]
+    assert state.put_end(NS, ["k"], [6], second.put_id) == [OK]
+    assert visible(state, "k")[1] == 6
+    assert_consistent(state)
+
+
+def test_upsert_of_missing_or_removed_key_is_a_put(state: MasterState) -> None:
+    started = state.put_start(NS, ["new"], [1000], 1, UPSERT)
+    assert state.put_end(NS, ["new"], [4], started.put_id) == [OK]
+    assert visible(state, "new")[:2] == (OK, 4)
+    put(state, "k", checksum=1)
+    started = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert state.remove(NS, ["k"]) == [OK]
+    assert visible(state, "k")[0] == Status.NOT_FOUND
+    assert state.put_end(NS, ["k"], [2], started.put_id) == [OK]  # the later write wins
+    assert visible(state, "k")[:2] == (OK, 2)
+    assert_consistent(state)
+
+
+def test_upsert_loses_to_a_pending_put_of_the_key(state: MasterState) -> None:
+    put(state, "k", checksum=1)
+    upsert = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    state.remove(NS, ["k"])
+    other = state.put_start(NS, ["k"], [1000], 1)
+    assert state.put_end(NS, ["k"], [2], upsert.put_id) == [Status.NOT_PENDING]
+    assert state.put_end(NS, ["k"], [3], other.put_id) == [OK]
+    assert visible(state, "k")[:2] == (OK, 3)
+    assert_consistent(state)
+
+
+def test_segment_loss_drops_the_new_version_only(state: MasterState) -> None:
+    put(state, "k", checksum=1)  # on s0, the only segment yet
+    first = visible(state, "k")
+    s1 = mount(state, "s1", 64 * 4096)
+    started = state.put_start(NS, ["k"], [1000], 2, UPSERT)
+    assert started.statuses == [OK] and s1 in started.replica_segments
+    state.drop_segment(s1, "test")
+    assert state.put_end(NS, ["k"], [2], started.put_id) == [Status.NOT_PENDING]
+    assert visible(state, "k")[:2] == first[:2]
+    assert_consistent(state)
+
+
+def test_zero_size_upsert_keeps_the_segment_index_right(state: MasterState) -> None:
+    put(state, "z", size=0, checksum=1)
+    started = state.put_start(NS, ["z"], [0], 1, UPSERT)
+    assert state.put_end(NS, ["z"], [2], started.put_id) == [OK]
+    assert_consistent(state)  # the drop of the old (by name) goes before the commit of the new
+
+
+def test_put_time_lease_refuses_remove_and_eviction_until_it_ends(state: MasterState, clock: FakeClock) -> None:
+    started = state.put_start(NS, ["k"], [4096], 1, PutOptions(lease_s=10.0))
+    state.put_end(NS, ["k"], [1], started.put_id)
+    assert state.remove(NS, ["k"]) == [Status.LEASE_HELD]
+    assert visible(state, "k")[0] == OK
+    segment = next(iter(state.segments.values()))
+    assert state.tiering.state is state
+    freed = state._evict(1 << 30, lambda r: True, state.replica_bytes, "test")  # noqa: SLF001
+    assert freed == 0 and visible(state, "k")[0] == OK
+    clock.advance(10.1)
+    state.tick()
+    assert state.remove(NS, ["k"]) == [OK]
+    assert segment.used == 0
+    assert_consistent(state)
+
+
+def test_force_removes_and_frees_after_read_leases_not_the_put_lease(state: MasterState, clock: FakeClock) -> None:
+    started = state.put_start(NS, ["k"], [4096], 1, PutOptions(lease_s=100.0))
+    state.put_end(NS, ["k"], [1], started.put_id)
+    segment = next(iter(state.segments.values()))
+    assert state.remove(NS, ["k"], force=True) == [OK]
+    clock.advance(state.config.lease_s + 0.1)
+    state.tick()
+    assert segment.used == 0
+    assert_consistent(state)
+
+
+def test_upsert_keeps_the_keys_put_time_lease(state: MasterState, clock: FakeClock) -> None:
+    started = state.put_start(NS, ["k"], [1000], 1, PutOptions(lease_s=10.0))
+    state.put_end(NS, ["k"], [1], started.put_id)
+    upsert = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert state.put_end(NS, ["k"], [2], upsert.put_id) == [OK]
+    assert state.remove(NS, ["k"]) == [Status.LEASE_HELD]
+    clock.advance(10.1)
+    state.tick()
+    assert state.remove(NS, ["k"]) == [OK]
+    assert_consistent(state)
+
+
+def test_remove_prefix_ignores_put_time_leases(state: MasterState) -> None:
+    started = state.put_start(NS, ["p1"], [1000], 1, PutOptions(lease_s=10.0))
+    state.put_end(NS, ["p1"], [1], started.put_id)
+    assert state.remove_prefix(NS, "p") == 1
+    assert_consistent(state)
+
+
+def test_offsets_differ_between_versions(state: MasterState) -> None:
+    first = put(state, "k", checksum=1)
+    second = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    assert replica_offset(first.replica_offsets[0]) != replica_offset(second.replica_offsets[0])
