@@ -176,6 +176,17 @@ class SegmentTable:
             else:
                 logger.info("segment clock fixed name=%s skew_s=%.3f: placed on again", segment.name, reading.skew_s)
 
+    def forgive_deafness(self, gap_s: float) -> None:
+        """The master did not run for `gap_s` (SIGSTOP, a stalled loop, a suspended VM): it heard
+        nobody meanwhile, their heartbeats and polls sit unread in its sockets. Silence counts only
+        while it listened, so every segment is credited the gap; otherwise the first tick after a long
+        stop would expel every segment before reading what they sent, their objects lost to a pause of
+        the master's own. The ticker (kvtier.master.server) measures the gap."""
+        logger.warning("master was not running for %.1fs: segments are not counted silent for it", gap_s)
+        for segment in self.segments.values():
+            segment.last_heartbeat += gap_s
+        self.commits.forgive(gap_s)
+
     def drop_segment(self, segment_id: int, reason: str) -> None:
         """Forget a mounted segment and every replica on it (objects left without one go); an
         expulsion or a segment keeping its index opens a fence (kvtier.master.fences)."""

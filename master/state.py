@@ -15,7 +15,9 @@ Object lifecycle (per namespace and key):
                                +--put_revoke / put timeout / segment loss--> (absent)
 
 Only COMPLETE objects are visible to `get_replicas` and `exists`. Ranges of a
-removed object whose read lease is still running are freed when it ends.
+removed object whose read lease is still running are freed when it ends. An
+upsert's new version of a COMPLETE object waits beside it, outside the tables,
+until its PutEnd swaps it in (`replace`; kvtier.master.upsert).
 
 Space: complete objects are kept in least-recently-used order (reads refresh
 it, existence checks do not). A segment fuller than `high_watermark` evicts
@@ -31,7 +33,7 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
   `names()`, `segment_named(name)`, `aligned(size)`, `replica_bytes(record)`, `has_dram_on(id)`;
 - changing an object: `adopt(record)` (from an inventory), `now_in_dram(record)`,
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
-  `discard(name, forget_disk=...)`;
+  `discard(name, forget_disk=...)`, `replace(old, new)`, `drop_version(record)` (upserts);
 - ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
 - segments: `drop_segment(segment_id, reason)`, `mid_inventory()`;
 - names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
@@ -55,7 +57,7 @@ from kvtier.master.commits import CommitLog
 from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
-from kvtier.master.eviction import pick_victims
+from kvtier.master.eviction import evict_to_watermark, pick_victims
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
@@ -730,40 +732,11 @@ class MasterState(SegmentTable):
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:
-                self._evict_to_watermark(segment, segment.used - int(target * segment.capacity))
+                evict_to_watermark(self, segment, segment.used - int(target * segment.capacity))
             elif segment.used > offload_at * segment.capacity:
                 # Copy LRU objects to SSD ahead of need (they keep their DRAM copy), so eviction
                 # later drops copies already safe instead of objects only DRAM held.
                 self.pressure.feed(segment)
-
-    def forgive_deafness(self, gap_s: float) -> None:
-        """The master did not run for `gap_s` (SIGSTOP, a stalled loop, a suspended VM): it heard
-        nobody meanwhile, their heartbeats and polls sit unread in its sockets. Silence counts only
-        while it listened, so every segment is credited the gap; otherwise the first tick after a long
-        stop would expel every segment before reading what they sent, their objects lost to a pause of
-        the master's own. The ticker (kvtier.master.server) measures the gap."""
-        logger.warning("master was not running for %.1fs: segments are not counted silent for it", gap_s)
-        for segment in self.segments.values():
-            segment.last_heartbeat += gap_s
-        self.commits.forgive(gap_s)
-
-    def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
-        """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
-        (their bytes are freed when the copy is durable), else drop their copies there."""
-        tiering = self.tiering
-        segment_id = segment.segment_id
-        need -= tiering.evicting_bytes(segment_id)  # already on their way out
-        if need <= 0:
-            return
-        on_segment = self.has_dram_on(segment_id)
-        evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
-        eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
-        victims = pick_victims(self._objects.values(), self.clock(), need, self.replica_bytes, eligible)
-        offload = tiering.can_offload(segment)
-        for victim in victims:
-            if offload and tiering.offload(victim, segment):
-                continue
-            self.evict_one(victim, "watermark", segment_id)
 
     # ------------------------------------------------------------------ views
 
