@@ -101,7 +101,7 @@ class Upserts:
         del self.pending[name]
         if visible is not None and visible.state is not _COMPLETE:
             self.counters["refused"] += 1
-            self._forget(record, "replaced")
+            self._forget(record, "refused")
             return None
         record.complete(checksum)
         state = self.state
@@ -111,7 +111,7 @@ class Upserts:
                 # the key's put-time lease carries over to the version that replaces it
                 self.lease_requests[record] = max(self.lease_requests.get(record, 0.0), held[1] - state.clock())
             if state.history is not None:
-                state.history.left(visible, "upserted")
+                state.history.replaced(visible)
         state.replace(visible, record)
         self.counters["swapped"] += 1
         return record
@@ -139,7 +139,7 @@ class Upserts:
     def _forget(self, record: ObjectRecord, why: str) -> None:
         self.lease_requests.pop(record, None)
         if self.state.history is not None:
-            self.state.history.left(record, why)
+            self.state.history.left(record, f"upsert:{why}")
         self.state.drop_version(record)  # its ranges after its write grant, as a revoked put's
 
     # ------------------------------------------------------------------ put-time leases

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvtier.master.config import MasterConfig
@@ -188,3 +190,21 @@ def test_offsets_differ_between_versions(state: MasterState) -> None:
     first = put(state, "k", checksum=1)
     second = state.put_start(NS, ["k"], [1000], 1, UPSERT)
     assert replica_offset(first.replica_offsets[0]) != replica_offset(second.replica_offsets[0])
+
+
+def test_history_log_records_the_swap_as_a_version_event(tmp_path, clock: FakeClock) -> None:
+    log = tmp_path / "history.jsonl"
+    config = MasterConfig(cluster_id="unit", segment_ttl_s=1000.0, history_log=str(log)).validate()
+    state = MasterState(config, clock=clock)
+    mount(state, "s0", 64 * 4096)
+    put(state, "k", checksum=1)
+    started = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    state.put_end(NS, ["k"], [2], started.put_id)
+    revoked = state.put_start(NS, ["k"], [1000], 1, UPSERT)
+    state.put_revoke(NS, ["k"], revoked.put_id)
+    state.history.close()
+    got = [json.loads(line) for line in log.read_text().splitlines()][1:]
+    assert [(e["event"], e["reason"], e["checksum"], e["complete"]) for e in got] == [
+        ("version", "upserted", 1, True),
+        ("object", "upsert:revoked", 0, False),
+    ]
