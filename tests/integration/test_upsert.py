@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.client import Status
 from kvtier.proto import master_pb2 as pb
+from tests.integration.test_metrics import scrape, value
 from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -178,3 +179,16 @@ def test_eviction_skips_keys_under_a_put_time_lease(bare_cluster):
             assert client.batch_put([key], [version_value(2, MiB)]) == [Status.OK]
         assert client.get("leased") == version_value(1, MiB)
         assert None in client.batch_get(keys[:8])  # others were evicted meanwhile
+
+
+def test_upsert_and_lease_metrics_count_what_happened(bare_cluster):
+    bare_cluster.start_master("--metrics", "127.0.0.1:0")
+    bare_cluster.start_segment("seg0")
+    with bare_cluster.client() as client:
+        client.put("k", b"old", lease_s=600)
+        client.upsert("k", b"new")
+        assert client.batch_upsert(["k"], [b"x"] * 1) == [Status.OK]
+    samples = scrape(bare_cluster.master.info["metrics"])
+    assert value(samples, "kvtier_master_upserts_total", outcome="swapped") == 2
+    assert value(samples, "kvtier_master_upserts_total", outcome="revoked") == 0
+    assert value(samples, "kvtier_master_put_leases") == 1
