@@ -173,6 +173,9 @@ class Upserts:
         if entry is None or entry[0] is not record:
             return
         del self.leases[record.name]
+        if len(self._ends) > 2 * len(self.leases) + 1024:  # ends of leases gone early: keep it bounded
+            self._ends = [e for e in self._ends if (held := self.leases.get(e[2])) is not None and held[1] == e[0]]
+            heapq.heapify(self._ends)
         now = self.state.clock()
         if entry[1] > now:
             record.lease_until = min(record.lease_until, now + self.state.config.lease_s)

@@ -208,3 +208,12 @@ def test_history_log_records_the_swap_as_a_version_event(tmp_path, clock: FakeCl
         ("version", "upserted", 1, True),
         ("object", "upsert:revoked", 0, False),
     ]
+
+
+def test_lease_bookkeeping_stays_bounded_when_leased_keys_go_early(state: MasterState) -> None:
+    for i in range(3000):
+        started = state.put_start(NS, [f"k{i}"], [0], 1, PutOptions(lease_s=1000.0))
+        state.put_end(NS, [f"k{i}"], [1], started.put_id)
+        assert state.remove(NS, [f"k{i}"], force=True) == [OK]
+    assert not state.upserts.leases and not state.upserts.lease_requests
+    assert len(state.upserts._ends) <= 1024 + 1  # noqa: SLF001
