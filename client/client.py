@@ -518,7 +518,11 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
         return list(zip(results, sources, strict=True)) if sources is not None else results
 
     def _fetch(
-        self, keys: Sequence[str], views: list[memoryview] | None, sources: list[str | None] | None = None
+        self,
+        keys: Sequence[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None = None,
+        again: bool = True,
     ) -> list[bytes | int]:
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -622,11 +626,25 @@ class Client(TensorMixin, KeyInspection):  # put_tensor/get_tensor: client.tenso
         self._done_leases.add(reply.lease_id)
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
-        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
+        # Found by the master, but no segment holds the copy any more: a disk copy tombstoned since
+        # our lookup (an upsert swapped in a new version, kvtier.master.upsert, or a removal). Asked
+        # once more, the master answers the key's current state: the new version, or a miss.
+        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if again else []
+        if gone:
+            redo_sources: list[str | None] = [None] * len(gone)
+            redo_views = [views[i] for i in gone] if views is not None else None
+            redone = self._fetch([keys[i] for i in gone], redo_views, redo_sources, again=False)  # counts them
+            for i, result, source in zip(gone, redone, redo_sources, strict=True):
+                out[i] = result
+                if sources is not None:
+                    sources[i] = source
+        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0) - sum(
+            1 for i in gone if not isinstance(out[i], int) or out[i] >= 0
+        )
         self._count(
-            gets=len(keys),
+            gets=len(keys) - len(gone),
             hits=hits,
-            misses=len(keys) - hits,
+            misses=len(keys) - len(gone) - hits,
             bytes_read=sum(transferred.values()),
             **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
             **verified,

@@ -146,6 +146,51 @@ def test_offloaded_old_version_is_never_served_after_the_swap(bare_cluster, tmp_
         assert client.get(target) in (None, new)  # the new version lived in DRAM only: a miss, never the old
 
 
+@pytest.mark.slow  # ~20 s: 24 MiB through the SSD tier first; runs in make test-slow (CI runs both)
+def test_readers_of_disk_only_versions_never_miss_across_upserts(bare_cluster, tmp_path):
+    """The old version lives only on SSD: the swap tombstones its disk copy (FORGET) while readers
+    may hold its placements; a read that finds the copy gone asks the master again and gets the
+    new version, never a miss."""
+    ssd_dir = tmp_path / "ssd"
+    ssd_dir.mkdir()
+    bare_cluster.start_master("--promote-after-reads", "0")  # disk-only copies stay disk-only
+    start_ssd_segment(bare_cluster, ssd_dir)
+    keys = [f"obj/{i:03d}" for i in range(24)]  # 24 MiB through a 16 MiB region: the first go to SSD
+    with bare_cluster.client() as writer, bare_cluster.client() as reader:
+        put_and_offload(bare_cluster, writer, keys)
+        cold = [k for k in keys if {r["tier"] for r in writer.locate(k)} == {"ssd"}][:8]
+        assert len(cold) >= 4, "too few disk-only objects"
+        for key in keys[-12:]:  # DRAM room for the new versions (the removed ranges free after their leases)
+            writer.remove(key)
+        assert bare_cluster.wait_for(lambda: dram_used(writer, "ssd0") <= 6 * MiB, timeout=20)
+        new = {k: value_for("new " + k, MiB) for k in cold}
+        done, first_read = threading.Event(), threading.Event()
+        bad: list[str] = []
+        reads = [0]
+
+        def read() -> None:
+            while not done.is_set():
+                for key, value in zip(cold, reader.batch_get(cold), strict=True):
+                    if value is None:
+                        bad.append(f"miss {key}")
+                    elif value != new[key] and value != value_for(key):
+                        bad.append(f"wrong bytes {key}")
+                reads[0] += 1
+                first_read.set()
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        try:
+            assert first_read.wait(30)
+            for key in cold:
+                writer.upsert(key, new[key])
+        finally:
+            done.set()
+            thread.join(30)
+        assert not bad, bad[:5]
+        assert reader.batch_get(cold) == [new[k] for k in cold]
+
+
 def test_put_time_lease_refuses_remove_until_force(cluster):
     with cluster.client() as client:
         client.put("leased", b"v", lease_s=600)
