@@ -101,6 +101,8 @@ def test_revoked_and_abandoned_upserts_keep_the_old_value(cluster):
         assert client.get("k") == b"old"
         with pytest.raises(ValueError):
             client.upsert("k", b"x", replicas=0)  # refused before anything is sent
+        assert client.batch_upsert(["k"], [bytes(65 * MiB)]) == [Status.TOO_LARGE]  # larger than any segment
+        assert client.batch_upsert(["k"], [b"x"], replicas=3) == [Status.NO_REPLICA]  # two segments only
         assert client.get("k") == b"old"
 
 
