@@ -178,7 +178,9 @@ class Upserts:
             heapq.heapify(self._ends)
         now = self.state.clock()
         if entry[1] > now:
-            record.lease_until = min(record.lease_until, now + self.state.config.lease_s)
+            until = now + self.state.config.lease_s  # every read lease granted so far ends by then
+            record.lease_until = min(record.lease_until, until)
+            self.state.leases.cap(record, until)
 
     def tick(self, now: float) -> None:
         """Expire put-time leases and reclaim upserts abandoned past put_timeout_s."""

@@ -217,3 +217,17 @@ def test_lease_bookkeeping_stays_bounded_when_leased_keys_go_early(state: Master
         assert state.remove(NS, [f"k{i}"], force=True) == [OK]
     assert not state.upserts.leases and not state.upserts.lease_requests
     assert len(state.upserts._ends) <= 1024 + 1  # noqa: SLF001
+
+
+def test_leased_object_removed_early_frees_when_its_last_reader_releases(state: MasterState, clock: FakeClock) -> None:
+    started = state.put_start(NS, ["k"], [4096], 1, PutOptions(lease_s=1000.0))
+    state.put_end(NS, ["k"], [1], started.put_id)
+    segment = next(iter(state.segments.values()))
+    lease_id = state.get_replicas(NS, ["k"], releasable=True).lease_id
+    assert state.remove(NS, ["k"], force=True) == [OK]
+    assert segment.used == 4096  # the reader still reads it
+    state.leases.release([lease_id])
+    clock.advance(state.config.lease_s + 0.1)  # what another (unreleasable) read lease could still need
+    state.tick()
+    assert segment.used == 0  # not held for the rest of the put-time lease
+    assert_consistent(state)
