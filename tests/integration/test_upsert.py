@@ -210,9 +210,9 @@ def test_put_time_lease_refuses_remove_until_force(cluster):
 
 def test_put_time_lease_ends(cluster):
     with cluster.client() as client:
-        client.put("short", b"v", lease_s=3)
+        client.put("short", b"v", lease_s=5)
         assert client.batch_remove(["short"]) == [Status.LEASE_HELD]
-        assert cluster.wait_for(lambda: client.batch_remove(["short"]) == [Status.OK], timeout=3 + 10, interval=0.2)
+        assert cluster.wait_for(lambda: client.batch_remove(["short"]) == [Status.OK], timeout=5 + 10, interval=0.2)
         assert client.get("short") is None
 
 
