@@ -193,6 +193,33 @@ def test_readers_of_disk_only_versions_never_miss_across_upserts(bare_cluster, t
         assert reader.batch_get(cold) == [new[k] for k in cold]
 
 
+def test_an_acknowledged_upsert_survives_a_master_kill_9(bare_cluster, tmp_path):
+    """PutEnd answered once the segments acknowledged the old copies' drops and the new ones'
+    commits: a new master rebuilt from their indexes knows the new versions only."""
+    state_dir = str(tmp_path / "master-state")
+    bare_cluster.start_master("--state-dir", state_dir)
+    bare_cluster.start_segment("seg0")
+    bare_cluster.start_segment("seg1")
+    keys = [f"v/{i:02d}" for i in range(20)]
+    with bare_cluster.client() as client:
+        assert not any(client.batch_put(keys, [version_value(1, 4 * KiB)] * 20, replicas=2))
+        assert not any(client.batch_upsert(keys[:10], [version_value(2, 4 * KiB)] * 10, replicas=2))
+        client.upsert("zero", b"")  # a zero-size object, which an index keys by name
+        client.upsert("zero", b"")
+        used = {s.name: s.dram_used for s in client.cluster_status().segments}
+    bare_cluster.restart_master("--state-dir", state_dir)
+    with bare_cluster.client() as client:
+        got = client.batch_get(keys)
+        assert got[:10] == [version_value(2, 4 * KiB)] * 10
+        assert got[10:] == [version_value(1, 4 * KiB)] * 10
+        assert client.get("zero") == b""
+        status = client.cluster_status()
+        # one copy per segment of each key (the old versions' copies are in no index) and "zero"
+        assert status.recovery["objects"] == 2 * 20 + 1 and status.recovery["refused"] == 0
+        # the old versions' ranges (still held for their leases before the kill) are not brought back
+        assert all(s.dram_used <= used[s.name] for s in status.segments)
+
+
 def test_put_time_lease_refuses_remove_until_force(cluster):
     with cluster.client() as client:
         client.put("leased", b"v", lease_s=600)
