@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
 
 from kvtier.master.config import MasterConfig
 from kvtier.master.records import replica_offset
-from kvtier.master.state import MasterState, PutOptions
+from kvtier.master.state import MasterState, ObjectState, PutOptions
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
-from tests.unit.master.test_state import NS, FakeClock, mount, put
+from tests.unit.master.test_state import NS, FakeClock, MasterStateMachine, mount, put
 
 OK = Status.OK
 MiB = 1 << 20
@@ -231,3 +234,73 @@ def test_leased_object_removed_early_frees_when_its_last_reader_releases(state: 
     state.tick()
     assert segment.used == 0  # not held for the rest of the put-time lease
     assert_consistent(state)
+
+
+class UpsertStateMachine(MasterStateMachine):
+    """The state machine of test_state.py with upserts, put-time leases and forced removes mixed in:
+    after each step the books (allocators, quotas, indexes from the commit log, the name index)
+    must still balance, pending new versions included."""
+
+    @initialize()
+    def two_segments(self):
+        for name in ("a", "b"):
+            self.mount(name=name, capacity=16384)
+
+    @rule(name=st.sampled_from(["a", "b", "c"]), capacity=st.sampled_from([4096, 16384]))
+    def mount(self, name, capacity):  # room for two versions side by side
+        assert self.state.mount_segment("unit", name, "h", ["tcp://x:1"], capacity).status == OK
+
+    @rule(key=st.sampled_from(["k0", "k1", "k2", "p/k3"]), size=st.sampled_from([0, 64, 1000]), lease=st.booleans())
+    def upsert_a_complete_key(self, key, size, lease):
+        if self.state.record(NS, key) is None:
+            self.complete_put(key=key, size=size)
+        options = PutOptions(overwrite=True, lease_s=10.0 if lease else 0.0)
+        self.put_ids.append(self.state.put_start(NS, [key], [size], 1, options).put_id)
+
+    @rule(
+        keys=st.lists(st.sampled_from(["k0", "k1", "k2", "p/k3"]), min_size=1, max_size=3),
+        size=st.sampled_from([0, 1, 64, 1000]),
+        replicas=st.integers(1, 2),
+        lease=st.sampled_from([0.0, 1.0, 10.0]),
+    )
+    def upsert_start(self, keys, size, replicas, lease):
+        options = PutOptions(overwrite=True, lease_s=lease)
+        self.put_ids.append(self.state.put_start(NS, keys, [size] * len(keys), replicas, options).put_id)
+
+    @rule(key=st.sampled_from(["k0", "k1", "k2", "p/k3"]), size=st.sampled_from([0, 64, 1000]))
+    def complete_put(self, key, size):
+        started = self.state.put_start(NS, [key], [size], 1)
+        self.state.put_end(NS, [key], [9], started.put_id)
+
+    @rule(
+        key=st.sampled_from(["k0", "k1", "k2", "p/k3"]),
+        back=st.integers(0, 3),
+        checksum=st.integers(1, 3),
+        own=st.booleans(),
+    )
+    def upsert_end(self, key, back, checksum, own):
+        before = self.state.record(NS, key)
+        pending = self.state.upserts.pending.get(f"{NS}\0{key}")
+        put_id = pending.put_id if own and pending is not None else self.put_ids[-1 - back % len(self.put_ids)]
+        status = self.state.put_end(NS, [key], [checksum], put_id)[0]
+        after = self.state.record(NS, key)
+        if pending is not None and pending.put_id == put_id and status == OK:
+            assert after is pending and after.checksum == checksum  # swapped in, at once
+        elif before is not None and before.state is ObjectState.COMPLETE and status != OK:
+            assert after is before  # a failed PutEnd leaves the visible version alone
+
+    @rule(keys=st.lists(st.sampled_from(["k0", "k1", "k2", "p/k3"]), max_size=3), force=st.booleans())
+    def remove_maybe_forced(self, keys, force):
+        statuses = self.state.remove(NS, keys, force=force)
+        if force:
+            assert Status.LEASE_HELD not in statuses
+
+    @invariant()
+    def books_balance(self):
+        assert_consistent(self.state)
+        for name, record in self.state.upserts.pending.items():
+            assert record.state is ObjectState.PENDING and record.name == name
+
+
+TestUpsertStateMachine = UpsertStateMachine.TestCase
+TestUpsertStateMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
