@@ -588,9 +588,11 @@ class MasterState(SegmentTable):
         reuse_at = self._reuse_at(record)
         now = self.clock()
         for segment_id, offset, size in ranges:
+            if (segment := self.segments.get(segment_id)) is None:
+                continue  # dropped meanwhile: its allocator went with it (and no deferral may outlive it)
             if reuse_at > now:
                 heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
-            elif (segment := self.segments.get(segment_id)) is not None:
+            else:
                 segment.allocator.release(offset, size)
 
     def release_ranges(self, replicas: Iterable[int], size: int) -> None:

@@ -236,6 +236,20 @@ def test_leased_object_removed_early_frees_when_its_last_reader_releases(state: 
     assert_consistent(state)
 
 
+def test_ranges_parked_for_readers_of_a_dropped_segment_are_not_deferred(state: MasterState, clock: FakeClock) -> None:
+    """Found by the state machine below: a removed object's range parked for a releasable lease,
+    its segment unmounted, then the lease expires: nothing may be deferred on the gone segment."""
+    put(state, "k", size=64)
+    state.get_replicas(NS, ["k"], releasable=True)
+    clock.advance(state.config.lease_s / 2)
+    state.get_replicas(NS, ["k"])  # a later lease nobody releases: the range outlives the first one
+    assert state.remove_prefix(NS, "") == 1
+    state.unmount_segment(next(iter(state.segments)))
+    clock.advance(state.config.lease_s / 2 + 0.1)  # the releasable lease expires
+    state.tick()
+    assert_consistent(state)
+
+
 class UpsertStateMachine(MasterStateMachine):
     """The state machine of test_state.py with upserts, put-time leases and forced removes mixed in:
     after each step the books (allocators, quotas, indexes from the commit log, the name index)
