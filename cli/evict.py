@@ -22,7 +22,7 @@ class EvictReport:
     prefix: str
     removed: int = 0
     removed_bytes: int = 0
-    skipped_pinned: int = 0  # hard pins and soft pins in force, kept (unless include_pinned)
+    skipped_pinned: int = 0  # hard pins, soft pins and put-time leases in force, kept (unless include_pinned)
     skipped_pending: int = 0  # puts not finished: not removable yet
     gone: int = 0  # listed, but removed or evicted by someone else before our Remove
     listed: int = 0  # keys seen under the prefix
@@ -47,7 +47,8 @@ def evict_prefix(
     Each page is one `ListKeys` (pending puts included, to count them) and one
     batched `Remove` of the page's removable keys; `progress` is called after
     each. Pinned objects (hard, or soft with time left) are skipped unless
-    `include_pinned`: a pin is the writer's promise that the cache keeps them.
+    `include_pinned`: a pin is the writer's promise that the cache keeps them,
+    and so is a put-time lease (kvtier.master.upsert): kept, counted as pinned.
     Pending puts are skipped (they may complete afterwards). Objects being
     read are removed like `Client.remove` does: readers holding a lease
     finish, the space is freed when the lease ends. With `dry_run` nothing is
@@ -75,13 +76,16 @@ def evict_prefix(
             # Removed in sub-batches: a master may allow fewer keys per request than a page holds.
             statuses = []
             for lo in range(0, len(doomed), _REMOVE_BATCH):
-                statuses += client.batch_remove([info.key for info in doomed[lo : lo + _REMOVE_BATCH]])
+                keys = [info.key for info in doomed[lo : lo + _REMOVE_BATCH]]
+                statuses += client.batch_remove(keys, force=include_pinned)  # force: put-time leases too
             for info, status in zip(doomed, statuses, strict=True):
                 if status == Status.OK:
                     report.removed += 1
                     report.removed_bytes += info.size
                 elif status == Status.PUT_IN_PROGRESS:  # removed and put again since the listing
                     report.skipped_pending += 1
+                elif status == Status.LEASE_HELD:  # a put-time lease: the writer's promise, as a pin
+                    report.skipped_pinned += 1
                 else:
                     report.gone += 1
         if progress is not None:

@@ -117,10 +117,10 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return [items[lo : lo + step] for lo in range(0, len(items), step)]
 
 
-def _pin_ttl_ms(pin_ttl: float) -> int:
+def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
-        raise ValueError(f"pin_ttl must be between 0 and {_MAX_PIN_TTL_MS // 1000} seconds, got {pin_ttl!r}")
+        raise ValueError(f"{name} must be between 0 and {_MAX_PIN_TTL_MS // 1000} seconds, got {pin_ttl!r}")
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
 
 
@@ -291,15 +291,33 @@ class Client(
         """Store `value` (any bytes-like buffer) under `key`. Raises KvtierError on failure.
 
         Idempotent: putting a key that is already complete succeeds without
-        rewriting it. `placement` as for `batch_put` (pin, pin_ttl, preferred_segment).
+        rewriting it (`upsert` replaces it). `placement` as for `batch_put`
+        (pin, pin_ttl, preferred_segment, lease_s).
         """
-        _put_failure.set("")
-        status = self.batch_put([key], [value], replicas=replicas, **placement)[0]
-        if status != Status.OK:
-            reason = _put_failure.get()
-            raise KvtierError(status, f"put of {key!r:.80} failed" + (f": {reason}" if reason else ""))
+        self._raise_put(key, self.batch_put([key], [value], replicas=replicas, **placement)[0], "put")
 
     put_from = put  # zero-copy already: the value's buffer is sent as is
+
+    @traced
+    def upsert(self, key: str, value: Any, *, replicas: int = 1, **placement: Any) -> None:
+        """Store `value` under `key`, replacing the object it holds, atomically: a concurrent reader
+        gets the old value or the new one, never a mix and never a miss. Raises KvtierError
+        (the old value stays) on failure; PUT_IN_PROGRESS while another put or upsert of the key
+        is in flight. `placement` as for `batch_put`. docs/architecture.md, "Atomic overwrite"."""
+        self._raise_put(key, self.batch_upsert([key], [value], replicas=replicas, **placement)[0], "upsert")
+
+    upsert_from = upsert
+
+    @traced
+    def batch_upsert(self, keys: Sequence[str], values: Sequence[Any], **options: Any) -> list[Status]:
+        """`upsert` for many keys: one `Status` per key, as `batch_put` (options alike)."""
+        return self.batch_put(keys, values, _overwrite=True, **options)
+
+    @staticmethod
+    def _raise_put(key: str, status: Status, what: str) -> None:
+        if status != Status.OK:
+            reason = _put_failure.get()
+            raise KvtierError(status, f"{what} of {key!r:.80} failed" + (f": {reason}" if reason else ""))
 
     @traced
     def batch_put(
@@ -311,6 +329,8 @@ class Client(
         pin: str | None = None,
         pin_ttl: float = 0.0,
         preferred_segment: str = "",
+        lease_s: float = 0.0,
+        _overwrite: bool = False,
     ) -> list[Status]:
         """Store many values; one `Status` per key (OK also for keys that already existed).
 
@@ -320,7 +340,8 @@ class Client(
         default); `pin="hard"` protects them for good (they still count against
         the rank's quota). `preferred_segment` names the segment for the first
         replica when it has room; otherwise segments on this host come first,
-        then the emptiest.
+        then the emptiest. `lease_s` > 0: a put-time lease from the put's end on, for that
+        long: `remove` without `force` answers LEASE_HELD and eviction skips the object.
 
         `Status.OFFLOAD_BEHIND` for a key: the segments' DRAM is full of objects
         not yet copied to their SSD tier; the master waited for offload (its
@@ -336,11 +357,13 @@ class Client(
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
         pin_ttl_ms = _pin_ttl_ms(pin_ttl)
+        lease_ms = _pin_ttl_ms(lease_s, "lease_s")  # same wire type and rounding (uint32 ms)
+        _put_failure.set("")
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
         started = time.monotonic()
-        placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment)
+        placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment, _overwrite, lease_ms)
         statuses, retry, written = self._put_once(keys, views, *placement)
         # A write that failed on its segment (no connection, cut mid-frame) is retried once on another
         # placement: the failed keys were revoked first (a late byte there lands in a range the master
@@ -357,7 +380,15 @@ class Client(
         return [to_status(s) for s in statuses]
 
     def _put_once(
-        self, keys: list[str], views: list[memoryview], replicas: int, pin: int, pin_ttl_ms: int, preferred: str
+        self,
+        keys: list[str],
+        views: list[memoryview],
+        replicas: int,
+        pin: int,
+        pin_ttl_ms: int,
+        preferred: str,
+        overwrite: bool,
+        lease_ms: int,
     ) -> tuple[list[int], list[int], int]:
         """One PutStart, the writes, PutEnd and PutRevoke: per-key statuses, the keys (indices) whose
         write failed on its segment's connection (revoked: worth another placement), bytes written."""
@@ -380,6 +411,8 @@ class Client(
                     wait_ms=self._put_wait_ms,
                     released_leases=self._done_leases.take(),
                     avoid_segments=self._failures.avoid(),
+                    overwrite=overwrite,
+                    lease_ms=lease_ms,
                 ),
             )
         except KvtierError as exc:
@@ -527,7 +560,11 @@ class Client(
         return list(zip(results, sources, strict=True)) if sources is not None else results
 
     def _fetch(
-        self, keys: Sequence[str], views: list[memoryview] | None, sources: list[str | None] | None = None
+        self,
+        keys: Sequence[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None = None,
+        again: bool = True,
     ) -> list[bytes | int]:
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -639,11 +676,25 @@ class Client(
         if corrupt:
             self._report_corrupt(keys, reply, corrupt)
         self._report_failures()
-        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0)
+        # Found by the master, but no segment holds the copy any more: a disk copy tombstoned since
+        # our lookup (an upsert swapped in a new version, kvtier.master.upsert, or a removal). Asked
+        # once more, the master answers the key's current state: the new version, or a miss.
+        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if again else []
+        if gone:
+            redo_sources: list[str | None] = [None] * len(gone)
+            redo_views = [views[i] for i in gone] if views is not None else None
+            redone = self._fetch([keys[i] for i in gone], redo_views, redo_sources, again=False)  # counts them
+            for i, result, source in zip(gone, redone, redo_sources, strict=True):
+                out[i] = result
+                if sources is not None:
+                    sources[i] = source
+        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0) - sum(
+            1 for i in gone if not isinstance(out[i], int) or out[i] >= 0
+        )
         self._count(
-            gets=len(keys),
+            gets=len(keys) - len(gone),
             hits=hits,
-            misses=len(keys) - hits,
+            misses=len(keys) - len(gone) - hits,
             bytes_read=sum(transferred.values()),
             **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
             **verified,
@@ -722,22 +773,28 @@ class Client(
     # ------------------------------------------------------------------ removal and inspection
 
     @traced
-    def remove(self, key: str) -> bool:
-        """Remove `key`; True if an object was removed. Readers holding a lease finish first."""
-        return self.batch_remove([key])[0] == Status.OK
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        """Remove `key`; True if an object was removed. Readers holding a lease finish first. A key
+        under a put-time lease (`lease_s`) is kept (False) unless `force`."""
+        return self.batch_remove([key], force=force)[0] == Status.OK
 
     @traced
-    def batch_remove(self, keys: Sequence[str]) -> list[Status]:
+    def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[Status]:
+        """One `Status` per key: OK, NOT_FOUND, PUT_IN_PROGRESS, or LEASE_HELD (a put-time lease
+        runs and not `force`: nothing removed)."""
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        request = pb.KeysRequest(namespace=self.namespace, keys=keys, released_leases=self._done_leases.take())
+        request = pb.KeysRequest(
+            namespace=self.namespace, keys=keys, released_leases=self._done_leases.take(), force=force
+        )
         reply = self._master.call("Remove", request)
         return [to_status(s) for s in reply.statuses]
 
     @traced
     def remove_prefix(self, prefix: str) -> int:
-        """Remove every object of this namespace whose key starts with `prefix`; the count removed."""
+        """Remove every object of this namespace whose key starts with `prefix`; the count removed.
+        Put-time leases do not hold it back (as `force`)."""
         reply = self._master.call("RemovePrefix", pb.RemovePrefixRequest(namespace=self.namespace, prefix=prefix))
         return reply.removed
 

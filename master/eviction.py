@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kvtier.master.records import ObjectRecord, ObjectState
+
+if TYPE_CHECKING:
+    from kvtier.master.state import MasterState, SegmentRecord
 
 _COMPLETE = ObjectState.COMPLETE
 
@@ -67,3 +71,22 @@ def pick_victims(
         if freed >= need:
             break
     return chosen
+
+
+def evict_to_watermark(state: MasterState, segment: SegmentRecord, need: int) -> None:
+    """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
+    (their bytes are freed when the copy is durable), else drop their copies there."""
+    tiering = state.tiering
+    segment_id = segment.segment_id
+    need -= tiering.evicting_bytes(segment_id)  # already on their way out
+    if need <= 0:
+        return
+    on_segment = state.has_dram_on(segment_id)
+    evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
+    eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
+    victims = state.policy.victims(state.clock(), need, state.replica_bytes, eligible)  # lru or s3fifo
+    offload = tiering.can_offload(segment)
+    for victim in victims:
+        if offload and tiering.offload(victim, segment):
+            continue
+        state.evict_one(victim, "watermark", segment_id)

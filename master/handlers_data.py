@@ -74,6 +74,8 @@ class DataCalls:
             preferred_segment=request.preferred_segment,
             client_host=request.client_host,
             avoid_segments=frozenset(request.avoid_segments[:MAX_AVOID]),
+            overwrite=request.overwrite,
+            lease_s=request.lease_ms / 1000,
         )
         started = self.state.clock()
         result = self.state.put_start(namespace, request.keys, request.sizes, request.replicas, options)
@@ -175,7 +177,7 @@ class DataCalls:
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
             return rejected
-        statuses = self.state.remove(namespace, request.keys)
+        statuses = self.state.remove(namespace, request.keys, request.force)
         return pb.RemoveResponse(status=Status.OK, statuses=statuses, removed=statuses.count(0))
 
     @rpc(pb.KeyStatusResponse)

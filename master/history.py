@@ -13,7 +13,10 @@ which is what the history checker (tests/chaos/) needs to tell whether a miss is
 object stays readable from another). Reasons: "evicted:<why>" (watermark, allocation, quota,
 corrupt), "segment:<why>" (heartbeat ttl expired, commit feed silent, remounted, unmounted,
 drained), "reclaimed" (a put never ended), "replaced" (a stale pending put replaced by a new one),
-"revoked" (the writer undid its failed put).
+"revoked" (the writer undid its failed put), "upsert:<why>" (an upsert's new version that never
+became visible: revoked, reclaimed, lost, refused; the old version stays). An upsert's swap is a
+"version" event, reason "upserted", with the replaced version's checksum and size: the key stays
+readable, with the new version's bytes (kvtier.master.upsert).
 
 Off by default: MasterState keeps `history = None` and each call site tests it first, so nothing
 is formatted or written on any path. Bounded: after `history_log_max_size` bytes the log stops
@@ -52,7 +55,7 @@ class HistoryLog:
         self._line(
             {
                 "t": time.monotonic(),
-                "event": "replica" if replica else "object",
+                "event": "version" if reason == "upserted" else "replica" if replica else "object",
                 "reason": reason,
                 "ns": record.namespace,
                 "key": record.key,
@@ -62,6 +65,10 @@ class HistoryLog:
                 "complete": record.state.name == "COMPLETE",
             }
         )
+
+    def replaced(self, record: ObjectRecord) -> None:
+        """`record` was replaced by an upsert's new version: its key stays readable, other bytes."""
+        self.left(record, "upserted")
 
     def _line(self, event: dict) -> None:
         if self._file is None:

@@ -81,6 +81,13 @@ class ReadLeases:
         if entry is not None and entry[_FLOOR] < until:
             entry[_FLOOR] = until
 
+    def cap(self, record: ObjectRecord, until: float) -> None:
+        """No lease on `record` runs past `until` any more (its put-time lease ended early,
+        kvtier.master.upsert): a release no longer falls back to a floor beyond it."""
+        entry = self._held.get(record)
+        if entry is not None and entry[_FLOOR] > until:
+            entry[_FLOOR] = until
+
     def holds(self, record: ObjectRecord) -> bool:
         return record in self._held
 

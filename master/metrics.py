@@ -52,6 +52,8 @@ class _Snapshot:
     corrupt: dict[str, int]  # replicas dropped on readers' reports, by tier
     corrupt_stale: int
     lease_expiries: dict[str, int]
+    upserts: dict[str, int]  # outcome -> upserts (kvtier.master.upsert)
+    put_leases: int  # put-time leases held now
     tiering: dict[str, int]
     tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
     dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
@@ -118,6 +120,8 @@ class MasterCollector(Collector):
             corrupt=dict(state.corrupt.dropped),
             corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
+            upserts=dict(state.upserts.counters),
+            put_leases=len(state.upserts.leases),
             tiering=h.events(),
             tier_failures=dict(state.tiering.failures),
             dropped_without_ssd_copy=dict(state.pressure.dropped),
@@ -294,6 +298,16 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "kind",
         s.lease_expiries,
     )
+    yield counter(
+        "kvtier_master_upserts",
+        "Upserts' new versions by outcome: swapped (visible), revoked, reclaimed (writer gone), lost (a "
+        "segment died), refused (another writer's put of the key pending at PutEnd).",
+        "outcome",
+        dict.fromkeys(("swapped", "revoked", "reclaimed", "lost", "refused"), 0) | s.upserts,
+    )
+    leases = GaugeMetricFamily("kvtier_master_put_leases", "Objects under a put-time lease now (Remove needs force).")
+    leases.add_metric([], s.put_leases)
+    yield leases
     yield counter(
         "kvtier_master_tiering",
         "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",

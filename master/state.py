@@ -15,7 +15,9 @@ Object lifecycle (per namespace and key):
                                +--put_revoke / put timeout / segment loss--> (absent)
 
 Only COMPLETE objects are visible to `get_replicas` and `exists`. Ranges of a
-removed object whose read lease is still running are freed when it ends.
+removed object whose read lease is still running are freed when it ends. An
+upsert's new version of a COMPLETE object waits beside it, outside the tables,
+until its PutEnd swaps it in (`replace`; kvtier.master.upsert).
 
 Space: complete objects are kept in the order of the cluster's `eviction_policy` (lru or
 s3fifo, kvtier.master.eviction_policy; reads count, existence checks do not). A segment
@@ -31,7 +33,7 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
   `names()`, `segment_named(name)`, `aligned(size)`, `replica_bytes(record)`, `has_dram_on(id)`;
 - changing an object: `adopt(record)` (from an inventory), `now_in_dram(record)`,
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
-  `discard(name, forget_disk=...)`;
+  `discard(name, forget_disk=...)`, `replace(old, new)`, `drop_version(record)` (upserts);
 - ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
 - segments (the SegmentTable mixin): `drop_segment(segment_id, reason)`, `mid_inventory()`, `forgive_deafness(gap_s)`;
 - names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
@@ -56,6 +58,7 @@ from kvtier.master.config import MasterConfig
 from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
 from kvtier.master.events import EventKind, EventLog
+from kvtier.master.eviction import evict_to_watermark
 from kvtier.master.eviction_policy import make_policy
 from kvtier.master.fences import Fences
 from kvtier.master.history import open_history
@@ -92,6 +95,7 @@ from kvtier.master.state_types import (
 )
 from kvtier.master.sweeps import Removal, Sweeps
 from kvtier.master.tiering import Tiering, dram_key, is_dram
+from kvtier.master.upsert import Upserts
 from kvtier.proto.keys import NAME_SEPARATOR, SHORT_KEY_CHARS
 from kvtier.proto.status import Status
 
@@ -139,6 +143,7 @@ class MasterState(SegmentTable):
         self.pressure = Pressure(self)  # which DRAM copies may go for room (kvtier.master.backpressure)
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
+        self.upserts = Upserts(self)  # new versions of complete objects, put-time leases (master/upsert.py)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         self.quarantine = Quarantine.of(config, clock)  # segments clients cannot use (kvtier.master.quarantine)
         self.quarantined_ids: set[int] = set()  # mounted segments in quarantine: their replicas read last
@@ -228,9 +233,11 @@ class MasterState(SegmentTable):
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
+        upserts, overwrite = self.upserts, options.overwrite
         for key, size in zip(keys, sizes, strict=True):
             status = _OK
             name = prefix + key
+            replacing = False
             if not key or separator in key or (len(key) > short and master_key_problem(key)):  # inlined: hot
                 status = Status.INVALID_KEY
             else:
@@ -239,10 +246,12 @@ class MasterState(SegmentTable):
                     existing = self._settled(existing)
                 if existing is not None:
                     if existing.state is _COMPLETE:
-                        statuses.append(_OK)
-                        counts.append(0)
-                        continue
-                    if now - existing.started_at < self.config.put_timeout_s:
+                        if not overwrite:
+                            statuses.append(_OK)
+                            counts.append(0)
+                            continue
+                        status, replacing = upserts.admit(name, now), True  # a new version beside it
+                    elif now - existing.started_at < self.config.put_timeout_s:
                         status = Status.PUT_IN_PROGRESS
                     else:  # abandoned: reclaim inline so the new writer can proceed
                         if self.history is not None:
@@ -280,9 +289,14 @@ class MasterState(SegmentTable):
                         if owner.over_by(charge) and objects.get(victim.name) is victim:
                             self.evict_one(victim, "quota")
                     record = ObjectRecord(name, size, placed, put_id, now, owner, pin_until)
-                    objects[name] = record
-                    index_add(name)
-                    self._pending[name] = record
+                    if replacing:
+                        upserts.started(record)  # the visible version stays where it is
+                    else:
+                        objects[name] = record
+                        index_add(name)
+                        self._pending[name] = record
+                    if options.lease_s:
+                        upserts.request_lease(record, options.lease_s)
                     self.object_count += 1
                     if owner is not None:
                         owner.used += charge
@@ -328,7 +342,12 @@ class MasterState(SegmentTable):
             if record is not None and sweeps.active:
                 record = self._settled(record)
             if record is None or record.put_id != put_id:
-                out.append(not_pending)
+                new = self.upserts.end(name, put_id, checksum, record) if self.upserts.pending else None
+                if new is not None:  # an upsert: `new` replaced `record` (kvtier.master.upsert)
+                    done.append(new)
+                    if committed is not None:
+                        committed.append((len(out), new, new.replicas))
+                out.append(not_pending if new is None else _OK)
             elif record.state is _COMPLETE:
                 out.append(_OK if record.checksum == checksum else not_pending)
             else:
@@ -347,6 +366,8 @@ class MasterState(SegmentTable):
             self.commits.committed_records(done)  # replicas all DRAM while pending
             self.events.stored(done)  # routers' stream (kvtier.master.events)
             self.pressure.committed(done)  # offload starts as soon as objects qualify, not at the next tick
+            if self.upserts.lease_requests:
+                self.upserts.completed(done)  # put-time leases start at PutEnd
             if self.fences.recording:
                 self.fences.touch_many(r.name for r in done)
         return out
@@ -361,7 +382,8 @@ class MasterState(SegmentTable):
             if record is not None and self.sweeps.active:
                 record = self._settled(record)
             if record is None or record.put_id != put_id or record.state is not _PENDING:
-                out.append(int(Status.NOT_PENDING))
+                revoked = self.upserts.pending and self.upserts.revoke(prefix + key, put_id)
+                out.append(_OK if revoked else int(Status.NOT_PENDING))
                 continue
             if self.history is not None:
                 self.history.left(record, "revoked")
@@ -457,10 +479,12 @@ class MasterState(SegmentTable):
 
     # ------------------------------------------------------------------ removal
 
-    def remove(self, namespace: str, keys: Sequence[str]) -> list[int]:
-        """Remove complete objects. OK, NOT_FOUND, or PUT_IN_PROGRESS per key."""
+    def remove(self, namespace: str, keys: Sequence[str], force: bool = False) -> list[int]:
+        """Remove complete objects. OK, NOT_FOUND, PUT_IN_PROGRESS, or LEASE_HELD (a put-time
+        lease runs and not `force`: nothing done; kvtier.master.upsert) per key."""
         prefix = name_prefix(namespace)
         out = []
+        leases, now = self.upserts, self.clock()
         for key in keys:
             record = self.visible(prefix + key)
             if record is None:
@@ -469,6 +493,8 @@ class MasterState(SegmentTable):
                     self.fences.touch(prefix + key)
             elif record.state is _PENDING:
                 out.append(int(Status.PUT_IN_PROGRESS))
+            elif not force and leases.leases and leases.held(record, now):
+                out.append(int(Status.LEASE_HELD))
             else:
                 self.events.gone(record, EventKind.REMOVED, "remove")
                 self.discard(record.name)
@@ -508,13 +534,17 @@ class MasterState(SegmentTable):
         and (with `forget_disk`) have segments tombstone its disk copies. `changed`: the key's
         state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
-        self._index.discard(record.name)
+        if self.lookup(record.name) is None:  # else another version holds the name (an upsert's)
+            self._index.discard(record.name)
+        if self.upserts.leases or self.upserts.lease_requests:
+            self.upserts.leaving(record)
         if self.sweeps.dead_segments:  # copies on a segment being swept: its bytes leave the quota here
             self._strip_dead(record)
         if changed and self.fences.recording:
             self.fences.touch(record.name)
         if record.state is _PENDING:
-            self._pending.pop(record.name, None)
+            if self._pending.get(record.name) is record:  # (an upsert's new version is not there)
+                del self._pending[record.name]
         else:
             for packed in record.replicas:
                 if is_dram(packed):
@@ -572,9 +602,11 @@ class MasterState(SegmentTable):
         reuse_at = self._reuse_at(record)
         now = self.clock()
         for segment_id, offset, size in ranges:
+            if (segment := self.segments.get(segment_id)) is None:
+                continue  # dropped meanwhile: its allocator went with it (and no deferral may outlive it)
             if reuse_at > now:
                 heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
-            elif (segment := self.segments.get(segment_id)) is not None:
+            else:
                 segment.allocator.release(offset, size)
 
     def release_ranges(self, replicas: Iterable[int], size: int) -> None:
@@ -685,6 +717,7 @@ class MasterState(SegmentTable):
                 self.history.left(record, "reclaimed")
             self._delete(record)
             self.lease_expiries["put"] += 1
+        self.upserts.tick(now)
         self.leases.expire(now)
         while self._deferred and self._deferred[0][0] <= now:
             _, _, segment_id, offset, size = heapq.heappop(self._deferred)
@@ -700,29 +733,11 @@ class MasterState(SegmentTable):
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):
             if segment.capacity and segment.used > high * segment.capacity:
-                self._evict_to_watermark(segment, segment.used - int(target * segment.capacity))
+                evict_to_watermark(self, segment, segment.used - int(target * segment.capacity))
             elif segment.used > offload_at * segment.capacity:
                 # Copy LRU objects to SSD ahead of need (they keep their DRAM copy), so eviction
                 # later drops copies already safe instead of objects only DRAM held.
                 self.pressure.feed(segment)
-
-    def _evict_to_watermark(self, segment: SegmentRecord, need: int) -> None:
-        """Free `need` DRAM bytes on `segment`: offload LRU objects to its SSD tier when it has one
-        (their bytes are freed when the copy is durable), else drop their copies there."""
-        tiering = self.tiering
-        segment_id = segment.segment_id
-        need -= tiering.evicting_bytes(segment_id)  # already on their way out
-        if need <= 0:
-            return
-        on_segment = self.has_dram_on(segment_id)
-        evicting = tiering.evicting  # a copy-ahead offload in flight may become one that frees room
-        eligible = lambda r: on_segment(r) and not evicting(r.name)  # noqa: E731
-        victims = self.policy.victims(self.clock(), need, self.replica_bytes, eligible)
-        offload = tiering.can_offload(segment)
-        for victim in victims:
-            if offload and tiering.offload(victim, segment):
-                continue
-            self.evict_one(victim, "watermark", segment_id)
 
     # ------------------------------------------------------------------ views
 
@@ -774,6 +789,22 @@ class MasterState(SegmentTable):
         copies (without: the segment deletes them itself)."""
         self._delete(self._pop(name), forget_disk=forget_disk)
 
+    def replace(self, old: ObjectRecord | None, new: ObjectRecord) -> None:
+        """An upsert's swap (kvtier.master.upsert): complete `new` takes the place of `old` (None:
+        gone meanwhile) under its name, most recently used; `old` leaves as a removed object does
+        (ranges after its leases, disk copies tombstoned). One call: no reader sees neither."""
+        if old is not None:
+            self._delete(self._pop(old.name))  # its drop notices go before `new`'s commits
+        self._objects[new.name] = new
+        self.policy.inserted(new)
+        self._index.add(new.name)
+        self.events.stored((new,), "upsert")
+
+    def drop_version(self, record: ObjectRecord) -> None:
+        """Forget an upsert's pending new version (never in the tables): its ranges are freed
+        after its write grant, as a revoked put's are."""
+        self._delete(record)
+
     def _pop(self, name: str, evicted: bool = False) -> ObjectRecord:
         """Take a record out of whichever dict holds it (KeyError when none does)."""
         record = self._objects.pop(name, None)
@@ -795,4 +826,5 @@ class MasterState(SegmentTable):
             self.policy.inserted(record)
 
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(self.object_count - len(self._pending), len(self._pending), list(self.segments.values()))
+        pending = len(self._pending) + len(self.upserts.pending)
+        return ClusterSnapshot(self.object_count - pending, pending, list(self.segments.values()))

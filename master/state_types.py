@@ -75,6 +75,8 @@ class PutOptions:
     client_host: str = ""  # host id of the writer: same-host segments are preferred
     # Segments the writer's transfers just failed on (names): placed on only where nothing else fits.
     avoid_segments: frozenset[str] = frozenset()
+    overwrite: bool = False  # upsert: a complete key gets a new version (kvtier.master.upsert)
+    lease_s: float = 0.0  # put-time lease from PutEnd on (kvtier.master.upsert); 0 = none
 
 
 @dataclass(slots=True)

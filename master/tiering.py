@@ -219,7 +219,8 @@ class Tiering:
         segment_id = segment.segment_id
         queued = self.offloading.get(record.name)
         if queued is not None:
-            if ahead or not queued.ahead or queued.segment_id != segment_id:
+            # (queued.record is not record: an upsert replaced the version being copied)
+            if ahead or not queued.ahead or queued.segment_id != segment_id or queued.record is not record:
                 return False
             queued.ahead = False
             self._evicting_bytes[segment_id] += self.state.aligned(record.size)

@@ -206,7 +206,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id", "avoid_segments")
+    __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id", "avoid_segments", "overwrite", "lease_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,8 @@ class PutStartRequest(_message.Message):
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AVOID_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -235,7 +237,9 @@ class PutStartRequest(_message.Message):
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
     avoid_segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., wait_ms: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., avoid_segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    overwrite: bool
+    lease_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., instance: _Optional[str] = ..., rank: _Optional[int] = ..., pin: _Optional[_Union[Pin, str]] = ..., pin_ttl_ms: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., client_host: _Optional[str] = ..., wait_ms: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., avoid_segments: _Optional[_Iterable[str]] = ..., overwrite: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "replica_counts", "replica_segments", "replica_offsets", "segments", "put_id", "replica_tags", "tag_expiry_ms")
@@ -290,18 +294,20 @@ class PutRevokeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id")
+    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id", "force")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RELEASABLE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     releasable: bool
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    force: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class KeyStatusResponse(_message.Message):
     __slots__ = ("status", "error", "statuses")

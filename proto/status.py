@@ -36,6 +36,7 @@ _GRPC_BY_NAME = {
     "TOO_LARGE": grpc.StatusCode.OUT_OF_RANGE,
     "BUFFER_TOO_SMALL": grpc.StatusCode.OUT_OF_RANGE,
     "NOT_PENDING": grpc.StatusCode.FAILED_PRECONDITION,
+    "LEASE_HELD": grpc.StatusCode.FAILED_PRECONDITION,
     "NO_SPACE": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "QUOTA_EXCEEDED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "OFFLOAD_BEHIND": grpc.StatusCode.RESOURCE_EXHAUSTED,

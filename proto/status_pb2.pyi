@@ -20,6 +20,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOO_LARGE: _ClassVar[Status]
     BUFFER_TOO_SMALL: _ClassVar[Status]
     NOT_PENDING: _ClassVar[Status]
+    LEASE_HELD: _ClassVar[Status]
     NO_SPACE: _ClassVar[Status]
     QUOTA_EXCEEDED: _ClassVar[Status]
     OFFLOAD_BEHIND: _ClassVar[Status]
@@ -58,6 +59,7 @@ CHECKSUM_MISMATCH: Status
 TOO_LARGE: Status
 BUFFER_TOO_SMALL: Status
 NOT_PENDING: Status
+LEASE_HELD: Status
 NO_SPACE: Status
 QUOTA_EXCEEDED: Status
 OFFLOAD_BEHIND: Status

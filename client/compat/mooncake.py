@@ -12,10 +12,12 @@ is listed in docs/integrations.md ("Mooncake Store API"); in short:
   segment and buffer sizes given to `setup` are validated and then ignored,
   and `close` keeps the objects this client stored.
 - A put on a key that already holds an object succeeds without rewriting it
-  (as Mooncake's put does); kvtier has no atomic overwrite yet, so `upsert`
-  answers UNAVAILABLE_IN_CURRENT_MODE and changes nothing. So does
-  `get_into_ranges` (no verified ranged reads yet): an unsupported call never
-  fakes its effect.
+  (as Mooncake's put does); `upsert*` replace it atomically (kvtier's
+  `Client.upsert`). `get_into_ranges` (no verified ranged reads yet) answers
+  UNAVAILABLE_IN_CURRENT_MODE: an unsupported call never fakes its effect.
+- Put-time leases are opt-in: `setup(..., default_kv_lease_ttl=ms)` gives every
+  put and upsert of this store a lease of that long; while it runs `remove`
+  answers OBJECT_HAS_LEASE unless `force=True`.
 - `batch_replica_clear(keys, segment_name="")` answers the keys it cleared, as
   Mooncake's does: every replica of each key (the object goes), or only those
   on `segment_name` (the object goes when none is left elsewhere). Mooncake
@@ -124,6 +126,7 @@ _BY_STATUS_NAME: dict[str, ErrorCode] = {
     "TOO_LARGE": ErrorCode.NO_AVAILABLE_HANDLE,
     "BUFFER_TOO_SMALL": ErrorCode.BUFFER_OVERFLOW,
     "NOT_PENDING": ErrorCode.INVALID_WRITE,
+    "LEASE_HELD": ErrorCode.OBJECT_HAS_LEASE,
     "NO_SPACE": ErrorCode.NO_AVAILABLE_HANDLE,
     "QUOTA_EXCEEDED": ErrorCode.NO_AVAILABLE_HANDLE,
     "OFFLOAD_BEHIND": ErrorCode.NO_AVAILABLE_HANDLE,
@@ -241,6 +244,8 @@ _DEFAULTS: dict[str, Any] = {
     "rdma_devices": "",
     "master_server_addr": "127.0.0.1:50051",
     "tenant_id": "",
+    # Mooncake's master flag, per store here: a put-time lease (ms) on every put and upsert; 0 = none.
+    "default_kv_lease_ttl": 0,
 }
 
 
@@ -337,6 +342,7 @@ class MooncakeDistributedStore:
         self._hostname = ""
         self._lock = threading.Lock()
         self._buffers: dict[int, int] = {}  # registered buffers: address -> size
+        self._lease_s = 0.0  # put-time lease of every put and upsert (setup's default_kv_lease_ttl)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -378,6 +384,7 @@ class MooncakeDistributedStore:
         with self._lock:
             old, self._client = self._client, client
             self._hostname = settings["local_hostname"] or socket.gethostname()
+            self._lease_s = settings["default_kv_lease_ttl"] / 1000
         if old is not None:
             old.close()
         return 0
@@ -411,6 +418,9 @@ class MooncakeDistributedStore:
             raise TypeError(f"tenant_id must be a string, got {settings['tenant_id']!r}")
         if not settings["master_server_addr"]:
             raise ValueError("master_server_addr is empty")
+        lease = settings["default_kv_lease_ttl"]
+        if not _is_int(lease) or not 0 <= lease < 1 << 32:
+            raise ValueError(f"default_kv_lease_ttl must be milliseconds in 0..2**32-1, got {lease!r}")
         return settings
 
     def close(self) -> int:
@@ -434,9 +444,14 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------------ writes
 
-    def _put(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None) -> list[int]:
+    def _put(
+        self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None, upsert: bool = False
+    ) -> list[int]:
         placement = (config or ReplicateConfig()).placement()
-        return [to_error_code(int(s)) for s in self._client.batch_put(list(keys), list(values), **placement)]
+        if self._lease_s:
+            placement["lease_s"] = self._lease_s
+        store = self._client.batch_upsert if upsert else self._client.batch_put
+        return [to_error_code(int(s)) for s in store(list(keys), list(values), **placement)]
 
     @_answers(_code)
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
@@ -486,16 +501,44 @@ class MooncakeDistributedStore:
 
     @_answers(_code)
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Not supported yet (kvtier has no atomic overwrite): UNAVAILABLE_IN_CURRENT_MODE, nothing changed."""
-        return int(NOT_SUPPORTED)
+        """Store `value`, replacing what `key` holds, atomically (a reader gets the old or the new
+        value, never a mix or a miss); a missing key is put. 0, or the code of the failure (the old
+        value stays); REPLICA_IS_NOT_READY while another put or upsert of the key is in flight."""
+        return self._put([key], [value], config, upsert=True)[0]
 
     @_answers(_code)
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        return int(NOT_SUPPORTED)
+        """`upsert` of `size` bytes at `buffer_ptr` (inside a registered buffer), without copying them."""
+        view = self._view(buffer_ptr, size)
+        if view is None:
+            return int(ErrorCode.INVALID_PARAMS)
+        return self._put([key], [view], config, upsert=True)[0]
 
     @_answers(_code)
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any], config: ReplicateConfig | None = None) -> int:
-        return int(NOT_SUPPORTED)
+        """`upsert` for many keys: 0 when every key is replaced, else the first failing key's code."""
+        if len(keys) != len(values):
+            return int(ErrorCode.INVALID_PARAMS)
+        return next((c for c in self._put(keys, values, config, upsert=True) if c != 0), 0)
+
+    @_answers(_per_key(int))
+    def batch_upsert_from(
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
+        """`upsert_from` for many keys: one code per key (INVALID_PARAMS where a pointer is not registered)."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        views = [self._view(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
+        good = [i for i, v in enumerate(views) if v is not None]
+        codes = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        stored = self._put([keys[i] for i in good], [views[i] for i in good], config, upsert=True) if good else []
+        for i, code in zip(good, stored, strict=True):
+            codes[i] = code
+        return codes
 
     # ------------------------------------------------------------------ reads
 
@@ -586,13 +629,13 @@ class MooncakeDistributedStore:
 
     @_answers(_code)
     def remove(self, key: str, force: bool = False) -> int:
-        """Remove `key`: 0, or OBJECT_NOT_FOUND. kvtier grants no put-time lease and lets readers
-        holding a read lease finish, so a remove never answers OBJECT_HAS_LEASE; `force` changes nothing."""
-        return to_error_code(int(self._client.batch_remove([key])[0]))
+        """Remove `key`: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a put-time lease runs
+        (setup's default_kv_lease_ttl) and not `force`. Readers holding a read lease finish first."""
+        return to_error_code(int(self._client.batch_remove([key], force=bool(force))[0]))
 
     @_answers(_per_key(int))
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return [to_error_code(int(s)) for s in self._client.batch_remove(list(keys))]
+        return [to_error_code(int(s)) for s in self._client.batch_remove(list(keys), force=bool(force))]
 
     @_answers(_code)
     def remove_by_regex(self, regex: str) -> int:

@@ -308,13 +308,49 @@ def test_failures_are_codes_never_exceptions(store):
     assert store.get("huge") == b""
 
 
+def test_upsert_calls_replace_atomically(store):
+    assert store.put("weights", b"old-bytes") == 0
+    assert store.put("weights", b"ignored") == 0  # a put never overwrites, as in Mooncake
+    assert store.upsert("weights", b"new-bytes") == 0
+    assert store.get("weights") == b"new-bytes"
+    assert store.upsert_batch(["weights", "fresh"], [b"v2", b"f1"]) == 0  # a missing key is put
+    assert store.get_batch(["weights", "fresh"]) == [b"v2", b"f1"]
+    assert store.upsert_batch(["weights"], [b"a", b"b"]) == ErrorCode.INVALID_PARAMS
+    assert store.upsert("", b"x") == ErrorCode.INVALID_KEY
+    buf, ptr = c_buffer(16, fill=0x3C)
+    assert store.register_buffer(ptr, 16) == 0
+    assert store.upsert_from("weights", ptr, 16) == 0
+    assert store.get("weights") == b"\x3c" * 16
+    assert store.batch_upsert_from(["weights", "fresh"], [ptr, ptr + 8], [8, 8]) == [0, 0]
+    assert store.get_batch(["weights", "fresh"]) == [b"\x3c" * 8, b"\x3c" * 8]
+    assert store.upsert_from("weights", ptr + 64, 8) == ErrorCode.INVALID_PARAMS  # outside the buffer
+    assert store.get("weights") == b"\x3c" * 8
+
+
+def test_put_time_lease_makes_remove_answer_object_has_lease_until_force(cluster):
+    store = MooncakeDistributedStore()
+    assert store.setup({"master_server_addr": cluster.master_address, "default_kv_lease_ttl": 600_000}) == 0
+    try:
+        assert store.put("leased", b"v") == 0
+        assert store.remove("leased") == ErrorCode.OBJECT_HAS_LEASE
+        assert store.batch_remove(["leased", "absent"]) == [ErrorCode.OBJECT_HAS_LEASE, ErrorCode.OBJECT_NOT_FOUND]
+        assert store.get("leased") == b"v"
+        assert store.upsert("leased", b"w") == 0  # an upsert keeps the key's lease
+        assert store.remove("leased") == ErrorCode.OBJECT_HAS_LEASE
+        assert store.remove("leased", force=True) == 0
+        assert store.is_exist("leased") == 0
+    finally:
+        store.close()
+    bad = MooncakeDistributedStore()
+    assert bad.setup({"master_server_addr": cluster.master_address, "default_kv_lease_ttl": -1}) == (
+        ErrorCode.INVALID_PARAMS
+    )
+
+
 def test_unsupported_calls_answer_a_code_and_change_nothing(store):
-    """No atomic overwrite or ranged reads in the core yet: each answers
+    """No ranged reads in the core yet: `get_into_ranges` answers
     UNAVAILABLE_IN_CURRENT_MODE and leaves the store and the caller's buffers as they were."""
     assert store.put("weights", b"old-bytes") == 0
-    assert store.upsert("weights", b"new-bytes") == NOT_SUPPORTED
-    assert store.upsert_batch(["weights"], [b"new-bytes"]) == NOT_SUPPORTED
-    assert store.get("weights") == b"old-bytes"
 
     buf, ptr = c_buffer(32, fill=0xA5)
     assert store.register_buffer(ptr, 32) == 0

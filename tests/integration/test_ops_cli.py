@@ -270,6 +270,18 @@ def test_evict_removes_exactly_the_prefix_and_reports_counts(cluster):
     assert client.get("ev/pinned") is None
 
 
+def test_evict_keeps_keys_under_a_put_time_lease_unless_include_pinned(cluster):
+    client = cluster.client()
+    client.put("lz/leased", b"l", lease_s=600)
+    client.put("lz/free", b"f")
+    report = as_json(cluster, "evict", "--prefix", "lz/")
+    assert (report["removed"], report["skipped_pinned"], report["gone"]) == (1, 1, 0)
+    assert client.get("lz/leased") == b"l"
+    report = as_json(cluster, "evict", "--prefix", "lz/", "--include-pinned")
+    assert (report["removed"], report["skipped_pinned"]) == (1, 0)
+    assert client.get("lz/leased") is None
+
+
 def test_drain_json_on_stdout_progress_on_stderr(cluster):
     cluster.start_segment("seg2")
     client = cluster.client(transport="tcp")

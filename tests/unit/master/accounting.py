@@ -73,7 +73,8 @@ def assert_consistent(state: MasterState) -> None:
     owner_objects: Counter = Counter()
     complete = set()
     pending = 0
-    all_records = records(state)
+    upserting = list(state.upserts.pending.values())  # new versions beside visible ones (master/upsert.py)
+    all_records = records(state) + upserting
     ranges: dict[int, list[tuple[int, int, str]]] = {segment_id: [] for segment_id in state.segments}
     for name, record in state.named_records():
         assert name == record.name == object_name(record.namespace, record.key), "record filed under another name"
@@ -106,7 +107,7 @@ def assert_consistent(state: MasterState) -> None:
                 ranges[segment_id].append((replica_offset(replica), aligned(record.size), record.key))
         if record.state is ObjectState.PENDING:
             pending += 1
-            assert state._pending.get(record.name) is record
+            assert state._pending.get(record.name) is record or state.upserts.pending.get(record.name) is record
         else:
             complete.add(id(record))
         if record.owner is not None:
@@ -169,8 +170,8 @@ def assert_consistent(state: MasterState) -> None:
             f"missing {sorted(expected[segment_id].items() - indexes[segment_id].items())[:3]}"
         )
     assert state.object_count == len(all_records)
-    assert len(state._pending) == pending == state.snapshot().pending_puts
-    assert len(complete) + pending == len(state._objects) + len(state._disk_only)
+    assert len(state._pending) + len(upserting) == pending == state.snapshot().pending_puts
+    assert len(complete) + pending - len(upserting) == len(state._objects) + len(state._disk_only)
     for owner in state.quotas.snapshot():
         assert owner.used == owner_used[id(owner)], (
             f"{owner.instance}/{owner.rank}: used={owner.used}, its objects hold {owner_used[id(owner)]}"
