@@ -326,7 +326,7 @@ class MasterClient:
         backoff = _backoff()
         while True:
             try:
-                calls = getattr(self._grpc_stub(), method)(request)
+                calls = getattr(self._grpc_stub()[0], method)(request)
             except ConnectError:
                 calls = None
             if calls is not None:
