@@ -57,6 +57,7 @@ from kvtier.master.corrupt import CorruptReplicas
 from kvtier.master.drain import Drainer
 from kvtier.master.eviction_policy import make_policy
 from kvtier.master.fences import Fences
+from kvtier.master.groups import GroupTable
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
@@ -140,6 +141,7 @@ class MasterState(SegmentTable):
         self.pressure = Pressure(self)  # which DRAM copies may go for room (kvtier.master.backpressure)
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
+        self.groups = GroupTable(self)  # objects put as one group (kvtier.master.groups, issue 21)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         self.quarantine = Quarantine.of(config, clock)  # segments clients cannot use (kvtier.master.quarantine)
         self.quarantined_ids: set[int] = set()  # mounted segments in quarantine: their replicas read last
@@ -507,6 +509,7 @@ class MasterState(SegmentTable):
         state changed (not just its last copy lost), so no segment away may bring it back."""
         self.object_count -= 1
         self._index.discard(record.name)
+        self.groups.left(record)
         if self.sweeps.dead_segments:  # copies on a segment being swept: its bytes leave the quota here
             self._strip_dead(record)
         if changed and self.fences.recording:
