@@ -37,6 +37,7 @@ import crc32c
 
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import FailureReports, SegmentFailures
+from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
@@ -124,8 +125,8 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports
-):  # mixins: client.tensors, client.keys, client.replicas, client.failures
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, GroupCalls
+):  # mixins: client.tensors, client.keys, client.replicas, client.failures, client.groups
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -356,10 +357,18 @@ class Client(
         return [to_status(s) for s in statuses]
 
     def _put_once(
-        self, keys: list[str], views: list[memoryview], replicas: int, pin: int, pin_ttl_ms: int, preferred: str
+        self,
+        keys: list[str],
+        views: list[memoryview],
+        replicas: int,
+        pin: int,
+        pin_ttl_ms: int,
+        preferred: str,
+        group: bool = False,
     ) -> tuple[list[int], list[int], int]:
         """One PutStart, the writes, PutEnd and PutRevoke: per-key statuses, the keys (indices) whose
-        write failed on its segment's connection (revoked: worth another placement), bytes written."""
+        write failed on its segment's connection (revoked: worth another placement), bytes written.
+        With `group`, all or none (kvtier.client.groups): one failure revokes every key."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
         try:
@@ -412,7 +421,12 @@ class Client(
                     statuses[i] = result
                 if checksums[i] is None:
                     checksums[i] = crc
-        written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
+        if group and (first := next((s for s in statuses if s != _OK), _OK)) != _OK:
+            if started := [keys[i] for i, count in enumerate(counts) if count]:
+                self._revoke(started, reply.put_id)  # a member failed: none of them may become visible
+            return [first] * len(keys), list(range(len(keys))) if first in _SEGMENT_FAILED else [], 0
+        # A group's PutEnd names every member, those already complete too: they join the group.
+        written = [i for i, count in enumerate(counts) if (count or group) and statuses[i] == _OK]
         for i in written:
             if checksums[i] is None:
                 checksums[i] = crc32c.crc32c(views[i])
@@ -427,6 +441,7 @@ class Client(
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
                         released_leases=self._done_leases.take(),
+                        group=group,
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -526,7 +541,11 @@ class Client(
         return list(zip(results, sources, strict=True)) if sources is not None else results
 
     def _fetch(
-        self, keys: Sequence[str], views: list[memoryview] | None, sources: list[str | None] | None = None
+        self,
+        keys: Sequence[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None = None,
+        group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
     ) -> list[bytes | int]:
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -536,7 +555,11 @@ class Client(
         requested_at = time.monotonic()
         try:
             request = pb.KeysRequest(
-                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._done_leases.take()
+                namespace=self.namespace,
+                keys=keys,
+                releasable=True,
+                released_leases=self._done_leases.take(),
+                group=group,
             )
             reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
