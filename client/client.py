@@ -554,13 +554,8 @@ class Client(
         # this moment: measuring from here can only under-estimate what is left.
         requested_at = time.monotonic()
         try:
-            request = pb.KeysRequest(
-                namespace=self.namespace,
-                keys=keys,
-                releasable=True,
-                released_leases=self._done_leases.take(),
-                group=group,
-            )
+            request = pb.KeysRequest(namespace=self.namespace, keys=keys, releasable=True, group=group)
+            request.released_leases.extend(self._done_leases.take())
             reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
             logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)

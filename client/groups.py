@@ -92,7 +92,8 @@ class GroupCalls:
         """Every member's value, or None for every key (see the module docstring)."""
         results = self._fetch(_member_keys(keys), None, None, group=True)
         if any(isinstance(r, int) for r in results):
-            self._count(group_misses=1)
+            handed = sum(1 for r in results if not isinstance(r, int))  # counted as hits by _fetch: not handed
+            self._count(group_misses=1, hits=-handed, misses=handed)
             return [None] * len(results)
         return results  # type: ignore[return-value]  # all bytes: checked above
 
@@ -108,6 +109,7 @@ class GroupCalls:
         results = self._fetch(_member_keys(keys), views, None, group=True)
         miss = next((r for r in results if isinstance(r, int) and r < 0), _OK)
         if miss != _OK:
-            self._count(group_misses=1)
+            handed = sum(1 for r in results if r >= 0)  # counted as hits by _fetch: not handed
+            self._count(group_misses=1, hits=-handed, misses=handed)
             return [miss] * len(results)
         return results  # type: ignore[return-value]  # sizes

@@ -51,6 +51,7 @@ class _Snapshot:
     corrupt: dict[str, int]  # replicas dropped on readers' reports, by tier
     corrupt_stale: int
     lease_expiries: dict[str, int]
+    group_puts: dict[str, int]  # outcome -> group PutEnds (kvtier.master.groups)
     tiering: dict[str, int]
     tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
     dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
@@ -113,6 +114,7 @@ class MasterCollector(Collector):
             corrupt=dict(state.corrupt.dropped),
             corrupt_stale=state.corrupt.stale,
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
+            group_puts={"committed": state.groups.groups_committed, "revoked": state.groups.groups_revoked},
             tiering=h.events(),
             tier_failures=dict(state.tiering.failures),
             dropped_without_ssd_copy=dict(state.pressure.dropped),
@@ -266,6 +268,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "tier_task (an offload or promotion not reported in time).",
         "kind",
         s.lease_expiries,
+    )
+    yield counter(
+        "kvtier_master_group_puts",
+        "Group PutEnds (all or none, issue 21): committed (every member visible at once), revoked (a member "
+        "was not pending: every member revoked).",
+        "outcome",
+        s.group_puts,
     )
     yield counter(
         "kvtier_master_tiering",

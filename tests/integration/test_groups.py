@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import urllib.request
 
 import pytest
 
@@ -18,8 +19,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def small(bare_cluster):
-    """A master and two 16 MiB segments."""
-    bare_cluster.start_master()
+    """A master (with its metrics) and two 16 MiB segments."""
+    bare_cluster.start_master("--metrics", "127.0.0.1:0")
     bare_cluster.start_segment("seg0", "16MiB")
     bare_cluster.start_segment("seg1", "16MiB")
     return bare_cluster
@@ -46,6 +47,7 @@ def test_put_group_then_get_group_returns_every_member(small):
     assert client.batch_get(keys[:2]) == values[:2]  # members stay ordinary objects
     with pytest.raises(ValueError):
         client.get_group([keys[0], keys[0]])
+    assert client.stats()["group_puts"] == 1
 
 
 def test_a_reader_polling_during_many_group_puts_sees_all_or_none(small):
@@ -118,6 +120,9 @@ def test_a_member_revoked_before_put_end_revokes_the_whole_group(small):
         # the kv member is revoked too, not left pending: the group can be put at once
         assert client.put_group(keys, [b"kv", b"side"]) == [Status.OK] * 2
         assert client.get_group(keys) == [b"kv", b"side"]
+        metrics = urllib.request.urlopen(f"http://{small.master.info['metrics']}/metrics", timeout=5).read().decode()
+        assert 'kvtier_master_group_puts_total{outcome="revoked"} 1.0' in metrics
+        assert 'kvtier_master_group_puts_total{outcome="committed"} 1.0' in metrics
     finally:
         master.close()
 
