@@ -117,3 +117,19 @@ def test_records_adopted_from_inventories_are_ungrouped(state):
         record.complete(old.checksum)
         fresh.adopt(record)
     assert fresh.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS, MISS]
+
+
+def test_a_member_lost_before_the_answer_fails_every_key_of_the_group(state):
+    """PutEnd answers once the segments acknowledged; a member's segment gone meanwhile fails every
+    key of a group, not just that member's (kvtier.master.commits.PutAcknowledgement)."""
+    from kvtier.master.commits import PutAcknowledgement
+
+    keys = ["a", "b", "c"]
+    put_id = start(state, keys)
+    ack = PutAcknowledgement(group=True)
+    statuses = state.groups.put_end(NS, keys, [7, 7, 7], put_id, ack.committed)
+    assert sorted(i for i, _, _ in ack.committed) == [0, 1, 2]  # numbered in the group's keys
+    lost = replica_segment(state.record(NS, "b").replicas[0])
+    mounted = {s for s in state.segments if s != lost}
+    assert ack.settle(mounted, statuses, sweeping=True) >= 1
+    assert statuses == [int(Status.SEGMENT_NOT_FOUND)] * 3
