@@ -148,6 +148,6 @@ class GroupTable:
 
     def left(self, record: ObjectRecord) -> None:
         """`record` left the tables (MasterState._delete): forget its entry, if it is a member."""
-        entry = self._of.get(record.name)
-        if entry is not None and entry[1] is record:
-            del self._of[record.name]
+        of = self._of
+        if of and (entry := of.get(record.name)) is not None and entry[1] is record:
+            del of[record.name]

@@ -31,7 +31,7 @@ def _members(i: int) -> list[str]:
     return [f"req{i}/kv/0", f"req{i}/kv/1", f"req{i}/mamba"]
 
 
-def test_put_group_then_get_group_returns_every_member(small):
+def test_sglang_style_kv_pages_and_side_pool_put_and_read_as_one_group(small):
     client = small.client()
     keys = _members(0)
     values = [os.urandom(4096), os.urandom(4096), os.urandom(777)]
