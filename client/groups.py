@@ -47,6 +47,22 @@ def _member_keys(keys: Sequence[str]) -> list[str]:
     return checked
 
 
+def _not_handed(client: Client, sizes: list[int], sources: list[str | None]) -> None:
+    """A group read collapsed to a miss: the members `_fetch` counted as served (size >= 0) were not
+    handed to the caller after all, so they move from hits (and served_*) to misses."""
+    deltas: dict[str, int] = {"group_misses": 1}
+    for size, source in zip(sizes, sources, strict=True):
+        if size < 0:
+            continue
+        deltas["hits"] = deltas.get("hits", 0) - 1
+        deltas["misses"] = deltas.get("misses", 0) + 1
+        if source is not None:  # None: an empty object, read without a transfer
+            tier, path = source.split("/", 1)
+            deltas[f"served_{tier}_{path}"] = deltas.get(f"served_{tier}_{path}", 0) - 1
+            deltas[f"served_bytes_{tier}_{path}"] = deltas.get(f"served_bytes_{tier}_{path}", 0) - size
+    client._count(**deltas)
+
+
 class GroupCalls:
     """`put_group`, `get_group`, `get_group_into`: mixed into `Client`. See the module docstring."""
 
@@ -90,10 +106,10 @@ class GroupCalls:
     @traced
     def get_group(self: Client, keys: Sequence[str]) -> list[bytes | None]:
         """Every member's value, or None for every key (see the module docstring)."""
-        results = self._fetch(_member_keys(keys), None, None, group=True)
+        sources: list[str | None] = [None] * len(keys)
+        results = self._fetch(_member_keys(keys), None, sources, group=True)
         if any(isinstance(r, int) for r in results):
-            handed = sum(1 for r in results if not isinstance(r, int))  # counted as hits by _fetch: not handed
-            self._count(group_misses=1, hits=-handed, misses=handed)
+            _not_handed(self, [len(r) if isinstance(r, bytes) else -1 for r in results], sources)
             return [None] * len(results)
         return results  # type: ignore[return-value]  # all bytes: checked above
 
@@ -106,10 +122,10 @@ class GroupCalls:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         views = [as_writable_view(b) for b in buffers]
-        results = self._fetch(_member_keys(keys), views, None, group=True)
+        sources: list[str | None] = [None] * len(keys)
+        results = self._fetch(_member_keys(keys), views, sources, group=True)
         miss = next((r for r in results if isinstance(r, int) and r < 0), _OK)
         if miss != _OK:
-            handed = sum(1 for r in results if r >= 0)  # counted as hits by _fetch: not handed
-            self._count(group_misses=1, hits=-handed, misses=handed)
+            _not_handed(self, results, sources)  # type: ignore[arg-type]  # sizes or negative statuses
             return [miss] * len(results)
         return results  # type: ignore[return-value]  # sizes

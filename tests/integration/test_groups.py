@@ -13,6 +13,7 @@ import pytest
 from kvtier.client.master import MasterClient
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
+from tests.integration.test_faults import flip_byte
 
 MiB = 1 << 20
 
@@ -192,3 +193,22 @@ def test_after_a_master_restart_members_come_back_ungrouped_and_get_group_misses
     # putting the group again regroups the members as they are
     assert client.put_group(keys, [b"other", b"bytes", b"ignored"]) == [Status.OK] * 3
     assert client.get_group(keys) == values
+
+
+def test_a_member_failing_verification_makes_the_whole_group_a_miss_and_counts_honestly(small):
+    """The master found the group whole, but one member's bytes fail their checksum here: every key is
+    a miss, and the members read fine are counted as misses, not hits."""
+    client = small.client()
+    keys = _members(3)
+    values = [os.urandom(8192), os.urandom(8192), os.urandom(100)]
+    assert client.put_group(keys, values) == [Status.OK] * 3
+    flip_byte(small, client.locate(keys[2])[0], 10)  # the side-pool entry is damaged
+    before = client.stats()
+    assert client.get_group(keys) == [None] * 3
+    after = client.stats()
+    assert after["checksum_mismatches"] - before.get("checksum_mismatches", 0) == 1
+    assert after.get("hits", 0) - before.get("hits", 0) == 0
+    assert after["misses"] - before.get("misses", 0) == 3
+    assert after["group_misses"] - before.get("group_misses", 0) == 1
+    assert not any(k.startswith("served_") and v != before.get(k, 0) for k, v in after.items())
+    assert client.batch_get(keys[:2]) == values[:2]  # the sound members stay readable one by one
