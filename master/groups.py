@@ -112,7 +112,7 @@ class GroupTable:
                 of[name] = (group, state.visible(name))  # type: ignore[assignment]  # complete: checked above
             self.groups_committed += 1
             return [int(Status.OK)] * n
-        state.put_revoke(namespace, keys, put_id)  # every member still pending under this put: NOT_PENDING for the rest
+        state.put_revoke(namespace, keys, put_id)  # what is still pending under this put; the rest: NOT_PENDING
         self.groups_revoked += 1
         return [int(Status.NOT_PENDING)] * n
 
