@@ -38,6 +38,7 @@ import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
 from kvtier.client.failures import FailureReports, SegmentFailures
+from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
@@ -125,8 +126,8 @@ def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching
-):  # mixins: client.tensors, client.keys, client.replicas, client.failures, client.events
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching, GroupCalls
+):  # mixins: client.tensors, .keys, .replicas, .failures, .events, .groups
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -389,9 +390,11 @@ class Client(
         preferred: str,
         overwrite: bool,
         lease_ms: int,
+        group: bool = False,
     ) -> tuple[list[int], list[int], int]:
         """One PutStart, the writes, PutEnd and PutRevoke: per-key statuses, the keys (indices) whose
-        write failed on its segment's connection (revoked: worth another placement), bytes written."""
+        write failed on its segment's connection (revoked: worth another placement), bytes written.
+        With `group`, all or none (kvtier.client.groups): one failure revokes every key."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
         try:
@@ -446,7 +449,12 @@ class Client(
                     statuses[i] = result
                 if checksums[i] is None:
                     checksums[i] = crc
-        written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
+        if group and (first := next((s for s in statuses if s != _OK), _OK)) != _OK:
+            if started := [keys[i] for i, count in enumerate(counts) if count]:
+                self._revoke(started, reply.put_id)  # a member failed: none of them may become visible
+            return [first] * len(keys), list(range(len(keys))) if first in _SEGMENT_FAILED else [], 0
+        # A group's PutEnd names every member, those already complete too: they join the group.
+        written = [i for i, count in enumerate(counts) if (count or group) and statuses[i] == _OK]
         for i in written:
             if checksums[i] is None:
                 checksums[i] = crc32c.crc32c(views[i])
@@ -461,6 +469,7 @@ class Client(
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
                         released_leases=self._done_leases.take(),
+                        group=group,
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -565,6 +574,7 @@ class Client(
         views: list[memoryview] | None,
         sources: list[str | None] | None = None,
         again: bool = True,
+        group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
     ) -> list[bytes | int]:
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -573,9 +583,8 @@ class Client(
         # this moment: measuring from here can only under-estimate what is left.
         requested_at = time.monotonic()
         try:
-            request = pb.KeysRequest(
-                namespace=self.namespace, keys=keys, releasable=True, released_leases=self._done_leases.take()
-            )
+            request = pb.KeysRequest(namespace=self.namespace, keys=keys, releasable=True, group=group)
+            request.released_leases.extend(self._done_leases.take())
             reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
             logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
@@ -679,7 +688,7 @@ class Client(
         # Found by the master, but no segment holds the copy any more: a disk copy tombstoned since
         # our lookup (an upsert swapped in a new version, kvtier.master.upsert, or a removal). Asked
         # once more, the master answers the key's current state: the new version, or a miss.
-        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if again else []
+        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if again and not group else []  # a group is read whole or not at all
         if gone:
             redo_sources: list[str | None] = [None] * len(gone)
             redo_views = [views[i] for i in gone] if views is not None else None

@@ -39,6 +39,8 @@ _SIMPLE = (
     ("puts", "kvtier_client_puts", "Keys put."),
     ("put_failures", "kvtier_client_put_failures", "Keys whose put failed."),
     ("put_retries", "kvtier_client_put_retries", "Keys placed once more after a write failed on its segment."),
+    ("group_puts", "kvtier_client_group_puts", "Group puts (all or none, kvtier.client.groups), any outcome."),
+    ("group_misses", "kvtier_client_group_misses", "Group reads answered with a miss for every member."),
     (
         "failure_reports",
         "kvtier_client_segment_failure_reports",

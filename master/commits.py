@@ -243,6 +243,7 @@ class PutAcknowledgement:
 
     # (index in the answer, the committed record, its replicas then), from MasterState.put_end
     committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] = field(default_factory=list)
+    group: bool = False  # a group's PutEnd (kvtier.master.groups): one key lost fails every key
 
     def settle(self, mounted: Container[int], statuses: Any, sweeping: bool = False) -> int:
         """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many.
@@ -255,4 +256,7 @@ class PutAcknowledgement:
             if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)
                 lost += 1
+        if lost and self.group:
+            for i in range(len(statuses)):
+                statuses[i] = int(Status.SEGMENT_NOT_FOUND)
         return lost

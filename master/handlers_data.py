@@ -115,7 +115,13 @@ class DataCalls:
         # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
         # barrier(), which the caller asks for right after this returns, on this thread.
         self.put_ack = ack = PutAcknowledgement()
-        statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
+        if request.group:  # all members visible in this one step, or none (kvtier.master.groups)
+            ack.group = True
+            statuses = self.state.groups.put_end(
+                namespace, request.keys, request.checksums, request.put_id, ack.committed
+            )
+        else:
+            statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @rpc(pb.KeyStatusResponse)
@@ -133,7 +139,10 @@ class DataCalls:
         if rejected := self._too_many(request.keys, pb.GetReplicasResponse):
             return rejected
         releasable = request.releasable and current_principal.get() == CLUSTER_PRINCIPAL  # kvtier.master.leases
-        r = self.state.get_replicas(namespace, request.keys, releasable)
+        if request.group:  # every member or a miss for every member (kvtier.master.groups)
+            r = self.state.groups.get_replicas(namespace, request.keys, releasable)
+        else:
+            r = self.state.get_replicas(namespace, request.keys, releasable)
         self.lookup_keys["GetReplicas"] += len(request.keys)
         self.lookup_hits["GetReplicas"] += r.statuses.count(0)
         self.lookup_hits_disk_only += disk_only_hits(r.replica_counts, r.replica_tiers)

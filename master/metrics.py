@@ -54,6 +54,7 @@ class _Snapshot:
     lease_expiries: dict[str, int]
     upserts: dict[str, int]  # outcome -> upserts (kvtier.master.upsert)
     put_leases: int  # put-time leases held now
+    group_puts: dict[str, int]  # outcome -> group PutEnds (kvtier.master.groups)
     tiering: dict[str, int]
     tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
     dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
@@ -122,6 +123,7 @@ class MasterCollector(Collector):
             lease_expiries=state.lease_expiries | {"tier_task": state.tiering.counters["expired_tasks"]},
             upserts=dict(state.upserts.counters),
             put_leases=len(state.upserts.leases),
+            group_puts={"committed": state.groups.groups_committed, "revoked": state.groups.groups_revoked},
             tiering=h.events(),
             tier_failures=dict(state.tiering.failures),
             dropped_without_ssd_copy=dict(state.pressure.dropped),
@@ -308,6 +310,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     leases = GaugeMetricFamily("kvtier_master_put_leases", "Objects under a put-time lease now (Remove needs force).")
     leases.add_metric([], s.put_leases)
     yield leases
+    yield counter(
+        "kvtier_master_group_puts",
+        "Group PutEnds (all or none, issue 21): committed (every member visible at once), revoked (a member "
+        "was not pending: every member revoked).",
+        "outcome",
+        s.group_puts,
+    )
     yield counter(
         "kvtier_master_tiering",
         "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",

@@ -61,6 +61,7 @@ from kvtier.master.events import EventKind, EventLog
 from kvtier.master.eviction import evict_to_watermark
 from kvtier.master.eviction_policy import make_policy
 from kvtier.master.fences import Fences
+from kvtier.master.groups import GroupTable
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
@@ -144,6 +145,7 @@ class MasterState(SegmentTable):
         self.corrupt = CorruptReplicas(self)  # readers' reports of damaged copies (ReportCorrupt)
         self.commits = CommitLog(clock)
         self.upserts = Upserts(self)  # new versions of complete objects, put-time leases (master/upsert.py)
+        self.groups = GroupTable(self)  # objects put as one group (kvtier.master.groups, issue 21)
         self.fences = Fences(config.fence_max_keys)  # what returning segments may bring back
         self.quarantine = Quarantine.of(config, clock)  # segments clients cannot use (kvtier.master.quarantine)
         self.quarantined_ids: set[int] = set()  # mounted segments in quarantine: their replicas read last
@@ -538,6 +540,7 @@ class MasterState(SegmentTable):
             self._index.discard(record.name)
         if self.upserts.leases or self.upserts.lease_requests:
             self.upserts.leaving(record)
+        self.groups.left(record)
         if self.sweeps.dead_segments:  # copies on a segment being swept: its bytes leave the quota here
             self._strip_dead(record)
         if changed and self.fences.recording:

@@ -266,20 +266,22 @@ class PutStartResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "checksums", "put_id", "released_leases", "request_id")
+    __slots__ = ("namespace", "keys", "checksums", "put_id", "released_leases", "request_id", "group")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     put_id: int
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    group: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., group: _Optional[bool] = ...) -> None: ...
 
 class PutRevokeRequest(_message.Message):
     __slots__ = ("namespace", "keys", "put_id", "request_id")
@@ -294,20 +296,22 @@ class PutRevokeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id", "force")
+    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id", "force", "group")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RELEASABLE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     releasable: bool
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
     force: bool
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
+    group: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ..., group: _Optional[bool] = ...) -> None: ...
 
 class KeyStatusResponse(_message.Message):
     __slots__ = ("status", "error", "statuses")

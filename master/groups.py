@@ -1,0 +1,153 @@
+"""Groups, all or none (issue 21): objects put as one group become visible together, and a group read
+returns every member or a miss for every member.
+
+Hybrid models keep a request's state in more than one pool (KV blocks plus a side pool of, e.g., Mamba
+states): a reader that finds the KV blocks but not the side pool entry computes garbage. So a writer
+may put such objects as one group (`PutEndRequest.group`) and read them back as one
+(`KeysRequest.group`).
+
+- Visible together. One PutEnd carries every member. `GroupTable.put_end` checks that each member is
+  pending under this put or already complete; if any is not (reclaimed, revoked, another writer's),
+  it revokes this put's pending members and answers the same failure for every key. Otherwise it
+  completes them (MasterState.put_end) and records the group, in the same synchronous call: the
+  master's event loop runs no reader in between, so no GetReplicas sees some members and not others.
+- All or none when read. The table keeps, for grouped objects only, name -> (group, record): the
+  record object the group was formed with. `intact` holds when every key asked is a visible, complete
+  record that is *that* record, all of one group, and the keys are exactly its members. A member
+  evicted, removed, replaced or lost with its segment is no longer that record, so the group reads as
+  a miss for every member from then on, whatever happens to the others (they stay readable one by one).
+  Identity, not bookkeeping, is what makes this safe: a missed cleanup could only cost memory.
+- Memory: one entry per grouped object (a dict slot and a 2-tuple) and one small `Group` per group,
+  dropped when the record leaves the tables (`left`, from MasterState._delete). Ungrouped objects cost
+  nothing.
+- A master restart (or a standby taking over) rebuilds records from the segments' inventories, which
+  know nothing of groups: the members come back ungrouped and `intact` is false, so get_group answers a
+  miss for every member (never a partial group) until the group is put again.
+- Eviction takes members one by one, like any object; the first one gone makes the group a miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvtier.master.records import ObjectRecord, ObjectState, name_prefix
+from kvtier.master.state_types import GetResult
+from kvtier.proto.status import Status
+
+if TYPE_CHECKING:  # type only: MasterState builds this table
+    from kvtier.master.state import MasterState
+
+_COMPLETE = ObjectState.COMPLETE
+_PENDING = ObjectState.PENDING
+
+
+class Group:
+    """One group put: its member count. Shared by its members' entries; identity is its id."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+class GroupTable:
+    """Which complete objects were put together. See the module docstring.
+
+    Called from the master's event loop only, like MasterState; nothing here awaits.
+    """
+
+    def __init__(self, state: MasterState) -> None:
+        self._state = state
+        self._of: dict[str, tuple[Group, ObjectRecord]] = {}  # object name -> (its group, the member)
+        self.groups_committed = 0
+        self.groups_revoked = 0
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+    def put_end(
+        self,
+        namespace: str,
+        keys: Sequence[str],
+        checksums: Sequence[int],
+        put_id: int,
+        committed: list[tuple[int, ObjectRecord, tuple[int, ...]]] | None = None,
+    ) -> list[int]:
+        """Complete the members of put `put_id` all at once, or none: the same status for every key.
+
+        OK: every key is now complete and the group recorded (a retried group PutEnd finds its own
+        members complete and answers OK again). A key already complete from another put joins the
+        group as it is (a key's bytes never change: first writer wins, as for every put).
+        INVALID_ARGUMENT: a key given twice, or no keys. NOT_PENDING: some key has no pending put
+        under `put_id` and is not complete; this put's pending members are revoked.
+        """
+        state = self._state
+        n = len(keys)
+        if n == 0 or len(set(keys)) != n:
+            return [int(Status.INVALID_ARGUMENT)] * n
+        prefix = name_prefix(namespace)
+        ours: list[int] = []  # indices pending under this put
+        for i, key in enumerate(keys):
+            record = state.visible(prefix + key)
+            if record is None:
+                break
+            if record.state is _PENDING:
+                if record.put_id != put_id:
+                    break
+                ours.append(i)
+            elif record.put_id == put_id and record.checksum != checksums[i]:
+                break  # a retried PutEnd naming other bytes than its first
+        else:
+            pending_keys = [keys[i] for i in ours]
+            statuses = state.put_end(namespace, pending_keys, [checksums[i] for i in ours], put_id, committed)
+            if committed is not None:  # put_end numbered them in `pending_keys`: renumber in `keys`
+                committed[:] = [(ours[j], record, replicas) for j, record, replicas in committed]
+            if any(s != Status.OK for s in statuses):  # cannot happen after the checks above; be safe
+                return [int(Status.NOT_PENDING)] * n
+            group = Group(n)
+            of = self._of
+            for key in keys:
+                name = prefix + key
+                of[name] = (group, state.visible(name))  # type: ignore[assignment]  # complete: checked above
+            self.groups_committed += 1
+            return [int(Status.OK)] * n
+        state.put_revoke(namespace, keys, put_id)  # what is still pending under this put; the rest: NOT_PENDING
+        self.groups_revoked += 1
+        return [int(Status.NOT_PENDING)] * n
+
+    def intact(self, namespace: str, keys: Sequence[str]) -> bool:
+        """Whether `keys` are exactly the members of one group, each still the complete object it was put as."""
+        if not keys:
+            return False
+        prefix = name_prefix(namespace)
+        of, visible = self._of, self._state.visible
+        first = of.get(prefix + keys[0])
+        if first is None or first[0].size != len(keys) or len(set(keys)) != len(keys):
+            return False
+        group = first[0]
+        for key in keys:
+            name = prefix + key
+            entry = of.get(name)
+            if entry is None or entry[0] is not group:
+                return False
+            record = visible(name)
+            if record is not entry[1] or record.state is not _COMPLETE:
+                return False
+        return True
+
+    def get_replicas(self, namespace: str, keys: Sequence[str], releasable: bool = False) -> GetResult:
+        """MasterState.get_replicas for a whole group: its placements when `intact`, else NOT_FOUND
+        for every key (and no lease). The check and the lookup run in one step of the event loop."""
+        state = self._state
+        if self.intact(namespace, keys):
+            return state.get_replicas(namespace, keys, releasable)
+        n = len(keys)
+        miss = int(Status.NOT_FOUND)
+        return GetResult([miss] * n, [0] * n, [0] * n, [0] * n, [], [], [], int(state.config.lease_s * 1000))
+
+    def left(self, record: ObjectRecord) -> None:
+        """`record` left the tables (MasterState._delete): forget its entry, if it is a member."""
+        of = self._of
+        if of and (entry := of.get(record.name)) is not None and entry[1] is record:
+            del of[record.name]

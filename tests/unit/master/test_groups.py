@@ -1,0 +1,135 @@
+"""Groups, all or none (kvtier.master.groups, issue 21): scenarios on a bare MasterState."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.master.config import MasterConfig
+from kvtier.master.records import replica_segment
+from kvtier.master.state import MasterState
+from kvtier.proto.status import Status
+from tests.unit.master.test_state import FakeClock, mount
+
+NS = "ns"
+OK = int(Status.OK)
+MISS = int(Status.NOT_FOUND)
+
+
+@pytest.fixture
+def state() -> MasterState:
+    config = MasterConfig(
+        cluster_id="unit", segment_ttl_s=10.0, heartbeat_interval_s=1.0, lease_s=5.0, put_timeout_s=30.0
+    ).validate()
+    state = MasterState(config, clock=FakeClock())
+    mount(state, "seg0")
+    mount(state, "seg1")
+    return state
+
+
+def start(state: MasterState, keys: list[str], size: int = 1000) -> int:
+    result = state.put_start(NS, keys, [size] * len(keys), 1)
+    assert result.statuses == [OK] * len(keys)
+    return result.put_id
+
+
+def put_group(state: MasterState, keys: list[str]) -> list[int]:
+    put_id = start(state, keys)
+    return state.groups.put_end(NS, keys, [7] * len(keys), put_id)
+
+
+def test_a_group_becomes_visible_in_one_step_and_reads_whole(state):
+    assert put_group(state, ["kv", "side"]) == [OK, OK]
+    assert state.exists(NS, ["kv", "side"])[0] == [True, True]
+    assert state.groups.get_replicas(NS, ["side", "kv"]).statuses == [OK, OK]  # any order
+
+
+def test_a_member_not_pending_revokes_every_member_and_fails_every_key(state):
+    put_id = start(state, ["kv", "side"])
+    assert state.put_revoke(NS, ["side"], put_id) == [OK]  # its write failed: the writer revoked it
+    assert state.groups.put_end(NS, ["kv", "side"], [7, 7], put_id) == [int(Status.NOT_PENDING)] * 2
+    assert state.exists(NS, ["kv", "side"])[0] == [False, False]
+    assert state.record(NS, "kv") is None  # revoked, not left pending until the put timeout
+    assert state.groups.groups_revoked == 1
+
+
+def test_keys_that_are_not_exactly_the_group_read_as_a_miss_for_every_key(state):
+    put_group(state, ["a", "b", "c"])
+    assert state.put_start(NS, ["x"], [10], 1).statuses == [OK]
+    for keys in (["a", "b"], ["a", "b", "c", "x"], ["a", "b", "b"], ["x"], []):
+        result = state.groups.get_replicas(NS, keys)
+        assert result.statuses == [MISS] * len(keys), keys
+        assert result.replica_counts == [0] * len(keys)
+
+
+@pytest.mark.parametrize("how", ["remove", "evict", "segment_lost"])
+def test_a_member_gone_makes_the_group_a_miss_for_every_member(state, how):
+    put_group(state, ["a", "b"])
+    record = state.record(NS, "b")
+    if how == "remove":
+        assert state.remove(NS, ["b"]) == [OK]
+    elif how == "evict":
+        state.evict_one(record, "test")
+    else:
+        state.drop_segment(replica_segment(record.replicas[0]), reason="test")
+    assert state.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS, MISS]
+    if state.record(NS, "a") is not None:  # the others stay ordinary objects
+        assert state.get_replicas(NS, ["a"]).statuses == [OK]
+    assert len(state.groups) <= 1  # the gone member's entry went with its record
+
+
+def test_a_member_put_again_alone_is_not_the_member_the_group_was_put_with(state):
+    put_group(state, ["a", "b"])
+    state.remove(NS, ["b"])
+    put_id = start(state, ["b"])
+    assert state.put_end(NS, ["b"], [7], put_id) == [OK]
+    assert state.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS, MISS]
+
+
+def test_putting_the_group_again_adopts_members_already_complete(state):
+    put_group(state, ["a", "b"])
+    state.remove(NS, ["b"])
+    assert put_group(state, ["a", "b"]) == [OK, OK]  # "a" was complete: it joins as it is
+    assert state.groups.get_replicas(NS, ["a", "b"]).statuses == [OK, OK]
+    assert len(state.groups) == 2
+
+
+def test_a_retried_group_put_end_answers_ok_again(state):
+    put_id = start(state, ["a", "b"])
+    assert state.groups.put_end(NS, ["a", "b"], [1, 2], put_id) == [OK, OK]
+    assert state.groups.put_end(NS, ["a", "b"], [1, 2], put_id) == [OK, OK]
+    assert state.groups.put_end(NS, ["a", "b"], [1, 3], put_id) == [int(Status.NOT_PENDING)] * 2
+
+
+def test_a_key_named_twice_is_refused(state):
+    put_id = start(state, ["a"])
+    assert state.groups.put_end(NS, ["a", "a"], [1, 1], put_id) == [int(Status.INVALID_ARGUMENT)] * 2
+    assert state.record(NS, "a").state.name == "PENDING"
+
+
+def test_records_adopted_from_inventories_are_ungrouped(state):
+    """After a restart the records come from the segments' inventories (MasterState.adopt): new
+    records, never the ones the group was put with, so the group reads as a miss."""
+    put_group(state, ["a", "b"])
+    fresh = MasterState(state.config, clock=state.clock)
+    for name in ("a", "b"):
+        old = state.record(NS, name)
+        record = type(old)(old.name, old.size, old.replicas, 1, 0.0)
+        record.complete(old.checksum)
+        fresh.adopt(record)
+    assert fresh.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS, MISS]
+
+
+def test_a_member_lost_before_the_answer_fails_every_key_of_the_group(state):
+    """PutEnd answers once the segments acknowledged; a member's segment gone meanwhile fails every
+    key of a group, not just that member's (kvtier.master.commits.PutAcknowledgement)."""
+    from kvtier.master.commits import PutAcknowledgement
+
+    keys = ["a", "b", "c"]
+    put_id = start(state, keys)
+    ack = PutAcknowledgement(group=True)
+    statuses = state.groups.put_end(NS, keys, [7, 7, 7], put_id, ack.committed)
+    assert sorted(i for i, _, _ in ack.committed) == [0, 1, 2]  # numbered in the group's keys
+    lost = replica_segment(state.record(NS, "b").replicas[0])
+    mounted = {s for s in state.segments if s != lost}
+    assert ack.settle(mounted, statuses, sweeping=True) >= 1
+    assert statuses == [int(Status.SEGMENT_NOT_FOUND)] * 3
