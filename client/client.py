@@ -688,7 +688,8 @@ class Client(
         # Found by the master, but no segment holds the copy any more: a disk copy tombstoned since
         # our lookup (an upsert swapped in a new version, kvtier.master.upsert, or a removal). Asked
         # once more, the master answers the key's current state: the new version, or a miss.
-        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if again and not group else []  # a group is read whole or not at all
+        retry = again and not group  # a group is read whole or not at all: never member by member
+        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if retry else []
         if gone:
             redo_sources: list[str | None] = [None] * len(gone)
             redo_views = [views[i] for i in gone] if views is not None else None
