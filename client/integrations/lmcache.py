@@ -23,6 +23,10 @@ Contracts towards LMCache:
 - Zero-copy: gets allocate LMCache memory objects and `batch_get_into` their byte views; puts send
   the objects' byte views. A memory object stays referenced until the thread using it is done, even
   when LMCache cancels the awaiting coroutine (timeouts): a buffer is never freed under a transfer.
+- Chunks of this engine's layout are stored raw; other objects, with LMCache's `save_chunk_meta`
+  (its default), as a verified `lmcache_meta.ChunkMeta` header and their bytes under the same key
+  (sized never to look like a chunk), and without it they are refused: nothing is stored that a
+  get could not read back as it was put, so `contains` never promises a miss.
 - Construction refuses (`LMCacheIdentityError`, which LMCache treats as irrecoverable: it logs the
   message and runs without this backend) what would give unshareable or unreadable blocks:
   unseeded hashes, layer-wise storage, the cachegen serde.
@@ -229,8 +233,9 @@ class KvtierConnector(RemoteConnector):
     """LMCache's RemoteConnector over a kvtier cluster (see the module docstring for the contracts).
 
     Built by `KvtierConnectorAdapter` or LMCache's DynamicConnectorAdapter. The engine config and
-    metadata come from the local CPU backend, as LMCache's built-in connectors take them, else from
-    the connector context (the scheduler role has no CPU backend: it only looks up).
+    metadata come from the connector's own context (its settings: `remote_storage_plugin.<plugin>.*`
+    of that config), else from the local CPU backend (the DynamicConnectorAdapter passes no metadata;
+    the scheduler role has no CPU backend: it only looks up).
     """
 
     def __init__(
