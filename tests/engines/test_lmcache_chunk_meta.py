@@ -204,6 +204,9 @@ def test_two_connector_instances_talk_to_their_own_clusters(cluster, tmp_path, r
             assert bytes(back.byte_array) == payload(keys[1], 2048)
             back.ref_count_down()
         finally:
+            for name in ("RemoteBackend-kvtier.a", "RemoteBackend-kvtier.b"):  # Engine.close knows only one
+                if engine.backends.get(name) is not None:
+                    engine.backends[name].close()
             engine.close()
     finally:
         _finish(request, other)
