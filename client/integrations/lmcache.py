@@ -23,6 +23,10 @@ Contracts towards LMCache:
 - Zero-copy: gets allocate LMCache memory objects and `batch_get_into` their byte views; puts send
   the objects' byte views. A memory object stays referenced until the thread using it is done, even
   when LMCache cancels the awaiting coroutine (timeouts): a buffer is never freed under a transfer.
+- Chunks of this engine's layout are stored raw; other objects, with LMCache's `save_chunk_meta`
+  (its default), as a verified `lmcache_meta.ChunkMeta` header and their bytes under the same key
+  (sized never to look like a chunk), and without it they are refused: nothing is stored that a
+  get could not read back as it was put, so `contains` never promises a miss.
 - Construction refuses (`LMCacheIdentityError`, which LMCache treats as irrecoverable: it logs the
   message and runs without this backend) what would give unshareable or unreadable blocks:
   unseeded hashes, layer-wise storage, the cachegen serde.
@@ -40,6 +44,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from lmcache.utils import TORCH_DTYPE_TO_STR_DTYPE, CacheEngineKey
 from lmcache.v1.exceptions import IrrecoverableException
 from lmcache.v1.memory_management import MemoryObj
@@ -53,6 +58,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvtier.client.integrations.common import Guard, KvtierSettings
 from kvtier.client.integrations.identity import Identity, IdentityError
+from kvtier.client.integrations.lmcache_meta import ChunkMeta, MetaError
 from kvtier.proto.status import Status
 
 T = TypeVar("T")
@@ -69,6 +75,7 @@ LOOKUP_THREADS = 2
 # Hashes whose chain LMCache/vLLM seed from PYTHONHASHSEED, else per process at random.
 _SEED_REQUIRED = frozenset(("builtin", "xxhash", "xxhash_cbor"))
 _MISS = int(Status.UNAVAILABLE)
+_TOO_SMALL = int(Status.BUFFER_TOO_SMALL)
 
 
 class LMCacheIdentityError(IdentityError, IrrecoverableException):
@@ -99,12 +106,23 @@ def plugin_options(extra_config: dict | None, plugin_name: str | None) -> dict[s
 
 
 def _plugin_name_for(config: Any) -> str | None:
-    """The plugin whose module_path is this module (when LMCache did not say which one built us)."""
+    """The plugin whose module_path is this module (when LMCache did not say which one built us).
+
+    Raises LMCacheIdentityError when several are: which one's settings to use cannot be known
+    (LMCache's DynamicConnectorAdapter passes no plugin name), and guessing would talk to the
+    wrong cluster silently."""
     extra = getattr(config, "extra_config", None) or {}
-    for name in getattr(config, "remote_storage_plugins", None) or []:
-        if extra.get(f"remote_storage_plugin.{name}.module_path") == __name__:
-            return name
-    return None
+    names = [
+        name
+        for name in getattr(config, "remote_storage_plugins", None) or []
+        if extra.get(f"remote_storage_plugin.{name}.module_path") == __name__
+    ]
+    if len(names) > 1:
+        raise LMCacheIdentityError(
+            f"remote_storage_plugins {names} all load kvtier, and LMCache did not say which one this "
+            "connector is: use class_name: KvtierConnectorAdapter, which is told its plugin's name."
+        )
+    return names[0] if names else None
 
 
 def _vllm_hash_available(name: str) -> bool:
@@ -215,8 +233,9 @@ class KvtierConnector(RemoteConnector):
     """LMCache's RemoteConnector over a kvtier cluster (see the module docstring for the contracts).
 
     Built by `KvtierConnectorAdapter` or LMCache's DynamicConnectorAdapter. The engine config and
-    metadata come from the local CPU backend, as LMCache's built-in connectors take them, else from
-    the connector context (the scheduler role has no CPU backend: it only looks up).
+    metadata come from the connector's own context (its settings: `remote_storage_plugin.<plugin>.*`
+    of that config), else from the local CPU backend (the DynamicConnectorAdapter passes no metadata;
+    the scheduler role has no CPU backend: it only looks up).
     """
 
     def __init__(
@@ -228,8 +247,12 @@ class KvtierConnector(RemoteConnector):
         plugin_name: str | None = None,
         url: str = "",
     ) -> None:
-        config = getattr(local_cpu_backend, "config", None) or config
-        metadata = getattr(local_cpu_backend, "metadata", None) or metadata
+        # The connector's own context first: two RemoteBackends of one engine (plugins `kvtier.a` and
+        # `kvtier.b`) share a CPU backend whose config may not even name kvtier; reading the settings
+        # from there sent every instance to the default master. The CPU backend's config and metadata
+        # are only the fallback for adapters that pass none (LMCache's DynamicConnectorAdapter).
+        config = config or getattr(local_cpu_backend, "config", None)
+        metadata = metadata or getattr(local_cpu_backend, "metadata", None)
         if config is None or metadata is None:
             raise LMCacheIdentityError("the kvtier connector needs LMCache's engine config and metadata")
         super().__init__(config, metadata)
@@ -313,6 +336,30 @@ class KvtierConnector(RemoteConnector):
         text = f"{self._model}@{self._world}@{worker}@{chunk}@{self._dtype_str}"
         return f"{text}@{tags}" if tags else text
 
+    def chunk_shaped(self, obj: MemoryObj) -> bool:
+        """Whether `obj` reads back from its bytes alone: this engine's chunk layout (format, dtypes,
+        shapes), whole or with fewer tokens exactly as LMCache's `reshape_partial_chunk` rebuilds it."""
+        try:
+            meta = ChunkMeta.of(obj)
+            size = len(obj.byte_array)
+        except Exception:  # not a memory object we can describe: never chunk-shaped
+            return False
+        full = tuple(tuple(int(d) for d in shape) for shape in self.meta_shapes)
+        if meta.fmt != self.meta_fmt or list(meta.dtypes) != list(self.meta_dtypes):
+            return False
+        if meta.shapes == full:
+            return size == self.full_chunk_size_bytes
+        if len(full) != 1 or len(meta.shapes) != 1 or len(full[0]) != 4 or len(meta.shapes[0]) != 4:
+            return False
+        shape, chunk = meta.shapes[0], full[0]
+        tokens = shape[2]
+        return (
+            shape[:2] == chunk[:2]
+            and shape[3:] == chunk[3:]
+            and 0 < tokens < chunk[2]
+            and size == tokens * self.single_token_size
+        )
+
     # ------------------------------------------------------------ running blocking calls
 
     async def _run(
@@ -389,18 +436,14 @@ class KvtierConnector(RemoteConnector):
         """Allocate chunks from LMCache's CPU backend and read into them (in a pool thread).
 
         Allocation never waits for memory (busy_loop=False): when the backend is full, the chunks
-        from there on are misses. A result that is not a whole number of tokens is a miss."""
+        from there on are misses. A whole number of tokens (at most a chunk) is a chunk; any other
+        size is an object stored with its metadata (`_with_meta`), read in place when it fits a
+        chunk's buffer, else fetched whole: one more kvtier call, for those only. Bytes that are
+        neither are misses."""
         objs: list[MemoryObj] = []
         for _ in keys:
-            obj = self.guard.call(
-                "allocate",
-                lambda: self.local_cpu_backend.allocate(
-                    self.meta_shapes, self.meta_dtypes, self.meta_fmt, busy_loop=False
-                ),
-                None,
-            )
+            obj = self._allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
             if obj is None:
-                self.guard.count("allocation_failures")
                 break
             objs.append(obj)
         if not objs:
@@ -412,24 +455,69 @@ class KvtierConnector(RemoteConnector):
             [_MISS] * len(objs),
         )
         out: list[MemoryObj | None] = []
-        for obj, size in zip(objs, sizes, strict=True):
-            if size <= 0:
-                obj.ref_count_down()
-                out.append(None)
+        larger: list[int] = []
+        for i, (obj, size) in enumerate(zip(objs, sizes, strict=True)):
+            if size > 0 and size % self.single_token_size == 0:
+                out.append(self._as_chunk(obj, size))
                 continue
-            try:
-                out.append(self.reshape_partial_chunk(obj, size))
-            except ValueError as exc:
-                self.guard.count("bad_sizes")
-                logger.warning(
-                    "kvtier lmcache object of %d bytes is not a chunk here, treated as a miss: %s", size, exc
-                )
-                obj.ref_count_down()
-                out.append(None)
+            out.append(self._with_meta(memoryview(obj.byte_array).cast("B")[:size]) if size > 0 else None)
+            obj.ref_count_down()
+            if size == _TOO_SMALL:
+                larger.append(i)
+        if larger:  # more than a chunk: only an object stored with its metadata can be that
+            values = self.guard.call(
+                "batch_get", lambda: self._client.batch_get([kv_keys[i] for i in larger]), [None] * len(larger)
+            )
+            for i, value in zip(larger, values, strict=True):
+                out[i] = None if value is None else self._with_meta(memoryview(value))
         hits = sum(o is not None for o in out)
         self.guard.count("hits", hits)
         self.guard.count("misses", len(keys) - hits)
         return out + [None] * (len(keys) - len(out))
+
+    def _allocate(self, shapes: Any, dtypes: Any, fmt: Any) -> MemoryObj | None:
+        obj = self.guard.call(
+            "allocate", lambda: self.local_cpu_backend.allocate(shapes, dtypes, fmt, busy_loop=False), None
+        )
+        if obj is None:
+            self.guard.count("allocation_failures")
+        return obj
+
+    def _as_chunk(self, obj: MemoryObj, size: int) -> MemoryObj | None:
+        """`obj` holding `size` bytes of a chunk (whole or partial), or None (released) if it is not one."""
+        try:
+            return self.reshape_partial_chunk(obj, size)
+        except ValueError as exc:
+            self.guard.count("bad_sizes")
+            logger.warning("kvtier lmcache object of %d bytes is not a chunk here, treated as a miss: %s", size, exc)
+            obj.ref_count_down()
+            return None
+
+    def _with_meta(self, data: memoryview) -> MemoryObj | None:
+        """A memory object for bytes stored with their ChunkMeta header: allocated as the header says,
+        the header verified against the bytes first. Bytes that are no such object are a miss."""
+        try:
+            meta, offset = ChunkMeta.decode(data)
+        except MetaError as exc:
+            self.guard.count("bad_sizes")
+            logger.warning(
+                "kvtier lmcache object of %d bytes is neither a chunk here nor stored with its metadata, "
+                "treated as a miss: %s",
+                len(data),
+                exc,
+            )
+            return None
+        obj = self._allocate([torch.Size(s) for s in meta.shapes], list(meta.dtypes), meta.fmt)
+        if obj is None:
+            return None
+        target = memoryview(obj.byte_array).cast("B")
+        payload = data.cast("B")[offset : offset + meta.nbytes]
+        if len(target) != len(payload):  # LMCache allocated another size than the shapes make
+            self.guard.count("bad_sizes")
+            obj.ref_count_down()
+            return None
+        target[:] = payload
+        return obj
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         return (await self.batched_get([key]))[0]
@@ -458,15 +546,49 @@ class KvtierConnector(RemoteConnector):
 
     # ------------------------------------------------------------ puts
 
+    def _encode(self, obj: MemoryObj) -> Any:
+        """What to store for an object: chunk-shaped objects raw (zero-copy; their size is a whole
+        number of tokens), the others, when save_chunk_meta is on, as ChunkMeta header || bytes,
+        padded so that their size is never a whole number of tokens (a reader tells them apart by
+        size alone, in the same read). None: the object could not be read back as it is (not
+        chunk-shaped and no metadata kept, or metadata that does not describe its bytes); it is
+        refused rather than stored for `contains` to promise."""
+        view = memoryview(obj.byte_array)
+        if self.chunk_shaped(obj):
+            return view
+        if not self.save_chunk_meta or self.single_token_size <= 1:
+            return None
+        try:
+            return ChunkMeta.of(obj).encode_with(view.cast("B"), self.single_token_size)
+        except (MetaError, AttributeError, TypeError) as exc:
+            logger.warning("kvtier lmcache put refused, its metadata cannot be kept: %s", exc)
+            return None
+
     def _store(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        kv_keys = [self.kv_key(k) for k in keys]
+        kv_keys: list[str] = []
+        values: list[Any] = []
+        for key, obj in zip(keys, objs, strict=True):
+            value = self._encode(obj)
+            if value is not None:
+                kv_keys.append(self.kv_key(key))
+                values.append(value)
+        refused = len(keys) - len(kv_keys)
+        if refused:
+            self.guard.count("refused_puts", refused)
+            logger.warning(
+                "kvtier lmcache put: %d of %d objects refused: not chunks of this engine's layout, and "
+                "save_chunk_meta is off (or their metadata cannot be kept), so they could not be read back",
+                refused,
+                len(keys),
+            )
+        if not kv_keys:
+            return
         foreign = [k for k in kv_keys if k.startswith(FOREIGN_PREFIX)]
         if foreign:  # not content-addressed (e.g. LMCache's health probe): the last put wins
             self.guard.call("remove", lambda: self._client.batch_remove(foreign), [])
-        views = [memoryview(obj.byte_array) for obj in objs]
         statuses = self.guard.call(
             "batch_put",
-            lambda: self._client.batch_put(kv_keys, views, replicas=self.settings.replicas),
+            lambda: self._client.batch_put(kv_keys, values, replicas=self.settings.replicas),
             [Status.UNAVAILABLE] * len(kv_keys),
         )
         failed = [s for s in statuses if s != Status.OK]
