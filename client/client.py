@@ -35,11 +35,13 @@ from typing import Any, TypeVar
 
 import crc32c
 
+from kvtier.client.chunks import put_checksums
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import FailureReports, SegmentFailures
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
+from kvtier.client.ranges import RangedReads
 from kvtier.client.replicas import ReplicaOps
 from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
@@ -124,8 +126,8 @@ def _pin_ttl_ms(pin_ttl: float) -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports
-):  # mixins: client.tensors, client.keys, client.replicas, client.failures
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, RangedReads
+):  # mixins: client.tensors, client.keys, client.replicas, client.failures, client.ranges
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -413,9 +415,7 @@ class Client(
                 if checksums[i] is None:
                     checksums[i] = crc
         written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
-        for i in written:
-            if checksums[i] is None:
-                checksums[i] = crc32c.crc32c(views[i])
+        chunks = put_checksums(views, written, checksums)  # and the chunk CRCs of ranged reads
         failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
         if written:
             try:
@@ -427,6 +427,7 @@ class Client(
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
                         released_leases=self._done_leases.take(),
+                        chunk_checksums=chunks if any(chunks) else (),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):

@@ -51,6 +51,13 @@ class Connector(Protocol):
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         """The bytes of each (offset, length) range, or a negative status."""
 
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window with the len(buffer) bytes at skip within the granted
+        range `grant` = (offset, length) (one object's replica; `caps` its grant): a part of an
+        object read under the object's own capability (FLAG_WINDOW in kvtier.proto.frames)."""
+
     def close(self) -> None: ...
 
 

@@ -253,6 +253,16 @@ class ShmConnector:
         with self._in_use():
             return self._transfer(ranges, checksums, into_region=False, caps=caps)
 
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window from the granted range `grant` = (offset, length), as the
+        tcp connector's read_windows: only the windows' bytes are copied out of the mapping."""
+        offset, length = grant
+        if any(skip + len(view) > length for skip, view in windows):
+            return [_BAD_RANGE] * len(windows)
+        return self.read_into([(offset + skip, view) for skip, view in windows], caps=caps)
+
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         with self._in_use():
             region, capacity = self._view, self._capacity

@@ -216,6 +216,47 @@ class TcpConnector:
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         return self._run(Op.READ, ranges, into=False, caps=caps)
 
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window from the granted range `grant` = (offset, length): the
+        len(buffer) bytes at offset + skip. One READ frame with FLAG_WINDOW (kvtier.proto.frames):
+        every window names the whole grant, so the grant's one tag covers them all. Per window
+        OK or a negative status (all fail together)."""
+        count = len(windows)
+        results = [_FAILED] * count
+        if count > (_MAX_RANGES - 1) // 3:
+            return [int(Status.INVALID_ARGUMENT)] * count
+        frame_caps = None
+        if caps is not None:  # the grant's tag once per window (the frame carries one per range)
+            frame_caps = (caps[0], bytes(caps[1][0]) * count if caps[1] else b"")
+        try:
+            with self._pool.socket() as sock:
+                request_id = next(self._request_ids)
+                spans = [(skip, len(view)) for skip, view in windows]
+                trace = current_request_id.get()
+                table = [grant] * count
+                send_all(sock, [frames.pack_request(Op.READ, request_id, table, 0, trace, frame_caps, windows=spans)])
+                header = bytearray(frames.RESPONSE.size)
+                status, payload_len = self._read_response(sock, request_id, header)
+                if status != _OK:
+                    message = self._error_message(sock, payload_len)
+                    logger.warning("segment %s refused READ: %s: %s", self.endpoint, to_status(status).name, message)
+                    return [status] * count
+                expected = sum(take for _, take in spans)
+                if payload_len != expected:
+                    raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
+                for i, (_, view) in enumerate(windows):
+                    recv_exact_into(sock, view)
+                    results[i] = _OK
+        except (ConnectError, ReadError, ProtocolError) as exc:
+            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc.message)
+            self._failed(exc)
+        except OSError as exc:
+            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc)
+            self._failed(exc)
+        return results
+
     # ------------------------------------------------------------- the SSD tier
 
     def read_disk(
