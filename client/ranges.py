@@ -189,7 +189,8 @@ class RangedReads:
         windows = [(start, memoryview(buf)) for (start, _), buf in zip(runs, buffers, strict=True)]
         caps = _caps(reply.replica_tags, reply.tag_expiry_ms, [position])
         try:
-            results = self._connector(segment).read_windows((reply.replica_offsets[position], size), windows, caps)
+            connector = self._connector(segment)
+            results = connector.read_windows((reply.replica_offsets[position], size), windows, caps)
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
             self._transport_failed(segment.name, exc)
@@ -213,7 +214,11 @@ class RangedReads:
             start, buf = next((s, b) for (s, e), b in zip(runs, buffers, strict=True) if s <= offset < e)
             out[:length] = buf[offset - start : offset - start + length]
             written += length
-        self._count(ranged_bytes_verified=read, ranged_bytes_returned=written, served_ranged_dram=1)
+        self._count(
+            ranged_bytes_verified=read,
+            ranged_bytes_returned=written,
+            **{f"served_dram_{connector.scheme}": 1, f"served_bytes_dram_{connector.scheme}": read},
+        )
         return written, ""
 
     def _read_whole(
@@ -230,7 +235,7 @@ class RangedReads:
         size = reply.sizes[0]
         whole = memoryview(bytearray(size))
         tier = reply.replica_tiers[position]
-        results, crcs, _ = self._read_segment(segment, reply, {0: [position]}, [0], 0, [whole], tier, [key])
+        results, crcs, path = self._read_segment(segment, reply, {0: [position]}, [0], 0, [whole], tier, [key])
         if (result := results[0]) != _OK:
             return int(result), f"segment {segment.name}: read failed"
         if time.monotonic() > lease_deadline:
@@ -243,5 +248,9 @@ class RangedReads:
         for (offset, length), out in zip(spans, views, strict=True):
             out[:length] = whole[offset : offset + length]
             written += length
-        self._count(ranged_bytes_verified=size, ranged_bytes_returned=written, **{f"served_ranged_{tier_name}": 1})
+        self._count(
+            ranged_bytes_verified=size,
+            ranged_bytes_returned=written,
+            **{f"served_{tier_name}_{path}": 1, f"served_bytes_{tier_name}_{path}": size},
+        )
         return written, ""

@@ -57,6 +57,7 @@ def test_ranged_reads_return_the_slices_and_move_only_their_chunks(cluster, tran
     assert moved == covered_bytes(RANGES) == 3 * CHUNK_BYTES + (SIZE - 16 * CHUNK_BYTES)
     assert moved < SIZE / 4
     assert after["ranged_bytes_verified"] == moved
+    assert after[f"served_bytes_dram_{transport}"] == moved and after[f"served_dram_{transport}"] == 1
     assert after["ranged_bytes_returned"] == sum(n for _, n in RANGES)
 
     # get_into_ranges: into the caller's buffers, the bytes written in all
@@ -218,7 +219,7 @@ def test_ranged_read_of_an_ssd_copy_is_read_whole_and_verified(bare_cluster, ssd
     assert client.get_ranges("cold", RANGES) == expected(value)
     stats = client.stats()
     assert stats["ranged_bytes_read"] == SIZE and stats["bytes_read_ssd"] >= SIZE
-    assert stats["served_ranged_ssd"] == 1
+    assert stats["served_ssd_tcp"] == 1 and stats["served_bytes_ssd_tcp"] == SIZE
 
 
 def test_client_stats_reach_clients_that_share_nothing(cluster):
