@@ -364,6 +364,7 @@ class Client(
         write failed on its segment's connection (revoked: worth another placement), bytes written."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
+        blobs: list[bytes | None] = [None] * len(keys)  # and chunk CRCs with them (kvtier.client.chunks)
         try:
             reply = self._master.call(
                 "PutStart",
@@ -408,14 +409,14 @@ class Client(
             )
             for segment_id, items in per_segment.items()
         ]
-        for items, (results, crcs) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
-            for (i, _, _), result, crc in zip(items, results, crcs, strict=True):
+        for items, (results, crcs, chunks) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
+            for (i, _, _), result, crc, blob in zip(items, results, crcs, chunks, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
                 if checksums[i] is None:
-                    checksums[i] = crc
+                    checksums[i], blobs[i] = crc, blob
         written = [i for i, count in enumerate(counts) if count and statuses[i] == _OK]
-        chunks = put_checksums(views, written, checksums)  # and the chunk CRCs of ranged reads
+        chunks = put_checksums(views, written, checksums, blobs)  # what no connector computed
         failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
         if written:
             try:
@@ -462,17 +463,18 @@ class Client(
 
     def _write_segment(
         self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None
-    ) -> tuple[list[int], list]:
-        """Per-range statuses, and CRCs where the connector computed them while copying."""
+    ) -> tuple[list[int], list, list]:
+        """Per-range statuses, and CRCs (whole, and chunks) where the connector computed them while copying."""
         crcs: list[int | None] = [None] * len(ranges)
+        blobs: list[bytes | None] = [None] * len(ranges)
         if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs, blobs
         try:
-            return self._connector(segment).write(ranges, crcs, caps=caps), crcs
+            return self._connector(segment).write(ranges, crcs, caps=caps, chunks=blobs), crcs, blobs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
             self._transport_failed(segment.name, exc)
-            return [int(exc.status)] * len(ranges), crcs
+            return [int(exc.status)] * len(ranges), crcs, blobs
 
     def _revoke(self, keys: list[str], put_id: int) -> None:
         try:

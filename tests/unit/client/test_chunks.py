@@ -8,7 +8,7 @@ import random
 import crc32c
 import pytest
 
-from kvtier.client.chunks import chunk_checksums, combine_chunk, put_checksums
+from kvtier.client.chunks import ChunkSums, chunk_checksums, combine_chunk, put_checksums
 from kvtier.proto.chunks import CHUNK_BYTES, blob_fits, chunk_count, covering, pack_crcs, unpack_crcs
 
 SIZES = [0, 1, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES, 5 * CHUNK_BYTES + 77]
@@ -35,17 +35,30 @@ def test_combine_is_crc32c_of_the_concatenation():
         assert combine_chunk(crc32c.crc32c(head), crc32c.crc32c(chunk)) == crc32c.crc32c(head + chunk)
 
 
+@pytest.mark.parametrize("piece", [CHUNK_BYTES, 4 * CHUNK_BYTES, 8 * CHUNK_BYTES], ids=["64k", "256k", "512k"])
+def test_chunk_sums_fed_in_the_connectors_pieces_match(piece):
+    """The shm (256 KiB) and tcp (512 KiB) connectors feed their copy pieces: same CRCs as one go."""
+    value = memoryview(random.Random(piece).randbytes(9 * CHUNK_BYTES + 5))
+    sums = ChunkSums()
+    for lo in range(0, len(value), piece):
+        sums.add(value[lo : lo + piece])
+    assert (sums.whole, sums.blob()) == chunk_checksums(value)
+
+
 def test_put_checksums_drop_the_blob_when_the_bytes_changed_under_the_put():
     value = bytearray(random.Random(1).randbytes(3 * CHUNK_BYTES))
     small = b"x" * 10
     stored_crc = crc32c.crc32c(value)  # what a connector computed while copying
     value[5] ^= 0xFF  # the caller changed its buffer before the chunk pass
-    checksums = [stored_crc, None, None]
-    views = [memoryview(value), memoryview(small), memoryview(bytes(2 * CHUNK_BYTES + 1))]
-    blobs = put_checksums(views, [0, 1, 2], checksums)
+    copied = memoryview(bytes(5 * CHUNK_BYTES))
+    copied_crc, copied_blob = chunk_checksums(copied)  # what a connector computed in its one pass
+    checksums = [stored_crc, None, None, copied_crc]
+    views = [memoryview(value), memoryview(small), memoryview(bytes(2 * CHUNK_BYTES + 1)), copied]
+    blobs = put_checksums(views, [0, 1, 2, 3], checksums, [None, None, None, copied_blob])
     assert blobs[0] == b"" and checksums[0] == stored_crc  # never chunk CRCs of other bytes
     assert blobs[1] == b"" and checksums[1] == crc32c.crc32c(small)
     assert blob_fits(blobs[2], 2 * CHUNK_BYTES + 1) and checksums[2] == crc32c.crc32c(views[2])
+    assert blobs[3] == copied_blob and checksums[3] == copied_crc
 
 
 def test_covering_merges_runs_and_skips_empty_ranges():
