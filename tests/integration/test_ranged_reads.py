@@ -95,26 +95,40 @@ def test_small_objects_are_read_whole_and_checked_whole(cluster, transport):
     assert client.get_ranges("empty", [(0, 0)]) == [b""]
 
 
-def test_objects_put_without_chunk_crcs_are_read_whole(cluster):
-    """An object whose put recorded no chunk CRCs (a client from before them): the whole object
-    is read and verified against its whole checksum, then sliced."""
-    client = cluster.client()
-    value = data(3 * CHUNK_BYTES + 9)
-    master = client._master  # the wire calls of an older client: a PutEnd without chunk CRCs
-    request = pb.PutStartRequest(namespace="default", keys=["old"], sizes=[len(value)], replicas=1)
-    start = master.call("PutStart", request)
+def raw_put(client: Client, key: str, value: bytes, chunks: list[bytes] | None = None) -> pb.KeyStatusResponse:
+    """A put on the wire as a client from before chunk CRCs makes it (none), or with `chunks` as given."""
+    master = client._master
+    start = master.call("PutStart", pb.PutStartRequest(namespace="default", keys=[key], sizes=[len(value)], replicas=1))
     assert start.statuses == [0]
-    connector = client._connector(next(s for s in start.segments))
+    connector = client._connector(start.segments[0])
     caps = (start.tag_expiry_ms, [start.replica_tags[:16]] if start.replica_tags else [])
     assert connector.write([(start.replica_offsets[0], memoryview(value))], caps=caps) == [0]
-    end = master.call(
-        "PutEnd",
-        pb.PutEndRequest(namespace="default", keys=["old"], checksums=[crc32c.crc32c(value)], put_id=start.put_id),
+    request = pb.PutEndRequest(
+        namespace="default", keys=[key], checksums=[crc32c.crc32c(value)], put_id=start.put_id, chunk_checksums=chunks
     )
-    assert end.statuses == [0]
-    before = client.stats().get("ranged_bytes_read", 0)
+    return master.call("PutEnd", request)
+
+
+@pytest.mark.parametrize("chunks", [None, [b"\0" * 8]], ids=["none", "wrong-count"])
+def test_objects_without_fitting_chunk_crcs_are_read_whole(cluster, chunks):
+    """An object whose put recorded no chunk CRCs (a client from before them), or a blob that does
+    not fit its object (not kept): the whole object is read, verified against its whole checksum,
+    then sliced."""
+    client = cluster.client()
+    value = data(3 * CHUNK_BYTES + 9)
+    assert raw_put(client, "old", value, chunks).statuses == [0]
     assert client.get_ranges("old", [(CHUNK_BYTES, 5)]) == [value[CHUNK_BYTES : CHUNK_BYTES + 5]]
-    assert client.stats()["ranged_bytes_read"] - before == len(value)
+    assert client.stats()["ranged_bytes_read"] == len(value)
+
+
+def test_put_end_refuses_chunk_crcs_that_are_not_whole_crcs(cluster):
+    client = cluster.client()
+    with pytest.raises(KvtierError) as caught:
+        raw_put(client, "k", data(3 * CHUNK_BYTES), [b"\0" * 7])
+    assert caught.value.status == Status.INVALID_ARGUMENT and "chunk_checksums" in caught.value.message
+    assert client.get("k") is None  # nothing became visible (pending until reclaimed)
+    client.put("other", b"v")  # and the master keeps serving
+    assert client.get("other") == b"v"
 
 
 def test_a_damaged_chunk_is_a_miss_and_reported_a_range_avoiding_it_is_served(metered):  # noqa: F811
