@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import crc32c
 
 from kvtier.client.tracing import traced
+from kvtier.client.transport.shm import local_host_id
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.chunks import CHUNK_BYTES, blob_fits, covering, unpack_crcs
 from kvtier.proto.errors import KvtierError, TransportError
@@ -127,20 +128,24 @@ class RangedReads:
                 return int(Status.INVALID_ARGUMENT), (
                     f"range offset={offset} length={length} ends past {key!r:.80}'s {size} bytes"
                 )
+        if not any(length for _, length in spans):
+            return 0, ""  # nothing to return, so nothing to read or verify
         blob = reply.chunk_checksums[0] if reply.chunk_checksums else b""
         chunked = blob_fits(blob, size)
         segments = {s.segment_id: s for s in reply.segments}
         failed = self._failures.recently_failed()
-        # Copies on segments that just failed this client or are quarantined last, DRAM before SSD.
-        positions = sorted(
-            range(reply.replica_counts[0]),
-            key=lambda j: (
-                segments[reply.replica_segments[j]].quarantined or segments[reply.replica_segments[j]].name in failed
-                if reply.replica_segments[j] in segments
-                else True,
-                reply.replica_tiers[j] != pb.DRAM,
-            ),
-        )
+        host = local_host_id()
+
+        def order(j: int) -> tuple[bool, bool, bool]:
+            # As batch_get: copies on segments that just failed this client or are quarantined last,
+            # DRAM before SSD, same-host copies first.
+            segment = segments.get(reply.replica_segments[j])
+            if segment is None:
+                return True, True, True
+            shunned = segment.quarantined or segment.name in failed
+            return shunned, reply.replica_tiers[j] != pb.DRAM, segment.host_id != host
+
+        positions = sorted(range(reply.replica_counts[0]), key=order)
         corrupt: list[tuple[int, int]] = []
         status, message = int(Status.NOT_FOUND), "no replica"
         try:
