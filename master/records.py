@@ -193,8 +193,13 @@ class ObjectRecord:
             self._m = (m[0] + _READS_ONE, *m[1:])
 
     def complete(self, checksum: int) -> None:
+        """Set the checksum and make the object COMPLETE. Chunk CRCs kept before describe earlier
+        bytes (a record completed again, e.g. an overwrite): they go; PutEnd keeps the new ones after."""
         low = self._low() & ~_CHECKSUM_MASK
         self._set_low(low | checksum & _CHECKSUM_MASK | _STATE_BIT)
+        m = self._m
+        if m.__class__ is not int and len(m) > 2:
+            self.keep_chunk_crcs(b"")
 
     # ---- replicas
 

@@ -104,6 +104,10 @@ def test_chunk_checksums_ride_along_only_when_they_fit():
     record.keep_chunk_crcs(blob[:4])  # a blob that does not fit replaces none, and drops the old one
     assert (record.chunk_crcs, record.replicas, record.reads) == (b"", (a,), 1)
 
+    record.keep_chunk_crcs(blob)
+    record.complete(78)  # completed again (an overwrite): the old chunk CRCs describe other bytes
+    assert (record.chunk_crcs, record.checksum, record.replicas, record.state) == (b"", 78, (a,), ObjectState.COMPLETE)
+
     small = ObjectRecord(object_name("ns", "s"), CHUNK_BYTES, (a,), 9, 12.5, None, 0.0)
     small.keep_chunk_crcs(blob[:4])  # one chunk: its whole checksum is the chunk's, no blob kept
     assert small.chunk_crcs == b""
