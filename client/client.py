@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import crc32c
 
+from kvtier.client.chunks import put_checksums
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
 from kvtier.client.failures import FailureReports, SegmentFailures
@@ -42,6 +43,7 @@ from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
+from kvtier.client.ranges import RangedReads
 from kvtier.client.replicas import ReplicaOps
 from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
@@ -126,8 +128,8 @@ def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching, GroupCalls
-):  # mixins: client.tensors, .keys, .replicas, .failures, .events, .groups
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching, GroupCalls, RangedReads
+):  # mixins: client.tensors, .keys, .replicas, .failures, .events, .groups, .ranges
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -397,6 +399,7 @@ class Client(
         With `group`, all or none (kvtier.client.groups): one failure revokes every key."""
         sizes = [len(v) for v in views]
         checksums: list[int | None] = [None] * len(keys)  # filled by connectors that checksum while copying
+        blobs: list[bytes | None] = [None] * len(keys)  # and chunk CRCs with them (kvtier.client.chunks)
         try:
             reply = self._master.call(
                 "PutStart",
@@ -443,21 +446,19 @@ class Client(
             )
             for segment_id, items in per_segment.items()
         ]
-        for items, (results, crcs) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
-            for (i, _, _), result, crc in zip(items, results, crcs, strict=True):
+        for items, (results, crcs, chunks) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
+            for (i, _, _), result, crc, blob in zip(items, results, crcs, chunks, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
                 if checksums[i] is None:
-                    checksums[i] = crc
+                    checksums[i], blobs[i] = crc, blob
         if group and (first := next((s for s in statuses if s != _OK), _OK)) != _OK:
             if started := [keys[i] for i, count in enumerate(counts) if count]:
                 self._revoke(started, reply.put_id)  # a member failed: none of them may become visible
             return [first] * len(keys), list(range(len(keys))) if first in _SEGMENT_FAILED else [], 0
         # A group's PutEnd names every member, those already complete too: they join the group.
         written = [i for i, count in enumerate(counts) if (count or group) and statuses[i] == _OK]
-        for i in written:
-            if checksums[i] is None:
-                checksums[i] = crc32c.crc32c(views[i])
+        chunks = put_checksums(views, written, checksums, blobs)  # what no connector computed
         failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
         if written:
             try:
@@ -470,6 +471,7 @@ class Client(
                         put_id=reply.put_id,
                         released_leases=self._done_leases.take(),
                         group=group,
+                        chunk_checksums=chunks if any(chunks) else (),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
@@ -504,17 +506,18 @@ class Client(
 
     def _write_segment(
         self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None
-    ) -> tuple[list[int], list]:
-        """Per-range statuses, and CRCs where the connector computed them while copying."""
+    ) -> tuple[list[int], list, list]:
+        """Per-range statuses, and CRCs (whole, and chunks) where the connector computed them while copying."""
         crcs: list[int | None] = [None] * len(ranges)
+        blobs: list[bytes | None] = [None] * len(ranges)
         if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs, blobs
         try:
-            return self._connector(segment).write(ranges, crcs, caps=caps), crcs
+            return self._connector(segment).write(ranges, crcs, caps=caps, chunks=blobs), crcs, blobs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
             self._transport_failed(segment.name, exc)
-            return [int(exc.status)] * len(ranges), crcs
+            return [int(exc.status)] * len(ranges), crcs, blobs
 
     def _revoke(self, keys: list[str], put_id: int) -> None:
         try:

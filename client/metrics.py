@@ -48,6 +48,18 @@ _SIMPLE = (
     ),
     ("bytes_written", "kvtier_client_written_bytes", "Object bytes written (every replica)."),
     ("bytes_read", "kvtier_client_transferred_bytes", "Object bytes transferred to the client, verified or not."),
+    ("ranged_gets", "kvtier_client_ranged_gets", "Ranged reads (get_ranges, get_into_ranges), one per key."),
+    ("ranged_misses", "kvtier_client_ranged_misses", "Ranged reads that were misses (or bad ranges)."),
+    (
+        "ranged_bytes_read",
+        "kvtier_client_ranged_transferred_bytes",
+        "Bytes ranged reads transferred: the chunks covering the ranges, or whole objects without chunk CRCs.",
+    ),
+    (
+        "ranged_bytes_returned",
+        "kvtier_client_ranged_returned_bytes",
+        "Bytes ranged reads handed to the caller, every one inside a verified chunk or object.",
+    ),
 )
 
 

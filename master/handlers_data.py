@@ -14,7 +14,7 @@ from kvtier.master.state import PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
 from kvtier.proto.frames import Op
-from kvtier.proto.keys import check_namespace
+from kvtier.proto.keys import check_namespace, name_prefix
 from kvtier.proto.status import Status
 
 # Segments a PutStart may ask to avoid, and failure entries a report may carry: the rest is ignored
@@ -115,6 +115,11 @@ class DataCalls:
         # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
         # barrier(), which the caller asks for right after this returns, on this thread.
         self.put_ack = ack = PutAcknowledgement()
+        chunks = request.chunk_checksums  # verified ranged reads (kvtier.proto.chunks): per key, or none
+        if chunks and (len(chunks) != len(request.keys) or any(len(b) % 4 for b in chunks)):
+            return pb.KeyStatusResponse(
+                status=Status.INVALID_ARGUMENT, error="chunk_checksums: one blob of 4 bytes per chunk for each key"
+            )
         if request.group:  # all members visible in this one step, or none (kvtier.master.groups)
             ack.group = True
             statuses = self.state.groups.put_end(
@@ -122,6 +127,9 @@ class DataCalls:
             )
         else:
             statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
+        if chunks:  # kept with the records committed now, before any reader can see them (this is sync)
+            for i, record, _ in ack.committed:
+                record.keep_chunk_crcs(chunks[i])
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 
     @rpc(pb.KeyStatusResponse)
@@ -159,6 +167,11 @@ class DataCalls:
             lease_ms=r.lease_ms,
             lease_id=r.lease_id,
         )
+        if request.with_chunk_checksums:  # ranged reads: the records just answered (nothing ran in between)
+            prefix = name_prefix(namespace)
+            for key, status in zip(request.keys, r.statuses, strict=True):
+                record = self.state.visible(prefix + key) if status == Status.OK else None
+                reply.chunk_checksums.append(record.chunk_crcs if record is not None else b"")
         # The lease is what keeps the bytes in place: the frames' deadline (and the tags) end with it.
         reply.tag_expiry_ms = self.minter.expiry_in(r.lease_ms / 1000)
         if self.minter.enabled:

@@ -12,6 +12,10 @@ had 400 at 1M). What an object costs (CPython 3.11; see docs/benchmarks.md):
   for a one-replica object; a replica packs segment id, tier and offset);
 - the batch-wide values (put id, start time, owner, pin end) are one tuple
   shared by every record of a PutStart batch.
+- an object larger than one chunk whose put recorded chunk checksums (ranged
+  reads, kvtier.proto.chunks) also holds them: the packed int becomes a
+  3-tuple with a bytes blob of 4 B per 64 KiB chunk (about 64 + 33 + 4 per
+  chunk bytes: ~160 B for a 1 MiB object, noise next to its data).
 
 Nothing per object lives anywhere else under the default eviction policy (lru): no
 per-namespace dicts, no separate LRU index, no per-allocation table in the allocators.
@@ -26,6 +30,7 @@ import math
 from collections.abc import Iterable
 
 from kvtier.master.quotas import Owner
+from kvtier.proto.chunks import blob_fits
 from kvtier.proto.keys import join_name, split_name
 from kvtier.proto.keys import name_prefix as name_prefix  # re-exported: the master's modules import it here
 
@@ -144,7 +149,7 @@ class ObjectRecord:
 
     def _set_low(self, low: int) -> None:
         m = self._m
-        self._m = m & ~_LOW_MASK | low if m.__class__ is int else (low, m[1])
+        self._m = m & ~_LOW_MASK | low if m.__class__ is int else (low, *m[1:])
 
     @property
     def meta(self) -> int:
@@ -185,11 +190,16 @@ class ObjectRecord:
             if m & _READS_FULL != _READS_FULL:
                 self._m = m + _READS_ONE
         elif m[0] & _READS_FULL != _READS_FULL:
-            self._m = (m[0] + _READS_ONE, m[1])
+            self._m = (m[0] + _READS_ONE, *m[1:])
 
     def complete(self, checksum: int) -> None:
+        """Set the checksum and make the object COMPLETE. Chunk CRCs kept before describe earlier
+        bytes (a record completed again, e.g. an overwrite): they go; PutEnd keeps the new ones after."""
         low = self._low() & ~_CHECKSUM_MASK
         self._set_low(low | checksum & _CHECKSUM_MASK | _STATE_BIT)
+        m = self._m
+        if m.__class__ is not int and len(m) > 2:
+            self.keep_chunk_crcs(b"")
 
     # ---- replicas
 
@@ -200,8 +210,28 @@ class ObjectRecord:
 
     @replicas.setter
     def replicas(self, value: tuple[int, ...]) -> None:
-        low = self._low()
-        self._m = low | value[0] << _REP_SHIFT if len(value) == 1 else (low, tuple(value))
+        low, chunks = self._low(), self.chunk_crcs
+        if chunks:
+            self._m = (low, tuple(value), chunks)
+        else:
+            self._m = low | value[0] << _REP_SHIFT if len(value) == 1 else (low, tuple(value))
+
+    # ---- chunk checksums (issue 21, kvtier.proto.chunks)
+
+    @property
+    def chunk_crcs(self) -> bytes:
+        """The CRC32C of each chunk, as its put recorded them (b"": none; the object is read whole)."""
+        m = self._m
+        return m[2] if m.__class__ is not int and len(m) > 2 else b""
+
+    def keep_chunk_crcs(self, blob: bytes) -> None:
+        """Keep `blob` when it fits this object (kvtier.proto.chunks.blob_fits), else keep none.
+        Only an object with a blob pays for it: a third member of `_m`'s tuple form."""
+        low, replicas = self._low(), self.replicas
+        if blob and blob_fits(blob, self.size):
+            self._m = (low, replicas, bytes(blob))
+        elif self.chunk_crcs:
+            self._m = low | replicas[0] << _REP_SHIFT if len(replicas) == 1 else (low, replicas)
 
     # ---- the batch-wide values
 

@@ -49,6 +49,14 @@ miss; the rest of the batch is served). Its payload_len is therefore
 4 * nranges + the sum of the sizes, known before any disk read; a request
 whose sizes add up to more than MAX_DISK_FRAME_BYTES is refused whole.
 
+A READ whose flags have FLAG_WINDOW set reads only a window of each range (verified ranged
+reads, issue 21): the table ends with one (skip, take) entry per range, after everything above
+(tags included), counted in `nranges`; the server answers the `take` bytes at offset + skip of
+each range instead of the whole range. The range, not its window, is what the capability and
+the region bounds check, so a window needs no tag of its own and a client holding the grant of
+an object reads part of it; a window outside its range (skip + take > length) fails the request
+with INVALID_RANGE. Windows are READ-only: any other op with FLAG_WINDOW is a PROTOCOL_ERROR.
+
 A range that lies outside the region fails the whole request with
 INVALID_RANGE; the server still consumes the WRITE payload, so the connection
 stays in sync and keeps serving. A bad magic or version, or a header that
@@ -82,6 +90,7 @@ DISK_STATUS = struct.Struct("<i")
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
 FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
 FLAG_DEADLINE = 4  # (deadline_ms, 0) after the trace entry: when the grant of the ranges ends (no secret)
+FLAG_WINDOW = 8  # READ: the table ends with one (skip, take) per range: only those bytes are sent
 
 
 class Op(enum.IntEnum):
@@ -99,11 +108,13 @@ def pack_request(
     trace: int = 0,
     caps: tuple[int, bytes] | None = None,
     deadline: int = 0,
+    windows: Sequence[tuple[int, int]] = (),
 ) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
     client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
     the ranges' tags concatenated), it carries their capabilities; caps without tags (a cluster
-    without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE)."""
+    without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE); `windows`,
+    one (skip, take) per range, make a READ send only those bytes of each (FLAG_WINDOW)."""
     flat = [v for pair in ranges for v in pair]
     flags = 0
     if caps is not None and not caps[1]:
@@ -118,10 +129,14 @@ def pack_request(
         flat[:0] = (trace, 0)
         flags |= FLAG_TRACED
     tags = caps[1] if caps is not None else b""
+    tail = [v for pair in windows for v in pair]
+    if windows:
+        flags |= FLAG_WINDOW
     return (
-        REQUEST.pack(MAGIC, VERSION, op, request_id, len(flat) // 2 + len(tags) // 16, flags, payload_len)
+        REQUEST.pack(MAGIC, VERSION, op, request_id, (len(flat) + len(tail)) // 2 + len(tags) // 16, flags, payload_len)
         + struct.pack(f"<{len(flat)}Q", *flat)
         + tags
+        + struct.pack(f"<{len(tail)}Q", *tail)
     )
 
 

@@ -266,7 +266,7 @@ class PutStartResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., put_id: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "checksums", "put_id", "released_leases", "request_id", "group")
+    __slots__ = ("namespace", "keys", "checksums", "put_id", "released_leases", "request_id", "group", "chunk_checksums")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class PutEndRequest(_message.Message):
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
@@ -281,7 +282,8 @@ class PutEndRequest(_message.Message):
     released_leases: _containers.RepeatedScalarFieldContainer[int]
     request_id: int
     group: bool
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., group: _Optional[bool] = ...) -> None: ...
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., group: _Optional[bool] = ..., chunk_checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutRevokeRequest(_message.Message):
     __slots__ = ("namespace", "keys", "put_id", "request_id")
@@ -296,7 +298,7 @@ class PutRevokeRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., put_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id", "force", "group")
+    __slots__ = ("namespace", "keys", "releasable", "released_leases", "request_id", "force", "group", "with_chunk_checksums")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     RELEASABLE_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +306,7 @@ class KeysRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    WITH_CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     releasable: bool
@@ -311,7 +314,8 @@ class KeysRequest(_message.Message):
     request_id: int
     force: bool
     group: bool
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ..., group: _Optional[bool] = ...) -> None: ...
+    with_chunk_checksums: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ..., group: _Optional[bool] = ..., with_chunk_checksums: _Optional[bool] = ...) -> None: ...
 
 class KeyStatusResponse(_message.Message):
     __slots__ = ("status", "error", "statuses")
@@ -324,7 +328,7 @@ class KeyStatusResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms", "replica_tags", "tag_expiry_ms", "lease_id")
+    __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms", "replica_tags", "tag_expiry_ms", "lease_id", "chunk_checksums")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +343,7 @@ class GetReplicasResponse(_message.Message):
     REPLICA_TAGS_FIELD_NUMBER: _ClassVar[int]
     TAG_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
@@ -353,7 +358,8 @@ class GetReplicasResponse(_message.Message):
     replica_tags: bytes
     tag_expiry_ms: int
     lease_id: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., replica_counts: _Optional[_Iterable[int]] = ..., replica_segments: _Optional[_Iterable[int]] = ..., replica_offsets: _Optional[_Iterable[int]] = ..., replica_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., replica_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ..., lease_id: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExistsRequest(_message.Message):
     __slots__ = ("namespace", "keys", "prefetch", "released_leases", "request_id")

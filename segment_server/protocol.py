@@ -162,6 +162,7 @@ class DataProtocol(FramedConnection):
         self._caps = caps  # with a cluster secret: every READ, WRITE and READ_DISK needs capabilities
         self._cap_tags: bytes | None = None  # of the current request
         self._cap_expiry = 0
+        self._windows: tuple[int, ...] = ()  # FLAG_WINDOW: (skip, take) per range of the current READ
         self._deadline_ms = 0  # of the current request: its grant's deadline (0: it carries none)
         self._cut_at = 0.0  # the current WRITE's grant end, monotonic
         self._write_done = 0  # payload bytes of the current WRITE's completed ranges
@@ -293,6 +294,13 @@ class DataProtocol(FramedConnection):
                 self._deadline_ms, ranges = ranges[0], ranges[2:]
                 self._nranges -= 1
                 leading += 1
+            if self._flags & frames.FLAG_WINDOW:  # one (skip, take) per range ends the table
+                caps = 1 if self._flags & frames.FLAG_CAPS else 0
+                count, odd = divmod(self._nranges - caps, 3 if caps else 2)
+                if odd or count == 0:
+                    return self._fatal(f"{self._nranges} table entries do not hold a window per range")
+                self._windows, ranges = ranges[-2 * count :], ranges[: -2 * count]
+                self._nranges -= count
             if self._flags & frames.FLAG_CAPS:  # (expiry, 0), n ranges, n tags: 1 + 2n entries
                 if self._nranges % 2 == 0:
                     return self._fatal(f"capability block of {self._nranges} entries (expected 1 + 2 per range)")
@@ -323,6 +331,7 @@ class DataProtocol(FramedConnection):
         self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
         self._cap_tags = None
         self._deadline_ms = 0
+        self._windows = ()
         self._started = time.perf_counter()
         if magic != frames.MAGIC or version != frames.VERSION:
             return self._fatal(f"bad frame magic/version {magic:#x}/{version}")
@@ -336,6 +345,8 @@ class DataProtocol(FramedConnection):
             return self._fatal("a traced frame without its trace entry")
         if flags & frames.FLAG_CAPS and nranges == 0:
             return self._fatal("a frame with capabilities but no capability block")
+        if flags & frames.FLAG_WINDOW and op != Op.READ:
+            return self._fatal(f"op {op} with read windows (FLAG_WINDOW is for READ only)")
         special = sum(1 for flag in (frames.FLAG_TRACED, frames.FLAG_DEADLINE, frames.FLAG_CAPS) if flags & flag)
         if nranges < special:
             return self._fatal(f"{nranges} table entries for {special} flagged entries")
@@ -416,6 +427,12 @@ class DataProtocol(FramedConnection):
                     Status.INVALID_RANGE, f"range offset={bad[0]} length={bad[1]} outside region of {capacity}"
                 )
                 return self._start_header()
+            if self._windows:  # only a window of each range (verified ranged reads)
+                ranges, total = self._windowed(ranges)
+                if total < 0:
+                    self._stats.range_errors += 1
+                    self._send_error(Status.INVALID_RANGE, "a read window lies outside its range")
+                    return self._start_header()
             region = self._region
             parts = [frames.pack_response(op, self._request_id, 0, total)]
             for i in range(0, len(ranges), 2):
@@ -431,6 +448,18 @@ class DataProtocol(FramedConnection):
         else:  # PING
             self._send(frames.pack_response(op, self._request_id, 0))
             self._start_header()
+
+    def _windowed(self, ranges: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """The flat (offset, length) table of this READ's windows and their total; total -1 when a
+        window lies outside its range (the ranges themselves were checked against the region)."""
+        windows, out, total = self._windows, [], 0
+        for i in range(0, len(ranges), 2):
+            skip, take = windows[i], windows[i + 1]
+            if skip + take > ranges[i + 1]:
+                return (), -1
+            out += (ranges[i] + skip, take)
+            total += take
+        return tuple(out), total
 
     def _next_write_range(self) -> None:
         """Enter the next run of the current WRITE, or finish it.

@@ -13,8 +13,8 @@ is listed in docs/integrations.md ("Mooncake Store API"); in short:
   and `close` keeps the objects this client stored.
 - A put on a key that already holds an object succeeds without rewriting it
   (as Mooncake's put does); `upsert*` replace it atomically (kvtier's
-  `Client.upsert`). `get_into_ranges` (no verified ranged reads yet) answers
-  UNAVAILABLE_IN_CURRENT_MODE: an unsupported call never fakes its effect.
+  `Client.upsert`). `get_into_ranges` is a verified ranged read per key
+  (only the chunks covering its fragments move, each checked).
 - Put-time leases are opt-in: `setup(..., default_kv_lease_ttl=ms)` gives every
   put and upsert of this store a lease of that long; while it runs `remove`
   answers OBJECT_HAS_LEASE unless `force=True`.
@@ -319,6 +319,14 @@ def _none(code: int, args: tuple) -> None:
     return None
 
 
+def _fragments(args: tuple, code: int) -> list:
+    """`code` for every fragment of a get_into_ranges request, in its shape (sizes: its 5th argument)."""
+    try:
+        return [[[int(code)] * len(fragments) for fragments in per_key] for per_key in args[4][: len(args[0])]]
+    except (IndexError, TypeError):
+        return []
+
+
 def _per_key(answer: Callable[[int], Any]) -> Callable[[int, tuple], list]:
     """A batch call's failure: `answer(code)` for each of its keys (its first argument)."""
 
@@ -586,7 +594,7 @@ class MooncakeDistributedStore:
                 codes[i] = to_error_code(int(result))
         return codes
 
-    @_answers(_code)
+    @_answers(lambda code, args: _fragments(args, code))
     def get_into_ranges(
         self,
         buffer_ptrs: Sequence[int],
@@ -595,12 +603,39 @@ class MooncakeDistributedStore:
         all_src_offsets: Sequence[Sequence[Sequence[int]]],
         all_sizes: Sequence[Sequence[Sequence[int]]],
     ) -> list:
-        """Not supported yet (kvtier has no verified ranged reads): every fragment's result is
-        UNAVAILABLE_IN_CURRENT_MODE, in the shape of the request; no buffer is written."""
+        """Fragments of objects into registered memory: for buffer i, key j and fragment k, the
+        `all_sizes[i][j][k]` bytes at `all_src_offsets[i][j][k]` of the object go to
+        `buffer_ptrs[i] + all_dst_offsets[i][j][k]`. Per fragment, in the request's shape: its size,
+        or a negative code. Each key is one verified ranged read (`Client.get_into_ranges`: only the
+        chunks covering its fragments move, each checked against its CRC), so a key's fragments
+        succeed or fail together; a fragment outside the registered memory, or lists of unequal
+        lengths, are INVALID_PARAMS (that key is not read); a fragment past the object's end makes
+        the key's fragments INVALID_PARAMS."""
+        invalid = int(ErrorCode.INVALID_PARAMS)
+        lists = (buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes)
+        if len({len(x) for x in lists}) != 1:
+            return _fragments(lists, invalid)
         return [
-            [[int(NOT_SUPPORTED)] * len(fragments) for fragments in per_key]
-            for per_key in (all_sizes[i] if i < len(all_sizes) else [] for i in range(len(buffer_ptrs)))
+            [
+                self._fragments_into(ptr, key, dsts[j], srcs[j], sizes[j])
+                if j < min(len(dsts), len(srcs), len(sizes))
+                else []
+                for j, key in enumerate(keys)
+            ]
+            for ptr, keys, dsts, srcs, sizes in zip(*lists, strict=True)
         ]
+
+    def _fragments_into(
+        self, ptr: int, key: str, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """One key of get_into_ranges: a size or a negative code per fragment."""
+        if not len(dsts) == len(srcs) == len(sizes) or not all(_is_int(v) and v >= 0 for v in (*dsts, *srcs)):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(sizes)
+        views = [self._view(ptr + dst, size) for dst, size in zip(dsts, sizes, strict=True)]
+        if any(v is None for v in views):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(sizes)
+        result = int(self._client.get_into_ranges(key, list(zip(srcs, sizes, strict=True)), views))
+        return [to_error_code(result)] * len(sizes) if result < 0 else list(sizes)
 
     # ------------------------------------------------------------------ presence and size
 

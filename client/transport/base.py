@@ -32,12 +32,19 @@ class Connector(Protocol):
     reads_disk: ClassVar[bool]  # a DiskConnector: it can read the segment's SSD tier (read_disk)
 
     def write(
-        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+        self,
+        ranges: Sequence[tuple[int, Buffer]],
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
+        chunks: list[bytes | None] | None = None,
     ) -> list[int]:
         """Copy each buffer into the region at its offset. OK only once the bytes are in place.
 
         A connector that can checksum while it copies (shm) fills `checksums[i]`
-        with the CRC32C of range i's stored bytes; others leave it None.
+        with the CRC32C of range i's stored bytes; others leave it None. With
+        `checksums` and `chunks`, one that does also fills `chunks[i]` with the
+        chunk-CRC blob (kvtier.proto.chunks) of a range larger than one chunk,
+        in the same pass, consistent with `checksums[i]`.
         """
 
     def read_into(
@@ -50,6 +57,13 @@ class Connector(Protocol):
 
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         """The bytes of each (offset, length) range, or a negative status."""
+
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window with the len(buffer) bytes at skip within the granted
+        range `grant` = (offset, length) (one object's replica; `caps` its grant): a part of an
+        object read under the object's own capability (FLAG_WINDOW in kvtier.proto.frames)."""
 
     def close(self) -> None: ...
 

@@ -49,9 +49,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import crc32c
 
+from kvtier.client.chunks import ChunkSums
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
+from kvtier.proto.chunks import CHUNK_BYTES
 from kvtier.proto.errors import ConnectError
 from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC
 from kvtier.proto.region import host_id as local_host_id
@@ -86,11 +88,22 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
 
 
-def _copy(dst: memoryview, dst_addr: int | None, src: memoryview, src_addr: int | None, check: memoryview) -> int:
-    """Copy `src` into `dst` (same length); return the CRC32C of `check` (one of the two) after the copy."""
+def _copy(
+    dst: memoryview,
+    dst_addr: int | None,
+    src: memoryview,
+    src_addr: int | None,
+    check: memoryview,
+    sums: ChunkSums | None = None,
+) -> int:
+    """Copy `src` into `dst` (same length); return the CRC32C of `check` (one of the two) after the copy.
+    With `sums`, its chunk CRCs are fed in the same pass (_CHUNK is a multiple of their chunk size)."""
     size = len(src)
     if size < _MEMMOVE_MIN:
         dst[:] = src
+        if sums is not None:
+            sums.add(check)
+            return sums.whole
         return crc32c.crc32c(check)
     if dst_addr is None:
         dst_addr = _address(dst)
@@ -103,8 +116,11 @@ def _copy(dst: memoryview, dst_addr: int | None, src: memoryview, src_addr: int 
             ctypes.memmove(dst_addr + start, src_addr + start, end - start)
         else:
             dst[start:end] = src[start:end]
-        crc = crc32c.crc32c(check[start:end], crc)
-    return crc
+        if sums is not None:
+            sums.add(check[start:end])
+        else:
+            crc = crc32c.crc32c(check[start:end], crc)
+    return sums.whole if sums is not None else crc
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -240,11 +256,15 @@ class ShmConnector:
     # the grant's expiry still bounds this connector's copies: no range is started after it ends
     # (a process paused in the middle of one copy is the trust model's business, docs/security.md).
     def write(
-        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+        self,
+        ranges: Sequence[tuple[int, Buffer]],
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
+        chunks: list[bytes | None] | None = None,
     ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
-            return self._transfer(ranges, checksums, into_region=True, caps=caps)
+            return self._transfer(ranges, checksums, into_region=True, caps=caps, chunks=chunks)
 
     def read_into(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
@@ -252,6 +272,16 @@ class ShmConnector:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         with self._in_use():
             return self._transfer(ranges, checksums, into_region=False, caps=caps)
+
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window from the granted range `grant` = (offset, length), as the
+        tcp connector's read_windows: only the windows' bytes are copied out of the mapping."""
+        offset, length = grant
+        if any(skip + len(view) > length for skip, view in windows):
+            return [_BAD_RANGE] * len(windows)
+        return self.read_into([(offset + skip, view) for skip, view in windows], caps=caps)
 
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         with self._in_use():
@@ -264,6 +294,7 @@ class ShmConnector:
         checksums: list[int | None] | None,
         into_region: bool,
         caps: Caps = None,
+        chunks: list[bytes | None] | None = None,
     ) -> list[int]:
         """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes. A range
         whose grant (caps' expiry + CLOCK_SKEW_MS) has ended is not copied: LEASE_EXPIRED."""
@@ -279,7 +310,11 @@ class ShmConnector:
                 out.append(_EXPIRED)
                 continue
             stored = region[offset:end]
-            if into_region:
+            if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
+                sums = ChunkSums()
+                crc = _copy(stored, self._base + offset, buf, None, stored, sums)
+                chunks[index] = sums.blob()
+            elif into_region:
                 crc = _copy(stored, self._base + offset, buf, None, stored)
             else:
                 crc = _copy(buf, None, stored, self._base + offset, buf)

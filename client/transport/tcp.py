@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 
+from kvtier.client.chunks import ChunkSums
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import Refused, failure_kind
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, recv_exact_into_all, send_all
@@ -25,6 +26,7 @@ from kvtier.client.transport.base import Buffer, Caps, DiskItem
 from kvtier.common.logs import request_id as current_request_id
 from kvtier.common.units import parse_hostport
 from kvtier.proto import frames
+from kvtier.proto.chunks import CHUNK_BYTES
 from kvtier.proto.errors import ConnectError, ProtocolError, ReadError
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, to_status
@@ -91,6 +93,7 @@ class TcpConnector:
         into: bool,
         checksums: list[int | None] | None = None,
         caps: Caps = None,
+        chunks: list[bytes | None] | None = None,
     ) -> list:
         """Send every frame, then read every response; per-range results.
 
@@ -118,15 +121,22 @@ class TcpConnector:
                         for i in range(start, end):
                             view = ranges[i][1]
                             crc = 0
+                            # with `chunks`: the chunk CRCs of a large value in the same pass
+                            sums = ChunkSums() if chunks is not None and sizes[i] > CHUNK_BYTES else None
                             for lo in range(0, sizes[i], _CHUNK):
                                 chunk = view[lo : lo + _CHUNK]  # type: ignore[index]
-                                crc = crc32c.crc32c(chunk, crc)
+                                if sums is not None:
+                                    sums.add(chunk)  # type: ignore[arg-type]
+                                else:
+                                    crc = crc32c.crc32c(chunk, crc)
                                 buffers.append(chunk)
                                 waiting += len(chunk)
                                 if waiting >= _CHUNK:
                                     send_all(sock, buffers)
                                     buffers, waiting = [], 0
-                            checksums[i] = crc
+                            checksums[i] = sums.whole if sums is not None else crc
+                            if sums is not None:
+                                chunks[i] = sums.blob()  # type: ignore[index]
                     elif op == Op.WRITE:
                         buffers.extend(ranges[i][1] for i in range(start, end) if sizes[i])
                     send_all(sock, buffers)
@@ -204,9 +214,13 @@ class TcpConnector:
     # ------------------------------------------------------------- Connector API
 
     def write(
-        self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
+        self,
+        ranges: Sequence[tuple[int, Buffer]],
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
+        chunks: list[bytes | None] | None = None,
     ) -> list[int]:
-        return self._run(Op.WRITE, ranges, into=False, checksums=checksums, caps=caps)
+        return self._run(Op.WRITE, ranges, into=False, checksums=checksums, caps=caps, chunks=chunks)
 
     def read_into(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
@@ -215,6 +229,47 @@ class TcpConnector:
 
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
         return self._run(Op.READ, ranges, into=False, caps=caps)
+
+    def read_windows(
+        self, grant: tuple[int, int], windows: Sequence[tuple[int, Buffer]], caps: Caps = None
+    ) -> list[int]:
+        """Fill each (skip, buffer) window from the granted range `grant` = (offset, length): the
+        len(buffer) bytes at offset + skip. One READ frame with FLAG_WINDOW (kvtier.proto.frames):
+        every window names the whole grant, so the grant's one tag covers them all. Per window
+        OK or a negative status (all fail together)."""
+        count = len(windows)
+        results = [_FAILED] * count
+        if count > (_MAX_RANGES - 1) // 3:
+            return [int(Status.INVALID_ARGUMENT)] * count
+        frame_caps = None
+        if caps is not None:  # the grant's tag once per window (the frame carries one per range)
+            frame_caps = (caps[0], bytes(caps[1][0]) * count if caps[1] else b"")
+        try:
+            with self._pool.socket() as sock:
+                request_id = next(self._request_ids)
+                spans = [(skip, len(view)) for skip, view in windows]
+                trace = current_request_id.get()
+                table = [grant] * count
+                send_all(sock, [frames.pack_request(Op.READ, request_id, table, 0, trace, frame_caps, windows=spans)])
+                header = bytearray(frames.RESPONSE.size)
+                status, payload_len = self._read_response(sock, request_id, header)
+                if status != _OK:
+                    message = self._error_message(sock, payload_len)
+                    logger.warning("segment %s refused READ: %s: %s", self.endpoint, to_status(status).name, message)
+                    return [status] * count
+                expected = sum(take for _, take in spans)
+                if payload_len != expected:
+                    raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
+                for i, (_, view) in enumerate(windows):
+                    recv_exact_into(sock, view)
+                    results[i] = _OK
+        except (ConnectError, ReadError, ProtocolError) as exc:
+            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc.message)
+            self._failed(exc)
+        except OSError as exc:
+            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc)
+            self._failed(exc)
+        return results
 
     # ------------------------------------------------------------- the SSD tier
 

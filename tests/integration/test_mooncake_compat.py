@@ -347,16 +347,32 @@ def test_put_time_lease_makes_remove_answer_object_has_lease_until_force(cluster
     )
 
 
-def test_unsupported_calls_answer_a_code_and_change_nothing(store):
-    """No ranged reads in the core yet: `get_into_ranges` answers
-    UNAVAILABLE_IN_CURRENT_MODE and leaves the store and the caller's buffers as they were."""
+def test_get_into_ranges_reads_verified_fragments_into_registered_memory(store):
+    """Mooncake's shape: per buffer, per key, per fragment (dst offset, src offset, size); each
+    fragment answers its size, or a negative code. Issue 21: each key is a verified ranged read."""
+    big = bytes(range(256)) * 1024  # 256 KiB: four chunks with their own CRCs
     assert store.put("weights", b"old-bytes") == 0
+    assert store.put("big", big) == 0
+    buf, ptr = c_buffer(64, fill=0xA5)
+    assert store.register_buffer(ptr, 64) == 0
+    results = store.get_into_ranges(
+        [ptr],
+        [["weights", "big", "absent"]],
+        [[[0, 8], [16, 40], [60]]],
+        [[[0, 4], [70000, 200000], [0]]],
+        [[[4, 3], [10, 4], [1]]],
+    )
+    assert results == [[[4, 3], [10, 4], [ErrorCode.OBJECT_NOT_FOUND]]]
+    assert bytes(buf[0:4]) == b"old-" and bytes(buf[8:11]) == b"byt"
+    assert bytes(buf[16:26]) == big[70000:70010] and bytes(buf[40:44]) == big[200000:200004]
+    assert bytes(buf[4:8]) == b"\xa5" * 4  # nothing outside the fragments is written
 
-    buf, ptr = c_buffer(32, fill=0xA5)
-    assert store.register_buffer(ptr, 32) == 0
-    results = store.get_into_ranges([ptr], [["weights"]], [[[0, 8]]], [[[0, 4]]], [[[4, 3]]])
-    assert results == [[[NOT_SUPPORTED, NOT_SUPPORTED]]]
-    assert bytes(buf) == b"\xa5" * 32
+    # a fragment outside registered memory, past the object's end, or ragged lists: INVALID_PARAMS
+    bad = store.get_into_ranges([ptr, ptr], [["big"], ["weights"]], [[[60]], [[0]]], [[[0]], [[5]]], [[[8]], [[5]]])
+    assert bad == [[[ErrorCode.INVALID_PARAMS]], [[ErrorCode.INVALID_PARAMS]]]
+    ragged = store.get_into_ranges([ptr], [["big"]], [[[0, 4]]], [[[0]]], [[[1, 1]]])
+    assert ragged == [[[ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_PARAMS]]]
+    assert store.get_into_ranges([ptr], [["big"]], [], [], []) == []
 
 
 def test_batch_replica_clear_answers_the_cleared_keys_as_mooncake_does(cluster, store):

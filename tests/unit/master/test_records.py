@@ -18,6 +18,7 @@ from kvtier.master.records import (
     object_name,
     replica,
 )
+from kvtier.proto.chunks import CHUNK_BYTES
 
 
 def test_fields_read_back_through_every_change():
@@ -76,3 +77,37 @@ def test_a_one_replica_record_costs_at_most_112_bytes_beside_its_name():
     finally:
         tracemalloc.stop()
     assert per_object <= 112, per_object
+
+
+def test_chunk_checksums_ride_along_only_when_they_fit():
+    """Issue 21: a blob of 4 B per 64 KiB chunk is kept with an object of more than one chunk,
+    survives every change of the record's other fields, and costs nothing to objects without one."""
+    a, b = replica(3, 4096), replica(7, 1 << 20, TIER_SSD)
+    size = 3 * CHUNK_BYTES + 1  # 4 chunks
+    blob = bytes(range(16))
+    record = ObjectRecord(object_name("ns", "k"), size, (a,), 9, 12.5, None, 0.0)
+    record.complete(77)
+    assert record.chunk_crcs == b""
+    for wrong in (blob[:12], blob + b"\0\0\0\0", b""):
+        record.keep_chunk_crcs(wrong)
+        assert record.chunk_crcs == b""
+    record.keep_chunk_crcs(blob)
+    assert (record.chunk_crcs, record.replicas, record.checksum, record.size) == (blob, (a,), 77, size)
+    for replicas in [(a, b), (b,), (), (a,)]:
+        record.replicas = replicas
+        assert (record.replicas, record.chunk_crcs, record.checksum) == (replicas, blob, 77)
+    for _ in range(3):
+        record.count_read()
+    record.state = ObjectState.PENDING
+    record.reads = 1
+    assert (record.reads, record.chunk_crcs, record.replicas) == (1, blob, (a,))
+    record.keep_chunk_crcs(blob[:4])  # a blob that does not fit replaces none, and drops the old one
+    assert (record.chunk_crcs, record.replicas, record.reads) == (b"", (a,), 1)
+
+    record.keep_chunk_crcs(blob)
+    record.complete(78)  # completed again (an overwrite): the old chunk CRCs describe other bytes
+    assert (record.chunk_crcs, record.checksum, record.replicas, record.state) == (b"", 78, (a,), ObjectState.COMPLETE)
+
+    small = ObjectRecord(object_name("ns", "s"), CHUNK_BYTES, (a,), 9, 12.5, None, 0.0)
+    small.keep_chunk_crcs(blob[:4])  # one chunk: its whole checksum is the chunk's, no blob kept
+    assert small.chunk_crcs == b""
