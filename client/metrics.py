@@ -40,6 +40,16 @@ _SIMPLE = (
     ("put_failures", "kvtier_client_put_failures", "Keys whose put failed."),
     ("put_retries", "kvtier_client_put_retries", "Keys placed once more after a write failed on its segment."),
     (
+        "read_retries",
+        "kvtier_client_read_retries",
+        "Keys read again after a transfer failed on its connection: on another replica, or after a fresh lookup.",
+    ),
+    (
+        "read_retry_lookups",
+        "kvtier_client_read_retry_lookups",
+        "Fresh GetReplicas calls made to retry keys whose transfers failed (at most one per get call).",
+    ),
+    (
         "failure_reports",
         "kvtier_client_segment_failure_reports",
         "Reports of data-plane failures per segment sent to the master (quarantine).",
