@@ -20,6 +20,7 @@ from kvtier.proto.status import Status
 from tests.cluster import Cluster
 from tests.faultproxy import FaultProxy
 from tests.integration.test_metrics import scrape, value
+from tests.integration.test_ssd_tier import MiB, put_and_offload, start_ssd_segment, value_for
 
 TIMEOUT_S = 2.0  # the clients' timeout
 PROXY_HOST = "127.0.0.5"
@@ -157,3 +158,30 @@ def test_a_silent_replica_leaves_the_other_time_to_serve_within_the_timeout(prox
         assert took < TIMEOUT_S * 0.9, took
         stats = client.stats()
         assert stats["read_retries"] == 1 and stats["hits"] == 1, stats
+
+
+def test_a_disk_read_cut_mid_frame_is_read_after_a_fresh_lookup(bare_cluster, tmp_path):
+    cluster: Cluster = bare_cluster
+    cluster.start_master("--promote-after-reads", "0")  # reads stay on disk
+    port = free_port()
+    with FaultProxy((PROXY_HOST, port), ("127.0.0.1", port)) as proxy:
+        ssd_dir = tmp_path / "ssd"
+        ssd_dir.mkdir()
+        start_ssd_segment(cluster, ssd_dir, "--listen", f"127.0.0.1:{port}", "--advertise", PROXY_HOST)
+        keys = [f"d/{i:02d}" for i in range(24)]  # 24 MiB through a 16 MiB region: the first ones leave DRAM
+        with cluster.client(transport="tcp", timeout=TIMEOUT_S) as client:
+            put_and_offload(cluster, client, keys)
+            on_disk = [
+                k
+                for k, (_, source) in zip(keys, client.batch_get(keys, with_source=True), strict=True)
+                if source == "ssd/tcp"
+            ]
+            assert on_disk, "no object is disk-only"
+            key = on_disk[0]
+            proxy.set(cut_after_bytes=CUT, cuts=1)
+            buf = bytearray(MiB)
+            assert client.get_into(key, buf, with_source=True) == (MiB, "ssd/tcp")
+            assert buf == value_for(key, MiB)
+            assert proxy.cut == 1
+            stats = client.stats()
+            assert (stats["read_retries"], stats["read_retry_lookups"]) == (1, 1), stats
