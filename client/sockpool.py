@@ -11,8 +11,10 @@ request is never sent into a connection known to be dead: callers can tell
 
 A client call with a deadline (`call_deadline`, set by the read path for the call's duration) also
 bounds every wait of its exchanges by it: the wait for a free socket, the connect, and the socket's
-timeouts while the exchange runs (restored when the socket goes back to the pool). So a read that
-retries (kvtier.client.reads) never waits past its caller's timeout, to within `_SLACK` of it.
+timeouts while the exchange runs. So a read that retries (kvtier.client.reads) never waits past its
+caller's timeout, to within `_SLACK` of the pool's timeout. A socket keeps the timeouts last set on
+it: they are set again only when an exchange needs them over `_SLACK` apart, so the reads of a
+replicated key (which give their first attempt half the call) cost no syscalls after the first.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -30,8 +33,8 @@ from kvtier.proto.errors import ConnectError, ReadError
 _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg
 # The time.monotonic() by which the client call this context works for must be over, or None.
 call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvtier_call_deadline", default=None)
-# A deadline shortens a socket's timeouts only when it leaves less than this fraction of them off: the
-# common first attempt of a call (a few ms after it started) costs no syscalls. A timeval of 0 is "never".
+# Timeouts are set again only when they would change by more than this fraction of the pool's: the
+# first attempt of a call (a few ms after it started) costs no syscalls. A timeval of 0 is "never".
 _SLACK = 0.02
 _MIN_TIMEOUT = 0.001
 
@@ -51,6 +54,7 @@ class SocketPool:
         self.limit = limit
         self.what = what  # for error messages, e.g. "segment tcp://127.0.0.1:4000"
         self._idle: list[socket.socket] = []
+        self._applied: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()  # else .timeout
         self._open = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -78,7 +82,6 @@ class SocketPool:
         call_ends = call_deadline.get()
         if call_ends is not None:
             timeout = max(min(timeout, call_ends - time.monotonic()), _MIN_TIMEOUT)
-        shortened = timeout < self.timeout * (1 - _SLACK)
         deadline = time.monotonic() + timeout
         with self._cond:
             if self._closed:
@@ -110,11 +113,10 @@ class SocketPool:
                 raise
         healthy = False
         try:
-            if shortened:
+            if abs(timeout - self._applied.get(sock, self.timeout)) > self.timeout * _SLACK:
                 _set_timeouts(sock, timeout)
+                self._applied[sock] = timeout
             yield sock
-            if shortened:
-                _set_timeouts(sock, self.timeout)  # the pool's sockets all wait self.timeout
             healthy = True
         finally:
             with self._cond:

@@ -151,7 +151,12 @@ def test_a_call_deadline_bounds_an_exchange_and_the_pool_restores_its_timeouts(s
         with pool.socket() as again:
             assert again is sock and receive_timeout(sock) <= 0.2
             assert echo(sock, b"within the deadline") == b"within the deadline"
-        assert receive_timeout(sock) == pytest.approx(TIMEOUT_S, abs=0.01), "restored for the next exchange"
+    finally:
+        call_deadline.reset(token)
+    with pool.socket() as again:  # an exchange without a deadline waits the pool's timeout again
+        assert again is sock and receive_timeout(sock) == pytest.approx(TIMEOUT_S, abs=0.01)
+    token = call_deadline.set(time.monotonic() + 0.2)
+    try:
         started = time.monotonic()
         with pytest.raises(OSError):  # a silent peer costs what is left of the call, not the pool's timeout
             with pool.socket() as sock:
