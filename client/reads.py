@@ -16,8 +16,11 @@ the master, kvtier.client.failures, before the fresh lookup, so that lookup no l
 Bounded by the caller's timeout: every wait of the call's exchanges (free socket, connect, the
 socket timeouts) ends at its deadline (kvtier.client.sockpool.call_deadline). An attempt whose keys
 have another replica to try may wait at most half the time left (a segment that stopped answering
-leaves the other replica time to serve), the fresh lookup gets what is left, and no attempt or
-lookup starts with less than `RETRY_MIN_LEFT` of the timeout left. A segment whose connection failed is noted once
+leaves the other replica time to serve), the fresh lookup gets what is left, and no further attempt
+or lookup starts with less than `RETRY_MIN_LEFT` of the timeout left. The first attempt after a
+lookup has that much at least, even past the deadline: a lookup that took the whole timeout (a
+master failing over) must not make a healthy segment look failed. So a call ends within its
+timeout, or a tenth more after such a lookup. A segment whose connection failed is noted once
 per call (`call_failures`) in what the client avoids and reports for quarantine.
 
 Results: a key's bytes (or size, for `*_into`) only after they verified; otherwise a negative
@@ -210,7 +213,10 @@ class Reads:
         corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
         cut: set[int] = set()  # keys with a transfer that failed on its connection
         next_replica = 0  # keys tried on their next replica after such a failure
-        deadline = call_deadline.get() or time.monotonic() + self.config.timeout
+        # The first attempt has a tenth of the timeout at least: after a lookup that took (nearly) all of
+        # it (a master failing over), a healthy segment given a millisecond would be reported as failing.
+        floor = time.monotonic() + self.config.timeout * RETRY_MIN_LEFT
+        deadline = max(call_deadline.get() or floor, floor)
         while replicas:
             left = deadline - time.monotonic()
             if attempt and left < self.config.timeout * RETRY_MIN_LEFT:
