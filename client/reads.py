@@ -14,7 +14,8 @@ NOT_FOUND, an expired lease or grant, a range refused, a checksum mismatch (the 
 the master, kvtier.client.failures, before the fresh lookup, so that lookup no longer lists it).
 
 Bounded by the caller's timeout: every wait of the call's exchanges (free socket, connect, the
-socket timeouts) ends at its deadline (kvtier.client.sockpool.call_deadline). An attempt whose keys
+socket timeouts) ends at its deadline (kvtier.client.sockpool.call_deadline, set around the data
+plane's exchanges only; the master link keeps its own timeouts). An attempt whose keys
 have another replica to try may wait at most half the time left (a segment that stopped answering
 leaves the other replica time to serve), the fresh lookup gets what is left, and no further attempt
 or lookup starts with less than `RETRY_MIN_LEFT` of the timeout left. The first attempt after a
@@ -111,9 +112,9 @@ class Reads:
             return []
         deadline = time.monotonic() + self.config.timeout
         seen: set[str] = set()  # segments whose connection failed in this call
-        failures_token, deadline_token = call_failures.set(seen), call_deadline.set(deadline)
+        token = call_failures.set(seen)
         try:
-            out, cut = self._lookup_and_read(keys, views, sources, seen, None)
+            out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None)
             left = deadline - time.monotonic()
             if cut and left >= self.config.timeout * RETRY_MIN_LEFT:
                 again_sources: list[str | None] | None = [None] * len(cut) if sources is not None else None
@@ -122,6 +123,7 @@ class Reads:
                     None if views is None else [views[i] for i in cut],
                     again_sources,
                     seen,
+                    deadline,
                     left,
                 )
                 for n, i in enumerate(cut):
@@ -131,8 +133,7 @@ class Reads:
                         sources[i] = again_sources[n]
                 self._count(read_retries=len(cut), read_retry_lookups=1)
         finally:
-            call_failures.reset(failures_token)
-            call_deadline.reset(deadline_token)
+            call_failures.reset(token)
         self._report_failures()
         hits = sum(1 for r in out if not _missed(r))
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
@@ -144,6 +145,7 @@ class Reads:
         views: list[memoryview] | None,
         sources: list[str | None] | None,
         seen: set[str],
+        deadline: float,
         timeout: float | None,
     ) -> tuple[list[Any], list[int]]:
         """One GetReplicas (within `timeout`, else the client's) and the reads of its replicas:
@@ -162,9 +164,8 @@ class Reads:
             logger.warning("GetReplicas failed, " + what + ": %s", len(keys), exc)
             self._count(master_failures=1)
             return [int(exc.status) if timeout is None else None] * len(keys), []
-        return self._read_replicas(
-            keys, views, sources, seen, reply, requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
-        )
+        lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
+        return self._read_replicas(keys, views, sources, seen, reply, lease_deadline, deadline)
 
     def _read_replicas(
         self,
@@ -174,6 +175,7 @@ class Reads:
         seen: set[str],
         reply: pb.GetReplicasResponse,
         lease_deadline: float,
+        deadline: float,
     ) -> tuple[list[Any], list[int]]:
         out: list[Any] = list(reply.statuses)
         segments = {s.segment_id: s for s in reply.segments}
@@ -215,8 +217,7 @@ class Reads:
         next_replica = 0  # keys tried on their next replica after such a failure
         # The first attempt has a tenth of the timeout at least: after a lookup that took (nearly) all of
         # it (a master failing over), a healthy segment given a millisecond would be reported as failing.
-        floor = time.monotonic() + self.config.timeout * RETRY_MIN_LEFT
-        deadline = max(call_deadline.get() or floor, floor)
+        deadline = max(deadline, time.monotonic() + self.config.timeout * RETRY_MIN_LEFT)
         while replicas:
             left = deadline - time.monotonic()
             if attempt and left < self.config.timeout * RETRY_MIN_LEFT:
@@ -321,7 +322,10 @@ class Reads:
         crcs: list[int | None] = [None] * len(indices)
         if segment is None:
             return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs, ""
-        token = call_deadline.set(deadline)  # this attempt's (in the job's own context, or reset below)
+        # Only the data plane's waits: the master link's pools keep their own timeouts (a fast path
+        # timed out by a short deadline would be dropped for gRPC). Set in the job's own context,
+        # or reset below when the job runs inline.
+        token = call_deadline.set(deadline)
         try:
             return self._read_from(segment, reply, replicas, indices, attempt, views, tier, keys)
         finally:
