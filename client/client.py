@@ -5,8 +5,10 @@ Contracts every method keeps:
   PutEnd (plus one PutRevoke only when some writes failed); `batch_get*` make
   one GetReplicas, whatever the number of keys. When a segment's connection
   failed (kvtier.client.failures): one ReportSegmentFailures at most every
-  half second, and a put's failed keys are placed once more elsewhere (a
-  second PutStart/PutEnd) if that happened in the first half of the timeout.
+  half second, a put's failed keys are placed once more elsewhere (a
+  second PutStart/PutEnd) if that happened in the first half of the timeout,
+  and a get's keys that every replica failed are read once more after a
+  second GetReplicas if a tenth of the timeout is left (kvtier.client.reads).
 - Integrity: a CRC32C of every value goes to the master at PutEnd; every read
   is verified against it. Bytes that fail verification are never returned:
   the key is a miss (counted in `stats()["checksum_mismatches"]`) after the
@@ -14,7 +16,7 @@ Contracts every method keeps:
 - Visibility: the master shows an object to readers only after PutEnd, which
   the client sends only after every replica's bytes were acknowledged.
 - Failure shape: reads degrade to misses (None, or a negative `Status` from
-  the `*_into` calls) and log why; `batch_put` returns a `Status` per key;
+  the `*_into` calls) and log why, within the client's timeout; `batch_put` returns a `Status` per key;
   `put` raises `KvtierError`; invalid keys raise `InvalidKeyError`
   (a `ValueError`) before anything is sent.
 - Thread safety: one Client may be shared by threads.
@@ -33,8 +35,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import crc32c
-
 from kvtier.client.chunks import put_checksums
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
@@ -44,6 +44,7 @@ from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.master import MasterClient
 from kvtier.client.ranges import RangedReads
+from kvtier.client.reads import _TIERS, Reads, _caps
 from kvtier.client.replicas import ReplicaOps
 from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
@@ -53,34 +54,20 @@ from kvtier.client.transport.shm import local_host_id
 from kvtier.common.latency import LatencyHistogram
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
-from kvtier.proto.keys import check_key, name_prefix_bytes
+from kvtier.proto.keys import check_key
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)
 C = TypeVar("C", bound=Connector)  # a connector kind: one cache per kind (_cached)
 
 _OK = 0
-_NOT_FOUND = int(Status.NOT_FOUND)
-_MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
-_TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
-# Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
-LEASE_SAFETY = 0.9
 
 
 # Why the last batch_put of this thread (or task) failed as a whole: put() names it in its error.
 _put_failure: contextvars.ContextVar[str] = contextvars.ContextVar("kvtier_put_failure", default="")
-
-
-def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int]) -> Caps:
-    """The grant of the replicas at `positions` of a reply: (expiry, their capability tags), or
-    (expiry, []) where the cluster mints no tags: frames then carry the expiry as their deadline
-    (kvtier.proto.frames FLAG_DEADLINE). None only from a master that names no expiry."""
-    if not tags:
-        return (expiry_ms, []) if expiry_ms else None
-    return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions]
 
 
 def quota_dict(q: pb.QuotaInfo) -> dict[str, Any]:
@@ -113,13 +100,6 @@ def as_writable_view(buffer: Any) -> memoryview:
     return view
 
 
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """`items` in up to `parts` contiguous chunks of at least 4 (small batches stay whole)."""
-    parts = max(1, min(parts, len(items) // 4))
-    step = -(-len(items) // parts)
-    return [items[lo : lo + step] for lo in range(0, len(items), step)]
-
-
 def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
@@ -128,8 +108,8 @@ def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
 
 
 class Client(
-    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching, GroupCalls, RangedReads
-):  # mixins: client.tensors, .keys, .replicas, .failures, .events, .groups, .ranges
+    TensorMixin, KeyInspection, ReplicaOps, FailureReports, EventWatching, GroupCalls, RangedReads, Reads
+):  # mixins: client.tensors, .keys, .replicas, .failures, .events, .groups, .ranges, .reads
     """A thread-safe handle on one kvtier cluster, scoped to one namespace.
 
     `Client(master, namespace=..., timeout=...)`; use as a context manager or
@@ -279,7 +259,7 @@ class Client(
                     raise KvtierError(Status.CANCELLED, "client is closed")
                 connector = make(endpoints)
                 if hasattr(connector, "on_failure"):  # told each failed transfer's kind (client.failures)
-                    connector.on_failure = functools.partial(self._failures.note, name)
+                    connector.on_failure = functools.partial(self._segment_failed, name)
                 if known is not None:
                     stale.append(known[1])
             table[name] = (endpoints, connector, now)
@@ -570,188 +550,6 @@ class Client(
         sources: list[str | None] | None = [None] * len(keys) if with_source else None
         results = self._fetch(keys, views, sources)
         return list(zip(results, sources, strict=True)) if sources is not None else results
-
-    def _fetch(
-        self,
-        keys: Sequence[str],
-        views: list[memoryview] | None,
-        sources: list[str | None] | None = None,
-        again: bool = True,
-        group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
-    ) -> list[bytes | int]:
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        # The master starts the lease when it handles the request, which is after
-        # this moment: measuring from here can only under-estimate what is left.
-        requested_at = time.monotonic()
-        try:
-            request = pb.KeysRequest(namespace=self.namespace, keys=keys, releasable=True, group=group)
-            request.released_leases.extend(self._done_leases.take())
-            reply = self._master.call("GetReplicas", request)
-        except KvtierError as exc:
-            logger.warning("GetReplicas failed, treating %d keys as misses: %s", len(keys), exc)
-            self._count(gets=len(keys), misses=len(keys), master_failures=1)
-            return [int(exc.status)] * len(keys)
-        lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
-        out: list[bytes | int] = list(reply.statuses)
-        segments = {s.segment_id: s for s in reply.segments}
-        host = local_host_id()
-        local = {s.segment_id for s in reply.segments if s.host_id == host}
-        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
-        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
-
-        def same_host(position: int) -> bool:
-            return reply.replica_segments[position] in local
-
-        replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
-        pos = 0
-        for i, count in enumerate(reply.replica_counts):
-            if out[i] == _OK:
-                if views is not None and len(views[i]) < reply.sizes[i]:
-                    out[i] = int(Status.BUFFER_TOO_SMALL)
-                elif reply.sizes[i] == 0:
-                    out[i] = 0 if views is not None else b""
-                elif count == 1:
-                    replicas[i] = [pos]
-                else:
-                    # Segments that just failed this client or are quarantined last, DRAM before SSD,
-                    # same-host replicas first (a memcpy instead of a socket), then in the master's order.
-                    replicas[i] = sorted(
-                        range(pos, pos + count),
-                        key=lambda j: (
-                            reply.replica_segments[j] in shunned,
-                            reply.replica_tiers[j] != pb.DRAM,
-                            not same_host(j),
-                        ),
-                    )
-            pos += count
-        attempt = 0
-        transferred: Counter[str] = Counter()  # bytes per tier
-        verified: Counter[str] = Counter()  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
-        corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
-        while replicas:
-            groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
-            for i, positions in replicas.items():
-                position = positions[attempt]
-                groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
-            retry: dict[int, list[int]] = {}
-            # Disk reads of one segment are split over parallel connections: the segment serves a
-            # connection's requests one at a time, and more in flight keeps its disk busy.
-            parts = [
-                ((segment_id, tier), chunk)
-                for (segment_id, tier), indices in groups.items()
-                for chunk in (_split(indices, self._disk_streams) if tier == pb.SSD else [indices])
-            ]
-            jobs = [
-                (self._read_segment, segments.get(segment_id), reply, replicas, indices, attempt, views, tier, keys)
-                for (segment_id, tier), indices in parts
-            ]
-            all_results = self._run_parallel(jobs)
-            expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
-            for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
-                for i, result, crc in zip(indices, results, crcs, strict=True):
-                    if isinstance(result, int) and result != _OK:
-                        status = result
-                        if status == _MISMATCH:  # the segment found its own copy damaged (a disk record)
-                            corrupt.append((i, replicas[i][attempt]))
-                    elif expired:  # the bytes may have been reused after the lease: never trust them
-                        status = int(Status.LEASE_EXPIRED)
-                    else:
-                        size = reply.sizes[i]
-                        data = result if views is None else views[i][:size]
-                        tier_name = _TIERS.get(tier, "unknown")
-                        transferred[tier_name] += size
-                        if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
-                            out[i] = data if views is None else size
-                            if sources is not None:
-                                sources[i] = f"{tier_name}/{path}"
-                            verified[f"served_{tier_name}_{path}"] += 1
-                            verified[f"served_bytes_{tier_name}_{path}"] += size
-                            continue
-                        status = _MISMATCH
-                        corrupt.append((i, replicas[i][attempt]))
-                        self._count(checksum_mismatches=1)
-                        logger.warning(
-                            "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
-                            self.namespace,
-                            keys[i],
-                            segments[segment_id].name if segment_id in segments else segment_id,
-                        )
-                    out[i] = status
-                    if attempt + 1 < len(replicas[i]):
-                        retry[i] = replicas[i]
-            replicas = retry
-            attempt += 1
-        # Every transfer of this lease is over (answered, or its connection closed): hand it back.
-        self._done_leases.add(reply.lease_id)
-        if corrupt:
-            self._report_corrupt(keys, reply, corrupt)
-        self._report_failures()
-        # Found by the master, but no segment holds the copy any more: a disk copy tombstoned since
-        # our lookup (an upsert swapped in a new version, kvtier.master.upsert, or a removal). Asked
-        # once more, the master answers the key's current state: the new version, or a miss.
-        retry = again and not group  # a group is read whole or not at all: never member by member
-        gone = [i for i, r in enumerate(out) if r == _NOT_FOUND and reply.statuses[i] == _OK] if retry else []
-        if gone:
-            redo_sources: list[str | None] = [None] * len(gone)
-            redo_views = [views[i] for i in gone] if views is not None else None
-            redone = self._fetch([keys[i] for i in gone], redo_views, redo_sources, again=False)  # counts them
-            for i, result, source in zip(gone, redone, redo_sources, strict=True):
-                out[i] = result
-                if sources is not None:
-                    sources[i] = source
-        hits = sum(1 for r in out if not isinstance(r, int) or r >= 0) - sum(
-            1 for i in gone if not isinstance(out[i], int) or out[i] >= 0
-        )
-        self._count(
-            gets=len(keys) - len(gone),
-            hits=hits,
-            misses=len(keys) - len(gone) - hits,
-            bytes_read=sum(transferred.values()),
-            **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
-            **verified,
-        )
-        return out
-
-    def _read_segment(
-        self,
-        segment: pb.SegmentEndpoint | None,
-        reply: pb.GetReplicasResponse,
-        replicas: dict[int, list[int]],
-        indices: list[int],
-        attempt: int,
-        views: list[memoryview] | None,
-        tier: int,
-        keys: Sequence[str],
-    ) -> tuple[list[bytes | int], list[int | None], str]:
-        """Per-key data or status, CRCs where the connector computed them while copying, and the
-        transport scheme that carried them."""
-        crcs: list[int | None] = [None] * len(indices)
-        if segment is None:
-            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs, ""
-        positions = [replicas[i][attempt] for i in indices]
-        offsets = [reply.replica_offsets[j] for j in positions]
-        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
-        try:
-            if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
-                disk = self._disk_connector(segment)
-                prefix = name_prefix_bytes(self.namespace)  # READ_DISK names: kvtier.proto.keys
-                items = [
-                    (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
-                ]
-                into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
-                return disk.read_disk(items, into, crcs, caps=caps), crcs, disk.scheme
-            connector = self._connector(segment)
-            if views is None:
-                ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
-                return connector.read(ranges, caps=caps), crcs, connector.scheme
-            ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
-            return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
-        except TransportError as exc:
-            logger.warning("read from segment %s failed: %s", segment.name, exc)
-            self._transport_failed(segment.name, exc)
-            return [int(exc.status)] * len(indices), crcs, ""
 
     # ------------------------------------------------------------------ presence
 

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from kvtier.proto import master_pb2 as pb
@@ -29,6 +30,10 @@ from kvtier.proto.status import Status
 logger = logging.getLogger("kvtier.client.client")
 
 MAX_SEGMENTS = 256  # also the most entries the master reads from one report or avoid list
+# The segments whose connections failed during the current read call (kvtier.client.reads sets a fresh
+# set for the call): one call notes a segment once, however many of its attempts there fail (a read
+# retries), and the read path tells by it a failed connection from a segment's answer.
+call_failures: ContextVar[set[str] | None] = ContextVar("kvtier_call_failures", default=None)
 
 
 class Refused(ConnectError):
@@ -116,7 +121,16 @@ class FailureReports:
         """No connector for `segment` (connectors report their own transfers' failures)."""
         kind = failure_kind(exc)
         if kind is not None and exc.retryable:
-            self._failures.note(segment, kind)
+            self._segment_failed(segment, kind)
+
+    def _segment_failed(self, segment: str, kind: str) -> None:
+        """A connection to `segment` failed: noted (avoided, reported) once per call (`call_failures`)."""
+        seen = call_failures.get()
+        if seen is not None:
+            if segment in seen:
+                return
+            seen.add(segment)
+        self._failures.note(segment, kind)
 
     def _report_failures(self) -> None:
         """Tell the master which segments failed this client (kvtier.master.quarantine), when a report

@@ -42,6 +42,16 @@ _SIMPLE = (
     ("group_puts", "kvtier_client_group_puts", "Group puts (all or none, kvtier.client.groups), any outcome."),
     ("group_misses", "kvtier_client_group_misses", "Group reads answered with a miss for every member."),
     (
+        "read_retries",
+        "kvtier_client_read_retries",
+        "Keys read again after a transfer failed on its connection: on another replica, or after a fresh lookup.",
+    ),
+    (
+        "read_retry_lookups",
+        "kvtier_client_read_retry_lookups",
+        "Fresh GetReplicas calls made to retry keys whose transfers failed (at most one per get call).",
+    ),
+    (
         "failure_reports",
         "kvtier_client_segment_failure_reports",
         "Reports of data-plane failures per segment sent to the master (quarantine).",

@@ -8,20 +8,35 @@ raised is closed, never returned to the pool. An idle socket the peer closed
 meanwhile (the server restarted) is noticed before it is handed out, so a
 request is never sent into a connection known to be dead: callers can tell
 "failed before sending" (safe to repeat anywhere) from "failed mid-call".
+
+A client call with a deadline (`call_deadline`, set by the read path for the call's duration) also
+bounds every wait of its exchanges by it: the wait for a free socket, the connect, and the socket's
+timeouts while the exchange runs. So a read that retries (kvtier.client.reads) never waits past its
+caller's timeout, to within `_SLACK` of the pool's timeout. A socket keeps the timeouts last set on
+it: they are set again only when an exchange needs them over `_SLACK` apart, so the reads of a
+replicated key (which give their first attempt half the call) cost no syscalls after the first.
 """
 
 from __future__ import annotations
 
+import contextvars
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvtier.proto.errors import ConnectError, ReadError
 
 _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg
+# The time.monotonic() by which the client call this context works for must be over, or None.
+call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvtier_call_deadline", default=None)
+# Timeouts are set again only when they would change by more than this fraction of the pool's: the
+# first attempt of a call (a few ms after it started) costs no syscalls. A timeval of 0 is "never".
+_SLACK = 0.02
+_MIN_TIMEOUT = 0.001
 
 
 class SocketPool:
@@ -39,19 +54,18 @@ class SocketPool:
         self.limit = limit
         self.what = what  # for error messages, e.g. "segment tcp://127.0.0.1:4000"
         self._idle: list[socket.socket] = []
+        self._applied: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()  # else .timeout
         self._open = 0
         self._cond = threading.Condition()
         self._closed = False
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout: float) -> socket.socket:
         try:
-            sock = socket.create_connection(self.address, timeout=self.timeout)
+            sock = socket.create_connection(self.address, timeout=timeout)
         except OSError as exc:
             raise ConnectError(f"cannot connect to {self.what}: {exc}") from None
         sock.settimeout(None)  # blocking; the kernel enforces the timeouts below
-        timeval = struct.pack("ll", int(self.timeout), int((self.timeout % 1) * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        _set_timeouts(sock, self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._on_connect is not None:
             try:
@@ -64,7 +78,11 @@ class SocketPool:
     @contextmanager
     def socket(self) -> Iterator[socket.socket]:
         """A socket for one exchange; returned to the pool only if the block did not raise."""
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout
+        call_ends = call_deadline.get()
+        if call_ends is not None:
+            timeout = max(min(timeout, call_ends - time.monotonic()), _MIN_TIMEOUT)
+        deadline = time.monotonic() + timeout
         with self._cond:
             if self._closed:
                 raise ConnectError(f"connection pool to {self.what} is closed")
@@ -72,7 +90,7 @@ class SocketPool:
                 # A wake-up for a socket another thread took first must not restart the wait.
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._cond.wait(remaining):
-                    raise ConnectError(f"no free connection to {self.what} within {self.timeout}s")
+                    raise ConnectError(f"no free connection to {self.what} within {timeout:.3g}s")
                 if self._closed:
                     raise ConnectError(f"connection pool to {self.what} is closed")
             sock = None
@@ -87,7 +105,7 @@ class SocketPool:
                 self._open += 1
         if sock is None:
             try:
-                sock = self._connect()
+                sock = self._connect(timeout)
             except BaseException:
                 with self._cond:
                     self._open -= 1
@@ -95,6 +113,9 @@ class SocketPool:
                 raise
         healthy = False
         try:
+            if abs(timeout - self._applied.get(sock, self.timeout)) > self.timeout * _SLACK:
+                _set_timeouts(sock, timeout)
+                self._applied[sock] = timeout
             yield sock
             healthy = True
         finally:
@@ -114,6 +135,12 @@ class SocketPool:
             self._open -= len(self._idle)
             self._idle.clear()
             self._cond.notify_all()  # waiters give up instead of sleeping out their timeout
+
+
+def _set_timeouts(sock: socket.socket, timeout: float) -> None:
+    timeval = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -9,6 +9,10 @@ retransmission stall, so it becomes one of:
     "drop"   the connection is aborted (both sides see a reset): a retrying client reconnects
     "stall"  the chunk and everything after it on that connection are held for `stall_s`
 
+A mid-frame cut: with `cut_after_bytes`, a connection is reset (RST) once that many bytes went from
+the target to the client on it, those bytes delivered first; `cuts` limits how many connections are
+cut that way (0: every one), so "cut once, then healthy" needs no racing `set()`.
+
 The proxy runs its own event loop on a thread; `set(...)` changes the faults while it runs (new
 values apply to chunks read from then on). Counters (`connections`, `chunks`, `dropped`, `stalled`)
 say what it did. Seeded: the same seed gives the same sequence of decisions.
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -29,6 +35,8 @@ class Faults:
     loss: float = 0.0  # probability per chunk
     loss_mode: str = "drop"  # "drop" or "stall"
     stall_s: float = 1.0
+    cut_after_bytes: int = 0  # reset a connection after this many bytes towards the client (0: never)
+    cuts: int = 0  # connections cut so at most (0: unlimited)
 
 
 class FaultProxy:
@@ -36,7 +44,7 @@ class FaultProxy:
         self.target = target
         self.faults = Faults(**faults)
         self._rng = random.Random(seed)
-        self.connections = self.chunks = self.dropped = self.stalled = 0
+        self.connections = self.chunks = self.dropped = self.stalled = self.cut = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -63,6 +71,7 @@ class FaultProxy:
 
     def set(self, **faults) -> None:
         self.faults = Faults(**faults)
+        self.cut = 0  # `cuts` counts from here
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -74,20 +83,33 @@ class FaultProxy:
         self._writers |= {writer, up_writer}
         pair = (writer, up_writer)
         try:
-            await asyncio.gather(self._pipe(reader, up_writer, pair), self._pipe(up_reader, writer, pair))
+            await asyncio.gather(
+                self._pipe(reader, up_writer, pair), self._pipe(up_reader, writer, pair, towards_client=True)
+            )
         finally:
             for w in pair:
                 self._writers.discard(w)
                 w.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pair) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pair, towards_client: bool = False
+    ) -> None:
         # A queue keeps the chunks in order while each waits out its own delay.
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         async def deliver() -> None:
             while True:
                 due, data = await queue.get()
+                if data is None:  # a cut: reset both sides once what came before it is out
+                    while writer.transport.get_write_buffer_size():
+                        await asyncio.sleep(0.001)
+                    for w in pair:
+                        sock = w.transport.get_extra_info("socket")
+                        if sock is not None:  # SO_LINGER 0: close sends a reset, not a FIN
+                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        w.transport.abort()
+                    return
                 if not data:
                     writer.write_eof() if writer.can_write_eof() else None
                     return
@@ -99,6 +121,7 @@ class FaultProxy:
 
         sender = asyncio.ensure_future(deliver())
         held_until = 0.0
+        forwarded = 0
         try:
             while True:
                 data = await reader.read(65536)
@@ -107,6 +130,18 @@ class FaultProxy:
                     break
                 self.chunks += 1
                 f = self.faults
+                if (
+                    towards_client
+                    and f.cut_after_bytes
+                    and forwarded + len(data) >= f.cut_after_bytes
+                    and (not f.cuts or self.cut < f.cuts)
+                ):
+                    self.cut += 1
+                    queue.put_nowait((loop.time(), data[: f.cut_after_bytes - forwarded]))
+                    queue.put_nowait((0.0, None))
+                    await sender
+                    return
+                forwarded += len(data)
                 due = loop.time() + f.delay_s + (self._rng.uniform(0, f.jitter_s) if f.jitter_s else 0.0)
                 if f.loss and self._rng.random() < f.loss:
                     if f.loss_mode == "drop":

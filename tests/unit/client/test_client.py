@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client, Status
-from kvtier.client.client import _caps, _pin_ttl_ms, _split, as_bytes_view, as_writable_view
+from kvtier.client.client import _pin_ttl_ms, as_bytes_view, as_writable_view
+from kvtier.client.reads import _caps, _split
 from kvtier.proto.errors import InvalidKeyError, KvtierError
 
 NOWHERE = "127.0.0.1:1"

@@ -62,3 +62,22 @@ def test_what_counts_as_a_failure_of_the_segment():
     assert failure_kind(ConnectionResetError()) == "transfer"
     assert failure_kind(ProtocolError("bad frame")) == "transfer"
     assert failure_kind(Refused("at its connection limit")) is None, "busy, not unreachable"
+
+
+def test_one_read_call_notes_a_segment_once_however_many_of_its_attempts_fail():
+    class Reporter(f.FailureReports):
+        def __init__(self) -> None:
+            self._failures = SegmentFailures(10.0, 0.0, Clock())
+
+    reporter = Reporter()
+    seen: set[str] = set()
+    token = f.call_failures.set(seen)
+    try:
+        reporter._segment_failed("a", "transfer")  # the first attempt
+        reporter._segment_failed("a", "timeout")  # the retry after a fresh lookup
+        reporter._transport_failed("b", ConnectError("refused"))
+    finally:
+        f.call_failures.reset(token)
+    assert seen == {"a", "b"}, "what the read path tells cut-off keys by"
+    reporter._segment_failed("a", "transfer")  # the next call (or a put): noted again
+    assert sorted(reporter._failures.take_report()) == [("a", 2, "transfer"), ("b", 1, "connect")]

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import itertools
 import socket
+import struct
 import threading
 import time
 
@@ -15,6 +16,7 @@ import pytest
 from kvtier.client.sockpool import (
     _IOV_MAX,
     SocketPool,
+    call_deadline,
     recv_exact,
     recv_exact_into,
     recv_exact_into_all,
@@ -133,6 +135,49 @@ def test_sockets_are_blocking_with_kernel_timeouts_and_nodelay(server, pools):
         with pool.socket() as sock:
             sock.recv(1)
     assert sock.fileno() == -1, "a socket whose block raised is closed"
+
+
+def receive_timeout(sock: socket.socket) -> float:
+    seconds, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+    return seconds + micros / 1e6
+
+
+def test_a_call_deadline_bounds_an_exchange_and_the_pool_restores_its_timeouts(server, pools):
+    pool = pools(server.address, timeout=TIMEOUT_S)
+    with pool.socket() as sock:
+        assert receive_timeout(sock) == pytest.approx(TIMEOUT_S, abs=0.01)
+    token = call_deadline.set(time.monotonic() + 0.2)
+    try:
+        with pool.socket() as again:
+            assert again is sock and receive_timeout(sock) <= 0.2
+            assert echo(sock, b"within the deadline") == b"within the deadline"
+    finally:
+        call_deadline.reset(token)
+    with pool.socket() as again:  # an exchange without a deadline waits the pool's timeout again
+        assert again is sock and receive_timeout(sock) == pytest.approx(TIMEOUT_S, abs=0.01)
+    token = call_deadline.set(time.monotonic() + 0.2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError):  # a silent peer costs what is left of the call, not the pool's timeout
+            with pool.socket() as sock:
+                sock.recv(1)
+        assert time.monotonic() - started < TIMEOUT_S / 2
+    finally:
+        call_deadline.reset(token)
+
+
+def test_a_call_deadline_bounds_the_wait_for_a_free_socket(server, pools):
+    pool = pools(server.address, timeout=TIMEOUT_S, limit=1)
+    with pool.socket():
+        token = call_deadline.set(time.monotonic() + 0.1)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ConnectError, match="no free connection"):
+                with pool.socket():
+                    pass
+            assert time.monotonic() - started < TIMEOUT_S / 2
+        finally:
+            call_deadline.reset(token)
 
 
 def test_threads_contending_never_open_more_than_the_limit(server, pools):

@@ -1,0 +1,386 @@
+"""The read path of `Client` (a mixin): lookup, transfers, verification, and retries (issue 20).
+
+Per key, until a copy's bytes verify against the checksum recorded at PutEnd:
+
+1. The replicas of one GetReplicas answer, one after another: segments that just failed this
+   client or are quarantined last, DRAM before SSD, same-host first, then the master's order.
+2. When they all failed and at least one failed on its connection (no connection, refused or
+   timed out; cut mid-frame; stopped answering), and `RETRY_MIN_LEFT` of the caller's timeout is
+   still left: once more after a fresh GetReplicas (the lease may have lapsed, the replica set
+   may have changed), its replicas in the same order. One such lookup per call, for all its keys.
+
+A segment's answer is final for that copy and never causes the lookup of step 2 on its own:
+NOT_FOUND, an expired lease or grant, a range refused, a checksum mismatch (the copy is reported to
+the master, kvtier.client.failures, before the fresh lookup, so that lookup no longer lists it).
+
+Bounded by the caller's timeout: every wait of the call's exchanges (free socket, connect, the
+socket timeouts) ends at its deadline (kvtier.client.sockpool.call_deadline, set around the data
+plane's exchanges only; the master link keeps its own timeouts). An attempt whose keys
+have another replica to try may wait at most half the time left (a segment that stopped answering
+leaves the other replica time to serve), the fresh lookup gets what is left, and no further attempt
+or lookup starts with less than `RETRY_MIN_LEFT` of the timeout left. The first attempt after a
+lookup has that much at least, even past the deadline: a lookup that took the whole timeout (a
+master failing over) must not make a healthy segment look failed. So a call ends within its
+timeout, or a tenth more after such a lookup. A segment whose connection failed is noted once
+per call (`call_failures`) in what the client avoids and reports for quarantine.
+
+Results: a key's bytes (or size, for `*_into`) only after they verified; otherwise a negative
+Status. A failed attempt may have written part of a caller's buffer: that buffer's content is
+unspecified unless the key's result is its size, which only a later, fully verified copy gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import crc32c
+
+from kvtier.client.config import ClientConfig
+from kvtier.client.failures import SegmentFailures, call_failures
+from kvtier.client.leases import DoneLeases
+from kvtier.client.sockpool import call_deadline
+from kvtier.client.transport.base import Caps, Connector, DiskConnector
+from kvtier.client.transport.shm import local_host_id
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.errors import KvtierError, TransportError
+from kvtier.proto.keys import check_key, name_prefix_bytes
+from kvtier.proto.status import Status
+
+logger = logging.getLogger("kvtier.client.client")
+
+_OK = 0
+_MISMATCH = int(Status.CHECKSUM_MISMATCH)
+_NOT_FOUND = int(Status.NOT_FOUND)
+# What a transfer whose connection failed answers (TcpConnector's results, or a connector that could
+# not be made); a segment could answer TRANSFER_FAILED itself (a disk I/O error), so a key counts as
+# cut off only when its segment's connection failed in this call too (`call_failures`).
+_CONNECTION_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))
+_TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
+# Fraction of a read lease the client relies on: the rest absorbs clock-rate drift between hosts.
+LEASE_SAFETY = 0.9
+# The share of the caller's timeout that must be left for the fresh lookup of step 2: less leaves the
+# segments too little time to answer, and a slow but healthy one would be reported as failing.
+RETRY_MIN_LEFT = 0.1
+
+
+def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int]) -> Caps:
+    """The grant of the replicas at `positions` of a reply: (expiry, their capability tags), or
+    (expiry, []) where the cluster mints no tags: frames then carry the expiry as their deadline
+    (kvtier.proto.frames FLAG_DEADLINE). None only from a master that names no expiry."""
+    if not tags:
+        return (expiry_ms, []) if expiry_ms else None
+    return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions]
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """`items` in up to `parts` contiguous chunks of at least 4 (small batches stay whole)."""
+    parts = max(1, min(parts, len(items) // 4))
+    step = -(-len(items) // parts)
+    return [items[lo : lo + step] for lo in range(0, len(items), step)]
+
+
+def _missed(result: bytes | int) -> bool:
+    return isinstance(result, int) and result < 0
+
+
+class Reads:
+    """`Client._fetch` and its helpers (a mixin over the client's master, connectors and counters)."""
+
+    config: ClientConfig
+    namespace: str
+    _master: Any
+    _failures: SegmentFailures
+    _done_leases: DoneLeases
+    _disk_streams: int
+    _count: Callable[..., None]
+    _connector: Callable[[pb.SegmentEndpoint], Connector]
+    _disk_connector: Callable[[pb.SegmentEndpoint], DiskConnector]
+    _run_parallel: Callable[[list[tuple]], list]
+    _report_corrupt: Callable[..., None]
+    _report_failures: Callable[[], None]
+    _transport_failed: Callable[[str, TransportError], None]
+
+    def _fetch(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None = None,
+        group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
+    ) -> list[bytes | int]:
+        """Per key its verified bytes (or size, with `views`) or a negative Status; see the module.
+        A group is read whole or not at all: never looked up again member by member."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        deadline = time.monotonic() + self.config.timeout
+        seen: set[str] = set()  # segments whose connection failed in this call
+        token = call_failures.set(seen)
+        try:
+            out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None, group)
+            left = deadline - time.monotonic()
+            if cut and not group and left >= self.config.timeout * RETRY_MIN_LEFT:
+                again_sources: list[str | None] | None = [None] * len(cut) if sources is not None else None
+                again, _ = self._lookup_and_read(
+                    [keys[i] for i in cut],
+                    None if views is None else [views[i] for i in cut],
+                    again_sources,
+                    seen,
+                    deadline,
+                    left,
+                    False,
+                )
+                for n, i in enumerate(cut):
+                    if again[n] is not None:  # None: the lookup failed; the first answer stands
+                        out[i] = again[n]
+                    if again_sources is not None and sources is not None:
+                        sources[i] = again_sources[n]
+                self._count(read_retries=len(cut), read_retry_lookups=1)
+        finally:
+            call_failures.reset(token)
+        self._report_failures()
+        hits = sum(1 for r in out if not _missed(r))
+        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
+        return out
+
+    def _lookup_and_read(
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None,
+        seen: set[str],
+        deadline: float,
+        timeout: float | None,
+        group: bool,
+    ) -> tuple[list[Any], list[int]]:
+        """One GetReplicas (within `timeout`, else the client's) and the reads of its replicas:
+        per key a result (None for every key of a retry's failed lookup) and the keys (indices)
+        worth a fresh lookup: missed after a transfer failed on its connection, or after the
+        segment no longer held the copy the master named."""
+        # The master starts the lease when it handles the request, which is after
+        # this moment: measuring from here can only under-estimate what is left.
+        requested_at = time.monotonic()
+        try:
+            request = pb.KeysRequest(
+                namespace=self.namespace,
+                keys=keys,
+                releasable=True,
+                released_leases=self._done_leases.take(),
+                group=group,
+            )
+            reply = self._master.call("GetReplicas", request, timeout)
+        except KvtierError as exc:
+            what = "treating %d keys as misses" if timeout is None else "no retry of %d keys"
+            logger.warning("GetReplicas failed, " + what + ": %s", len(keys), exc)
+            self._count(master_failures=1)
+            return [int(exc.status) if timeout is None else None] * len(keys), []
+        lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
+        return self._read_replicas(keys, views, sources, seen, reply, lease_deadline, deadline)
+
+    def _read_replicas(
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None,
+        seen: set[str],
+        reply: pb.GetReplicasResponse,
+        lease_deadline: float,
+        deadline: float,
+    ) -> tuple[list[Any], list[int]]:
+        out: list[Any] = list(reply.statuses)
+        segments = {s.segment_id: s for s in reply.segments}
+        host = local_host_id()
+        local = {s.segment_id for s in reply.segments if s.host_id == host}
+        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
+        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
+
+        def same_host(position: int) -> bool:
+            return reply.replica_segments[position] in local
+
+        replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
+        pos = 0
+        for i, count in enumerate(reply.replica_counts):
+            if out[i] == _OK:
+                if views is not None and len(views[i]) < reply.sizes[i]:
+                    out[i] = int(Status.BUFFER_TOO_SMALL)
+                elif reply.sizes[i] == 0:
+                    out[i] = 0 if views is not None else b""
+                elif count == 1:
+                    replicas[i] = [pos]
+                else:
+                    # Segments that just failed this client or are quarantined last, DRAM before SSD,
+                    # same-host replicas first (a memcpy instead of a socket), then in the master's order.
+                    replicas[i] = sorted(
+                        range(pos, pos + count),
+                        key=lambda j: (
+                            reply.replica_segments[j] in shunned,
+                            reply.replica_tiers[j] != pb.DRAM,
+                            not same_host(j),
+                        ),
+                    )
+            pos += count
+        attempt = 0
+        transferred: Counter[str] = Counter()  # bytes per tier
+        verified: Counter[str] = Counter()  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
+        corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
+        cut: set[int] = set()  # keys with a transfer that failed on its connection
+        next_replica = 0  # keys tried on their next replica after such a failure
+        # The first attempt has a tenth of the timeout at least: after a lookup that took (nearly) all of
+        # it (a master failing over), a healthy segment given a millisecond would be reported as failing.
+        deadline = max(deadline, time.monotonic() + self.config.timeout * RETRY_MIN_LEFT)
+        while replicas:
+            left = deadline - time.monotonic()
+            if attempt and left < self.config.timeout * RETRY_MIN_LEFT:
+                break  # too late for another replica: the keys keep their last status
+            groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
+            for i, positions in replicas.items():
+                position = positions[attempt]
+                groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
+            retry: dict[int, list[int]] = {}
+            # Disk reads of one segment are split over parallel connections: the segment serves a
+            # connection's requests one at a time, and more in flight keeps its disk busy.
+            parts = [
+                ((segment_id, tier), chunk)
+                for (segment_id, tier), indices in groups.items()
+                for chunk in (_split(indices, self._disk_streams) if tier == pb.SSD else [indices])
+            ]
+            # A segment that stops answering may take half the time left when its keys have another
+            # replica to try: the call's timeout is shared by the attempts, never exceeded by them.
+            jobs = [
+                (
+                    self._read_segment,
+                    segments.get(segment_id),
+                    reply,
+                    replicas,
+                    indices,
+                    attempt,
+                    views,
+                    tier,
+                    keys,
+                    deadline - left / 2 if any(attempt + 1 < len(replicas[i]) for i in indices) else deadline,
+                )
+                for (segment_id, tier), indices in parts
+            ]
+            all_results = self._run_parallel(jobs)
+            expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
+            for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
+                name = segments[segment_id].name if segment_id in segments else str(segment_id)
+                for i, result, crc in zip(indices, results, crcs, strict=True):
+                    connection_failed = False
+                    if isinstance(result, int) and result != _OK:
+                        status = result
+                        if status == _MISMATCH:  # the segment found its own copy damaged (a disk record)
+                            corrupt.append((i, replicas[i][attempt]))
+                        elif status in _CONNECTION_FAILED and name in seen:
+                            connection_failed = True
+                            cut.add(i)
+                        elif status == _NOT_FOUND:
+                            # The segment no longer holds the copy the master named: a disk copy
+                            # tombstoned since the lookup (an upsert swapped in a new version,
+                            # kvtier.master.upsert, or a removal). Asked again, the master answers
+                            # the key's current state: the new version, or a miss.
+                            cut.add(i)
+                    elif expired:  # the bytes may have been reused after the lease: never trust them
+                        status = int(Status.LEASE_EXPIRED)
+                    else:
+                        size = reply.sizes[i]
+                        data = result if views is None else views[i][:size]
+                        tier_name = _TIERS.get(tier, "unknown")
+                        transferred[tier_name] += size
+                        if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
+                            out[i] = data if views is None else size
+                            if sources is not None:
+                                sources[i] = f"{tier_name}/{path}"
+                            verified[f"served_{tier_name}_{path}"] += 1
+                            verified[f"served_bytes_{tier_name}_{path}"] += size
+                            continue
+                        status = _MISMATCH
+                        corrupt.append((i, replicas[i][attempt]))
+                        self._count(checksum_mismatches=1)
+                        logger.warning(
+                            "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
+                            self.namespace,
+                            keys[i],
+                            name,
+                        )
+                    out[i] = status
+                    if attempt + 1 < len(replicas[i]):
+                        retry[i] = replicas[i]
+                        next_replica += connection_failed
+            replicas = retry
+            attempt += 1
+        # Every transfer of this lease is over (answered, or its connection closed): hand it back.
+        self._done_leases.add(reply.lease_id)
+        if corrupt:  # before any fresh lookup: the master drops these copies first
+            self._report_corrupt(keys, reply, corrupt)
+        self._count(
+            bytes_read=sum(transferred.values()),
+            read_retries=next_replica,
+            **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
+            **verified,
+        )
+        return out, sorted(i for i in cut if _missed(out[i]))
+
+    def _read_segment(
+        self,
+        segment: pb.SegmentEndpoint | None,
+        reply: pb.GetReplicasResponse,
+        replicas: dict[int, list[int]],
+        indices: list[int],
+        attempt: int,
+        views: list[memoryview] | None,
+        tier: int,
+        keys: Sequence[str],
+        deadline: float,
+    ) -> tuple[list[bytes | int], list[int | None], str]:
+        """Per-key data or status, CRCs where the connector computed them while copying, and the
+        transport scheme that carried them; no socket waits past `deadline`."""
+        crcs: list[int | None] = [None] * len(indices)
+        if segment is None:
+            return [int(Status.SEGMENT_NOT_FOUND)] * len(indices), crcs, ""
+        # Only the data plane's waits: the master link's pools keep their own timeouts (a fast path
+        # timed out by a short deadline would be dropped for gRPC). Set in the job's own context,
+        # or reset below when the job runs inline.
+        token = call_deadline.set(deadline)
+        try:
+            return self._read_from(segment, reply, replicas, indices, attempt, views, tier, keys)
+        finally:
+            call_deadline.reset(token)
+
+    def _read_from(
+        self,
+        segment: pb.SegmentEndpoint,
+        reply: pb.GetReplicasResponse,
+        replicas: dict[int, list[int]],
+        indices: list[int],
+        attempt: int,
+        views: list[memoryview] | None,
+        tier: int,
+        keys: Sequence[str],
+    ) -> tuple[list[bytes | int], list[int | None], str]:
+        crcs: list[int | None] = [None] * len(indices)
+        positions = [replicas[i][attempt] for i in indices]
+        offsets = [reply.replica_offsets[j] for j in positions]
+        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
+        try:
+            if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
+                disk = self._disk_connector(segment)
+                prefix = name_prefix_bytes(self.namespace)  # READ_DISK names: kvtier.proto.keys
+                items = [
+                    (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
+                ]
+                into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
+                return disk.read_disk(items, into, crcs, caps=caps), crcs, disk.scheme
+            connector = self._connector(segment)
+            if views is None:
+                ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
+                return connector.read(ranges, caps=caps), crcs, connector.scheme
+            ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
+            return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
+        except TransportError as exc:
+            logger.warning("read from segment %s failed: %s", segment.name, exc)
+            self._transport_failed(segment.name, exc)
+            return [int(exc.status)] * len(indices), crcs, ""
