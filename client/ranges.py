@@ -85,7 +85,7 @@ class RangedReads:
 
     def _read_ranges(self: Client, key: str, spans: list[tuple[int, int]], views: list[memoryview]) -> tuple[int, str]:
         """(bytes written in all, "") or (negative status, why)."""
-        from kvtier.client.client import LEASE_SAFETY
+        from kvtier.client.reads import LEASE_SAFETY
 
         key = check_key(key)
         requested_at = time.monotonic()
@@ -186,7 +186,7 @@ class RangedReads:
         lease_deadline: float,
     ) -> tuple[int, str]:
         """Read only the chunks covering `spans` from a DRAM copy, verify each, slice."""
-        from kvtier.client.client import _caps
+        from kvtier.client.reads import _caps
 
         size = reply.sizes[0]
         runs = [(first * CHUNK_BYTES, min(size, end * CHUNK_BYTES)) for first, end in covering(spans)]
@@ -240,7 +240,10 @@ class RangedReads:
         size = reply.sizes[0]
         whole = memoryview(bytearray(size))
         tier = reply.replica_tiers[position]
-        results, crcs, path = self._read_segment(segment, reply, {0: [position]}, [0], 0, [whole], tier, [key])
+        deadline = time.monotonic() + self.config.timeout  # bounds this attempt's socket waits (client/reads.py)
+        results, crcs, path = self._read_segment(
+            segment, reply, {0: [position]}, [0], 0, [whole], tier, [key], deadline
+        )
         if (result := results[0]) != _OK:
             return int(result), f"segment {segment.name}: read failed"
         if time.monotonic() > lease_deadline:
