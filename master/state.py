@@ -34,7 +34,8 @@ backpressure, drain, recovery, corrupt) get it as a parameter (type-only import)
 - changing an object: `adopt(record)` (from an inventory), `now_in_dram(record)`,
   `drop_dram_replica(record, segment_id)`, `evict_one(record, reason, segment_id)`,
   `discard(name, forget_disk=...)`, `replace(old, new)`, `drop_version(record)` (upserts);
-- ranges: `free_after_leases(segment_id, offset, size, until)`, `release_ranges(replicas, size)`;
+- ranges (the RangeBook mixin, master/range_book.py): `free_after_leases(segment_id, offset, size, until)`,
+  `release_ranges(replicas, size)`;
 - segments (the SegmentTable mixin): `drop_segment(segment_id, reason)`, `mid_inventory()`, `forgive_deafness(gap_s)`;
 - names in order and sweeps (docs/architecture.md, "Scans stay bounded"): `names_after(...)`,
   `visible(name)`, `start_remove_prefix(namespace, prefix)`, `sweep(budget, max_s)`.
@@ -68,6 +69,7 @@ from kvtier.master.name_index import NameIndex, prefix_end
 from kvtier.master.placement import place, static_rank
 from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
+from kvtier.master.range_book import RangeBook
 from kvtier.master.records import (
     OFFSET_MASK,
     PIN_HARD,
@@ -80,8 +82,6 @@ from kvtier.master.records import (
     ObjectState,
     name_prefix,
     object_name,
-    replica_offset,
-    replica_segment,
 )
 from kvtier.master.recovery import Recovery
 from kvtier.master.segment_table import FEED_SILENT, HEARTBEAT_EXPIRED, SegmentTable
@@ -108,7 +108,7 @@ _PENDING = ObjectState.PENDING
 _DEFAULT_PUT = PutOptions()  # frozen: safe to share as a default
 
 
-class MasterState(SegmentTable):
+class MasterState(SegmentTable, RangeBook):
     """Segments, objects and leases of one cluster. See the module docstring."""
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -577,72 +577,6 @@ class MasterState(SegmentTable):
                         self.free_after_leases(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
         else:
             self.release_ranges(record.replicas, record.size)
-
-    def _reuse_at(self, record: ObjectRecord) -> float:
-        """When the record's ranges may go to another object: after its read leases and its PutStart's
-        write grant (`capability_ttl_s`: its tags, or its frames' deadline), plus the clock skew a
-        segment may have (`reuse_margin_s`): no frame granted on them can still act (kvtier.proto.frames).
-        The write grant counts for a put never completed (revoked, reclaimed: its writer may still be
-        sending) and, with capabilities, for every object (its write tags verify until they expire)."""
-        until = record.lease_until
-        if self.capability_ttl_s and (self.capabilities or record.state is _PENDING):
-            until = max(until, record.started_at + self.capability_ttl_s)
-        return until + self.reuse_margin_s
-
-    def free_after_leases(
-        self, segment_id: int, offset: int, size: int, until: float, record: ObjectRecord | None = None
-    ) -> None:
-        """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it.
-        A range of `record` under releasable leases waits for their readers instead, and is
-        freed when the last one releases (`_ranges_unread`), or at `until` when they never do."""
-        if record is not None and self.leases.park(record, segment_id, offset, size):
-            return
-        heapq.heappush(self._deferred, (until, next(self._seq), segment_id, offset, size))
-
-    def _ranges_unread(self, record: ObjectRecord, ranges: list[tuple[int, int, int]]) -> None:
-        """The last releasable lease on `record` ended: its parked ranges are freed now, or when
-        what else protects them ends (other leases, write grants, the clock-skew margin)."""
-        reuse_at = self._reuse_at(record)
-        now = self.clock()
-        for segment_id, offset, size in ranges:
-            if (segment := self.segments.get(segment_id)) is None:
-                continue  # dropped meanwhile: its allocator went with it (and no deferral may outlive it)
-            if reuse_at > now:
-                heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
-            else:
-                segment.allocator.release(offset, size)
-
-    def release_ranges(self, replicas: Iterable[int], size: int) -> None:
-        """Give the DRAM ranges of `replicas` (each `size` bytes) back to their allocators now: the
-        caller knows no lease or write grant covers them (else `free_after_leases`)."""
-        for packed in replicas:
-            segment = self.segments.get(replica_segment(packed))
-            if segment is None:
-                continue
-            segment.objects -= 1
-            if size:
-                segment.allocator.release(replica_offset(packed), size)
-
-    # ------------------------------------------------------------------ eviction
-
-    def aligned(self, size: int) -> int:
-        """DRAM bytes one replica of `size` bytes takes (rounded up to the allocator's alignment)."""
-        alignment = self.config.alignment
-        return -(-size // alignment) * alignment
-
-    def _record_bytes(self, record: ObjectRecord) -> int:
-        """DRAM bytes of all its replicas (disk copies cost no DRAM and no quota)."""
-        return self.aligned(record.size) * sum(1 for r in record.replicas if is_dram(r))
-
-    def replica_bytes(self, record: ObjectRecord) -> int:
-        """DRAM bytes one replica of `record` frees: the weight eviction counts per victim."""
-        return self.aligned(record.size)
-
-    @staticmethod
-    def has_dram_on(segment_id: int) -> Callable[[ObjectRecord], bool]:
-        """A predicate: whether a record has a DRAM replica on `segment_id` (eviction's filter)."""
-        dram = dram_key(segment_id)
-        return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
 
     def evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""

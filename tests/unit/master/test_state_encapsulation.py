@@ -13,10 +13,10 @@ import pytest
 
 MASTER = Path(__file__).resolve().parents[3] / "master"
 
-# The owner: MasterState (state.py) and the SegmentTable mixin it is made of (segment_table.py),
-# whose `self` is a MasterState.
-OWNER_MODULES = {"state.py", "segment_table.py"}
-OWNER_CLASSES = {"MasterState", "SegmentTable"}
+# The owner: MasterState (state.py) and the mixins it is made of, SegmentTable (segment_table.py)
+# and RangeBook (range_book.py), whose `self` is a MasterState.
+OWNER_MODULES = {"state.py", "segment_table.py", "range_book.py"}
+OWNER_CLASSES = {"MasterState", "SegmentTable", "RangeBook"}
 
 
 def _is_private(name: str) -> bool:

@@ -1,0 +1,90 @@
+"""The master's books of DRAM ranges: when a freed object's ranges may go to another object, and
+the bytes a record's replicas take. A mixin of `MasterState` (kvtier.master.state), like
+`SegmentTable`: its `self` is the MasterState, whose private tables it may use.
+
+A range is reused only once nothing issued for its previous life can still act on it: read leases
+(releasable ones end when their readers hand them back, kvtier.master.leases), the PutStart's write
+grant (`capability_ttl_s`), and the clock skew a segment may have (`reuse_margin_s`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from kvtier.master.records import (
+    TIER_SHIFT,
+    ObjectRecord,
+    ObjectState,
+    replica_offset,
+    replica_segment,
+)
+from kvtier.master.tiering import dram_key, is_dram
+
+_PENDING = ObjectState.PENDING
+
+
+class RangeBook:
+    def _reuse_at(self, record: ObjectRecord) -> float:
+        """When the record's ranges may go to another object: after its read leases and its PutStart's
+        write grant (`capability_ttl_s`: its tags, or its frames' deadline), plus the clock skew a
+        segment may have (`reuse_margin_s`): no frame granted on them can still act (kvtier.proto.frames).
+        The write grant counts for a put never completed (revoked, reclaimed: its writer may still be
+        sending) and, with capabilities, for every object (its write tags verify until they expire)."""
+        until = record.lease_until
+        if self.capability_ttl_s and (self.capabilities or record.state is _PENDING):
+            until = max(until, record.started_at + self.capability_ttl_s)
+        return until + self.reuse_margin_s
+
+    def free_after_leases(
+        self, segment_id: int, offset: int, size: int, until: float, record: ObjectRecord | None = None
+    ) -> None:
+        """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it.
+        A range of `record` under releasable leases waits for their readers instead, and is
+        freed when the last one releases (`_ranges_unread`), or at `until` when they never do."""
+        if record is not None and self.leases.park(record, segment_id, offset, size):
+            return
+        heapq.heappush(self._deferred, (until, next(self._seq), segment_id, offset, size))
+
+    def _ranges_unread(self, record: ObjectRecord, ranges: list[tuple[int, int, int]]) -> None:
+        """The last releasable lease on `record` ended: its parked ranges are freed now, or when
+        what else protects them ends (other leases, write grants, the clock-skew margin)."""
+        reuse_at = self._reuse_at(record)
+        now = self.clock()
+        for segment_id, offset, size in ranges:
+            if (segment := self.segments.get(segment_id)) is None:
+                continue  # dropped meanwhile: its allocator went with it (and no deferral may outlive it)
+            if reuse_at > now:
+                heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
+            else:
+                segment.allocator.release(offset, size)
+
+    def release_ranges(self, replicas: Iterable[int], size: int) -> None:
+        """Give the DRAM ranges of `replicas` (each `size` bytes) back to their allocators now: the
+        caller knows no lease or write grant covers them (else `free_after_leases`)."""
+        for packed in replicas:
+            segment = self.segments.get(replica_segment(packed))
+            if segment is None:
+                continue
+            segment.objects -= 1
+            if size:
+                segment.allocator.release(replica_offset(packed), size)
+
+    def aligned(self, size: int) -> int:
+        """DRAM bytes one replica of `size` bytes takes (rounded up to the allocator's alignment)."""
+        alignment = self.config.alignment
+        return -(-size // alignment) * alignment
+
+    def _record_bytes(self, record: ObjectRecord) -> int:
+        """DRAM bytes of all its replicas (disk copies cost no DRAM and no quota)."""
+        return self.aligned(record.size) * sum(1 for r in record.replicas if is_dram(r))
+
+    def replica_bytes(self, record: ObjectRecord) -> int:
+        """DRAM bytes one replica of `record` frees: the weight eviction counts per victim."""
+        return self.aligned(record.size)
+
+    @staticmethod
+    def has_dram_on(segment_id: int) -> Callable[[ObjectRecord], bool]:
+        """A predicate: whether a record has a DRAM replica on `segment_id` (eviction's filter)."""
+        dram = dram_key(segment_id)
+        return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
