@@ -253,6 +253,7 @@ class Drainer:
         if record.owner is not None:
             record.owner.used += state.aligned(record.size)
         state.now_in_dram(record)  # its source may have left DRAM meanwhile
+        state.events.changed(record, "copied")
 
     def tick(self, now: float) -> None:
         """Release the targets of migration batches nobody finished (the drainer died)."""

@@ -1,10 +1,11 @@
-"""The choice of eviction victims among objects in least-recently-used order.
+"""The choice of eviction victims, in the order the cluster's `eviction_policy` gives them.
 
-The master keeps its objects in one dict whose order is recency: a record
-is inserted at the end by PutStart (its PutEnd follows within milliseconds)
-and moves to the end when it is read (GetReplicas); existence checks never
-move it. `pick_victims` walks that
-order from the least recently used end.
+The order comes from kvtier.master.eviction_policy: under `lru` it is the
+master's object dict, whose order is recency (a record is inserted at the
+end by PutStart, its PutEnd following within milliseconds, and moves to the
+end when it is read; existence checks never move it); under `s3fifo` it is
+that policy's small and main queues. `pick_victims` walks the order it is
+given from its first (least valuable) end and applies the rules below.
 
 Victim rules, in this order (they are what makes eviction safe):
 - a pending record (bytes still in flight) is never a victim;

@@ -78,7 +78,8 @@ class GroupTable:
 
         OK: every key is now complete and the group recorded (a retried group PutEnd finds its own
         members complete and answers OK again). A key already complete from another put joins the
-        group as it is (a key's bytes never change: first writer wins, as for every put).
+        group as it is (a plain put never changes a complete key: first writer wins, as for every
+        put; an upsert swaps in a new record, which the group does not hold).
         INVALID_ARGUMENT: a key given twice, or no keys. NOT_PENDING: some key has no pending put
         under `put_id` and is not complete; this put's pending members are revoked.
         """

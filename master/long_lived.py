@@ -30,6 +30,12 @@ class LongLivedFreezer:
         self._frozen_at = 0  # the object count at the last freeze
         self._freeze = freeze
 
+    def reset(self) -> None:
+        """The tables were replaced (a new epoch, or standing by): unfreeze everything, so the old
+        tables, a reference cycle (their policy modules hold them), are collected, and count anew."""
+        gc.unfreeze()
+        self._frozen_at = 0
+
     def observe(self, count: int) -> bool:
         """Freeze if the tables grew enough since the last freeze; True when it froze now. Never
         with `minimum` 0 (switched off)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtier.master.events import EventKind
 from kvtier.master.records import TIER_DRAM, ObjectState, name_prefix, replica_segment, replica_tier
 from kvtier.proto.status import Status
 
@@ -51,7 +52,10 @@ def remove_replicas(
         elif not mine:
             out.append(int(Status.REPLICA_NOT_FOUND))
         elif len(mine) == len(record.replicas):
-            if allow_last:
+            if allow_last and state.upserts.held(record, state.clock()):
+                out.append(int(Status.LEASE_HELD))  # as Remove without force: a put-time lease runs
+            elif allow_last:
+                state.events.gone(record, EventKind.REMOVED, "remove:replica")
                 state.discard(record.name)
                 out.append(int(Status.OK))
             else:
@@ -64,6 +68,7 @@ def remove_replicas(
                     state.tiering.remove_disk_copy(record, packed, forget=True)
             if state.history is not None:
                 state.history.left(record, "removed:replica", segment_name, replica=True)
+            state.events.changed(record, "removed:replica")
             out.append(int(Status.OK))
     return Status.OK, out
 

@@ -179,6 +179,7 @@ class Roles:
         self._saving = asyncio.Lock()
         self._saving_allowed = True
         servicer.save_state = self.save
+        self.freezer = LongLivedFreezer(minimum=config.gc_freeze_min_objects)  # the ticker feeds it
 
     def lead(self, epoch: int, saved: SavedState | None, loaded: bool = True) -> None:
         """Start epoch `epoch` with empty tables. With a state store that loaded (`saved` None on a
@@ -208,6 +209,7 @@ class Roles:
         self._saving_allowed = loaded
         self.servicer.attach(state)
         self.handlers.state = state
+        self.freezer.reset()  # the old tables were frozen: unfrozen, they can be collected
         self.handlers.epoch = epoch
         logger.info(
             "leading epoch=%d waiting_for_segments=%s", epoch, ",".join(sorted(saved.segments)) if saved else "none"
@@ -223,6 +225,7 @@ class Roles:
         state.capabilities = self.handlers.minter.enabled
         self.servicer.attach(state)
         self.handlers.state = state
+        self.freezer.reset()  # the old tables were frozen: unfrozen, they can be collected
 
     async def save(self) -> None:
         """Save what changed, off the event loop; returns once it is durable (or failed).
@@ -421,8 +424,6 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     stop = stop or asyncio.Event()
     stop_on_signals(stop)
 
-    freezer = LongLivedFreezer(minimum=config.gc_freeze_min_objects)
-
     async def ticker() -> None:
         while True:
             before = time.monotonic()
@@ -435,7 +436,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
                 if deaf_s > config.segment_ttl_s / 4:
                     handlers.state.forgive_deafness(deaf_s)
                 handlers.state.tick()
-                freezer.observe(handlers.state.object_count)
+                roles.freezer.observe(handlers.state.object_count)
                 if handlers.state.saved_state_stale:
                     asyncio.create_task(roles.save())
             except Exception:  # a bug here must not stop expiry forever

@@ -561,7 +561,8 @@ class MasterState(SegmentTable, RangeBook):
                     segment.ssd_objects -= 1
                     if forget_disk:
                         self.tiering.forget(segment.segment_id, record.name, packed & OFFSET_MASK)
-        self.tiering.forget_reads(record.name)
+        if self.lookup(record.name) is None:  # else the name's visible version keeps its read count
+            self.tiering.forget_reads(record.name)
         if record.owner is not None:
             record.owner.used -= self._record_bytes(record)
             record.owner.objects -= 1
@@ -688,8 +689,8 @@ class MasterState(SegmentTable, RangeBook):
         return self._index.after(start, end, limit, inclusive)
 
     def records(self) -> Iterable[ObjectRecord]:
-        """Every record, pending or complete: those holding DRAM least recently used first, then the
-        disk-only ones. Do not mutate while iterating."""
+        """Every record, pending or complete: those holding DRAM in recency order (least recent first;
+        the eviction order under `lru` only), then the disk-only ones. Do not mutate while iterating."""
         return itertools.chain(self._objects.values(), self._disk_only.values())
 
     def named_records(self) -> Iterable[tuple[str, ObjectRecord]]:
@@ -734,8 +735,7 @@ class MasterState(SegmentTable, RangeBook):
             self._delete(self._pop(old.name))  # its drop notices go before `new`'s commits
         self._objects[new.name] = new
         self.policy.inserted(new)
-        self._index.add(new.name)
-        self.events.stored((new,), "upsert")
+        self._index.add(new.name)  # put_end publishes its STORED event with the other keys
 
     def drop_version(self, record: ObjectRecord) -> None:
         """Forget an upsert's pending new version (never in the tables): its ranges are freed

@@ -105,7 +105,6 @@ class ErrorCode(enum.IntEnum):
 
 # What an unsupported call answers: Mooncake has no "not supported" code; this one reads
 # "the request cannot be done in the current mode" and is never a success.
-NOT_SUPPORTED = ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
 # Every call of a store that is not set up (or was closed) answers this.
 NOT_SET_UP = ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
 

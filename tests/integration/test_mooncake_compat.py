@@ -26,7 +26,6 @@ from kvtier.client.compat.mooncake import (
 )
 
 KiB, MiB = 1 << 10, 1 << 20
-NOT_SUPPORTED = ErrorCode.UNAVAILABLE_IN_CURRENT_MODE
 
 
 def setup_store(cluster, tenant: str = "") -> MooncakeDistributedStore:

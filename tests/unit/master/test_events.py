@@ -160,3 +160,35 @@ def test_a_batch_bigger_than_the_ring_ends_a_parked_watcher_missed_never_with_a_
     log.stored([Record(f"n\x00{i}") for i in range(16 + CHECK_EVERY + 1)])
     assert log.take(watcher, 1000) == []
     assert watcher.end is not None and watcher.end[0] == Status.WATCH_MISSED
+
+
+def test_an_upsert_is_one_stored_event_and_replica_ops_are_told(state: MasterState):
+    from kvtier.master.replicas import remove_replicas
+    from kvtier.master.state_types import PutOptions
+
+    state.mount_segment("unit", "seg1", "host-seg1", ["tcp://127.0.0.1:9/seg1"], 1 << 20)
+    put(state, ["k"])
+    watcher = subscribe(state.events)
+    started = state.put_start("ns", ["k"], [100], 1, PutOptions(overwrite=True))
+    assert state.put_end("ns", ["k"], [7], started.put_id) == [0]
+    started = state.put_start("ns", ["two"], [100], 2)
+    assert state.put_end("ns", ["two"], [0], started.put_id) == [0]
+    assert remove_replicas(state, "ns", ["two"], "seg0", False) == (Status.OK, [Status.OK])
+    assert remove_replicas(state, "ns", ["two"], "seg1", True) == (Status.OK, [Status.OK])
+    got = [(EventKind(e.kind).name, e.name.split("\x00")[1], e.reason) for e in state.events.take(watcher, 100)]
+    assert got == [
+        ("STORED", "k", "put"),  # the upsert's new version: once
+        ("STORED", "two", "put"),
+        ("TIER_CHANGED", "two", "removed:replica"),
+        ("REMOVED", "two", "remove:replica"),
+    ]
+
+
+def test_removing_the_last_replica_of_a_leased_key_is_refused_like_remove(state: MasterState):
+    from kvtier.master.replicas import remove_replicas
+    from kvtier.master.state_types import PutOptions
+
+    started = state.put_start("ns", ["leased"], [100], 1, PutOptions(lease_s=60.0))
+    assert state.put_end("ns", ["leased"], [0], started.put_id) == [0]
+    assert remove_replicas(state, "ns", ["leased"], "seg0", True) == (Status.OK, [Status.LEASE_HELD])
+    assert state.record("ns", "leased") is not None

@@ -53,3 +53,16 @@ def test_frozen_records_leave_the_collectors_generations_and_removed_ones_are_st
 def test_a_negative_minimum_is_refused_in_one_line():
     with pytest.raises(ValueError, match="gc_freeze_min_objects must be >= 0"):
         MasterConfig(gc_freeze_min_objects=-1).validate()
+
+
+def test_a_reset_unfreezes_so_replaced_tables_can_be_collected_and_counts_anew():
+    calls = []
+    freezer = LongLivedFreezer(minimum=100, freeze=lambda: calls.append(1))
+    assert freezer.observe(1000)
+    gc.freeze()  # what the real freeze did
+    try:
+        freezer.reset()
+        assert gc.get_freeze_count() == 0
+        assert freezer.observe(100) and len(calls) == 2  # a new epoch's tables: frozen again from the minimum
+    finally:
+        gc.unfreeze()
