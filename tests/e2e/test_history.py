@@ -22,6 +22,7 @@ def seed() -> dict:
     return {"seed": int(text)} if text else {}
 
 
+@pytest.mark.slow  # ~22 s: make test-slow (CI runs it)
 def test_short_history_under_faults_has_no_violation():
     # Faults known to produce violations on today's code (KNOWN_FAILING) are left out: see docs/testing.md.
     config = ChaosConfig(seconds=20, workers=4, segments=2, faults=faults_from_env(SHORT_RUN_FAULTS), **seed())

@@ -17,6 +17,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.terminal import CLI_TIMEOUT_S, Up, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,7 @@ def build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+@pytest.mark.slow  # builds a wheel and a venv: make test-slow (CI runs it)
 def test_a_wheel_built_from_the_tree_installs_and_its_kvtier_command_serves(tmp_path: Path):
     wheel = build_wheel(tmp_path)
     site = tmp_path / "site"

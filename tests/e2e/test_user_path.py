@@ -41,6 +41,7 @@ def up_args(tmp_path: Path):
     return args, address
 
 
+@pytest.mark.slow  # ~10 s: make test-slow (CI runs it)
 def test_kvtier_up_cli_and_library_and_the_ssd_tier_across_a_restart(up_args, tmp_path: Path):
     args, master = up_args
     keys = [f"doc/{i:02d}" for i in range(28)]  # 28 MiB through 16 MiB of DRAM: the early ones go to SSD
@@ -118,6 +119,7 @@ def durable(bare_cluster, tmp_path: Path):
     return bare_cluster
 
 
+@pytest.mark.slow  # ~6 s each: make test-slow (CI runs it)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
 def test_cli_and_library_see_the_same_objects_across_a_master_restart(durable, sig: int):
     master = durable.master_address

@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 KVTIER = [sys.executable, "-m", "kvtier.cli.main"]
 
 
+@pytest.mark.slow  # ~7 s: make test-slow (CI runs it)
 def test_bench_clients_runs_processes_together_and_accounts_cpu_per_gb():
     args = ["bench", "--clients", "2", "--sizes", "64KiB", "--batch", "4", "--bytes-per-run", "1MiB", "--json"]
     result = subprocess.run([*KVTIER, *args], capture_output=True, timeout=240)

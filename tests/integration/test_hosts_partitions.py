@@ -59,6 +59,7 @@ def first_ok_put(client: Client, key: str, limit_s: float, **placement) -> float
     return float("inf")
 
 
+@pytest.mark.slow  # ~15 s: make test-slow (CI runs it)
 def test_a_segment_cut_off_for_longer_than_its_ttl_keeps_its_objects_and_puts_go_elsewhere(hosts):
     """The issue's observation: a link outage longer than segment_ttl_s made the master expel the
     segment, which then discarded all 50 objects it still held intact; a put during the outage
