@@ -496,12 +496,23 @@ class MooncakeDistributedStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """`put_from` for many keys: one code per key (INVALID_PARAMS where a pointer is not registered)."""
+        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=False)
+
+    def _put_from(
+        self,
+        keys: Sequence[str],
+        buffer_ptrs: Sequence[int],
+        sizes: Sequence[int],
+        config: ReplicateConfig | None,
+        upsert: bool,
+    ) -> list[int]:
+        """Put or upsert registered memory without copying: one code per key."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         views = [self._view(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
         good = [i for i, v in enumerate(views) if v is not None]
         codes = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        stored = self._put([keys[i] for i in good], [views[i] for i in good], config) if good else []
+        stored = self._put([keys[i] for i in good], [views[i] for i in good], config, upsert=upsert) if good else []
         for i, code in zip(good, stored, strict=True):
             codes[i] = code
         return codes
@@ -537,15 +548,7 @@ class MooncakeDistributedStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """`upsert_from` for many keys: one code per key (INVALID_PARAMS where a pointer is not registered)."""
-        if not len(keys) == len(buffer_ptrs) == len(sizes):
-            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        views = [self._view(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
-        good = [i for i, v in enumerate(views) if v is not None]
-        codes = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        stored = self._put([keys[i] for i in good], [views[i] for i in good], config, upsert=True) if good else []
-        for i, code in zip(good, stored, strict=True):
-            codes[i] = code
-        return codes
+        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=True)
 
     # ------------------------------------------------------------------ reads
 
