@@ -201,9 +201,9 @@ class MasterClient:
         # gRPC call may already have moved self.address while this pool still talks to the old master,
         # which then refuses every call naming a leader equal to self.address, forever.
         with self._lock:
-            pool = self._fast if self._fast is not None and self._fast_master != leader else None
-            if pool is not None:
-                self._fast = None
+            pool = None
+            if self._fast_master != leader:  # the leader is elsewhere: Hello there at the next call
+                pool, self._fast = self._fast, None
                 self._next_hello = 0.0
         if pool is not None:
             pool.close()
