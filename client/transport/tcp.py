@@ -187,15 +187,14 @@ class TcpConnector:
                                 results[i] = recv_exact(sock, sizes[i]) if sizes[i] else b""
                     else:
                         results[start:end] = [_OK] * (end - start)
-        except (ConnectError, ReadError, ProtocolError) as exc:
-            logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc.message)
-            self._failed(exc)
-        except OSError as exc:  # timeouts (EAGAIN), resets, broken pipes
-            logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op.name, exc)
-            self._failed(exc)
+        except (ConnectError, ReadError, ProtocolError, OSError) as exc:  # OSError: timeouts (EAGAIN), resets
+            self._failed(op.name, exc)
         return results
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, op: str, exc: ConnectError | ReadError | ProtocolError | OSError) -> None:
+        """A transfer failed: log it, and tell the client which kind (kvtier.client.failures)."""
+        message = exc if isinstance(exc, OSError) else exc.message
+        logger.warning("transfer failed endpoint=%s op=%s: %s", self.endpoint, op, message)
         kind = failure_kind(exc)
         if kind is not None and self.on_failure is not None:
             self.on_failure(kind)
@@ -263,12 +262,8 @@ class TcpConnector:
                 for i, (_, view) in enumerate(windows):
                     recv_exact_into(sock, view)
                     results[i] = _OK
-        except (ConnectError, ReadError, ProtocolError) as exc:
-            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc.message)
-            self._failed(exc)
-        except OSError as exc:
-            logger.warning("transfer failed endpoint=%s op=READ: %s", self.endpoint, exc)
-            self._failed(exc)
+        except (ConnectError, ReadError, ProtocolError, OSError) as exc:
+            self._failed("READ", exc)
         return results
 
     # ------------------------------------------------------------- the SSD tier
@@ -333,10 +328,6 @@ class TcpConnector:
                         if checksums is not None:
                             checksums[i] = crc
                         results[i] = item_status
-        except (ConnectError, ReadError, ProtocolError) as exc:
-            logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc.message)
-            self._failed(exc)
-        except OSError as exc:
-            logger.warning("transfer failed endpoint=%s op=READ_DISK: %s", self.endpoint, exc)
-            self._failed(exc)
+        except (ConnectError, ReadError, ProtocolError, OSError) as exc:
+            self._failed("READ_DISK", exc)
         return results
