@@ -162,10 +162,12 @@ class MasterCollector(Collector):
 
 
 def _families(s: _Snapshot) -> Iterable[Metric]:
-    def counter(name: str, doc: str, label: str, values: dict[str, int]) -> Metric:
-        family = CounterMetricFamily(name, doc, labels=[label])
+    def counter(name: str, doc: str, label: str | tuple[str, ...], values: dict) -> Metric:
+        """One label (`values` keyed by its value) or several (keyed by tuples of theirs)."""
+        single = isinstance(label, str)
+        family = CounterMetricFamily(name, doc, labels=[label] if single else list(label))
         for key, value in sorted(values.items()):
-            family.add_metric([key], value)
+            family.add_metric([key] if single else list(key), value)
         return family
 
     yield counter("kvtier_master_rpc_requests", "RPCs handled, gRPC and fast path together.", "method", s.requests)
@@ -265,15 +267,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         age.add_metric([name], heartbeat)
         state.add_metric([name, seg_state.lower()], 1)
     yield from (capacity, used, copies, age, state, skew, skewed, in_quarantine)
-    reports = CounterMetricFamily(
+    yield counter(
         "kvtier_master_segment_failure_reports",
         "Data-plane failures clients reported on the segment (ReportSegmentFailures), by kind: connect, "
         "timeout, transfer, other.",
-        labels=["segment", "kind"],
+        ("segment", "kind"),
+        s.failure_reports,
     )
-    for (segment, kind), count in sorted(s.failure_reports.items()):
-        reports.add_metric([segment, kind], count)
-    yield reports
     evicted = CounterMetricFamily("kvtier_master_evictions", "Objects evicted, by reason.", labels=["reason"])
     evicted_bytes = CounterMetricFamily("kvtier_master_evicted_bytes", "Bytes evicted, by reason.", labels=["reason"])
     for reason, (count, size) in sorted(s.evictions.items()):
@@ -341,15 +341,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "reason",
         {reason: s.tiering.get(f"prefetch_skipped_{reason}", 0) for reason in prefetch.SKIP_REASONS},
     )
-    failures = CounterMetricFamily(
+    yield counter(
         "kvtier_master_tier_task_failures",
         "Tier tasks that failed (the segment's status) or expired (TIMEOUT), by op (offload, promote, "
         "forget) and status: none left a replica the master hands out.",
-        labels=["op", "status"],
+        ("op", "status"),
+        s.tier_failures,
     )
-    for (op, status), count in sorted(s.tier_failures.items()):
-        failures.add_metric([op, status], count)
-    yield failures
     dropped = CounterMetricFamily(
         "kvtier_master_dropped_without_ssd_copy",
         "Objects dropped (evicted) without any SSD copy, by reason: policy_drop (dram_full_policy drop), "
