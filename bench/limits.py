@@ -16,7 +16,13 @@ busy with something else for a moment makes the ratios look worse, never better.
 
 And the small-operation peers (issue 19's latency targets, `--compare redis`):
 a single 4 KiB put p50 against a redis-py SET, a single get against a GET, a
-32 x 4 KiB batch_put against one SET.
+32 x 4 KiB batch_put against one SET, each beside its **round-trip floor**: the
+round trips the operation makes (a get: GetReplicas, then the READ; a put:
+PutStart, the WRITE, PutEnd, and the master's commit notice to the segment and
+its acknowledgement inside PutEnd) times a 64-byte echo round trip between a
+Python blocking socket and a uvloop server in another process, measured in the
+same run. It says what no amount of work per request could beat without fewer
+round trips: a target below the floor needs a different protocol.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import ctypes
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -112,3 +120,45 @@ LATENCY_RATIOS = {
     "get 4 KiB p50 / GET p50": ("get", "get", 1.5),
     "batch_put 32x4 KiB p50 / SET p50": ("batch_put", "put", 5.0),
 }
+
+# Round trips of each small operation (see the module's docstring): a target under round trips x echo is
+# out of reach whatever each request costs.
+ROUND_TRIPS = {"put": 4, "get": 2, "batch_put": 4}
+
+_ECHO_SERVER = """
+import asyncio, sys, uvloop
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport): self.transport = transport
+    def data_received(self, data): self.transport.write(data)
+async def main():
+    server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+uvloop.run(main())
+"""
+
+
+def echo_round_trip_ms(samples: int = 3000) -> float:
+    """p50 ms of a 64-byte round trip: a Python blocking socket (TCP_NODELAY) to a uvloop echo server in
+    another process, over 127.0.0.1: the cheapest request/answer a Python process makes here."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(server.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            message = b"x" * 64
+            times = []
+            for _ in range(samples):
+                started = time.perf_counter()
+                sock.sendall(message)
+                received = 0
+                while received < len(message):
+                    received += len(sock.recv(256))
+                times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1000
+    finally:
+        server.stdin.close()
+        server.wait(timeout=10)
+        server.stdout.close()

@@ -29,7 +29,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvtier.bench.eviction_bench import add_arguments as add_eviction_arguments
-from kvtier.bench.limits import LATENCY_RATIOS, WIRE_SIZES, WIRE_WORKLOADS, Limits, measure_limits, wire_target
+from kvtier.bench.limits import (
+    LATENCY_RATIOS,
+    ROUND_TRIPS,
+    WIRE_SIZES,
+    WIRE_WORKLOADS,
+    Limits,
+    echo_round_trip_ms,
+    measure_limits,
+    wire_target,
+)
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
 from kvtier.bench.scan_bench import add_arguments as add_scan_arguments
@@ -509,6 +518,7 @@ def run(opts: argparse.Namespace) -> int:
     peer_results: list[Result] = []
     peer_name = ""
     peer = None
+    echo_ms = 0.0
     try:
         for transport in transports:
             with Client(master, namespace="bench", timeout=30.0, transport=transport) as client:
@@ -534,6 +544,8 @@ def run(opts: argparse.Namespace) -> int:
                     client, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("kvtier tcp")
                 )
             peer_small = run_driver(peer, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("redis"))
+            _progress("limits")("a 64-byte echo round trip to a uvloop server")
+            echo_ms = echo_round_trip_ms()
     finally:
         if peer is not None:
             peer.close()
@@ -552,7 +564,8 @@ def run(opts: argparse.Namespace) -> int:
         doc["wire"] = [asdict(w) for w in wire_ratios(by_transport, limits)]
         if peer_results:
             doc["peer"] = {"name": peer_name, "results": [asdict(r) for r in peer_results]}
-            doc["small_ops"] = [asdict(r) for r in latency_ratios(small, peer_small)]
+            doc["small_ops"] = [asdict(r) for r in latency_ratios(small, peer_small, echo_ms)]
+            doc["echo_round_trip_ms"] = echo_ms
         print(json.dumps(doc, indent=2))
         return 0
     for transport, results in by_transport.items():
@@ -567,7 +580,7 @@ def run(opts: argparse.Namespace) -> int:
         print()
         print_comparison(by_transport[next(iter(by_transport))], peer_results, peer_name)
         print()
-        print_latency_ratios(latency_ratios(small, peer_small), peer_name)
+        print_latency_ratios(latency_ratios(small, peer_small, echo_ms), peer_name, echo_ms)
     return 0
 
 
@@ -591,6 +604,8 @@ class LatencyRatio:
     ratio: float
     target: float
     met: bool
+    round_trips: int = 0  # the operation's round trips (bench/limits.py: ROUND_TRIPS)
+    floor_ratio: float = 0.0  # round_trips x the echo round trip / the peer's p50: no request costs less
 
 
 SMALL = 4 << 10
@@ -631,7 +646,8 @@ def wire_ratios(by_transport: dict[str, list[Result]], limits: Limits) -> list[W
     return out
 
 
-def latency_ratios(ours: list[Result], peer: list[Result]) -> list[LatencyRatio]:
+def latency_ratios(ours: list[Result], peer: list[Result], echo_ms: float = 0.0) -> list[LatencyRatio]:
+    """Each small-operation ratio, beside its round-trip floor when `echo_ms` (an echo round trip) is known."""
     mine = {r.workload: r for r in ours}
     theirs = {r.workload: r for r in peer}
     out = []
@@ -640,7 +656,9 @@ def latency_ratios(ours: list[Result], peer: list[Result]) -> list[LatencyRatio]
         if a is None or b is None or not b.p50_ms:
             continue
         ratio = a.p50_ms / b.p50_ms
-        out.append(LatencyRatio(name, a.p50_ms, b.p50_ms, ratio, target, ratio <= target))
+        trips = ROUND_TRIPS.get(workload, 0)
+        floor = trips * echo_ms / b.p50_ms
+        out.append(LatencyRatio(name, a.p50_ms, b.p50_ms, ratio, target, ratio <= target, trips, floor))
     return out
 
 
@@ -658,12 +676,18 @@ def print_wire(ratios: list[WireRatio], limits: Limits) -> None:
         )
 
 
-def print_latency_ratios(ratios: list[LatencyRatio], peer_name: str) -> None:
+def print_latency_ratios(ratios: list[LatencyRatio], peer_name: str, echo_ms: float = 0.0) -> None:
     print(f"Small operations over TCP against {peer_name}, p50 in the same run (issue 19's targets)")
-    print(f"{'':<34} {'kvtier ms':>9} {'peer ms':>8} {'ratio':>6}  target")
+    if echo_ms:
+        print(f"floor: the operation's round trips x a 64-byte echo round trip to a uvloop server ({echo_ms:.3f} ms)")
+    print(f"{'':<34} {'kvtier ms':>9} {'peer ms':>8} {'ratio':>6}  {'target':<11} {'trips':>5} {'floor':>6}")
     for r in ratios:
         mark = "ok" if r.met else "ABOVE"
-        print(f"{r.name:<34} {r.ours_p50_ms:>9.3f} {r.peer_p50_ms:>8.3f} {r.ratio:>6.2f}  <= {r.target:g} {mark}")
+        floor = f"{r.floor_ratio:>6.2f}" if echo_ms else f"{'-':>6}"
+        print(
+            f"{r.name:<34} {r.ours_p50_ms:>9.3f} {r.peer_p50_ms:>8.3f} {r.ratio:>6.2f}  "
+            f"{'<= ' + format(r.target, 'g') + ' ' + mark:<11} {r.round_trips:>5} {floor}"
+        )
 
 
 def _progress(target: str) -> Callable[[str], None]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.bench.limits import Limits, loopback_gbps, memcpy_gbps
+from kvtier.bench.limits import Limits, echo_round_trip_ms, loopback_gbps, memcpy_gbps
 from kvtier.bench.run import Result, latency_ratios, wire_ratios
 
 MiB = 1 << 20
@@ -37,6 +37,21 @@ def test_small_operations_are_read_against_the_peers_single_set_and_get():
     rows = {r.name: r for r in latency_ratios(ours, peer)}
     assert [round(r.ratio, 6) for r in rows.values()] == [3.0, 2.0, 6.0]  # batch_put against ONE SET
     assert [r.met for r in rows.values()] == [True, False, False]
+
+
+def test_each_small_operation_is_shown_beside_its_round_trip_floor():
+    ours = [result("put", 4096, p50_ms=0.9), result("get", 4096, p50_ms=0.4), result("batch_put", 4096, p50_ms=1.0)]
+    peer = [result("put", 4096, p50_ms=0.1), result("get", 4096, p50_ms=0.2), result("batch_put", 4096, p50_ms=0.2)]
+    rows = {r.name: r for r in latency_ratios(ours, peer, echo_ms=0.05)}
+    # a put is four round trips (PutStart, WRITE, PutEnd, the commit notice's), a get two
+    assert [r.round_trips for r in rows.values()] == [4, 2, 4]
+    # floor = round trips x echo / the peer's p50: a put cannot be under 2x a SET here, a get under 0.5x a GET
+    assert [round(r.floor_ratio, 6) for r in rows.values()] == [2.0, 0.5, 2.0]
+    assert all(r.floor_ratio == 0 for r in latency_ratios(ours, peer))  # no echo measured: no floor
+
+
+def test_an_echo_round_trip_is_measured_against_a_uvloop_server():
+    assert 0 < echo_round_trip_ms(samples=50) < 1000
 
 
 def test_the_limits_are_measured():
