@@ -192,7 +192,9 @@ class AdminCalls:
     @rpc(pb.ListKeysResponse)
     def ListKeys(self, request):
         r = request
-        page = list_keys(self.state, check_namespace(r.namespace), r.prefix, r.start_after, r.limit, r.include_pending)
+        namespace = check_namespace(r.namespace)
+        budget_s = self.state.config.sweep_slice_ms / 1000  # a page holds the loop about one sweep slice
+        page = list_keys(self.state, namespace, r.prefix, r.start_after, r.limit, r.include_pending, budget_s)
         return pb.ListKeysResponse(status=Status.OK, entries=page.entries, next_start_after=page.next_start_after)
 
     @rpc(pb.StatKeysResponse)

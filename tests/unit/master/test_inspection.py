@@ -146,6 +146,38 @@ def test_pending_puts_are_listed_only_when_asked_and_never_break_paging(state):
     assert_consistent(state)
 
 
+def test_a_page_out_of_time_is_shorter_and_paging_still_lists_every_key_once(state):
+    # given 10 keys, one of them pending (a page may visit a name and list nothing)
+    keys = [f"k{i}" for i in range(10)]
+    for key in keys:
+        put(state, key) if key != "k4" else pending(state, key)
+    # when every page runs out of time at once (a budget already spent)
+    seen, start_after, pages = [], "", 0
+    while True:
+        page = list_keys(state, NS, "k", start_after, limit=1000, budget_s=1e-12)
+        assert len(page.entries) <= 1  # one name visited per page: the loop is held that long only
+        seen += keys_of(page)
+        pages += 1
+        if not page.next_start_after:
+            break
+        start_after = page.next_start_after
+    # then the pages together list every complete key exactly once, in order; the last one says done
+    assert seen == [k for k in keys if k != "k4"] and pages == 10
+    # and a page with time to spare is whole
+    assert keys_of(list_keys(state, NS, "k", limit=1000, budget_s=60.0)) == seen
+
+
+def test_the_listing_handler_gives_a_page_one_sweep_slice_of_time(clock):
+    state = make_state(clock, sweep_slice_ms=1e-9)  # a slice no page fits in: one name a page
+    mount(state, "a", 1 << 20)
+    for i in range(3):
+        put(state, f"k{i}")
+    handlers = MasterHandlers(state, epoch=7)
+    reply = handlers.ListKeys(pb.ListKeysRequest(namespace=NS, prefix="k", limit=100))
+    assert reply.status == OK
+    assert [e.key for e in reply.entries] == ["k0"] and reply.next_start_after == "k0"
+
+
 def test_the_page_size_defaults_and_is_clamped(state):
     for i in range(3):
         put(state, f"k{i}")
