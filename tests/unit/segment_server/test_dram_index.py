@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import crc32c
 
 from kvtier.proto import master_pb2 as pb
@@ -108,3 +110,70 @@ def test_entries_keep_owner_pin_and_deadline_and_forget_spares_a_newer_commit():
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00soft", "ns\x00hard"]
     index.forget([(0, again)])
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00hard"]
+
+
+def test_an_entry_costs_at_most_130_bytes_beside_its_name():
+    """Issue 19: the index was a tuple of eight objects per entry (about 360 B traced beside the
+    name); packed, one bytes object (24-byte header + name) in one dict keyed by offset."""
+    count = 20_000
+    index = DramIndex(memoryview(bytearray(64)))
+    reply = pb.PollCommitsResponse(first_seq=1)
+    reply.offsets.extend(i << 20 for i in range(1, count + 1))  # offsets past the small-int cache
+    reply.sizes.extend([65536] * count)
+    reply.checksums.extend(0x9E37_79B9 * (i + 1) & 0xFFFF_FFFF for i in range(count))  # not a cached int
+    reply.drops.extend([False] * count)
+    names = [f"ns\x00{i:016x}" for i in range(count)]
+    reply.names.extend(names)
+    reply.instances.extend(["engine-instance-0"] * count)
+    reply.ranks.extend([1] * count)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index.apply(reply, (0, 0))
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / count - len(names[0])
+    finally:
+        tracemalloc.stop()
+    assert len(index) == count and per_entry <= 130, per_entry
+
+
+def test_every_field_reads_back_beside_entries_that_fail_and_zero_size_ones():
+    """The inventory is read column-wise from the packed headers: the columns stay aligned when
+    entries in the middle fail, for several owners and pins, zero-size entries among them."""
+    region = bytearray(8192)
+    index = DramIndex(memoryview(region), clock=lambda: 100.0)
+    values = [bytes([65 + i]) * (16 + i) for i in range(8)]
+    reply = notices(*((False, 512 * i, f"k{i}", value) for i, value in enumerate(values)))
+    for i, value in enumerate(values):
+        region[512 * i : 512 * i + len(value)] = value
+        reply.instances[i] = f"engine-{i % 3}"
+        reply.ranks[i] = i
+        reply.pins[i] = (pb.PIN_NONE, pb.PIN_SOFT, pb.PIN_HARD)[i % 3]
+        reply.pin_ttl_ms[i] = 1000 * (i + 1) if i % 3 == 1 else 0
+    index.apply(reply, (0, 0))
+    index.apply(notices((False, 0, "zero", b"", pb.PIN_SOFT, 7000)), (0, 0))
+    region[512 * 2] ^= 1  # k2 and k5 no longer verify
+    region[512 * 5 + 3] ^= 1
+    inventory = index.inventory()
+    kept = [0, 1, 3, 4, 6, 7]
+    assert [entry[0] for _, entry in inventory] == ["ns\x00zero"] + [f"ns\x00k{i}" for i in kept]
+    (zero_offset, zero), *rest = inventory
+    assert zero_offset == 0 and zero[1:6] == (0, 0, "eng", 3, pb.PIN_SOFT) and index.pin_ttl_ms(zero) == 7000
+    for i, (offset, entry) in zip(kept, rest, strict=True):
+        name, size, checksum, instance, rank, pin, _, _ = entry
+        assert (offset, size, checksum) == (512 * i, len(values[i]), crc32c.crc32c(values[i]))
+        assert (instance, rank, pin) == (f"engine-{i % 3}", i, (pb.PIN_NONE, pb.PIN_SOFT, pb.PIN_HARD)[i % 3])
+        assert index.pin_ttl_ms(entry) == (1000 * (i + 1) if i % 3 == 1 else 0)
+    assert index.totals() == (7, sum(len(values[i]) for i in kept)), "the failed entries left the index"
+
+
+def test_entries_that_touch_each_other_and_the_region_end_are_kept():
+    """Planning's fast check: an entry may end exactly where the next begins, or at the region's end."""
+    region = bytearray(256)
+    region[:] = bytes(range(256))
+    index = DramIndex(memoryview(region))
+    first, last = bytes(region[0:192]), bytes(region[192:256])
+    index.apply(notices((False, 192, "last", last), (False, 0, "first", first)), (0, 0))
+    assert [(offset, entry[0][3:]) for offset, entry in index.inventory()] == [(0, "first"), (192, "last")]
+    index.apply(notices((False, 191, "overlaps both", bytes(region[191:193]))), (0, 0))
+    assert [entry[0][3:] for _, entry in index.inventory()] == ["overlaps both"], "the newest wins, older neighbours go"
+    assert len(index) == 1

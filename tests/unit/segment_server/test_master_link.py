@@ -13,6 +13,7 @@ import logging
 import threading
 from concurrent import futures
 
+import crc32c
 import grpc
 import pytest
 
@@ -40,6 +41,7 @@ class ScriptedMaster(master_pb2_grpc.MasterServicer):
         self.heartbeat_status = OK
         self.heartbeat_error = ""
         self.abort_with: grpc.StatusCode | None = None
+        self.refuse: set[str] = set()  # keys ReportDramObjects refuses (a conflict on the master)
 
     def record(self, method: str, request, context) -> None:
         with self.lock:
@@ -67,7 +69,8 @@ class ScriptedMaster(master_pb2_grpc.MasterServicer):
 
     def ReportDramObjects(self, request, context):  # noqa: N802
         self.record("ReportDramObjects", request, context)
-        return pb.KeyStatusResponse(status=OK, statuses=[OK] * len(request.keys))
+        refused = int(Status.CHECKSUM_MISMATCH)  # what the master answers a conflicting copy
+        return pb.KeyStatusResponse(status=OK, statuses=[refused if k in self.refuse else OK for k in request.keys])
 
     def Heartbeat(self, request, context):  # noqa: N802
         self.record("Heartbeat", request, context)
@@ -243,3 +246,50 @@ def test_an_outage_is_logged_once_and_its_end_noted(master, links, caplog):
     assert len(outage) >= 4
     assert [r.levelno for r in outage].count(logging.WARNING) == 1, "one warning per outage, not per attempt"
     assert master.methods().count("MountSegment") == 1 and link.link.session() == (1, 11)
+
+
+def test_the_inventory_reports_every_field_chunk_by_chunk_and_forgets_what_the_master_refused(master):
+    """More entries than one ReportDramObjects carries (10,000): every field of every entry reaches
+    the master once, in offset order, a corrupted entry never, and a refused one leaves the index."""
+    count, size = 12_345, 16
+    region = bytearray(count * size)
+    index = DramIndex(memoryview(region), clock=lambda: 100.0)
+    reply = pb.PollCommitsResponse(first_seq=1)
+    for i in range(count):
+        value = i.to_bytes(size, "little")
+        region[i * size : (i + 1) * size] = value
+        reply.offsets.append(i * size)
+        reply.sizes.append(size)
+        reply.checksums.append(crc32c.crc32c(value))
+        reply.drops.append(False)
+        reply.names.append(f"ns{i % 2}\x00k{i}")
+        reply.instances.append(f"engine-{i % 3}")
+        reply.ranks.append(i % 4)
+        reply.pins.append(pb.PIN_SOFT if i == 10_001 else pb.PIN_NONE)
+        reply.pin_ttl_ms.append(4000 if i == 10_001 else 0)
+    index.apply(reply, (0, 0))
+    region[7 * size] ^= 0xFF  # k7's bytes changed: never reported
+    master.refuse = {"k3", "k10002"}
+    link = Link(master, index)
+    try:
+        assert wait_until(lambda: link.link.session() == (1, 11))
+    finally:
+        link.stop(unmount=False)
+    chunks = [r for r in master.requests("ReportDramObjects") if not r.done]
+    assert [len(r.keys) for r in chunks] == [9_999, count - 1 - 9_999]  # the first chunk lost k7
+    got = [
+        (r.offsets[j], r.namespaces[j], r.keys[j], r.sizes[j], r.checksums[j], r.instances[j], r.ranks[j], r.pins[j])
+        for r in chunks
+        for j in range(len(r.keys))
+    ]
+    want = [
+        (i * size, f"ns{i % 2}", f"k{i}", size, crc32c.crc32c(i.to_bytes(size, "little")), f"engine-{i % 3}", i % 4)
+        + (pb.PIN_SOFT if i == 10_001 else pb.PIN_NONE,)
+        for i in range(count)
+        if i != 7
+    ]
+    assert got == want
+    soft = chunks[1].keys[:].index("k10001")
+    assert chunks[1].pin_ttl_ms[soft] == 4000 and sum(chunks[1].pin_ttl_ms) == 4000
+    assert len(index) == count - 3, "the corrupted entry and the two refused ones left the index"
+    assert {entry[0] for _, entry in index.inventory()}.isdisjoint({"ns1\x00k3", "ns1\x00k7", "ns0\x00k10002"})
