@@ -55,7 +55,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.recovery_procs import Probe, Processes, Watch
+from kvtier.bench.recovery_procs import SERVE_DEADLINE_S, Probe, Processes, Watch
 from kvtier.common.units import format_size, parse_size
 
 PUT_BATCH = 1000
@@ -67,6 +67,10 @@ POOL_SLACK = 4096
 RETRIES = 3
 RESTART_FIGURES = ("master_ready_s", "leader_s", "get_s", "exists_s")
 FAILOVER_FIGURES = ("elected_s", "leader_s", "gap_s")
+# A restart's waits give up after SERVE_DEADLINE_S, or this long per object when that is more: the
+# segments verify and report every DRAM object before the master leads (tens of µs per object on a
+# 2-vCPU VM: minutes at 10M objects, within the master's own recovery_max_s of 300 s).
+SERVE_S_PER_OBJECT = 40e-6
 IN_FLIGHT_S = 0.1  # see the module docstring: a put ending this long after the kill was served by another master
 
 
@@ -219,7 +223,7 @@ def run_recovery_bench(objects: int, repeat: int, dram: str, value_size: int = 0
             sample = rng.sample(range(objects), min(SAMPLE, objects))
             sample_keys = [_key(n) for n in sample]
             epoch_before = checker.cluster_status().epoch
-            watch = Watch()
+            watch = Watch(max(SERVE_DEADLINE_S, objects * SERVE_S_PER_OBJECT))
             probe = Probe()
 
             def leader(probe=probe, epoch_before=epoch_before) -> bool:

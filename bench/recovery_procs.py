@@ -207,9 +207,11 @@ class Probe:
 
 class Watch:
     """Waits that run in parallel threads from the kill on; each records when it first saw what it
-    waits for, in seconds from the kill (NaN when it never did within SERVE_DEADLINE_S)."""
+    waits for, in seconds from the kill (NaN when it never did within `deadline_s`, by default
+    SERVE_DEADLINE_S)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: float = SERVE_DEADLINE_S) -> None:
+        self.deadline_s = deadline_s
         self.killed_at = 0.0
         self.first: dict[str, float] = {}
         self.errors: list[str] = []
@@ -223,7 +225,7 @@ class Watch:
         def run() -> None:
             self._go.wait()
             try:
-                while time.monotonic() - self.killed_at < SERVE_DEADLINE_S:
+                while time.monotonic() - self.killed_at < self.deadline_s:
                     try:
                         if predicate():
                             self.mark(what)
@@ -244,7 +246,7 @@ class Watch:
 
     def join(self) -> None:
         for thread in self._threads:
-            thread.join(SERVE_DEADLINE_S + 15)
+            thread.join(self.deadline_s + 15)
 
     def mark(self, what: str) -> None:
         self.first.setdefault(what, time.monotonic() - self.killed_at)
