@@ -381,6 +381,8 @@ class FastPathProtocol(FramedConnection):
             self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
         if consumed == end:
             self._start = self._end = 0
+            if len(buffer) == BASE_BUFFER:  # the common case: nothing buffered, nothing to resize
+                return
         else:
             self._start = consumed
         self._fit()
