@@ -113,13 +113,15 @@ class CommitWaiter:
             self._timer = loop.call_at(self._parked[0].deadline, self._expire)
 
     def flush(self) -> None:
-        """Answer every parked answer whose barrier is done, in the order they were parked."""
-        if self._flush_soon is not None:
-            self._flush_soon.cancel()
-            self._flush_soon = None
-        parked = self._parked
-        if not parked:
+        """Answer every parked answer whose barrier is done, in the order they were parked. Only
+        after a `wake` (nothing else completes a barrier; the timeout is `_expire`'s): the fast path
+        calls this after every poll, and most polls acknowledge nothing new."""
+        handle = self._flush_soon
+        if handle is None:
             return
+        handle.cancel()
+        self._flush_soon = None
+        parked = self._parked
         waiting: deque[_ParkedAnswer] = deque()
         done = []
         for answer in parked:
