@@ -1,12 +1,21 @@
 """The wait of PutEnd, Remove and RemovePrefix for the segments' acknowledgements of the commit-log
 notices they made (kvtier.master.commits), shared by both doors: `Barrier` (what one answer waits for),
 `CommitWaiter` (the asyncio wait) and `CommitPolls` (the segments' long poll of those notices, on
-either door: the fast path's framing is how segments poll since issue 19)."""
+either door: the fast path's framing is how segments poll since issue 19).
+
+Two ways to wait, one meaning. The gRPC door awaits (`finish`, `CommitPolls.poll`: a future and a
+timer per wait). The fast path parks its answers instead (`park`, `CommitPolls.park`): no task,
+future or coroutine per wait, and it answers them itself right after the handler that completes
+them (`flush`): a PutEnd's commit notice goes to the waiting poll before the PutEnd's own wait is
+set up, and the acknowledgement on the segment's next poll answers the PutEnd before that poll
+waits again (session 9: each put waits twice, and those hops were a fifth of its master time)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,22 +53,41 @@ class Barrier:
         )
 
 
+Deliver = Callable[[Any], None]  # writes one parked answer (the fast path's connection)
+
+
+@dataclass(slots=True, eq=False)
+class _ParkedAnswer:
+    """A fast-path answer waiting for its barrier."""
+
+    reply: Any
+    barrier: Barrier
+    state: MasterState  # the tables it was made in: another state by the end means UNAVAILABLE
+    deadline: float  # loop time
+    deliver: Deliver
+
+
 class CommitWaiter:
     """The wait of PutEnd, Remove and RemovePrefix for the segments' acknowledgements
     (kvtier.master.commits).
 
-    Shared by the gRPC servicer and the fast path. One event wakes every
-    waiter whenever a segment acknowledges (or leaves, or a save becomes
-    durable); each checks its own barrier. A segment that never acknowledges
-    is expelled at segment_ttl_s (MasterState.tick), which ends the wait; a
-    FORGET not acknowledged by then is no longer waited for (its segment's
-    tier worker hangs). Past that, the answer is UNAVAILABLE, never OK.
+    Shared by the gRPC servicer and the fast path. Whenever a segment
+    acknowledges (or leaves, or a save becomes durable) every waiter checks
+    its own barrier: awaited ones are woken, parked ones checked by `flush`.
+    A segment that never acknowledges is expelled at segment_ttl_s
+    (MasterState.tick), which ends the wait; a FORGET not acknowledged by
+    then is no longer waited for (its segment's tier worker hangs). Past
+    that, the answer is UNAVAILABLE, never OK.
     """
 
     def __init__(self, handlers: MasterHandlers, timeout_s: float) -> None:
         self._handlers = handlers
         self._timeout_s = timeout_s
         self._wakeups: set[asyncio.Future] = set()
+        # Parked answers in deadline order (one timeout for all): one timer for the head, not one each.
+        self._parked: deque[_ParkedAnswer] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._flush_soon: asyncio.Handle | None = None
         self.polls = CommitPolls(handlers)
         self.attach(handlers.state)
 
@@ -69,7 +97,63 @@ class CommitWaiter:
         self.polls.attach(state)
 
     def wake(self) -> None:
+        """Something a barrier waits for happened: awaited waits check now, parked ones at the next
+        `flush` (at once when the fast path's handler that caused it returns, else this loop turn)."""
         _wake_all(self._wakeups)
+        if self._parked and self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
+
+    def park(self, reply: Any, barrier: Barrier, deliver: Deliver) -> None:
+        """The fast path's `finish`: `deliver` gets the answer once `barrier` is done (at a `flush`),
+        or the timeout's answer; never twice, never from inside a handler."""
+        loop = asyncio.get_running_loop()
+        state = self._handlers.state
+        self._parked.append(_ParkedAnswer(reply, barrier, state, loop.time() + self._timeout_s, deliver))
+        if self._timer is None:
+            self._timer = loop.call_at(self._parked[0].deadline, self._expire)
+
+    def flush(self) -> None:
+        """Answer every parked answer whose barrier is done, in the order they were parked. Only
+        after a `wake` (nothing else completes a barrier; the timeout is `_expire`'s): the fast path
+        calls this after every poll, and most polls acknowledge nothing new."""
+        handle = self._flush_soon
+        if handle is None:
+            return
+        handle.cancel()
+        self._flush_soon = None
+        parked = self._parked
+        waiting: deque[_ParkedAnswer] = deque()
+        done = []
+        for answer in parked:
+            (done if answer.barrier.done(answer.state) else waiting).append(answer)
+        if done:
+            self._parked = waiting  # before delivering: an answer's connection may park again meanwhile
+            for answer in done:
+                self._deliver(answer, self._settled)
+
+    def _expire(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._parked and self._parked[0].deadline <= now:
+            self._deliver(self._parked.popleft(), self._timed_out)
+        if self._parked:
+            self._timer = loop.call_at(self._parked[0].deadline, self._expire)
+
+    def _deliver(self, answer: _ParkedAnswer, outcome: Callable[[Any, Barrier, MasterState], Any]) -> None:
+        try:
+            reply = outcome(answer.reply, answer.barrier, answer.state)
+        except Exception:  # never leave the connection paused: answer, and let the client retry
+            logger.exception("waiting for acknowledgements failed")
+            reply = type(answer.reply)(status=-1, error="internal error while waiting for acknowledgements")
+        answer.deliver(reply)
+
+    def _timed_out(self, reply: Any, barrier: Barrier, state: MasterState) -> Any:
+        state.tiering.forgets_stalled(barrier.forgets)
+        if barrier.done(state):
+            return self._settled(reply, barrier, state)
+        logger.error("acknowledgements missing after %.1fs segments=%s", self._timeout_s, sorted(barrier.notices))
+        return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
 
     def barrier(self) -> Barrier | None:
         """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
@@ -101,13 +185,14 @@ class CommitWaiter:
         while not barrier.done(state):
             remaining = deadline - loop.time()
             if remaining <= 0:
-                state.tiering.forgets_stalled(barrier.forgets)
-                if barrier.done(state):
-                    break
-                missing = sorted(barrier.notices)
-                logger.error("acknowledgements missing after %.1fs segments=%s", self._timeout_s, missing)
-                return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
+                return self._timed_out(reply, barrier, state)
             await _woken(self._wakeups, remaining)
+        return self._settled(reply, barrier, state)
+
+    def _settled(self, reply: Any, barrier: Barrier, state: MasterState) -> Any:
+        """The answer once `barrier` is done: UNAVAILABLE if the master was deposed or its tables
+        replaced meanwhile, and a PutEnd's keys whose segment was lost turned SEGMENT_NOT_FOUND."""
+        handlers = self._handlers
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
         put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
@@ -120,6 +205,15 @@ class CommitWaiter:
         return reply
 
 
+@dataclass(slots=True, eq=False)
+class _ParkedPoll:
+    """A fast-path long poll waiting for its segment's next notice."""
+
+    request: Any  # acked_seq already set to what its first answer applied
+    deliver: Deliver
+    timer: asyncio.TimerHandle | None = None  # its wait_ms
+
+
 class CommitPolls:
     """The long poll of a segment's commit notices (`PollCommits`), for both doors.
 
@@ -128,31 +222,86 @@ class CommitPolls:
     commit log notifies its segment, or `wait_ms`. The acknowledgement a
     PutEnd waits for rides on the segment's next poll, so the whole commit
     round trip is two frames on a connection the segment keeps open.
+
+    gRPC polls await (`poll`); fast-path polls are parked (`park`): a notice
+    moves its segment's parked polls to `ready`, and they are answered at the
+    next `flush`, which the fast path runs right after the handler that made
+    the notice (a PutEnd's commit reaches the segment before the PutEnd's own
+    wait is even set up), or else this loop turn. Never from inside the
+    state's code that made the notice.
     """
 
     def __init__(self, handlers: MasterHandlers) -> None:
         self._handlers = handlers
         self._wakeups: dict[int, set[asyncio.Future]] = {}  # segment id -> its polls waiting
+        self._parked: dict[int, list[_ParkedPoll]] = {}  # segment id -> its fast-path polls waiting
+        self.ready: list[_ParkedPoll] = []  # woken: answered at the next flush()
+        self._flush_soon: asyncio.Handle | None = None
 
     def attach(self, state: MasterState) -> None:
         """Hook a (new) state's notifications; polls of the old state's segments answer now."""
         for wakeups in self._wakeups.values():
             _wake_all(wakeups)
         self._wakeups.clear()
+        for polls in self._parked.values():
+            self._make_ready(polls)
+        self._parked.clear()
         state.commits.notify = self.wake
 
     def wake(self, segment_id: int) -> None:
         wakeups = self._wakeups.get(segment_id)
         if wakeups:
             _wake_all(wakeups)
+        polls = self._parked.pop(segment_id, None)
+        if polls:
+            self._make_ready(polls)
 
     def later(self, request: Any, reply: Any) -> Any:
         """After the handler answered `reply`: the coroutine of the long poll's answer, or None when
         `reply` is the answer (notices, a refusal, or no wait asked)."""
-        wait_s = min(request.wait_ms / 1000, LONG_POLL_MAX_S)
-        if reply.status != Status.OK or reply.offsets or wait_s <= 0:
-            return None
-        return self._wait(request, reply, wait_s)
+        wait_s = _wait_s(request, reply)
+        return None if wait_s <= 0 else self._wait(request, reply, wait_s)
+
+    def park(self, request: Any, reply: Any, deliver: Deliver) -> bool:
+        """The fast path's `later`: True when `deliver` gets the long poll's answer later (after the
+        segment's next notice, at a `flush`, or after its wait), False when `reply` is the answer."""
+        wait_s = _wait_s(request, reply)
+        if wait_s <= 0:
+            return False
+        segment_id = request.segment_id
+        request.acked_seq = reply.first_seq - 1
+        poll = _ParkedPoll(request, deliver)
+        if self._handlers.state.commits.has_notices(segment_id, request.acked_seq):
+            self._make_ready([poll])
+            return True
+        poll.timer = asyncio.get_running_loop().call_later(wait_s, self._expire, segment_id, poll)
+        self._parked.setdefault(segment_id, []).append(poll)
+        return True
+
+    def flush(self) -> None:
+        """Answer the polls woken since the last flush."""
+        if self._flush_soon is not None:
+            self._flush_soon.cancel()
+            self._flush_soon = None
+        ready, self.ready = self.ready, []
+        for poll in ready:
+            if poll.timer is not None:
+                poll.timer.cancel()
+            poll.deliver(self._handlers.PollCommits(poll.request))
+
+    def _make_ready(self, polls: list[_ParkedPoll]) -> None:
+        self.ready += polls
+        if self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
+
+    def _expire(self, segment_id: int, poll: _ParkedPoll) -> None:
+        polls = self._parked.get(segment_id)
+        if polls is None or poll not in polls:
+            return  # woken meanwhile: answered by a flush
+        polls.remove(poll)
+        if not polls:
+            del self._parked[segment_id]
+        poll.deliver(self._handlers.PollCommits(poll.request))
 
     async def poll(self, request: Any) -> Any:
         reply = self._handlers.PollCommits(request)  # applies the acknowledgement at once
@@ -169,6 +318,14 @@ class CommitPolls:
                 del self._wakeups[segment_id]
         request.acked_seq = reply.first_seq - 1
         return handlers.PollCommits(request)
+
+
+def _wait_s(request: Any, reply: Any) -> float:
+    """How long a poll answered `reply` waits for notices (0: `reply` is its answer: notices, a
+    refusal, or no wait asked)."""
+    if reply.status != Status.OK or reply.offsets:
+        return 0.0
+    return min(request.wait_ms / 1000, LONG_POLL_MAX_S)
 
 
 # Waits as bare futures with a timer, not asyncio.wait_for over an Event: every put waits twice (its

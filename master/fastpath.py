@@ -12,7 +12,10 @@ PutEnd and Remove are the exception: their answers wait for the segments to
 acknowledge the commit log (`CommitWaiter`). So does a segment's PollCommits
 that finds no notice queued (a long poll, `CommitPolls`). The connection then
 stops reading and parsing until that answer is written, so answers stay in
-request order.
+request order. Those answers are parked, not awaited (no task per wait), and
+written as soon as the handler that completes them returns: the notices a
+call made go to the waiting polls right after it, and the answers a poll's
+acknowledgement completes go out before that poll waits again.
 
 Limits (`FastPathLimits`, from the master's config), kept with the segments'
 data plane in one base (kvtier.common.framed_listener; this module keeps the
@@ -41,6 +44,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from google.protobuf.message import DecodeError
 
@@ -354,28 +358,64 @@ class FastPathProtocol(FramedConnection):
                 response = handler(request)
             finally:
                 current_principal.reset(principal)
+            waiter = self._waiter
+            if waiter.polls.ready:  # notices this call made (a PutEnd's commits): to their segments first
+                waiter.polls.flush()
             wait = None
             if method == _PUT_START and (held := self._handlers.take_put_hold()) is not None:
                 wait = self._handlers.put_waiter.finish(held)
             elif method == _REMOVE_PREFIX and (removal := self._handlers.take_removal()) is not None:
-                wait = self._waiter.after_removal(response, removal)  # a sweep in slices: answered when done
-            elif method in _WAITING and response.status == 0 and (barrier := self._waiter.barrier()) is not None:
-                wait = self._waiter.finish(response, barrier)
+                wait = waiter.after_removal(response, removal)  # a sweep in slices: answered when done
+            elif method in _WAITING and response.status == 0 and (barrier := waiter.barrier()) is not None:
+                self._park(consumed)
+                return waiter.park(response, barrier, partial(self._deliver, method, request_id))
             elif method == _POLL_COMMITS:
-                wait = self._waiter.polls.later(request, response)
+                waiter.flush()  # the answers its acknowledgement completes go out before it waits
+                if waiter.polls.park(request, response, partial(self._deliver, method, request_id)):
+                    return self._park(consumed)
             if wait is not None:
-                self._start = consumed
-                self._waiting = True
-                self._update_reading()
+                self._park(consumed)
                 asyncio.get_running_loop().create_task(self._answer_later(method, request_id, response, wait))
                 return
             reply = response.SerializeToString()
             self._transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
         if consumed == end:
             self._start = self._end = 0
+            if len(buffer) == BASE_BUFFER:  # the common case: nothing buffered, nothing to resize
+                return
         else:
             self._start = consumed
         self._fit()
+
+    def _park(self, consumed: int) -> None:
+        """The frame up to `consumed` waits for its answer: stop reading and parsing until then."""
+        self._start = consumed
+        self._waiting = True
+        self._update_reading()
+
+    def _deliver(self, method: int, request_id: int, response) -> None:
+        """A parked answer (kvtier.master.commit_wait): write it, then read on. Called from another
+        connection's dispatch or a timer, so frames already buffered behind it are parsed on the next
+        loop turn, never inside the caller's."""
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        reply = response.SerializeToString()
+        transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
+        self._waiting = False
+        self._since = time.monotonic()
+        if self._start == self._end:
+            self._start = self._end = 0
+            self._fit()
+            self._update_reading()
+        else:
+            asyncio.get_running_loop().call_soon(self._read_on)
+
+    def _read_on(self) -> None:
+        if self._waiting or self._closing or self._transport is None:
+            return  # a frame that arrived meanwhile waits again, or the connection is gone
+        self._process(time.monotonic())
+        self._update_reading()
 
     async def _answer_later(self, method: int, request_id: int, response, wait) -> None:
         try:

@@ -74,6 +74,8 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
         self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
         self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart
+        # segment id -> (its record, quarantined, its SegmentEndpoint), for answers (`_endpoints`)
+        self._endpoint_cache: dict[int, tuple[Any, bool, pb.SegmentEndpoint]] = {}
 
     def take_put_hold(self) -> HeldPut | None:
         """After PutStart: the put whose answer must wait for offload (kvtier.master.backpressure)."""
@@ -124,20 +126,32 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         return None
 
     def _endpoints(self, segment_ids: Iterable[int]) -> list[pb.SegmentEndpoint]:
+        """The endpoints of these segments (each once) for an answer. Built once per segment and
+        kept (a segment's name, host and endpoints never change: a re-mount is a new record), so
+        a single-key put or get does not construct one per call (session 9)."""
         out = []
         quarantined = self.state.quarantined_ids
+        segments = self.state.segments
+        cache = self._endpoint_cache
         for segment_id in set(segment_ids):
-            segment = self.state.segments.get(segment_id)
-            if segment is not None:
-                out.append(
-                    pb.SegmentEndpoint(
-                        segment_id=segment_id,
-                        name=segment.name,
-                        host_id=segment.host_id,
-                        endpoints=segment.endpoints,
-                        quarantined=segment_id in quarantined,
-                    )
+            segment = segments.get(segment_id)
+            if segment is None:
+                continue
+            shunned = segment_id in quarantined
+            cached = cache.get(segment_id)
+            if cached is None or cached[0] is not segment or cached[1] != shunned:
+                message = pb.SegmentEndpoint(
+                    segment_id=segment_id,
+                    name=segment.name,
+                    host_id=segment.host_id,
+                    endpoints=segment.endpoints,
+                    quarantined=shunned,
                 )
+                if len(cache) > 2 * len(segments) + 64:  # segments that left: forget them
+                    for gone in [i for i, (record, _, _) in cache.items() if segments.get(i) is not record]:
+                        del cache[gone]
+                cache[segment_id] = cached = (segment, shunned, message)
+            out.append(cached[2])
         return out
 
 

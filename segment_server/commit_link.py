@@ -10,7 +10,7 @@ PollCommits over gRPC, which stays the fallback: the master has no fast path
 (`--fast-listen off`), the link uses TLS (the fast path has none), or the
 endpoint cannot be reached.
 
-Blocking sockets on the feed's own thread: one request at a time, answered in
+A blocking socket on the feed's own thread: one request at a time, answered in
 order. A broken exchange is harmless to retry: an acknowledgement applies
 once (a lower one is ignored), and notices not acknowledged are sent again.
 A poll waits in short slices and gives up as soon as `current()` says the
@@ -21,6 +21,7 @@ leader must not hold the feed while the new one expels the segment as silent.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +32,11 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.proto import rpcframe
 
 _HEADER = rpcframe.HEADER
+_HEADER_SIZE = _HEADER.size
 _METHOD = rpcframe.METHOD_IDS["PollCommits"]
 _SLICE_S = 0.1  # how often a waiting poll checks that its master is still the one to ask
+_BUFFER = 64 << 10  # a reply buffer that holds most polls' answers whole
+_KEEP = 1 << 20  # a larger buffer, needed once for a large answer, is kept up to this size
 
 
 class FeedLinkError(OSError):
@@ -40,16 +44,33 @@ class FeedLinkError(OSError):
 
 
 class FramedFeedLink:
-    """One framed connection to the master's fast path, for PollCommits."""
+    """One framed connection to the master's fast path, for PollCommits.
+
+    Blocking, with the kernel's own timeouts (SO_RCVTIMEO is the slice a
+    waiting poll checks `current()` after; SO_SNDTIMEO bounds a send): a
+    Python socket timeout would poll() before every send and receive and cost
+    two more syscalls each time it is set. A reply is read into one reusable
+    buffer, its header and message together when they arrive together: an
+    exchange is one send and, most of the time, one receive (session 9: this
+    thread's work is on the path of every PutEnd).
+    """
 
     def __init__(self, endpoint: str, token: str, connect_timeout_s: float) -> None:
         """`endpoint`: the master's advertised `tcp://host:port`; `token`: the bearer token ("" = none)."""
         self.endpoint = endpoint
         host, port = parse_hostport(endpoint.split("://", 1)[-1])
-        self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_SLICE_S))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connect_timeout_s))
+        except OSError:
+            sock.close()
+            raise
         self._lock = threading.Lock()
         self._request_id = 0
+        self._buf = bytearray(_BUFFER)
         if token:
             body = token.encode()
             self._exchange(rpcframe.AUTH_METHOD, body, connect_timeout_s, lambda: True)
@@ -75,14 +96,30 @@ class FramedFeedLink:
             self._request_id = self._request_id % 0xFFFFFFFF + 1  # never 0: that id marks a refusal at accept
             request_id = self._request_id
             sock = self._sock
-            sock.settimeout(timeout_s)
             sock.sendall(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(body)) + body)
             deadline = time.monotonic() + timeout_s
-            sock.settimeout(_SLICE_S)
-            magic, reply_method, reply_id, size = _HEADER.unpack(_recv(sock, _HEADER.size, deadline, current))
+            buf = self._buf
+            view = memoryview(buf)
+            got = 0
+            while got < _HEADER_SIZE:  # the header, and whatever of the message came with it
+                got += _recv_into(sock, view[got:], deadline, current)
+            magic, reply_method, reply_id, size = _HEADER.unpack_from(buf)
             if magic != rpcframe.MAGIC or size > rpcframe.MAX_PAYLOAD:
                 raise FeedLinkError(f"bad frame from the master's fast path: magic={magic:#x} size={size}")
-            reply = _recv(sock, size, deadline, current) if size else b""
+            end = _HEADER_SIZE + size
+            if got > end:  # one request at a time: nothing may follow its reply
+                raise FeedLinkError(f"{got - end} unexpected bytes after a fast-path reply")
+            if end > len(buf):
+                view.release()
+                larger = bytearray(end)
+                larger[:got] = buf[:got]
+                buf, view = larger, memoryview(larger)
+                if end <= _KEEP:
+                    self._buf = larger
+            while got < end:
+                got += _recv_into(sock, view[got:end], deadline, current)
+            reply = bytes(view[_HEADER_SIZE:end])
+            view.release()
             if reply_method == rpcframe.ERROR_METHOD:
                 raise FeedLinkError(f"the master's fast path refused: {reply[:200].decode(errors='replace')}")
             if reply_method != method or reply_id != request_id:
@@ -90,23 +127,25 @@ class FramedFeedLink:
             return reply
 
 
-def _recv(sock: socket.socket, size: int, deadline: float, current: Callable[[], bool]) -> bytes:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float, current: Callable[[], bool]) -> int:
+    """Bytes received into `view` (at least one), waiting in slices of _SLICE_S (SO_RCVTIMEO)."""
+    while True:
         try:
-            n = sock.recv_into(view[got:])
-        except TimeoutError:
+            n = sock.recv_into(view)
+        except BlockingIOError:  # the slice passed with nothing received
             if not current():
                 raise FeedLinkError("the leading master changed") from None
             if time.monotonic() > deadline:
-                raise
+                raise TimeoutError("the master's fast path did not answer in time") from None
             continue
         if not n:
             raise ConnectionResetError("the master closed the fast-path connection")
-        got += n
-    return bytes(buf)
+        return n
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
 
 
 def fast_endpoint(stub: Any, timeout_s: float) -> str:

@@ -72,3 +72,64 @@ def test_a_refusal_frame_is_an_error_not_a_reply():
         link.close()
         thread.join(timeout=5)
         server.close()
+
+
+def _scripted_master(chunks_of):
+    """A listener answering each request with `chunks_of(request_id)`: byte strings sent one by one
+    (with TCP_NODELAY, so a reply can arrive cut anywhere)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while header := conn.recv(rpcframe.HEADER.size, socket.MSG_WAITALL):
+                _, _, request_id, size = rpcframe.HEADER.unpack(header)
+                if size:
+                    conn.recv(size, socket.MSG_WAITALL)
+                for chunk in chunks_of(request_id):
+                    conn.sendall(chunk)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _reply(request_id: int, reply: pb.PollCommitsResponse) -> bytes:
+    body = reply.SerializeToString()
+    return rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.METHOD_IDS["PollCommits"], request_id, len(body)) + body
+
+
+def test_replies_cut_anywhere_or_larger_than_the_buffer_are_read_whole_and_in_order():
+    # the link reads a reply into one reusable buffer, header and message together when they come together
+    names = [f"ns\x00{i:06d}-" + "x" * 200 for i in range(600)]  # ~130 KiB: more than the link's buffer
+    big = pb.PollCommitsResponse(status=0, first_seq=1, names=names, offsets=range(600), sizes=[1] * 600)
+    small = pb.PollCommitsResponse(status=0, first_seq=601)
+
+    def chunks_of(request_id: int) -> list[bytes]:
+        data = _reply(request_id, big if request_id % 2 else small)
+        cuts = [0, 3, 11, 12, 13, 4000, 70000, len(data)]  # inside the header, at its end, inside the message
+        return [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+    server, thread = _scripted_master(chunks_of)
+    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
+    try:
+        for _ in range(2):
+            assert list(link.poll(pb.PollCommitsRequest(segment_id=1), 5.0).names) == names
+            assert link.poll(pb.PollCommitsRequest(segment_id=1), 5.0).first_seq == 601
+    finally:
+        link.close()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_bytes_after_a_reply_are_an_error_not_the_next_reply():
+    server, thread = _scripted_master(lambda request_id: [_reply(request_id, pb.PollCommitsResponse()) * 2])
+    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
+    try:
+        with pytest.raises(FeedLinkError, match="unexpected bytes"):
+            link.poll(pb.PollCommitsRequest(segment_id=1), 5.0)
+    finally:
+        link.close()
+        thread.join(timeout=5)
+        server.close()

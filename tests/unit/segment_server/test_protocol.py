@@ -727,3 +727,22 @@ def test_property_random_bytes(data, chunks):
     assert conn.region == expected_region
     assert [(r.op, r.request_id, r.status) for r in conn.responses()] == [r[:3] for r in expected_responses]
     assert conn.transport.closed == expected_closed
+
+
+@pytest.mark.parametrize(
+    ("flags", "nranges"),
+    [
+        (frames.FLAG_TRACED | frames.FLAG_DEADLINE, 1),
+        (frames.FLAG_TRACED | frames.FLAG_CAPS, 1),
+        (frames.FLAG_TRACED | frames.FLAG_DEADLINE | frames.FLAG_CAPS, 2),
+    ],
+)
+def test_fewer_table_entries_than_the_flags_announce_is_a_protocol_error(flags, nranges):
+    # each of TRACED, DEADLINE and CAPS announces one leading table entry (counted as a popcount)
+    conn = make_conn()
+    header = frames.REQUEST.pack(MAGIC, VERSION, Op.READ, 7, nranges, flags, 0)
+    conn.feed(header + bytes(16 * nranges))
+    [response] = conn.responses()
+    assert response.status == Status.PROTOCOL_ERROR
+    assert f"{nranges} table entries for {nranges + 1} flagged entries" in response.payload.decode()
+    assert conn.transport.closed

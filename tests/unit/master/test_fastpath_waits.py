@@ -1,0 +1,164 @@
+"""Parked answers on the fast path (kvtier.master.commit_wait, session 9): a PutEnd's commit notice
+reaches the segment's waiting poll inside the PutEnd frame's own dispatch, and the acknowledgement on
+the segment's next poll answers the PutEnd inside that poll's dispatch, before the poll waits again:
+no task, no loop turn in between. What is answered, and when it may be OK, is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtier.master.commit_wait import CommitWaiter
+from kvtier.master.fastpath import Connections, FastPathLimits, FastPathProtocol
+from kvtier.master.handlers import MasterHandlers
+from kvtier.master.recovery import inventory_done
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto import rpcframe
+from kvtier.proto.status import Status
+from tests.unit.master.fastpath_fakes import HEADER, Conn, FakeTransport, frames_of, make_handlers
+
+MiB = 1 << 20
+NS = "ns"
+
+
+def frame(name: str, request, request_id: int = 1) -> bytes:
+    payload = request.SerializeToString()
+    return HEADER.pack(rpcframe.MAGIC, rpcframe.METHOD_IDS[name], request_id, len(payload)) + payload
+
+
+def answers(conn: Conn) -> list[tuple[int, int, bytes]]:
+    """The frames written since the last call."""
+    out = frames_of(bytes(conn.transport.stream))
+    conn.transport.stream.clear()
+    return out
+
+
+class Cluster:
+    """One master's handlers with a segment that keeps an index (PutEnd waits for it), and fast-path
+    connections sharing one CommitWaiter, as the server wires them."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.handlers: MasterHandlers = make_handlers()
+        state = self.handlers.state
+        result = state.mount_segment("unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True)
+        self.segment_id = result.segment.segment_id
+        inventory_done(state, self.segment_id)
+        self.waiter = CommitWaiter(self.handlers, timeout_s)
+        self.connections = Connections(FastPathLimits())
+
+    def connect(self) -> Conn:
+        protocol = FastPathProtocol(self.handlers, self.waiter, self.connections)
+        transport = FakeTransport()
+        protocol.connection_made(transport)
+        return Conn(protocol, transport)
+
+    def poll(self, acked: int, wait_ms: int = 1000) -> bytes:
+        request = pb.PollCommitsRequest(
+            segment_id=self.segment_id, epoch=self.handlers.epoch, acked_seq=acked, wait_ms=wait_ms, max_notices=100
+        )
+        return frame("PollCommits", request, request_id=acked + 1)
+
+    def put_start(self, client: Conn, key: str) -> int:
+        client.feed(frame("PutStart", pb.PutStartRequest(namespace=NS, keys=[key], sizes=[4096], replicas=1)))
+        [(_, _, body)] = answers(client)
+        reply = pb.PutStartResponse.FromString(body)
+        assert reply.status == Status.OK and list(reply.statuses) == [Status.OK]
+        return reply.put_id
+
+
+def put_end(key: str, put_id: int, request_id: int = 7) -> bytes:
+    return frame("PutEnd", pb.PutEndRequest(namespace=NS, keys=[key], checksums=[1], put_id=put_id), request_id)
+
+
+def test_the_commit_goes_to_the_waiting_poll_and_the_ack_answers_the_put_end_within_their_frames():
+    async def main() -> None:
+        cluster = Cluster()
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        assert answers(segment) == [] and not segment.transport.reading  # nothing queued: it waits
+        put_id = cluster.put_start(client, "k")
+
+        client.feed(put_end("k", put_id))
+        assert answers(client) == [] and not client.transport.reading  # waits for the acknowledgement
+        [(method, _, body)] = answers(segment)  # the notice, already: no loop turn since the PutEnd
+        notices = pb.PollCommitsResponse.FromString(body)
+        assert method == rpcframe.METHOD_IDS["PollCommits"] and list(notices.names) == [f"{NS}\x00k"]
+        assert segment.transport.reading
+
+        segment.feed(cluster.poll(acked=notices.first_seq))  # applied: the next poll acknowledges it
+        [(method, request_id, body)] = answers(client)  # answered inside the acknowledging poll's dispatch
+        reply = pb.KeyStatusResponse.FromString(body)
+        assert (method, request_id) == (rpcframe.METHOD_IDS["PutEnd"], 7)
+        assert reply.status == Status.OK and list(reply.statuses) == [Status.OK]
+        assert client.transport.reading
+        assert answers(segment) == [] and not segment.transport.reading  # that poll waits for more
+
+    asyncio.run(main())
+
+
+def test_a_put_end_is_not_answered_ok_before_its_segment_acknowledged_and_times_out_unavailable():
+    async def main() -> None:
+        cluster = Cluster(timeout_s=0.05)
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        client.feed(put_end("k", put_id))
+        [(_, _, body)] = answers(segment)
+        first_seq = pb.PollCommitsResponse.FromString(body).first_seq
+        segment.feed(cluster.poll(acked=first_seq - 1))  # polls again without acknowledging the notice
+        answers(segment)
+        assert answers(client) == []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 100 * 0.05
+        while not client.transport.stream and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        [(_, _, body)] = answers(client)
+        assert pb.KeyStatusResponse.FromString(body).status == Status.UNAVAILABLE
+        assert client.transport.reading
+
+    asyncio.run(main())
+
+
+def test_frames_pipelined_behind_a_parked_answer_are_answered_after_it_in_order():
+    async def main() -> None:
+        cluster = Cluster()
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        exists = frame("Exists", pb.ExistsRequest(namespace=NS, keys=["k"]), request_id=8)
+        client.feed(put_end("k", put_id) + exists)
+        [(_, _, body)] = answers(segment)
+        assert answers(client) == []
+        segment.feed(cluster.poll(acked=pb.PollCommitsResponse.FromString(body).first_seq))
+        for _ in range(10):
+            if len(frames_of(bytes(client.transport.stream))) == 2:
+                break
+            await asyncio.sleep(0)  # the Exists is parsed on a later loop turn, not inside the poll's dispatch
+        [(put_method, put_rid, _), (ex_method, ex_rid, ex_body)] = answers(client)
+        assert (put_method, put_rid, ex_method, ex_rid) == (4, 7, 2, 8)
+        assert list(pb.ExistsResponse.FromString(ex_body).exists) == [True]
+
+    asyncio.run(main())
+
+
+def test_a_parked_poll_answers_empty_after_its_wait_and_a_closed_connection_gets_nothing():
+    async def main() -> None:
+        cluster = Cluster()
+        segment = cluster.connect()
+        segment.feed(cluster.poll(acked=0, wait_ms=20))
+        assert answers(segment) == []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 100 * 0.02
+        while not segment.transport.stream and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        [(_, _, body)] = answers(segment)
+        reply = pb.PollCommitsResponse.FromString(body)
+        assert reply.status == Status.OK and not reply.offsets
+        # A poll whose connection is gone: its notice finds nobody to write to, and nothing breaks.
+        gone, client = cluster.connect(), cluster.connect()
+        gone.feed(cluster.poll(acked=0))
+        gone.lose()
+        put_id = cluster.put_start(client, "k")
+        client.feed(put_end("k", put_id))
+        assert gone.transport.stream == bytearray()
+
+    asyncio.run(main())
