@@ -462,7 +462,15 @@ def run(opts: argparse.Namespace) -> int:
         if opts.objects < 1 or opts.master_batch < 1 or opts.cycles < 0:
             print("kvtier bench: --objects and --master-batch must be positive", file=sys.stderr)
             return 2
-        result = run_master_bench(opts.objects, opts.master_batch, opts.cycles)
+        checkpoints = None
+        if opts.master_checkpoints is not None:
+            text = opts.master_checkpoints.strip().lower()
+            try:
+                checkpoints = [] if text in ("", "none") else [int(parse_size(c)) for c in text.split(",")]
+            except ValueError as exc:
+                print(f"kvtier bench: --master-checkpoints: {exc}", file=sys.stderr)
+                return 2
+        result = run_master_bench(opts.objects, opts.master_batch, opts.cycles, checkpoints)
         print_master_result(result, opts.json, machine_description())
         return 0
     if opts.recovery or opts.failover:

@@ -57,3 +57,20 @@ def test_an_echo_round_trip_is_measured_against_a_uvloop_server():
 def test_the_limits_are_measured():
     assert memcpy_gbps(repeat=1, total=64 * MiB) > 0
     assert loopback_gbps(repeat=1, total=16 * MiB) > 0
+
+
+def test_the_metadata_rates_at_scale_are_read_against_the_first_checkpoint_of_the_same_run():
+    from kvtier.bench.master_bench import Checkpoint, MasterResult, default_checkpoints, rate_ratios
+
+    def result(*checkpoints: Checkpoint) -> MasterResult:
+        return MasterResult(10, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 0, 0, list(checkpoints))
+
+    at_1m = Checkpoint(1_000_000, 100.0, 400.0, 200.0, 240.0)
+    at_10m = Checkpoint(10_000_000, 90.0, 300.0, 200.0, 235.0)
+    assert rate_ratios(result(at_1m, at_10m)) == {
+        "put_keys_per_s": 0.9,
+        "exists_keys_per_s": 0.75,
+        "get_replicas_keys_per_s": 1.0,
+    }
+    assert rate_ratios(result(at_10m)) == {}  # one checkpoint: nothing to compare
+    assert default_checkpoints(10_000_000) == [1_000_000] and default_checkpoints(1_000_000) == []
