@@ -24,7 +24,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -37,6 +36,7 @@ call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kv
 # first attempt of a call (a few ms after it started) costs no syscalls. A timeval of 0 is "never".
 _SLACK = 0.02
 _MIN_TIMEOUT = 0.001
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # once: or-ing the enum flags runs Python code per call
 
 
 class SocketPool:
@@ -54,7 +54,9 @@ class SocketPool:
         self.limit = limit
         self.what = what  # for error messages, e.g. "segment tcp://127.0.0.1:4000"
         self._idle: list[socket.socket] = []
-        self._applied: weakref.WeakKeyDictionary[socket.socket, float] = weakref.WeakKeyDictionary()  # else .timeout
+        # Timeouts last set on a socket, where not the pool's (a plain dict, its entry dropped when the
+        # socket is closed: a WeakKeyDictionary's lookup builds a weak reference on every exchange).
+        self._applied: dict[socket.socket, float] = {}
         self._open = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -98,7 +100,7 @@ class SocketPool:
                 sock = self._idle.pop()
                 if _alive(sock):
                     break
-                sock.close()
+                self._forget(sock)
                 self._open -= 1
                 sock = None
             if sock is None:
@@ -124,14 +126,19 @@ class SocketPool:
                     self._idle.append(sock)
                 else:
                     self._open -= 1
-                    sock.close()
+                    self._forget(sock)
                 self._cond.notify()
+
+    def _forget(self, sock: socket.socket) -> None:
+        """Close a socket of this pool (under `_cond`)."""
+        self._applied.pop(sock, None)
+        sock.close()
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             for sock in self._idle:
-                sock.close()
+                self._forget(sock)
             self._open -= len(self._idle)
             self._idle.clear()
             self._cond.notify_all()  # waiters give up instead of sleeping out their timeout
@@ -146,7 +153,7 @@ def _set_timeouts(sock: socket.socket, timeout: float) -> None:
 def _alive(sock: socket.socket) -> bool:
     """An idle socket is alive when nothing is waiting in it: not EOF, not an error, not stray bytes."""
     try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (closed) or stray bytes: unusable
+        sock.recv(1, _PEEK)  # b"" (closed) or stray bytes: unusable
         return False
     except BlockingIOError:
         return True

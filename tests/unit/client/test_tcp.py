@@ -200,7 +200,8 @@ def test_mixed_sizes_round_trip_with_the_checksums_of_what_moved(segment, sizes)
 
 def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
     """Issue 19: 32 x 8 KiB used to cost 32 sendmsg calls to write and 32 receives to read; now
-    one call each way carries them (the checksums still per object)."""
+    one call each way carries them, the read's response header included (the checksums still per
+    object)."""
     import kvtier.client.transport.tcp as tcp
 
     calls: dict[str, int] = {"send": 0, "recv_into": 0, "recv_into_all": 0}
@@ -228,7 +229,9 @@ def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
         read: list[int | None] = [None] * 32
         into = [(o, memoryview(b)) for (o, _), b in zip(ranges, buffers, strict=True)]
         assert connector.read_into(into, read, caps=(deadline, [])) == [OK] * 32
-        assert calls["recv_into"] == 1 and calls["recv_into_all"] == 1  # the response header, then the payloads
+        # Session 9: the header comes with the payloads' scatter receive (it is the last response in
+        # flight); what had not arrived by then takes one more.
+        assert calls["recv_into"] == 0 and calls["recv_into_all"] <= 1
     finally:
         connector.close()
     assert [bytes(b) for b in buffers] == payloads and read == crcs == [crc32c.crc32c(p) for p in payloads]
