@@ -100,6 +100,12 @@ def as_writable_view(buffer: Any) -> memoryview:
     return view
 
 
+def _set_only(**fields: Any) -> dict[str, Any]:
+    """A request's fields without those at their proto3 default (0, "", False, empty): the same
+    message, built in half the time (each keyword costs the constructor, default or not)."""
+    return {name: value for name, value in fields.items() if value}
+
+
 def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
@@ -210,7 +216,9 @@ class Client(
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
-            self._stats.update(deltas)
+            stats = self._stats
+            for name, delta in deltas.items():  # as Counter.update, without its per-call Mapping check
+                stats[name] += delta
 
     def _observe_latency(self, method: str, seconds: float) -> None:
         with self._lock:
@@ -384,21 +392,23 @@ class Client(
             reply = self._master.call(
                 "PutStart",
                 pb.PutStartRequest(
-                    namespace=self.namespace,
-                    keys=keys,
-                    sizes=sizes,
-                    replicas=replicas,
-                    instance=self.instance,
-                    rank=self.rank,
-                    pin=pin,
-                    pin_ttl_ms=pin_ttl_ms,
-                    preferred_segment=preferred,
-                    client_host=local_host_id(),
-                    wait_ms=self._put_wait_ms,
-                    released_leases=self._done_leases.take(),
-                    avoid_segments=self._failures.avoid(),
-                    overwrite=overwrite,
-                    lease_ms=lease_ms,
+                    **_set_only(
+                        namespace=self.namespace,
+                        keys=keys,
+                        sizes=sizes,
+                        replicas=replicas,
+                        instance=self.instance,
+                        rank=self.rank,
+                        pin=pin,
+                        pin_ttl_ms=pin_ttl_ms,
+                        preferred_segment=preferred,
+                        client_host=local_host_id(),
+                        wait_ms=self._put_wait_ms,
+                        released_leases=self._done_leases.take(),
+                        avoid_segments=self._failures.avoid(),
+                        overwrite=overwrite,
+                        lease_ms=lease_ms,
+                    )
                 ),
             )
         except KvtierError as exc:
@@ -445,13 +455,15 @@ class Client(
                 ended = self._master.call(
                     "PutEnd",
                     pb.PutEndRequest(
-                        namespace=self.namespace,
-                        keys=[keys[i] for i in written],
-                        checksums=[checksums[i] for i in written],
-                        put_id=reply.put_id,
-                        released_leases=self._done_leases.take(),
-                        group=group,
-                        chunk_checksums=chunks if any(chunks) else (),
+                        **_set_only(
+                            namespace=self.namespace,
+                            keys=[keys[i] for i in written],
+                            checksums=[checksums[i] for i in written],
+                            put_id=reply.put_id,
+                            released_leases=self._done_leases.take(),
+                            group=group,
+                            chunk_checksums=chunks if any(chunks) else (),
+                        )
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):

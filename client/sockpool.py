@@ -24,8 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from kvtier.proto.errors import ConnectError, ReadError
 
@@ -77,9 +76,12 @@ class SocketPool:
                 raise
         return sock
 
-    @contextmanager
-    def socket(self) -> Iterator[socket.socket]:
-        """A socket for one exchange; returned to the pool only if the block did not raise."""
+    def socket(self) -> _Exchange:
+        """`with pool.socket() as sock:` a socket for one exchange; returned to the pool only if the
+        block did not raise. (A class, not a generator context manager: a third of the cost.)"""
+        return _Exchange(self)
+
+    def _take(self) -> socket.socket:
         timeout = self.timeout
         call_ends = call_deadline.get()
         if call_ends is not None:
@@ -113,21 +115,23 @@ class SocketPool:
                     self._open -= 1
                     self._cond.notify()
                 raise
-        healthy = False
         try:
             if abs(timeout - self._applied.get(sock, self.timeout)) > self.timeout * _SLACK:
                 _set_timeouts(sock, timeout)
                 self._applied[sock] = timeout
-            yield sock
-            healthy = True
-        finally:
-            with self._cond:
-                if healthy and not self._closed:
-                    self._idle.append(sock)
-                else:
-                    self._open -= 1
-                    self._forget(sock)
-                self._cond.notify()
+        except BaseException:
+            self._give_back(sock, False)
+            raise
+        return sock
+
+    def _give_back(self, sock: socket.socket, healthy: bool) -> None:
+        with self._cond:
+            if healthy and not self._closed:
+                self._idle.append(sock)
+            else:
+                self._open -= 1
+                self._forget(sock)
+            self._cond.notify()
 
     def _forget(self, sock: socket.socket) -> None:
         """Close a socket of this pool (under `_cond`)."""
@@ -142,6 +146,23 @@ class SocketPool:
             self._open -= len(self._idle)
             self._idle.clear()
             self._cond.notify_all()  # waiters give up instead of sleeping out their timeout
+
+
+class _Exchange:
+    """One `SocketPool.socket()` block: the socket it took, handed back (or closed, when the block
+    raised) at its end."""
+
+    __slots__ = ("_pool", "_sock")
+
+    def __init__(self, pool: SocketPool) -> None:
+        self._pool = pool
+
+    def __enter__(self) -> socket.socket:
+        self._sock = self._pool._take()
+        return self._sock
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self._pool._give_back(self._sock, exc_type is None)
 
 
 def _set_timeouts(sock: socket.socket, timeout: float) -> None:
