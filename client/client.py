@@ -64,6 +64,8 @@ _OK = 0
 _SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
+# Wire value -> Status without the enum's call per key (to_status for values not in it: a newer peer).
+_STATUSES: dict[int, Status] = {int(s): s for s in Status}
 
 
 # Why the last batch_put of this thread (or task) failed as a whole: put() names it in its error.
@@ -100,14 +102,10 @@ def as_writable_view(buffer: Any) -> memoryview:
     return view
 
 
-def _set_only(**fields: Any) -> dict[str, Any]:
-    """A request's fields without those at their proto3 default (0, "", False, empty): the same
-    message, built in half the time (each keyword costs the constructor, default or not)."""
-    return {name: value for name, value in fields.items() if value}
-
-
 def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
+    if pin_ttl == 0:  # the common case, without the rounding (NaN is not 0: refused below)
+        return 0
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
         raise ValueError(f"{name} must be between 0 and {_MAX_PIN_TTL_MS // 1000} seconds, got {pin_ttl!r}")
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
@@ -368,7 +366,7 @@ class Client(
             self._count(put_retries=len(retry))
         self._report_failures()
         self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK), bytes_written=written)
-        return [to_status(s) for s in statuses]
+        return [_STATUSES[s] if s in _STATUSES else to_status(s) for s in statuses]
 
     def _put_once(
         self,
@@ -392,23 +390,21 @@ class Client(
             reply = self._master.call(
                 "PutStart",
                 pb.PutStartRequest(
-                    **_set_only(
-                        namespace=self.namespace,
-                        keys=keys,
-                        sizes=sizes,
-                        replicas=replicas,
-                        instance=self.instance,
-                        rank=self.rank,
-                        pin=pin,
-                        pin_ttl_ms=pin_ttl_ms,
-                        preferred_segment=preferred,
-                        client_host=local_host_id(),
-                        wait_ms=self._put_wait_ms,
-                        released_leases=self._done_leases.take(),
-                        avoid_segments=self._failures.avoid(),
-                        overwrite=overwrite,
-                        lease_ms=lease_ms,
-                    )
+                    namespace=self.namespace,
+                    keys=keys,
+                    sizes=sizes,
+                    replicas=replicas,
+                    instance=self.instance,
+                    rank=self.rank,
+                    pin=pin,
+                    pin_ttl_ms=pin_ttl_ms,
+                    preferred_segment=preferred,
+                    client_host=local_host_id(),
+                    wait_ms=self._put_wait_ms,
+                    released_leases=self._done_leases.take(),
+                    avoid_segments=self._failures.avoid(),
+                    overwrite=overwrite,
+                    lease_ms=lease_ms,
                 ),
             )
         except KvtierError as exc:
@@ -455,15 +451,13 @@ class Client(
                 ended = self._master.call(
                     "PutEnd",
                     pb.PutEndRequest(
-                        **_set_only(
-                            namespace=self.namespace,
-                            keys=[keys[i] for i in written],
-                            checksums=[checksums[i] for i in written],
-                            put_id=reply.put_id,
-                            released_leases=self._done_leases.take(),
-                            group=group,
-                            chunk_checksums=chunks if any(chunks) else (),
-                        )
+                        namespace=self.namespace,
+                        keys=[keys[i] for i in written],
+                        checksums=[checksums[i] for i in written],
+                        put_id=reply.put_id,
+                        released_leases=self._done_leases.take(),
+                        group=group,
+                        chunk_checksums=chunks if any(chunks) else (),
                     ),
                 )
                 for i, status in zip(written, ended.statuses, strict=True):
