@@ -419,9 +419,10 @@ class Client(
         segments = {s.segment_id: s for s in reply.segments}
         per_segment: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # (key index, offset, replica)
         pos = 0
+        replica_segments, replica_offsets = reply.replica_segments, reply.replica_offsets  # one wrapper each
         for i, count in enumerate(counts):
             for j in range(pos, pos + count):
-                per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j], j))
+                per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
         jobs = [
             (

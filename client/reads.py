@@ -201,7 +201,10 @@ class Reads:
     ) -> tuple[list[Any], list[int]]:
         out: list[Any] = list(reply.statuses)
         segments = {s.segment_id: s for s in reply.segments}
-        sizes = reply.sizes
+        # The reply's columns as lists, once: indexing a protobuf repeated field builds a wrapper
+        # per access, which a 32-key batch paid several times per key.
+        sizes, checksums = list(reply.sizes), list(reply.checksums)
+        replica_segments, replica_tiers = list(reply.replica_segments), list(reply.replica_tiers)
         order: Callable[[int], tuple[bool, bool, bool]] | None = None  # made for the first replicated key
         replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
         pos = 0
@@ -235,7 +238,7 @@ class Reads:
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
             for i, positions in replicas.items():
                 position = positions[attempt]
-                groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
+                groups[(replica_segments[position], replica_tiers[position])].append(i)
             retry: dict[int, list[int]] = {}
             # Disk reads of one segment are split over parallel connections: the segment serves a
             # connection's requests one at a time, and more in flight keeps its disk busy.
@@ -265,6 +268,9 @@ class Reads:
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
             for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
                 name = segments[segment_id].name if segment_id in segments else str(segment_id)
+                tier_name = _TIERS.get(tier, "unknown")
+                source = f"{tier_name}/{path}"
+                moved = served = served_bytes = 0  # this part's: counted once below, not per key
                 for i, result, crc in zip(indices, results, crcs, strict=True):
                     connection_failed = False
                     if isinstance(result, int) and result != _OK:
@@ -283,16 +289,16 @@ class Reads:
                     elif expired:  # the bytes may have been reused after the lease: never trust them
                         status = int(Status.LEASE_EXPIRED)
                     else:
-                        size = reply.sizes[i]
-                        data = result if views is None else views[i][:size]
-                        tier_name = _TIERS.get(tier, "unknown")
-                        _add(transferred, tier_name, size)
-                        if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
-                            out[i] = data if views is None else size
+                        size = sizes[i]
+                        moved += size
+                        if crc is None:  # the connector did not checksum on the way
+                            crc = crc32c.crc32c(result if views is None else views[i][:size])
+                        if crc == checksums[i]:
+                            out[i] = result if views is None else size
                             if sources is not None:
-                                sources[i] = f"{tier_name}/{path}"
-                            _add(verified, f"served_{tier_name}_{path}", 1)
-                            _add(verified, f"served_bytes_{tier_name}_{path}", size)
+                                sources[i] = source
+                            served += 1
+                            served_bytes += size
                             continue
                         status = _MISMATCH
                         corrupt.append((i, replicas[i][attempt]))
@@ -307,6 +313,11 @@ class Reads:
                     if attempt + 1 < len(replicas[i]):
                         retry[i] = replicas[i]
                         next_replica += connection_failed
+                if moved:
+                    _add(transferred, tier_name, moved)
+                if served:
+                    _add(verified, f"served_{tier_name}_{path}", served)
+                    _add(verified, f"served_bytes_{tier_name}_{path}", served_bytes)
             replicas = retry
             attempt += 1
         # Every transfer of this lease is over (answered, or its connection closed): hand it back.
@@ -371,22 +382,21 @@ class Reads:
     ) -> tuple[list[bytes | int], list[int | None], str]:
         crcs: list[int | None] = [None] * len(indices)
         positions = [replicas[i][attempt] for i in indices]
-        offsets = [reply.replica_offsets[j] for j in positions]
+        column, sizes = reply.replica_offsets, reply.sizes  # each attribute access builds a wrapper: once
+        offsets = [column[j] for j in positions]
         caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
         try:
             if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
                 disk = self._disk_connector(segment)
                 prefix = name_prefix_bytes(self.namespace)  # READ_DISK names: kvtier.proto.keys
-                items = [
-                    (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
-                ]
-                into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
+                items = [(off, sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)]
+                into = None if views is None else [views[i][: sizes[i]] for i in indices]
                 return disk.read_disk(items, into, crcs, caps=caps), crcs, disk.scheme
             connector = self._connector(segment)
             if views is None:
-                ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
+                ranges = [(off, sizes[i]) for off, i in zip(offsets, indices, strict=True)]
                 return connector.read(ranges, caps=caps), crcs, connector.scheme
-            ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
+            ranges = [(off, views[i][: sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
             return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)
