@@ -64,6 +64,8 @@ _OK = 0
 _SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
+# Wire value -> Status without the enum's call per key (to_status for values not in it: a newer peer).
+_STATUSES: dict[int, Status] = {int(s): s for s in Status}
 
 
 # Why the last batch_put of this thread (or task) failed as a whole: put() names it in its error.
@@ -102,6 +104,8 @@ def as_writable_view(buffer: Any) -> memoryview:
 
 def _pin_ttl_ms(pin_ttl: float, name: str = "pin_ttl") -> int:
     """`pin_ttl` seconds as the wire's milliseconds; a positive TTL never rounds to 0 (the master's default)."""
+    if pin_ttl == 0:  # the common case, without the rounding (NaN is not 0: refused below)
+        return 0
     if not 0 <= pin_ttl <= _MAX_PIN_TTL_MS / 1000:  # also refuses NaN
         raise ValueError(f"{name} must be between 0 and {_MAX_PIN_TTL_MS // 1000} seconds, got {pin_ttl!r}")
     return math.ceil(round(pin_ttl * 1000, 6))  # round first: 1.1 * 1000 is 1100.0000000000002
@@ -210,7 +214,9 @@ class Client(
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
-            self._stats.update(deltas)
+            stats = self._stats
+            for name, delta in deltas.items():  # as Counter.update, without its per-call Mapping check
+                stats[name] += delta
 
     def _observe_latency(self, method: str, seconds: float) -> None:
         with self._lock:
@@ -360,7 +366,7 @@ class Client(
             self._count(put_retries=len(retry))
         self._report_failures()
         self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK), bytes_written=written)
-        return [to_status(s) for s in statuses]
+        return [_STATUSES[s] if s in _STATUSES else to_status(s) for s in statuses]
 
     def _put_once(
         self,
@@ -413,9 +419,10 @@ class Client(
         segments = {s.segment_id: s for s in reply.segments}
         per_segment: dict[int, list[tuple[int, int, int]]] = defaultdict(list)  # (key index, offset, replica)
         pos = 0
+        replica_segments, replica_offsets = reply.replica_segments, reply.replica_offsets  # one wrapper each
         for i, count in enumerate(counts):
             for j in range(pos, pos + count):
-                per_segment[reply.replica_segments[j]].append((i, reply.replica_offsets[j], j))
+                per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
         jobs = [
             (

@@ -79,6 +79,7 @@ _DENIED = {
 _UNAVAILABLE = int(Status.UNAVAILABLE)
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
+_FIRST_RECV = 16 << 10  # a fast-path reply's first receive: the header and, mostly, the whole body
 ATTEMPT_S = 2.0  # longest single attempt when the master can move (a list of masters, or etcd)
 
 
@@ -122,11 +123,15 @@ class MasterClient:
         if (number := current_request_id.get()) and type(request) in _TRACED:
             request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
-        backoff = _backoff()
+        backoff = None  # made on the first refusal only: seeding its jitter costs more than a fast-path call
         while True:
             reply = self._call_once(method, request, deadline)
             status = getattr(reply, "status", 0)
-            if status != _UNAVAILABLE or deadline - time.monotonic() <= backoff.current_s:
+            if status != _UNAVAILABLE:
+                return self._check(method, reply)
+            if backoff is None:
+                backoff = _backoff()
+            if deadline - time.monotonic() <= backoff.current_s:
                 return self._check(method, reply)
             delay = backoff.next()
             logger.debug("master refused method=%s (%s); retrying in %.2fs", method, reply.error, delay)
@@ -269,10 +274,20 @@ class MasterClient:
         with pool.socket() as sock:
             send_all(sock, [rpcframe.HEADER.pack(rpcframe.MAGIC, method_id, request_id, len(payload)), payload])
             sent[0] = True
-            magic, method, reply_id, size = rpcframe.HEADER.unpack(recv_exact(sock, rpcframe.HEADER.size))
+            # Header and body in one receive (the master writes them together); nothing else is in
+            # flight on this socket, so whatever came is this reply's.
+            data = sock.recv(_FIRST_RECV)
+            if len(data) < rpcframe.HEADER.size:
+                data += recv_exact(sock, rpcframe.HEADER.size - len(data))  # b"": the master closed
+            magic, method, reply_id, size = rpcframe.HEADER.unpack_from(data)
             if magic != rpcframe.MAGIC or size > rpcframe.MAX_PAYLOAD:
                 raise ProtocolError(f"bad fast-path frame from the master: magic={magic:#x} size={size}")
-            body = recv_exact(sock, size) if size else b""
+            got = len(data) - rpcframe.HEADER.size
+            if got > size:
+                raise ProtocolError(f"fast-path reply from the master runs {got - size} bytes past its frame")
+            body = data[rpcframe.HEADER.size :]
+            if got < size:
+                body += recv_exact(sock, size - got)
             if method == rpcframe.ERROR_METHOD and reply_id == 0:
                 # Refused at accept (the connection limit), before our request was read: it was
                 # never executed, so even a PutStart may go again over gRPC.
@@ -288,7 +303,7 @@ class MasterClient:
 
     def _call_grpc(self, method: str, request: Any, deadline: float, answered_by: list[str] | None = None) -> Any:
         """`answered_by`, when given, gets the address of each master tried (the last one answered)."""
-        backoff = _backoff()
+        backoff = None  # made on the first retryable failure only (see call)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -302,6 +317,8 @@ class MasterClient:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._locator.is_multi:
                     code = grpc.StatusCode.UNAVAILABLE  # this master hangs: look for the leader elsewhere
+                if backoff is None:
+                    backoff = _backoff()
                 if code in _RETRYABLE and deadline - time.monotonic() > backoff.current_s:
                     delay = backoff.next()
                     logger.debug("master unavailable method=%s; retrying in %.2fs", method, delay)

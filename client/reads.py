@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +83,10 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return [items[lo : lo + step] for lo in range(0, len(items), step)]
 
 
+def _add(counts: dict[str, int], name: str, delta: int) -> None:
+    counts[name] = counts.get(name, 0) + delta
+
+
 def _missed(result: bytes | int) -> bool:
     return isinstance(result, int) and result < 0
 
@@ -118,9 +122,10 @@ class Reads:
             return []
         deadline = time.monotonic() + self.config.timeout
         seen: set[str] = set()  # segments whose connection failed in this call
+        tally: dict[str, int] = {}  # this call's counters, added to the client's once at its end
         token = call_failures.set(seen)
         try:
-            out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None, group)
+            out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None, group, tally)
             left = deadline - time.monotonic()
             if cut and not group and left >= self.config.timeout * RETRY_MIN_LEFT:
                 again_sources: list[str | None] | None = [None] * len(cut) if sources is not None else None
@@ -132,18 +137,20 @@ class Reads:
                     deadline,
                     left,
                     False,
+                    tally,
                 )
                 for n, i in enumerate(cut):
                     if again[n] is not None:  # None: the lookup failed; the first answer stands
                         out[i] = again[n]
                     if again_sources is not None and sources is not None:
                         sources[i] = again_sources[n]
-                self._count(read_retries=len(cut), read_retry_lookups=1)
+                _add(tally, "read_retries", len(cut))
+                _add(tally, "read_retry_lookups", 1)
         finally:
             call_failures.reset(token)
         self._report_failures()
         hits = sum(1 for r in out if not _missed(r))
-        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
+        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits, **tally)
         return out
 
     def _lookup_and_read(
@@ -155,6 +162,7 @@ class Reads:
         deadline: float,
         timeout: float | None,
         group: bool,
+        tally: dict[str, int],
     ) -> tuple[list[Any], list[int]]:
         """One GetReplicas (within `timeout`, else the client's) and the reads of its replicas:
         per key a result (None for every key of a retry's failed lookup) and the keys (indices)
@@ -175,10 +183,10 @@ class Reads:
         except KvtierError as exc:
             what = "treating %d keys as misses" if timeout is None else "no retry of %d keys"
             logger.warning("GetReplicas failed, " + what + ": %s", len(keys), exc)
-            self._count(master_failures=1)
+            _add(tally, "master_failures", 1)
             return [int(exc.status) if timeout is None else None] * len(keys), []
         lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
-        return self._read_replicas(keys, views, sources, seen, reply, lease_deadline, deadline)
+        return self._read_replicas(keys, views, sources, seen, reply, lease_deadline, deadline, tally)
 
     def _read_replicas(
         self,
@@ -189,42 +197,34 @@ class Reads:
         reply: pb.GetReplicasResponse,
         lease_deadline: float,
         deadline: float,
+        tally: dict[str, int],
     ) -> tuple[list[Any], list[int]]:
         out: list[Any] = list(reply.statuses)
         segments = {s.segment_id: s for s in reply.segments}
-        host = local_host_id()
-        local = {s.segment_id for s in reply.segments if s.host_id == host}
-        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
-        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
-
-        def same_host(position: int) -> bool:
-            return reply.replica_segments[position] in local
-
+        # The reply's columns as lists, once: indexing a protobuf repeated field builds a wrapper
+        # per access, which a 32-key batch paid several times per key.
+        sizes, checksums = list(reply.sizes), list(reply.checksums)
+        replica_segments, replica_tiers = list(reply.replica_segments), list(reply.replica_tiers)
+        order: Callable[[int], tuple[bool, bool, bool]] | None = None  # made for the first replicated key
         replicas: dict[int, list[int]] = {}  # key index -> positions in the replica columns
         pos = 0
         for i, count in enumerate(reply.replica_counts):
             if out[i] == _OK:
-                if views is not None and len(views[i]) < reply.sizes[i]:
+                size = sizes[i]
+                if views is not None and len(views[i]) < size:
                     out[i] = int(Status.BUFFER_TOO_SMALL)
-                elif reply.sizes[i] == 0:
+                elif size == 0:
                     out[i] = 0 if views is not None else b""
-                elif count == 1:
+                elif count == 1:  # nothing to order: no sort, and none of the sets the order needs
                     replicas[i] = [pos]
                 else:
-                    # Segments that just failed this client or are quarantined last, DRAM before SSD,
-                    # same-host replicas first (a memcpy instead of a socket), then in the master's order.
-                    replicas[i] = sorted(
-                        range(pos, pos + count),
-                        key=lambda j: (
-                            reply.replica_segments[j] in shunned,
-                            reply.replica_tiers[j] != pb.DRAM,
-                            not same_host(j),
-                        ),
-                    )
+                    if order is None:
+                        order = self._replica_order(reply)
+                    replicas[i] = sorted(range(pos, pos + count), key=order)
             pos += count
         attempt = 0
-        transferred: Counter[str] = Counter()  # bytes per tier
-        verified: Counter[str] = Counter()  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
+        transferred: dict[str, int] = {}  # bytes per tier
+        verified: dict[str, int] = {}  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
         corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
         cut: set[int] = set()  # keys with a transfer that failed on its connection
         next_replica = 0  # keys tried on their next replica after such a failure
@@ -238,7 +238,7 @@ class Reads:
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (segment id, tier) -> key indices
             for i, positions in replicas.items():
                 position = positions[attempt]
-                groups[(reply.replica_segments[position], reply.replica_tiers[position])].append(i)
+                groups[(replica_segments[position], replica_tiers[position])].append(i)
             retry: dict[int, list[int]] = {}
             # Disk reads of one segment are split over parallel connections: the segment serves a
             # connection's requests one at a time, and more in flight keeps its disk busy.
@@ -268,6 +268,9 @@ class Reads:
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
             for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
                 name = segments[segment_id].name if segment_id in segments else str(segment_id)
+                tier_name = _TIERS.get(tier, "unknown")
+                source = f"{tier_name}/{path}"
+                moved = served = served_bytes = 0  # this part's: counted once below, not per key
                 for i, result, crc in zip(indices, results, crcs, strict=True):
                     connection_failed = False
                     if isinstance(result, int) and result != _OK:
@@ -286,20 +289,20 @@ class Reads:
                     elif expired:  # the bytes may have been reused after the lease: never trust them
                         status = int(Status.LEASE_EXPIRED)
                     else:
-                        size = reply.sizes[i]
-                        data = result if views is None else views[i][:size]
-                        tier_name = _TIERS.get(tier, "unknown")
-                        transferred[tier_name] += size
-                        if (crc if crc is not None else crc32c.crc32c(data)) == reply.checksums[i]:
-                            out[i] = data if views is None else size
+                        size = sizes[i]
+                        moved += size
+                        if crc is None:  # the connector did not checksum on the way
+                            crc = crc32c.crc32c(result if views is None else views[i][:size])
+                        if crc == checksums[i]:
+                            out[i] = result if views is None else size
                             if sources is not None:
-                                sources[i] = f"{tier_name}/{path}"
-                            verified[f"served_{tier_name}_{path}"] += 1
-                            verified[f"served_bytes_{tier_name}_{path}"] += size
+                                sources[i] = source
+                            served += 1
+                            served_bytes += size
                             continue
                         status = _MISMATCH
                         corrupt.append((i, replicas[i][attempt]))
-                        self._count(checksum_mismatches=1)
+                        _add(tally, "checksum_mismatches", 1)
                         logger.warning(
                             "checksum mismatch namespace=%s key=%.80s segment=%s: treated as a miss",
                             self.namespace,
@@ -310,19 +313,35 @@ class Reads:
                     if attempt + 1 < len(replicas[i]):
                         retry[i] = replicas[i]
                         next_replica += connection_failed
+                if moved:
+                    _add(transferred, tier_name, moved)
+                if served:
+                    _add(verified, f"served_{tier_name}_{path}", served)
+                    _add(verified, f"served_bytes_{tier_name}_{path}", served_bytes)
             replicas = retry
             attempt += 1
         # Every transfer of this lease is over (answered, or its connection closed): hand it back.
         self._done_leases.add(reply.lease_id)
         if corrupt:  # before any fresh lookup: the master drops these copies first
             self._report_corrupt(keys, reply, corrupt)
-        self._count(
-            bytes_read=sum(transferred.values()),
-            read_retries=next_replica,
-            **{f"bytes_read_{tier}": size for tier, size in transferred.items()},
-            **verified,
-        )
+        _add(tally, "bytes_read", sum(transferred.values()))
+        _add(tally, "read_retries", next_replica)
+        for tier_name, size in transferred.items():
+            _add(tally, f"bytes_read_{tier_name}", size)
+        for name, value in verified.items():
+            _add(tally, name, value)
         return out, sorted(i for i in cut if _missed(out[i]))
+
+    def _replica_order(self, reply: pb.GetReplicasResponse) -> Callable[[int], tuple[bool, bool, bool]]:
+        """The sort key of a replicated key's positions: segments that just failed this client or are
+        quarantined last, DRAM before SSD, same-host replicas first (a memcpy instead of a socket),
+        then (the sort is stable) in the master's order."""
+        host = local_host_id()
+        local = {s.segment_id for s in reply.segments if s.host_id == host}
+        failed = self._failures.recently_failed()  # segments that just failed this client, or quarantined
+        shunned = {s.segment_id for s in reply.segments if s.quarantined or s.name in failed}
+        segments, tiers = reply.replica_segments, reply.replica_tiers
+        return lambda j: (segments[j] in shunned, tiers[j] != pb.DRAM, segments[j] not in local)
 
     def _read_segment(
         self,
@@ -363,22 +382,21 @@ class Reads:
     ) -> tuple[list[bytes | int], list[int | None], str]:
         crcs: list[int | None] = [None] * len(indices)
         positions = [replicas[i][attempt] for i in indices]
-        offsets = [reply.replica_offsets[j] for j in positions]
+        column, sizes = reply.replica_offsets, reply.sizes  # each attribute access builds a wrapper: once
+        offsets = [column[j] for j in positions]
         caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
         try:
             if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
                 disk = self._disk_connector(segment)
                 prefix = name_prefix_bytes(self.namespace)  # READ_DISK names: kvtier.proto.keys
-                items = [
-                    (off, reply.sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)
-                ]
-                into = None if views is None else [views[i][: reply.sizes[i]] for i in indices]
+                items = [(off, sizes[i], prefix + keys[i].encode()) for off, i in zip(offsets, indices, strict=True)]
+                into = None if views is None else [views[i][: sizes[i]] for i in indices]
                 return disk.read_disk(items, into, crcs, caps=caps), crcs, disk.scheme
             connector = self._connector(segment)
             if views is None:
-                ranges = [(off, reply.sizes[i]) for off, i in zip(offsets, indices, strict=True)]
+                ranges = [(off, sizes[i]) for off, i in zip(offsets, indices, strict=True)]
                 return connector.read(ranges, caps=caps), crcs, connector.scheme
-            ranges = [(off, views[i][: reply.sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
+            ranges = [(off, views[i][: sizes[i]]) for off, i in zip(offsets, indices, strict=True)]
             return list(connector.read_into(ranges, crcs, caps=caps)), crcs, connector.scheme
         except TransportError as exc:
             logger.warning("read from segment %s failed: %s", segment.name, exc)

@@ -185,3 +185,26 @@ def test_a_disk_read_cut_mid_frame_is_read_after_a_fresh_lookup(bare_cluster, tm
             assert proxy.cut == 1
             stats = client.stats()
             assert (stats["read_retries"], stats["read_retry_lookups"]) == (1, 1), stats
+
+
+def test_only_a_replicated_key_has_its_replicas_ordered(cluster, monkeypatch):
+    """Session 9: a key with one replica is read from it without building the order replicated
+    keys need (the sets of local, failed and quarantined segments, a sort); a key with two gets
+    the order, once per lookup whatever the number of such keys, and both read back verified."""
+    from kvtier.client.reads import Reads
+
+    orders: list[int] = []
+    make_order = Reads._replica_order
+
+    def counted(self, reply):
+        orders.append(len(reply.replica_counts))
+        return make_order(self, reply)
+
+    monkeypatch.setattr(Reads, "_replica_order", counted)
+    client = cluster.client()
+    assert client.batch_put(["one-a", "one-b"], [b"a" * 4096, b"b" * 4096]) == [Status.OK] * 2
+    assert client.batch_put(["two-a", "two-b"], [b"c" * 4096, b"d" * 4096], replicas=2) == [Status.OK] * 2
+    assert client.batch_get(["one-a", "one-b"]) == [b"a" * 4096, b"b" * 4096]
+    assert orders == []
+    assert client.batch_get(["two-a", "one-a", "two-b"]) == [b"c" * 4096, b"a" * 4096, b"d" * 4096]
+    assert orders == [3]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import threading
 import time
 from pathlib import Path
@@ -200,7 +201,8 @@ def test_mixed_sizes_round_trip_with_the_checksums_of_what_moved(segment, sizes)
 
 def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
     """Issue 19: 32 x 8 KiB used to cost 32 sendmsg calls to write and 32 receives to read; now
-    one call each way carries them (the checksums still per object)."""
+    one call each way carries them, the read's response header included (the checksums still per
+    object)."""
     import kvtier.client.transport.tcp as tcp
 
     calls: dict[str, int] = {"send": 0, "recv_into": 0, "recv_into_all": 0}
@@ -228,7 +230,90 @@ def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
         read: list[int | None] = [None] * 32
         into = [(o, memoryview(b)) for (o, _), b in zip(ranges, buffers, strict=True)]
         assert connector.read_into(into, read, caps=(deadline, [])) == [OK] * 32
-        assert calls["recv_into"] == 1 and calls["recv_into_all"] == 1  # the response header, then the payloads
+        # Session 9: the header comes with the payloads' scatter receive (it is the last response in
+        # flight); what had not arrived by then takes one more.
+        assert calls["recv_into"] == 0 and calls["recv_into_all"] <= 1
     finally:
         connector.close()
     assert [bytes(b) for b in buffers] == payloads and read == crcs == [crc32c.crc32c(p) for p in payloads]
+
+
+class CountingSocket:
+    """A pooled socket that counts its receive calls (peeks at idle sockets apart): the connector
+    under test uses it as it would the socket itself."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.receives = 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._sock, name)
+        if name in ("recv", "recv_into", "recvmsg_into"):
+
+            def counted(*args):
+                if not (len(args) > 1 and args[-1] & socket.MSG_PEEK):
+                    self.receives += 1
+                return attr(*args)
+
+            return counted
+        return attr
+
+
+@pytest.fixture
+def counted_sockets(monkeypatch) -> list[CountingSocket]:
+    from kvtier.client.sockpool import SocketPool
+
+    made: list[CountingSocket] = []
+    connect = SocketPool._connect
+
+    def counting(pool, timeout):
+        made.append(CountingSocket(connect(pool, timeout)))
+        return made[-1]
+
+    monkeypatch.setattr(SocketPool, "_connect", counting)
+    return made
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["read_into", "read"])
+def test_a_small_read_gets_header_and_payload_in_one_receive(segment, counted_sockets, into):
+    """Session 9: the response header and the payload of a small read arrive together (the segment
+    writes them with one writev): one receive call takes both, verified bytes and CRC as before."""
+    payload = blob(300, 4096)
+    deadline = int(time.time() * 1000) + 60_000
+    connector = TcpConnector(segment.endpoint, config())
+    try:
+        assert connector.write([(8192, memoryview(payload))], [None], caps=(deadline, [])) == [OK]
+        (sock,) = counted_sockets
+        sock.receives = 0
+        if into:
+            buffer, crcs = bytearray(4096), [None]
+            assert connector.read_into([(8192, memoryview(buffer))], crcs, caps=(deadline, [])) == [OK]
+            assert bytes(buffer) == payload and crcs == [crc32c.crc32c(payload)]
+        else:
+            assert connector.read([(8192, 4096)], caps=(deadline, [])) == [payload]
+        assert sock.receives == 1
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["read_into", "read"])
+def test_a_refused_small_read_reports_its_message_and_the_connection_stays_in_step(segment, caplog, into):
+    """The error message of a refused read may land in the read's own buffers with its header
+    (session 9): it is still logged whole, the range fails with the segment's status, and the
+    same connection serves the next read."""
+    payload = blob(301, 4096)
+    deadline = int(time.time() * 1000) + 60_000
+    connector = TcpConnector(segment.endpoint, ClientConfig(master="127.0.0.1:1", connections_per_segment=1))
+    try:
+        assert connector.write([(0, memoryview(payload))], [None], caps=(deadline, [])) == [OK]
+        outside = REGION - 100  # runs past the region: INVALID_RANGE, with a message
+        if into:
+            result = connector.read_into([(outside, memoryview(bytearray(4096)))], [None], caps=(deadline, []))
+        else:
+            result = connector.read([(outside, 4096)], caps=(deadline, []))
+        assert result == [int(Status.INVALID_RANGE)]
+        assert f"range offset={outside} length=4096 outside region of {REGION}" in caplog.text
+        assert connector.read([(0, 4096)], caps=(deadline, [])) == [payload]
+        assert connector._pool._open == 1  # the same socket: the refusal left it in step
+    finally:
+        connector.close()
