@@ -14,7 +14,8 @@ latency counted from its planned arrival to its answer (a request arriving while
 waits, as a client's would), and reports p50/p99:
 - idle;
 - (a) while ListKeys pages through prefix "few/" again and again, `limit` 100, as a client
-  would: the next page asked for a loopback round trip (0.2 ms) after the last;
+  would: the next page asked for a loopback round trip (0.2 ms) after the last; each page given
+  the time budget the ListKeys handler gives it (one sweep slice, kvtier.master.inspection);
 - (b) while RemovePrefix("rm/") runs until it has answered;
 - (c) while the segment "doomed" is dropped (declared dead) until its cleanup has finished.
 """
@@ -185,7 +186,13 @@ async def _phase(state, name: str, scan, interval_s: float, idle_s: float) -> Ph
 async def _run(
     objects: int, scan_objects: int, slice_objects: int, slice_ms: float, interval_s: float, window_s: float
 ) -> ScanResult:
+    import inspect
+
     from kvtier.master.inspection import list_keys
+
+    # As the ListKeys handler calls it: a page holds the loop one sweep slice at most (a build
+    # before session 9 has no budget and builds whole pages).
+    budget = {"budget_s": slice_ms / 1000} if "budget_s" in inspect.signature(list_keys).parameters else {}
 
     try:
         from kvtier.master.sweeps import run_sweeper
@@ -203,7 +210,7 @@ async def _run(
         while time.perf_counter() < deadline:
             after = ""
             while True:
-                page = list_keys(state, NS, "few/", after, 100)
+                page = list_keys(state, NS, "few/", after, 100, **budget)
                 after = page.next_start_after
                 await asyncio.sleep(CLIENT_ROUND_TRIP_S)  # the next page is asked for once this one arrived
                 if not after:
