@@ -29,6 +29,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 NS = "scan-bench"
+# The idle and listing phases last this long: long enough that one stall of the machine's own (tens
+# of ms, seen idle too) does not decide their p99 alone (at 2 s it could: ~20 puts make the 1%).
+WINDOW_S = 8.0
 VALUE_SIZE = 64
 BATCH = 10_000
 # A paging client (`kvtier keys`) asks for the next page once the last one arrived: a loopback
@@ -115,7 +118,7 @@ def _build(objects: int, scan_objects: int):
     return state, doomed.segment_id
 
 
-async def _load(state, keys: list[str], interval_s: float, stop: asyncio.Event, out: dict) -> None:
+async def _load(state, keys: list[str], interval_s: float, stop: asyncio.Event, out: dict, tag: str) -> None:
     exists_lat, put_lat = out["exists"], out["put"]
     loop_time = time.perf_counter
     n = 0
@@ -133,7 +136,7 @@ async def _load(state, keys: list[str], interval_s: float, stop: asyncio.Event, 
             state.exists(NS, [key])
             exists_lat.append(loop_time() - arrival)
         else:
-            name = f"load/{n:012d}"
+            name = f"load/{tag}/{n:012d}"  # new in every phase: a name put before is answered at once
             started = state.put_start(NS, [name], [VALUE_SIZE], 1)
             state.put_end(NS, [name], [1], started.put_id)
             put_lat.append(loop_time() - arrival)
@@ -156,7 +159,7 @@ async def _phase(state, name: str, scan, interval_s: float, idle_s: float) -> Ph
             pauses.append(time.perf_counter() - began[0])
 
     gc.callbacks.append(timing)
-    load = asyncio.create_task(_load(state, keys, interval_s, stop, out))
+    load = asyncio.create_task(_load(state, keys, interval_s, stop, out, name))
     await asyncio.sleep(0.02)  # the load runs before the scan begins
     started = time.perf_counter()
     if scan is None:
@@ -250,7 +253,7 @@ def run_scan_bench(
     except ImportError:
         runner = asyncio.run
     scan_objects = scan_objects or min(1_000_000, objects // 4)
-    return runner(_run(objects, scan_objects, slice_objects, slice_ms, interval_ms / 1000, 2.0))
+    return runner(_run(objects, scan_objects, slice_objects, slice_ms, interval_ms / 1000, WINDOW_S))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
