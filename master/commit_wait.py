@@ -13,12 +13,14 @@ waits again (session 9: each put waits twice, and those hops were a fifth of its
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.master.auth import current_principal
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.gates import DATA
 from kvtier.master.handlers import MasterHandlers
@@ -101,7 +103,7 @@ class CommitWaiter:
         `flush` (at once when the fast path's handler that caused it returns, else this loop turn)."""
         _wake_all(self._wakeups)
         if self._parked and self._flush_soon is None:
-            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush, context=_neutral())
 
     def park(self, reply: Any, barrier: Barrier, deliver: Deliver) -> None:
         """The fast path's `finish`: `deliver` gets the answer once `barrier` is done (at a `flush`),
@@ -110,7 +112,7 @@ class CommitWaiter:
         state = self._handlers.state
         self._parked.append(_ParkedAnswer(reply, barrier, state, loop.time() + self._timeout_s, deliver))
         if self._timer is None:
-            self._timer = loop.call_at(self._parked[0].deadline, self._expire)
+            self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
 
     def flush(self) -> None:
         """Answer every parked answer whose barrier is done, in the order they were parked. Only
@@ -138,7 +140,7 @@ class CommitWaiter:
         while self._parked and self._parked[0].deadline <= now:
             self._deliver(self._parked.popleft(), self._timed_out)
         if self._parked:
-            self._timer = loop.call_at(self._parked[0].deadline, self._expire)
+            self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
 
     def _deliver(self, answer: _ParkedAnswer, outcome: Callable[[Any, Barrier, MasterState], Any]) -> None:
         try:
@@ -211,6 +213,7 @@ class _ParkedPoll:
 
     request: Any  # acked_seq already set to what its first answer applied
     deliver: Deliver
+    principal: str  # its connection's: the answer is made as that caller, whoever's call woke it
     timer: asyncio.TimerHandle | None = None  # its wait_ms
 
 
@@ -262,19 +265,21 @@ class CommitPolls:
         wait_s = _wait_s(request, reply)
         return None if wait_s <= 0 else self._wait(request, reply, wait_s)
 
-    def park(self, request: Any, reply: Any, deliver: Deliver) -> bool:
+    def park(self, request: Any, reply: Any, deliver: Deliver, principal: str) -> bool:
         """The fast path's `later`: True when `deliver` gets the long poll's answer later (after the
-        segment's next notice, at a `flush`, or after its wait), False when `reply` is the answer."""
+        segment's next notice, at a `flush`, or after its wait), False when `reply` is the answer.
+        `principal`: the polling connection's, the one its answer is made as (the flush that answers
+        it runs after another caller's request, possibly a tenant's)."""
         wait_s = _wait_s(request, reply)
         if wait_s <= 0:
             return False
         segment_id = request.segment_id
         request.acked_seq = reply.first_seq - 1
-        poll = _ParkedPoll(request, deliver)
+        poll = _ParkedPoll(request, deliver, principal)
         if self._handlers.state.commits.has_notices(segment_id, request.acked_seq):
             self._make_ready([poll])
             return True
-        poll.timer = asyncio.get_running_loop().call_later(wait_s, self._expire, segment_id, poll)
+        poll.timer = asyncio.get_running_loop().call_later(wait_s, self._expire, segment_id, poll, context=_neutral())
         self._parked.setdefault(segment_id, []).append(poll)
         return True
 
@@ -287,12 +292,12 @@ class CommitPolls:
         for poll in ready:
             if poll.timer is not None:
                 poll.timer.cancel()
-            poll.deliver(self._handlers.PollCommits(poll.request))
+            poll.deliver(self._answer(poll))
 
     def _make_ready(self, polls: list[_ParkedPoll]) -> None:
         self.ready += polls
         if self._flush_soon is None:
-            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush)
+            self._flush_soon = asyncio.get_running_loop().call_soon(self.flush, context=_neutral())
 
     def _expire(self, segment_id: int, poll: _ParkedPoll) -> None:
         polls = self._parked.get(segment_id)
@@ -301,7 +306,14 @@ class CommitPolls:
         polls.remove(poll)
         if not polls:
             del self._parked[segment_id]
-        poll.deliver(self._handlers.PollCommits(poll.request))
+        poll.deliver(self._answer(poll))
+
+    def _answer(self, poll: _ParkedPoll) -> Any:
+        token = current_principal.set(poll.principal)
+        try:
+            return self._handlers.PollCommits(poll.request)
+        finally:
+            current_principal.reset(token)
 
     async def poll(self, request: Any) -> Any:
         reply = self._handlers.PollCommits(request)  # applies the acknowledgement at once
@@ -318,6 +330,12 @@ class CommitPolls:
                 del self._wakeups[segment_id]
         request.acked_seq = reply.first_seq - 1
         return handlers.PollCommits(request)
+
+
+def _neutral() -> contextvars.Context:
+    """The context a parked answer's callbacks run in: none of the caller's whose request scheduled
+    them (`call_soon` would capture it: a tenant's principal, seen by the segment's poll)."""
+    return contextvars.Context()
 
 
 def _wait_s(request: Any, reply: Any) -> float:

@@ -371,7 +371,7 @@ class FastPathProtocol(FramedConnection):
                 return waiter.park(response, barrier, partial(self._deliver, method, request_id))
             elif method == _POLL_COMMITS:
                 waiter.flush()  # the answers its acknowledgement completes go out before it waits
-                if waiter.polls.park(request, response, partial(self._deliver, method, request_id)):
+                if waiter.polls.park(request, response, partial(self._deliver, method, request_id), self._principal):
                     return self._park(consumed)
             if wait is not None:
                 self._park(consumed)

@@ -162,3 +162,34 @@ def test_a_parked_poll_answers_empty_after_its_wait_and_a_closed_connection_gets
         assert gone.transport.stream == bytearray()
 
     asyncio.run(main())
+
+
+def test_a_tenants_call_that_wakes_a_segments_parked_poll_does_not_answer_it_as_the_tenant():
+    """The poll is answered as its own connection's caller: a tenant's gRPC PutEnd that made the
+    notice must not lend the poll its principal (it may not call PollCommits)."""
+    from kvtier.master.auth import Authenticator, Tenant, current_principal
+
+    async def main():
+        cluster = Cluster()
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        assert answers(segment) == []  # parked: nothing to tell yet
+        put_id = cluster.put_start(client, "k")
+        cluster.handlers.auth = Authenticator(b"c" * 32, {"t1": (b"t" * 32, Tenant("t1", ("*",)))})
+
+        async def tenants_grpc_put_end():  # what the auth interceptor and the servicer do
+            current_principal.set("t1")
+            reply = cluster.handlers.PutEnd(pb.PutEndRequest(namespace=NS, keys=["k"], checksums=[1], put_id=put_id))
+            assert reply.status == Status.OK
+            return await asyncio.wait_for(cluster.waiter.finish(reply, cluster.waiter.barrier()), 1.0)
+
+        task = asyncio.create_task(tenants_grpc_put_end())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        [(_, _, body)] = answers(segment)
+        poll = pb.PollCommitsResponse.FromString(body)
+        task.cancel()
+        assert poll.status == Status.OK, (Status(poll.status).name, poll.error)
+        assert list(poll.names)  # the commit notice itself
+
+    asyncio.run(main())
