@@ -15,7 +15,7 @@ waits, as a client's would), and reports p50/p99:
 - idle;
 - (a) while ListKeys pages through prefix "few/" again and again, `limit` 100, as a client
   would: the next page asked for a loopback round trip (0.2 ms) after the last; each page given
-  the time budget the ListKeys handler gives it (one sweep slice, kvtier.master.inspection);
+  the time budget the ListKeys handler gives it (`list_page_ms`, kvtier.master.inspection);
 - (b) while RemovePrefix("rm/") runs until it has answered;
 - (c) while the segment "doomed" is dropped (declared dead) until its cleanup has finished.
 """
@@ -191,11 +191,13 @@ async def _run(
 ) -> ScanResult:
     import inspect
 
+    from kvtier.master.config import MasterConfig
     from kvtier.master.inspection import list_keys
 
-    # As the ListKeys handler calls it: a page holds the loop one sweep slice at most (a build
-    # before session 9 has no budget and builds whole pages).
-    budget = {"budget_s": slice_ms / 1000} if "budget_s" in inspect.signature(list_keys).parameters else {}
+    # As the ListKeys handler calls it: a page holds the loop `list_page_ms` at most (a build before
+    # session 9 has no budget and builds whole pages).
+    page_ms = getattr(MasterConfig, "list_page_ms", 0.0)
+    budget = {"budget_s": page_ms / 1000} if "budget_s" in inspect.signature(list_keys).parameters else {}
 
     try:
         from kvtier.master.sweeps import run_sweeper

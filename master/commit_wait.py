@@ -100,7 +100,8 @@ class CommitWaiter:
 
     def wake(self) -> None:
         """Something a barrier waits for happened: awaited waits check now, parked ones at the next
-        `flush` (at once when the fast path's handler that caused it returns, else this loop turn)."""
+        `flush` (right after a fast-path PollCommits whose acknowledgement caused it, else on the
+        next turn of the loop)."""
         _wake_all(self._wakeups)
         if self._parked and self._flush_soon is None:
             self._flush_soon = asyncio.get_running_loop().call_soon(self.flush, context=_neutral())

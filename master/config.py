@@ -104,6 +104,9 @@ class MasterConfig:
     # most this long. Smaller: shorter waits for requests, longer sweeps.
     sweep_slice_objects: int = 1024
     sweep_slice_ms: float = 0.25
+    # A ListKeys page ends, shorter (next_start_after set), once building it took this long: a page of
+    # 10,000 keys held the loop tens of ms (master/inspection.py). Larger: fewer round trips per listing.
+    list_page_ms: float = 1.0
     # Restart and HA (docs/architecture.md, "Master restart and HA").
     # Standalone: where segment names, registrations and the epoch are saved. Empty: the default
     # directory (default_state_dir); "none": nothing is saved (a restart loses every DRAM object).
@@ -240,6 +243,8 @@ class MasterConfig:
         check_field("promotion_budget", parse_size, self.promotion_budget)
         if self.sweep_slice_ms <= 0:
             raise ValueError(f"sweep_slice_ms must be positive, got {self.sweep_slice_ms}")
+        if self.list_page_ms <= 0:
+            raise ValueError(f"list_page_ms must be positive, got {self.list_page_ms}")
         if self.sweep_slice_objects < 1:
             raise ValueError(f"sweep_slice_objects must be at least 1, got {self.sweep_slice_objects}")
         if self.quarantine_failures < 0:

@@ -193,7 +193,7 @@ class AdminCalls:
     def ListKeys(self, request):
         r = request
         namespace = check_namespace(r.namespace)
-        budget_s = self.state.config.sweep_slice_ms / 1000  # a page holds the loop about one sweep slice
+        budget_s = self.state.config.list_page_ms / 1000  # a page holds the loop this long at most
         page = list_keys(self.state, namespace, r.prefix, r.start_after, r.limit, r.include_pending, budget_s)
         return pb.ListKeysResponse(status=Status.OK, entries=page.entries, next_start_after=page.next_start_after)
 

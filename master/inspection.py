@@ -5,17 +5,18 @@ other state method. None of them mutates anything: no read lease is granted,
 no recency refreshed (listing or inspecting a key does not save it from
 eviction), no lookup counted, no promotion read counted.
 
-Cost of `list_keys`: O(log n + limit). The master keeps every object name in
-code point order (kvtier.master.name_index); a page is a seek to the first
-name after `start_after` within the prefix and the next names, in chunks
-(issue 19: walking every name cost 90 ms of the event loop per page at 1M
-objects). The memory a call takes and the reply it sends are bounded by the page.
-And a page's time is bounded too: a call given `budget_s` (the handler passes
-the sweeps' `sweep_slice_ms`) stops once that much time went by and answers a
-shorter page with `next_start_after` set, as a page that skipped pending
-objects does. A page of 10,000 keys cost ~48 ms of the loop at 10M objects
-(every other request waited that long); now any page holds the loop about one
-sweep slice, and the caller's paging loop asks for the rest.
+Cost of `list_keys`: a seek per 64 names (O(log n) each) plus the page's
+entries. The master keeps every object name in code point order
+(kvtier.master.name_index); a page seeks to the first name after `start_after`
+within the prefix and takes the next names 64 at a time (issue 19: walking
+every name cost 90 ms of the event loop per page at 1M objects). The memory a
+call takes and the reply it sends are bounded by the page. And a page's time is
+bounded too: a call given `budget_s` (the handler passes the config's
+`list_page_ms`) stops once that much time went by and answers a shorter page
+with `next_start_after` set, as a page that skipped pending objects does. A
+page of 10,000 keys cost tens of ms of the loop at 10M objects (every other
+request waited that long); now no page holds the loop much longer than the
+budget, and the caller's paging loop asks for the rest.
 """
 
 from __future__ import annotations

@@ -167,8 +167,8 @@ def test_a_page_out_of_time_is_shorter_and_paging_still_lists_every_key_once(sta
     assert keys_of(list_keys(state, NS, "k", limit=1000, budget_s=60.0)) == seen
 
 
-def test_the_listing_handler_gives_a_page_one_sweep_slice_of_time(clock):
-    state = make_state(clock, sweep_slice_ms=1e-9)  # a slice no page fits in: one name a page
+def test_the_listing_handler_gives_a_page_list_page_ms_of_time(clock):
+    state = make_state(clock, list_page_ms=1e-9)  # a budget no page fits in: one name a page
     mount(state, "a", 1 << 20)
     for i in range(3):
         put(state, f"k{i}")
