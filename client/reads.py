@@ -146,6 +146,9 @@ class Reads:
                         sources[i] = again_sources[n]
                 _add(tally, "read_retries", len(cut))
                 _add(tally, "read_retry_lookups", 1)
+        except BaseException:
+            self._count(**tally)  # what was read and checked before the exception still counts
+            raise
         finally:
             call_failures.reset(token)
         self._report_failures()

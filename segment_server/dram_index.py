@@ -370,6 +370,8 @@ def report_dram_inventory(stub: Any, segment_id: int, epoch: int, index: DramInd
         reply = stub.ReportDramObjects(request, timeout=_RPC_TIMEOUT_S)
         if reply.status != Status.OK:
             raise InventoryRefused(f"ReportDramObjects: {status_name(reply.status)}: {reply.error}")
+        if len(reply.statuses) != count:
+            raise InventoryRefused(f"ReportDramObjects: {len(reply.statuses)} statuses for {count} objects")
         refused = [i for i, status in enumerate(reply.statuses) if status != Status.OK]
         if refused:
             index.forget_planned([(chunk.offsets[i], chunk.packed[i]) for i in refused])
