@@ -397,13 +397,8 @@ class FastPathProtocol(FramedConnection):
         """A parked answer (kvtier.master.commit_wait): write it, then read on. Called from another
         connection's dispatch or a timer, so frames already buffered behind it are parsed on the next
         loop turn, never inside the caller's."""
-        transport = self._transport
-        if transport is None or self._closing:
+        if not self._write_waited(method, request_id, response):
             return
-        reply = response.SerializeToString()
-        transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
-        self._waiting = False
-        self._since = time.monotonic()
         if self._start == self._end:
             self._start = self._end = 0
             self._fit()
@@ -423,15 +418,20 @@ class FastPathProtocol(FramedConnection):
         except Exception:  # never leave the connection paused: answer, and let the client retry
             logger.exception("waiting for acknowledgements or offload failed")
             response = type(response)(status=-1, error="internal error while waiting for acknowledgements")
+        if self._write_waited(method, request_id, response):
+            self._process(self._since)
+            self._update_reading()
+
+    def _write_waited(self, method: int, request_id: int, response) -> bool:
+        """Write the answer the connection waited for and stop waiting; False when it is gone."""
         transport = self._transport
         if transport is None or self._closing:
-            return
+            return False
         reply = response.SerializeToString()
         transport.write(_HEADER.pack(rpcframe.MAGIC, method, request_id, len(reply)) + reply)
         self._waiting = False
         self._since = time.monotonic()
-        self._process(self._since)
-        self._update_reading()
+        return True
 
     def _fatal(self, request_id: int, reason: str) -> None:
         self._connections.stats.protocol_errors += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 
@@ -47,33 +48,6 @@ def test_a_waiting_poll_ends_as_soon_as_the_leader_moved(silent_master):
     assert len(checks) == 3
 
 
-def test_a_refusal_frame_is_an_error_not_a_reply():
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def refuse() -> None:
-        conn, _ = server.accept()
-        with conn:
-            header = conn.recv(rpcframe.HEADER.size, socket.MSG_WAITALL)
-            _, _, request_id, size = rpcframe.HEADER.unpack(header)
-            if size:
-                conn.recv(size, socket.MSG_WAITALL)
-            message = b"unauthenticated: this master needs an AUTH frame first"
-            conn.sendall(
-                rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, request_id, len(message)) + message
-            )
-
-    thread = threading.Thread(target=refuse, daemon=True)
-    thread.start()
-    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
-    try:
-        with pytest.raises(FeedLinkError, match="refused"):
-            link.poll(pb.PollCommitsRequest(segment_id=1), 5.0)
-    finally:
-        link.close()
-        thread.join(timeout=5)
-        server.close()
-
-
 def _scripted_master(chunks_of):
     """A listener answering each request with `chunks_of(request_id)`: byte strings sent one by one
     (with TCP_NODELAY, so a reply can arrive cut anywhere)."""
@@ -95,6 +69,29 @@ def _scripted_master(chunks_of):
     return server, thread
 
 
+@contextlib.contextmanager
+def _linked(chunks_of):
+    """A FramedFeedLink to a `_scripted_master(chunks_of)`, both closed afterwards."""
+    server, thread = _scripted_master(chunks_of)
+    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
+    try:
+        yield link
+    finally:
+        link.close()
+        thread.join(timeout=5)
+        server.close()
+
+
+def test_a_refusal_frame_is_an_error_not_a_reply():
+    message = b"unauthenticated: this master needs an AUTH frame first"
+
+    def refusal(request_id: int) -> list[bytes]:
+        return [rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.ERROR_METHOD, request_id, len(message)) + message]
+
+    with _linked(refusal) as link, pytest.raises(FeedLinkError, match="refused"):
+        link.poll(pb.PollCommitsRequest(segment_id=1), 5.0)
+
+
 def _reply(request_id: int, reply: pb.PollCommitsResponse) -> bytes:
     body = reply.SerializeToString()
     return rpcframe.HEADER.pack(rpcframe.MAGIC, rpcframe.METHOD_IDS["PollCommits"], request_id, len(body)) + body
@@ -111,25 +108,13 @@ def test_replies_cut_anywhere_or_larger_than_the_buffer_are_read_whole_and_in_or
         cuts = [0, 3, 11, 12, 13, 4000, 70000, len(data)]  # inside the header, at its end, inside the message
         return [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
-    server, thread = _scripted_master(chunks_of)
-    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
-    try:
+    with _linked(chunks_of) as link:
         for _ in range(2):
             assert list(link.poll(pb.PollCommitsRequest(segment_id=1), 5.0).names) == names
             assert link.poll(pb.PollCommitsRequest(segment_id=1), 5.0).first_seq == 601
-    finally:
-        link.close()
-        thread.join(timeout=5)
-        server.close()
 
 
 def test_bytes_after_a_reply_are_an_error_not_the_next_reply():
-    server, thread = _scripted_master(lambda request_id: [_reply(request_id, pb.PollCommitsResponse()) * 2])
-    link = FramedFeedLink(f"tcp://127.0.0.1:{server.getsockname()[1]}", "", 5.0)
-    try:
+    with _linked(lambda request_id: [_reply(request_id, pb.PollCommitsResponse()) * 2]) as link:
         with pytest.raises(FeedLinkError, match="unexpected bytes"):
             link.poll(pb.PollCommitsRequest(segment_id=1), 5.0)
-    finally:
-        link.close()
-        thread.join(timeout=5)
-        server.close()
