@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextvars
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 
+from kvtier.common.units import timeval
 from kvtier.proto.errors import ConnectError, ReadError
 
 _IOV_MAX = 1024  # Linux's limit of buffers per sendmsg
@@ -166,9 +166,9 @@ class _Exchange:
 
 
 def _set_timeouts(sock: socket.socket, timeout: float) -> None:
-    timeval = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    packed = timeval(timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, packed)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, packed)
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 
 _SIZE_UNITS = {
     "": 1,
@@ -98,3 +99,9 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name: assume it is reachable from elsewhere
+
+
+def timeval(seconds: float) -> bytes:
+    """`seconds` as the kernel's struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO (0 = wait forever)."""
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))

@@ -21,13 +21,12 @@ leader must not hold the feed while the new one expels the segment as silent.
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.common.units import parse_hostport
+from kvtier.common.units import parse_hostport, timeval
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto import rpcframe
 
@@ -63,8 +62,8 @@ class FramedFeedLink:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(None)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_SLICE_S))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(connect_timeout_s))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(_SLICE_S))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(connect_timeout_s))
         except OSError:
             sock.close()
             raise
@@ -141,11 +140,6 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: float, current: 
         if not n:
             raise ConnectionResetError("the master closed the fast-path connection")
         return n
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1_000_000))
 
 
 def fast_endpoint(stub: Any, timeout_s: float) -> str:
