@@ -64,8 +64,6 @@ _OK = 0
 _SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
-# Wire value -> Status without the enum's call per key (to_status for values not in it: a newer peer).
-_STATUSES: dict[int, Status] = {int(s): s for s in Status}
 
 
 # Why the last batch_put of this thread (or task) failed as a whole: put() names it in its error.
@@ -366,7 +364,7 @@ class Client(
             self._count(put_retries=len(retry))
         self._report_failures()
         self._count(puts=len(keys), put_failures=sum(1 for s in statuses if s != _OK), bytes_written=written)
-        return [_STATUSES[s] if s in _STATUSES else to_status(s) for s in statuses]
+        return [to_status(s) for s in statuses]
 
     def _put_once(
         self,

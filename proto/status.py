@@ -71,9 +71,10 @@ def status_name(value: int) -> str:
     return Status(value).name if value in Status._value2member_map_ else str(value)
 
 
+# Wire value -> member, looked up without the enum's call (clients map every key's status of a batch).
+_BY_VALUE: dict[int, Status] = {int(s): s for s in Status}
+
+
 def to_status(value: int) -> Status:
     """Map a wire value to `Status`; unknown values (a newer peer) become INTERNAL."""
-    try:
-        return Status(value)
-    except ValueError:
-        return Status.INTERNAL
+    return _BY_VALUE.get(value, Status.INTERNAL)
