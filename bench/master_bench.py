@@ -117,13 +117,16 @@ def _checkpoint(master, master_pid: int, rss_before: int, namespace: str, keys: 
     rss = (_rss(master_pid) - rss_before) / len(keys)
     put_rate = _fill(master, namespace, window, batch)
     _remove(master, namespace, window, batch)
+    exists_rate, get_rate = _read_rates(master, namespace, keys, batch)
+    return Checkpoint(len(keys), put_rate, exists_rate, get_rate, rss)
+
+
+def _read_rates(master, namespace: str, keys: list[str], batch: int) -> tuple[float, float]:
+    """(Exists, GetReplicas) keys/s over random stored keys."""
     rounds = max(5, 200_000 // batch)
-    return Checkpoint(
-        objects=len(keys),
-        put_keys_per_s=put_rate,
-        exists_keys_per_s=_read_rate(master, "Exists", namespace, keys, batch, rounds),
-        get_replicas_keys_per_s=_read_rate(master, "GetReplicas", namespace, keys, batch, rounds),
-        rss_bytes_per_object=rss,
+    return (
+        _read_rate(master, "Exists", namespace, keys, batch, rounds),
+        _read_rate(master, "GetReplicas", namespace, keys, batch, rounds),
     )
 
 
@@ -154,9 +157,10 @@ def run_master_bench(objects: int, batch: int, cycles: int, checkpoints: list[in
                     measured.append(_checkpoint(master, master_pid, rss_before, namespace, keys[:stop], batch))
             put_rate = objects / fill_s
             rss_full, segment_full = _rss(master_pid), _rss(segment_pid)
-            rounds = max(5, 200_000 // batch)
-            exists_rate = _read_rate(master, "Exists", namespace, keys, batch, rounds)
-            get_rate = _read_rate(master, "GetReplicas", namespace, keys, batch, rounds)
+            if measured:  # the last checkpoint read them with every object stored: not twice
+                exists_rate, get_rate = measured[-1].exists_keys_per_s, measured[-1].get_replicas_keys_per_s
+            else:
+                exists_rate, get_rate = _read_rates(master, namespace, keys, batch)
             # GetReplicas leased the sampled keys; removal frees them once the lease ends, which
             # does not matter for RSS (records are dropped at once).
             _remove(master, namespace, keys, batch)
