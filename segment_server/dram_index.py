@@ -62,7 +62,6 @@ _HELLO_RETRY_S = 1.0  # after the fast path failed or the master had none: gRPC 
 # An entry as the inventory hands it out: (name "namespace NUL key" (kvtier.proto.keys.join_name),
 # size, checksum, instance, rank, pin, pin_deadline (monotonic; 0 = none), seq).
 Entry = tuple[str, int, int, str, int, int, float, int]
-_SIZE, _CHECKSUM, _SEQ = 1, 2, 7
 
 # The packed entry: size, seq, checksum, party (index into the DramIndex._party_* columns); then the name.
 # The size comes first so that planning reads it alone (_SIZE_OF), without unpacking the rest.
@@ -307,18 +306,9 @@ class DramIndex:
                 columns = [list(compress(column, ok)) for column in columns]
         return Verified(*columns)
 
-    def forget(self, items: list[tuple[int, Entry]]) -> None:
-        """Remove these entries (unless a newer commit replaced them meanwhile: its seq differs)."""
-        with self._lock:
-            for offset, entry in items:
-                table: dict[Any, bytes]
-                table, where = (self._entries, offset) if entry[_SIZE] else (self._empty, entry[0])
-                packed = table.get(where)
-                if packed is not None and _HEAD.unpack_from(packed)[1] == entry[_SEQ]:
-                    self._drop(table, where, entry[_SIZE])
-
     def forget_planned(self, items: list[tuple[int, bytes]]) -> None:
-        """`forget` for planned entries: still the same bytes object = not replaced since."""
+        """Remove planned entries from the index, unless a newer commit replaced them since (the
+        index no longer holds that very bytes object)."""
         with self._lock:
             for offset, packed in items:
                 size = _SIZE_OF(packed)[0]

@@ -100,15 +100,17 @@ def test_entries_keep_owner_pin_and_deadline_and_forget_spares_a_newer_commit():
     pinned = notices((False, 0, "soft", value, pb.PIN_SOFT, 2500), (False, 64, "hard", value, pb.PIN_HARD, 0))
     pinned.instances[1] = "other"
     index.apply(pinned, (0, 0))
+    older = index.plan()
     (_, soft), (_, hard) = index.inventory()
     assert soft[0] == "ns\x00soft" and soft[1:6] == (32, crc32c.crc32c(value), "eng", 3, pb.PIN_SOFT)
     assert index.pin_ttl_ms(soft) == 2500 and hard[3] == "other" and index.pin_ttl_ms(hard) == 0
     index.apply(notices((False, 0, "soft", value)), (0, 0))  # committed again, unpinned: no deadline left
+    newer = index.plan()
     (_, again), _ = index.inventory()
     assert again[5] == pb.PIN_NONE and index.pin_ttl_ms(again) == 0 and again[7] > soft[7]
-    index.forget([(0, soft)])  # the older entry: the newer commit at that offset stays
+    index.forget_planned([(0, older.packed[0])])  # the older entry: the newer commit at that offset stays
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00soft", "ns\x00hard"]
-    index.forget([(0, again)])
+    index.forget_planned([(0, newer.packed[0])])
     assert [entry[0] for _, entry in index.inventory()] == ["ns\x00hard"]
 
 
