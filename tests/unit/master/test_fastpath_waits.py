@@ -32,6 +32,14 @@ def answers(conn: Conn) -> list[tuple[int, int, bytes]]:
     return out
 
 
+async def answered(conn: Conn, within_s: float) -> None:
+    """Until something was written to `conn` (a parked answer's timer fired), or `within_s` passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while not conn.transport.stream and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 class Cluster:
     """One master's handlers with a segment that keeps an index (PutEnd waits for it), and fast-path
     connections sharing one CommitWaiter, as the server wires them."""
@@ -107,10 +115,7 @@ def test_a_put_end_is_not_answered_ok_before_its_segment_acknowledged_and_times_
         segment.feed(cluster.poll(acked=first_seq - 1))  # polls again without acknowledging the notice
         answers(segment)
         assert answers(client) == []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 100 * 0.05
-        while not client.transport.stream and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        await answered(client, 100 * 0.05)
         [(_, _, body)] = answers(client)
         assert pb.KeyStatusResponse.FromString(body).status == Status.UNAVAILABLE
         assert client.transport.reading
@@ -146,10 +151,7 @@ def test_a_parked_poll_answers_empty_after_its_wait_and_a_closed_connection_gets
         segment = cluster.connect()
         segment.feed(cluster.poll(acked=0, wait_ms=20))
         assert answers(segment) == []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 100 * 0.02
-        while not segment.transport.stream and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        await answered(segment, 100 * 0.02)
         [(_, _, body)] = answers(segment)
         reply = pb.PollCommitsResponse.FromString(body)
         assert reply.status == Status.OK and not reply.offsets
