@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.client.chunks import put_checksums
+from kvtier.client.commit import SegmentCommit
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
 from kvtier.client.failures import FailureReports, SegmentFailures
@@ -137,6 +138,7 @@ class Client(
         tls_ca_file: str = "",
         tls_cert_file: str = "",
         tls_key_file: str = "",
+        commit_through_segment: bool = True,
     ) -> None:
         self.config = ClientConfig(
             master=master,
@@ -150,6 +152,7 @@ class Client(
             tls_ca_file=tls_ca_file,
             tls_cert_file=tls_cert_file,
             tls_key_file=tls_key_file,
+            commit_through_segment=commit_through_segment,
         ).validate()
         check_transport(self.config.transport)
         self.namespace = namespace
@@ -422,12 +425,14 @@ class Client(
             for j in range(pos, pos + count):
                 per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
+        commit = None if group else self._commit_behind(per_segment, segments, keys, reply.put_id)
         jobs = [
             (
                 self._write_segment,
                 segments.get(segment_id),
                 [(off, views[i]) for i, off, _ in items],
                 _caps(reply.replica_tags, reply.tag_expiry_ms, [j for _, _, j in items]),
+                commit,
             )
             for segment_id, items in per_segment.items()
         ]
@@ -445,7 +450,15 @@ class Client(
         written = [i for i, count in enumerate(counts) if (count or group) and statuses[i] == _OK]
         chunks = put_checksums(views, written, checksums, blobs)  # what no connector computed
         failed = [i for i, count in enumerate(counts) if count and statuses[i] != _OK]
-        if written:
+        if commit is not None and commit.statuses is not None:  # the segment relayed PutEnd
+            by_key = dict(zip(commit.keys, commit.statuses, strict=True))
+            for i in written:
+                statuses[i] = by_key[keys[i]]
+            self._count(commits_relayed=1)
+        elif written:
+            if commit is not None:
+                logger.debug("PutEnd not relayed by the segment (%s): sent to the master", commit.refused)
+                self._count(commits_not_relayed=1)
             try:
                 ended = self._master.call(
                     "PutEnd",
@@ -489,16 +502,35 @@ class Client(
         futures = [pool.submit(contextvars.copy_context().run, fn, *args) for fn, *args in jobs]
         return [f.result() for f in futures]
 
+    def _commit_behind(
+        self, per_segment: dict[int, list], segments: dict[int, pb.SegmentEndpoint], keys: list[str], put_id: int
+    ) -> SegmentCommit | None:
+        """The PutEnd to send behind the write (kvtier.client.commit), when the put's ranges all go to
+        one segment whose connector takes it, and this client reaches the master's fast path (no
+        TLS: the token travels like the fast path's own); None: PutEnd goes to the master."""
+        if len(per_segment) != 1 or not self.config.commit_through_segment or not self._master.fast_path_active:
+            return None
+        ((segment_id, items),) = per_segment.items()
+        segment = segments.get(segment_id)
+        if segment is None or not getattr(self._connector(segment), "commits", False):
+            return None
+        token = self._master.credentials.token
+        return SegmentCommit(self.namespace, [keys[i] for i, _, _ in items], put_id, token, self._done_leases.take())
+
     def _write_segment(
-        self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None
+        self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None, commit: SegmentCommit | None = None
     ) -> tuple[list[int], list, list]:
-        """Per-range statuses, and CRCs (whole, and chunks) where the connector computed them while copying."""
+        """Per-range statuses, and CRCs (whole, and chunks) where the connector computed them while
+        copying; with `commit`, the connector sends it behind the write (kvtier.client.commit)."""
         crcs: list[int | None] = [None] * len(ranges)
         blobs: list[bytes | None] = [None] * len(ranges)
         if segment is None:
             return [int(Status.SEGMENT_NOT_FOUND)] * len(ranges), crcs, blobs
         try:
-            return self._connector(segment).write(ranges, crcs, caps=caps, chunks=blobs), crcs, blobs
+            connector = self._connector(segment)
+            if commit is not None:
+                return connector.write(ranges, crcs, caps=caps, chunks=blobs, commit=commit), crcs, blobs  # type: ignore[call-arg]
+            return connector.write(ranges, crcs, caps=caps, chunks=blobs), crcs, blobs
         except TransportError as exc:
             logger.warning("write to segment %s failed: %s", segment.name, exc)
             self._transport_failed(segment.name, exc)

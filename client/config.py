@@ -25,6 +25,9 @@ class ClientConfig:
     # puts this long; failures are reported to the master at most once per interval (quarantine).
     avoid_failed_s: float = 10.0
     failure_report_interval_s: float = 0.5
+    # A put whose bytes all go to one segment over tcp sends its PutEnd behind its WRITE, for the
+    # segment to relay (kvtier.client.commit): one round trip less. False: always to the master.
+    commit_through_segment: bool = True
     # Credentials (docs/security.md); each defaults to its KVTIER_* variable: the cluster's or a
     # tenant's secret (a file, or KVTIER_SECRET itself), the principal it proves ("cluster", or the
     # tenant's name), and TLS to the master (the CA of its certificate; a client certificate for mTLS).

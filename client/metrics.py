@@ -39,6 +39,16 @@ _SIMPLE = (
     ("puts", "kvtier_client_puts", "Keys put."),
     ("put_failures", "kvtier_client_put_failures", "Keys whose put failed."),
     ("put_retries", "kvtier_client_put_retries", "Keys placed once more after a write failed on its segment."),
+    (
+        "commits_relayed",
+        "kvtier_client_commits_relayed",
+        "Puts whose PutEnd their segment relayed to the master (a COMMIT frame behind the WRITE).",
+    ),
+    (
+        "commits_not_relayed",
+        "kvtier_client_commits_not_relayed",
+        "Puts that sent a COMMIT frame but then their PutEnd to the master (the segment could not relay it).",
+    ),
     ("group_puts", "kvtier_client_group_puts", "Group puts (all or none, kvtier.client.groups), any outcome."),
     ("group_misses", "kvtier_client_group_misses", "Group reads answered with a miss for every member."),
     (

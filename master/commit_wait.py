@@ -33,7 +33,8 @@ from kvtier.proto.status import Status
 logger = logging.getLogger(__name__)
 
 # Calls answered only once the segments acknowledged the notices they made (kvtier.master.commits).
-WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix")
+WAITING_CALLS = ("PutEnd", "Remove", "RemovePrefix", "RelayPutEnd")
+_PUT_END_ANSWERS = (pb.KeyStatusResponse, pb.RelayPutEndResponse)
 LONG_POLL_MAX_S = 30.0  # the longest a segment's poll waits for notices, whatever it asks
 
 
@@ -163,8 +164,9 @@ class CommitWaiter:
         handlers = self._handlers
         state = handlers.state
         put_ack, handlers.put_ack = handlers.put_ack, None
+        relayed_by, handlers.relayed_by = handlers.relayed_by, 0
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        barrier = Barrier(state.commits.barrier(), state.tiering.pending_forgets(), generation, put_ack)
+        barrier = Barrier(state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation else None
 
     async def after_removal(self, reply: Any, removal: Removal) -> Any:
@@ -198,7 +200,8 @@ class CommitWaiter:
         handlers = self._handlers
         if handlers.state is not state or not handlers.leadership.is_leader():
             return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
-        put_ack = barrier.put_ack if isinstance(reply, pb.KeyStatusResponse) else None  # PutEnd's answer only
+        # PutEnd's answer, or a relayed one's (Remove's RemoveResponse has no per-key statuses to settle).
+        put_ack = barrier.put_ack if isinstance(reply, _PUT_END_ANSWERS) else None
         if put_ack is not None and (
             lost := put_ack.settle(state.segments, reply.statuses, bool(state.sweeps.dead_segments))
         ):

@@ -55,6 +55,9 @@ class SegmentFeed:
     notices: deque[tuple[int, ObjectRecord, bool]] = field(default_factory=deque)  # (offset, record, is a drop)
     first_seq: int = 1  # sequence number of notices[0]
     acked: int = 0  # every notice up to this one is applied by the segment
+    # Notices made while its long poll was not woken (a relayed call's: the segment applies them from
+    # the call's answer); woken as soon as another call waits for them (`barrier`).
+    unwoken: bool = False
     # Drops on other segments waiting for this one to acknowledge up to seq: (seq, segment id, offset, record)
     after_ack: deque[tuple[int, int, int, ObjectRecord]] = field(default_factory=deque)
 
@@ -83,6 +86,8 @@ class CommitLog:
         self.counters: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
+        # The segment relaying the call being handled (RelayPutEnd): its notices do not wake its poll.
+        self.relaying = 0
 
     # ------------------------------------------------------------------ segments
 
@@ -130,8 +135,7 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, False))
-            if self.notify is not None:
-                self.notify(segment_id)
+            self._wake(segment_id, feed)
 
     def committed_records(self, records: list[ObjectRecord]) -> None:
         """Every (DRAM) replica of each record became readable: `committed` in bulk (PutEnd's path)."""
@@ -144,17 +148,23 @@ class CommitLog:
                 if feed is not None:
                     feed.notices.append((packed & OFFSET_MASK, record, False))
                     touched.add(segment_id)
-        if self.notify is not None:
-            for segment_id in touched:
-                self.notify(segment_id)
+        for segment_id in touched:
+            self._wake(segment_id, feeds[segment_id])
 
     def dropped(self, segment_id: int, offset: int, record: ObjectRecord) -> None:
         """The DRAM copy of `record` at `offset` on the segment is no longer one (its range may be reused)."""
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, True))
-            if self.notify is not None:
-                self.notify(segment_id)
+            self._wake(segment_id, feed)
+
+    def _wake(self, segment_id: int, feed: SegmentFeed) -> None:
+        """New notices for the segment: wake its long poll, unless it relays the call making them."""
+        if segment_id == self.relaying:
+            feed.unwoken = True
+        elif self.notify is not None:
+            feed.unwoken = False
+            self.notify(segment_id)
 
     def dropped_after(self, segment_id: int, offset: int, record: ObjectRecord, target_id: int) -> None:
         """Like `dropped`, once `target_id` acknowledged everything queued for it so far (a move:
@@ -164,6 +174,39 @@ class CommitLog:
             self.dropped(segment_id, offset, record)
         else:
             target.after_ack.append((target.last_seq, segment_id, offset, record))
+
+    def next_seq(self, segment_id: int) -> int:
+        """The sequence number the segment's next notice will get (0: not mounted)."""
+        feed = self._feeds.get(segment_id)
+        return 0 if feed is None else feed.last_seq + 1
+
+    def since(self, segment_id: int, first: int) -> list[tuple[int, ObjectRecord, bool]]:
+        """The segment's notices from `first` on that it has not acknowledged (RelayPutEnd: those
+        its own call just made, `first` being `next_seq` before the call)."""
+        feed = self._feeds.get(segment_id)
+        if feed is None or first > feed.last_seq:
+            return []
+        skip = max(first - feed.first_seq, 0)
+        return [feed.notices[i] for i in range(skip, len(feed.notices))]
+
+    def ack(self, segment_id: int, acked_seq: int) -> None:
+        """The segment applied every notice up to `acked_seq` (a RelayPutEnd's, like a poll's)."""
+        feed = self._feeds.get(segment_id)
+        if feed is not None:
+            self._ack(feed, acked_seq)
+
+    def _ack(self, feed: SegmentFeed, acked_seq: int) -> None:
+        acked_seq = min(acked_seq, feed.last_seq)
+        if acked_seq > feed.acked:
+            for _ in range(acked_seq - feed.first_seq + 1):
+                feed.notices.popleft()
+            feed.first_seq = acked_seq + 1
+            feed.acked = acked_seq
+            while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
+                _, source, offset, record = feed.after_ack.popleft()
+                self.dropped(source, offset, record)
+            if self.on_ack is not None:
+                self.on_ack()
 
     def has_notices(self, segment_id: int, acked: int) -> bool:
         feed = self._feeds.get(segment_id)
@@ -176,17 +219,7 @@ class CommitLog:
         if feed is None:
             return None
         feed.last_poll = self._clock()
-        acked_seq = min(acked_seq, feed.last_seq)
-        if acked_seq > feed.acked:
-            for _ in range(acked_seq - feed.first_seq + 1):
-                feed.notices.popleft()
-            feed.first_seq = acked_seq + 1
-            feed.acked = acked_seq
-            while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
-                _, source, offset, record = feed.after_ack.popleft()
-                self.dropped(source, offset, record)
-            if self.on_ack is not None:
-                self.on_ack()
+        self._ack(feed, acked_seq)
         start = feed.acked + 1  # a segment that lost a reply polls with an older ack: resend
         skip = start - feed.first_seq
         items = []
@@ -202,10 +235,18 @@ class CommitLog:
 
     # ------------------------------------------------------------------ waiting
 
-    def barrier(self) -> dict[int, int]:
+    def barrier(self, relayed_by: int = 0) -> dict[int, int]:
         """Every notice made so far and not yet acknowledged: segment id -> sequence number to wait
-        for. Segments that keep no index are left out."""
-        return {s: f.last_seq for s, f in self._feeds.items() if f.keeps_index and f.last_seq > f.acked}
+        for. Segments that keep no index are left out, and `relayed_by` (a RelayPutEnd's segment:
+        it applies its notices itself, in order, before it answers the client)."""
+        waits = {
+            s: f.last_seq for s, f in self._feeds.items() if f.keeps_index and f.last_seq > f.acked and s != relayed_by
+        }
+        for segment_id in waits:  # relayed notices someone waits for now: the segment's poll brings the ack
+            feed = self._feeds[segment_id]
+            if feed.unwoken:
+                self._wake(segment_id, feed)
+        return waits
 
     def acked(self, barrier: dict[int, int]) -> bool:
         """Whether every segment of `barrier` acknowledged its notices, or is gone (left or expelled)."""

@@ -69,6 +69,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.lookup_hits: Counter[str] = Counter()  # of those, found complete (a lookup hit, not bytes served)
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
+        self.relayed_by = 0  # the segment that relayed the PutEnd just handled (RelayPutEnd), if any
         self.removal: Removal | None = None  # of the RemovePrefix just handled, still sweeping
         self.watcher: Watcher | None = None  # subscribed by the WatchEvents just handled
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer

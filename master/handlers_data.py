@@ -8,6 +8,7 @@ from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.events import EventKind, Watcher
 from kvtier.master.gates import rpc
+from kvtier.master.handlers_segment import fill_notices
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.prefetch import prefetch
 from kvtier.master.state import PutOptions
@@ -133,6 +134,47 @@ class DataCalls:
             for i, record, _ in ack.committed:
                 record.keep_chunk_crcs(chunks[i])
         return pb.KeyStatusResponse(status=_OK, statuses=statuses)
+
+    # PutEnd's handler without its gate: RelayPutEnd runs it inside its own (one count, one latency).
+    _put_end = PutEnd.__wrapped__  # type: ignore[attr-defined]
+
+    @rpc(pb.RelayPutEndResponse)
+    def RelayPutEnd(self, request):
+        """A client's PutEnd relayed by the segment it wrote to (cluster credentials: the rpc gate
+        refuses anyone else). Checked as the client's own call: its token's principal and rights. The
+        segment's own notices of this call go back in the answer; `relayed_by` leaves the segment out
+        of the wait (kvtier.master.commit_wait): it applies them, after every earlier one, before the
+        client hears OK, so "acknowledged means in an index" holds as for a direct PutEnd."""
+        segment_id = request.segment_id
+        commits = self.state.commits
+        if request.epoch != self.epoch or self.state.segments.get(segment_id) is None:
+            return pb.RelayPutEndResponse(
+                status=Status.SEGMENT_NOT_FOUND, error="the relaying segment is not mounted under this epoch"
+            )
+        principal = self.auth.principal(request.token) if self.auth.enabled else CLUSTER_PRINCIPAL
+        if not principal:
+            return pb.RelayPutEndResponse(status=Status.UNAUTHENTICATED, error="the client's token proves no principal")
+        put_end = request.put_end
+        if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, "PutEnd", put_end)):
+            self.denied["PutEnd"] += 1
+            return pb.RelayPutEndResponse(status=Status.PERMISSION_DENIED, error=denied)
+        commits.ack(segment_id, request.acked_seq)
+        first = commits.next_seq(segment_id)
+        token = current_principal.set(principal)  # whose leases it may release (_release_leases)
+        commits.relaying = segment_id  # its notices come back in the answer: its long poll sleeps on
+        try:
+            ended = self._put_end(put_end)  # PutEnd's own handler, inside this call's gate (no second one)
+        finally:
+            commits.relaying = 0
+            current_principal.reset(token)
+        reply = pb.RelayPutEndResponse(status=ended.status, error=ended.error, statuses=ended.statuses)
+        if ended.status == _OK:
+            self.relayed_by = segment_id
+            notices = reply.notices
+            notices.status, notices.epoch, notices.first_seq = _OK, self.epoch, first
+            if items := commits.since(segment_id, first):
+                fill_notices(notices, items, self.state.clock)
+        return reply
 
     @rpc(pb.KeyStatusResponse)
     def PutRevoke(self, request):

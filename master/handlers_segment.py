@@ -4,10 +4,12 @@ heartbeat, tier tasks and disk inventories, the commit log and DRAM inventories 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvtier.master.clock_skew import read_skew
 from kvtier.master.commits import notice_pin
 from kvtier.master.gates import rpc
+from kvtier.master.records import ObjectRecord
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import wall_ms
@@ -152,26 +154,8 @@ class SegmentCalls:
         if notices is None:
             return pb.PollCommitsResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
         reply = pb.PollCommitsResponse(status=Status.OK, epoch=self.epoch, first_seq=notices.first_seq)
-        items = notices.items
-        if not items:
-            return reply
-        # Column by column (list comprehensions, bulk extends): thousands of notices per poll.
-        records = [item[1] for item in items]
-        metas = [record.meta for record in records]
-        reply.drops.extend([item[2] for item in items])
-        reply.offsets.extend([item[0] for item in items])
-        reply.sizes.extend([meta >> 32 for meta in metas])
-        reply.checksums.extend([meta & 0xFFFF_FFFF for meta in metas])
-        reply.names.extend([record.name for record in records])
-        owners = [record.owner for record in records]
-        if any(owners):
-            reply.instances.extend([owner.instance if owner is not None else "" for owner in owners])
-            reply.ranks.extend([owner.rank if owner is not None else 0 for owner in owners])
-        if any(record.pin_until for record in records):
-            now = self.state.clock()
-            pins = [notice_pin(record, now) for record in records]
-            reply.pins.extend([pin for pin, _ in pins])
-            reply.pin_ttl_ms.extend([ttl for _, ttl in pins])
+        if notices.items:
+            fill_notices(reply, notices.items, self.state.clock)
         return reply
 
     @rpc(pb.KeyStatusResponse)
@@ -201,3 +185,27 @@ class SegmentCalls:
         if request.done:
             inventory_done(self.state, request.segment_id)
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
+
+
+def fill_notices(
+    reply: pb.PollCommitsResponse, items: list[tuple[int, ObjectRecord, bool]], clock: Callable[[], float]
+) -> None:
+    """Commit-log notices into a PollCommitsResponse's columns (a poll's answer, or the notices a
+    RelayPutEnd hands back to its segment). Column by column (list comprehensions, bulk extends):
+    thousands of notices per poll."""
+    records = [item[1] for item in items]
+    metas = [record.meta for record in records]
+    reply.drops.extend([item[2] for item in items])
+    reply.offsets.extend([item[0] for item in items])
+    reply.sizes.extend([meta >> 32 for meta in metas])
+    reply.checksums.extend([meta & 0xFFFF_FFFF for meta in metas])
+    reply.names.extend([record.name for record in records])
+    owners = [record.owner for record in records]
+    if any(owners):
+        reply.instances.extend([owner.instance if owner is not None else "" for owner in owners])
+        reply.ranks.extend([owner.rank if owner is not None else 0 for owner in owners])
+    if any(record.pin_until for record in records):
+        now = clock()
+        pins = [notice_pin(record, now) for record in records]
+        reply.pins.extend([pin for pin, _ in pins])
+        reply.pin_ttl_ms.extend([ttl for _, ttl in pins])

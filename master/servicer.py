@@ -67,6 +67,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def PutEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer_when_acknowledged("PutEnd", request)
 
+    async def RelayPutEnd(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """Segments relay over the fast path; over gRPC it means the same (kvtier.segment_server.commit_relay)."""
+        return await self._answer_when_acknowledged("RelayPutEnd", request)
+
     async def Remove(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._answer_when_acknowledged("Remove", request)
 

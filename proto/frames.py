@@ -57,6 +57,17 @@ the region bounds check, so a window needs no tag of its own and a client holdin
 an object reads part of it; a window outside its range (skip + take > length) fails the request
 with INVALID_RANGE. Windows are READ-only: any other op with FLAG_WINDOW is a PROTOCOL_ERROR.
 
+COMMIT carries no ranges and, as payload, a RelayPutEndRequest's fields 1 and 2 (the client's
+PutEnd and its token; kvtier.proto master.proto), at most MAX_COMMIT_BYTES. It must come right
+behind a WRITE on the same connection that completed (an OK response): otherwise it is refused
+with INVALID_ARGUMENT and nothing is committed. The segment relays it to the master (RelayPutEnd,
+kvtier.segment_server.commit_relay) and answers, once the put's notices are in its index, with
+a RelayPutEndResponse (per-key statuses, no notices) as payload and status OK; UNAVAILABLE (with
+a message) when the master's answer did not come: the client then sends its PutEnd itself.
+A WRITE whose flags have FLAG_COMMIT_FOLLOWS set announces its COMMIT: its own response is held
+back and sent with the COMMIT's answer, in one send (a response held when the next frame is not a
+COMMIT goes out first). FLAG_COMMIT_FOLLOWS on any other op is a PROTOCOL_ERROR.
+
 A range that lies outside the region fails the whole request with
 INVALID_RANGE; the server still consumes the WRITE payload, so the connection
 stays in sync and keeps serving. A bad magic or version, or a header that
@@ -86,11 +97,13 @@ MAX_ERROR_MESSAGE = 4096
 MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
 MAX_DISK_NAME = 2 + MAX_JOINED_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
 DISK_STATUS = struct.Struct("<i")
+MAX_COMMIT_BYTES = 16 << 20  # a COMMIT's payload (larger PutEnds go to the master directly)
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
 FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
 FLAG_DEADLINE = 4  # (deadline_ms, 0) after the trace entry: when the grant of the ranges ends (no secret)
 FLAG_WINDOW = 8  # READ: the table ends with one (skip, take) per range: only those bytes are sent
+FLAG_COMMIT_FOLLOWS = 16  # WRITE: a COMMIT comes right behind; its answer and this one's go out together
 
 
 class Op(enum.IntEnum):
@@ -98,6 +111,7 @@ class Op(enum.IntEnum):
     READ = 2  # ranges, no payload -> the ranges' bytes
     PING = 3  # no ranges -> empty OK response (liveness, connection warm-up)
     READ_DISK = 4  # (location, size) ranges + object names -> per range: status, size bytes
+    COMMIT = 5  # a PutEnd for the master, right behind its WRITE -> RelayPutEndResponse (commit_relay)
 
 
 def pack_request(
@@ -109,14 +123,15 @@ def pack_request(
     caps: tuple[int, bytes] | None = None,
     deadline: int = 0,
     windows: Sequence[tuple[int, int]] = (),
+    flags: int = 0,
 ) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
     client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
     the ranges' tags concatenated), it carries their capabilities; caps without tags (a cluster
     without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE); `windows`,
-    one (skip, take) per range, make a READ send only those bytes of each (FLAG_WINDOW)."""
+    one (skip, take) per range, make a READ send only those bytes of each (FLAG_WINDOW); `flags`
+    adds others (FLAG_COMMIT_FOLLOWS)."""
     flat = [v for pair in ranges for v in pair]
-    flags = 0
     if caps is not None and not caps[1]:
         deadline, caps = caps[0], None
     if caps is not None:

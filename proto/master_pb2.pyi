@@ -285,6 +285,32 @@ class PutEndRequest(_message.Message):
     chunk_checksums: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., put_id: _Optional[int] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., group: _Optional[bool] = ..., chunk_checksums: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class RelayPutEndRequest(_message.Message):
+    __slots__ = ("put_end", "token", "segment_id", "epoch", "acked_seq")
+    PUT_END_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    put_end: PutEndRequest
+    token: str
+    segment_id: int
+    epoch: int
+    acked_seq: int
+    def __init__(self, put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., token: _Optional[str] = ..., segment_id: _Optional[int] = ..., epoch: _Optional[int] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+
+class RelayPutEndResponse(_message.Message):
+    __slots__ = ("status", "error", "statuses", "notices")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
+    status: _status_pb2.Status
+    error: str
+    statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
+    notices: PollCommitsResponse
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., notices: _Optional[_Union[PollCommitsResponse, _Mapping]] = ...) -> None: ...
+
 class PutRevokeRequest(_message.Message):
     __slots__ = ("namespace", "keys", "put_id", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

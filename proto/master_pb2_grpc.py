@@ -159,6 +159,11 @@ class MasterStub:
                 request_serializer=kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.FromString,
                 _registered_method=True)
+        self.RelayPutEnd = channel.unary_unary(
+                '/kvtier.v1.Master/RelayPutEnd',
+                request_serializer=kvtier_dot_proto_dot_master__pb2.RelayPutEndRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_master__pb2.RelayPutEndResponse.FromString,
+                _registered_method=True)
         self.ReportDramObjects = channel.unary_unary(
                 '/kvtier.v1.Master/ReportDramObjects',
                 request_serializer=kvtier_dot_proto_dot_master__pb2.DramObjectsRequest.SerializeToString,
@@ -362,6 +367,17 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RelayPutEnd(self, request, context):
+        """A client's PutEnd relayed by the segment it wrote the put's bytes to (the COMMIT frame of the
+        data plane, kvtier.proto.frames): answered like PutEnd once every *other* segment acknowledged
+        its notices; the relaying segment's own notices of this call come back in the answer, and it
+        applies them to its index before it tells the client. One client round trip less per put
+        (docs/architecture.md, "Commit through the segment"). Cluster credentials only (segments).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportDramObjects(self, request, context):
         """After a mount with `inventory` set: the complete objects the segment's DRAM holds (their
         bytes verified against their checksums), in chunks; the last one has `done` set. Until
@@ -527,6 +543,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.PollCommits,
                     request_deserializer=kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.SerializeToString,
+            ),
+            'RelayPutEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayPutEnd,
+                    request_deserializer=kvtier_dot_proto_dot_master__pb2.RelayPutEndRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_master__pb2.RelayPutEndResponse.SerializeToString,
             ),
             'ReportDramObjects': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportDramObjects,
@@ -1224,6 +1245,33 @@ class Master:
             '/kvtier.v1.Master/PollCommits',
             kvtier_dot_proto_dot_master__pb2.PollCommitsRequest.SerializeToString,
             kvtier_dot_proto_dot_master__pb2.PollCommitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayPutEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.Master/RelayPutEnd',
+            kvtier_dot_proto_dot_master__pb2.RelayPutEndRequest.SerializeToString,
+            kvtier_dot_proto_dot_master__pb2.RelayPutEndResponse.FromString,
             options,
             channel_credentials,
             insecure,

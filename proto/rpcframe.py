@@ -51,5 +51,8 @@ METHODS: dict[int, tuple[str, type, type]] = {
     # Segments' commit feed (kvtier.segment_server.commit_link): a long poll, answered once notices
     # are queued or its wait_ms passed; the acknowledgement PutEnd waits for rides on the next one.
     7: ("PollCommits", pb.PollCommitsRequest, pb.PollCommitsResponse),
+    # A client's PutEnd relayed by the segment it wrote to (the data plane's COMMIT frame): the
+    # segment's own notices of the call come back in the answer (kvtier.segment_server.commit_relay).
+    8: ("RelayPutEnd", pb.RelayPutEndRequest, pb.RelayPutEndResponse),
 }
 METHOD_IDS = {name: method for method, (name, _, _) in METHODS.items()}

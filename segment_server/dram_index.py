@@ -150,6 +150,9 @@ class DramIndex:
         self._lock = threading.Lock()
         self._seq = 0  # order of commits: a newer entry wins an overlap
         self._session = (0, 0)
+        # The commit log's sequence number of the last notice applied under this session: notices
+        # come by two roads (the feed's polls, RelayPutEnd answers), each applied once, in order.
+        self._applied = 0
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._empty)
@@ -164,9 +167,21 @@ class DramIndex:
     def session(self) -> tuple[int, int]:
         return self._session
 
+    @property
+    def applied(self) -> int:
+        """Sequence number of the last commit-log notice applied under the current session."""
+        return self._applied
+
+    def session_and_applied(self) -> tuple[tuple[int, int], int]:
+        """The session and its last applied notice, read together (an acknowledgement must never
+        name one session's sequence number under another's segment id)."""
+        with self._lock:
+            return self._session, self._applied
+
     def set_session(self, session: tuple[int, int]) -> None:
         with self._lock:
-            self._session = session
+            if session != self._session:
+                self._session, self._applied = session, 0  # a new mount numbers its notices from 1
 
     def clear(self) -> None:
         """The master will not take this index (it expelled us, or serves already): it is stale."""
@@ -177,48 +192,68 @@ class DramIndex:
             self._bytes = 0
 
     def apply(self, reply: pb.PollCommitsResponse, session: tuple[int, int]) -> int:
-        """Apply one poll's notices in order, if `session` (polled in) is still the current one;
-        how many (-1: not applied)."""
+        """Apply one poll's notices in order, if `session` (polled in) is still the current one,
+        skipping those applied already (a RelayPutEnd's answer may have brought them first); the
+        sequence number of the last notice applied now (-1: not applied)."""
+        with self._lock:
+            if session != self._session:
+                return -1
+            self._apply_locked(reply)
+            return self._applied
+
+    def apply_relayed(self, notices: pb.PollCommitsResponse, session: tuple[int, int]) -> bool:
+        """Apply the notices a RelayPutEnd answer brought, if every notice before them is applied
+        (False: some are not yet; the feed brings them, these included). Already applied: True."""
+        with self._lock:
+            if session != self._session or notices.first_seq > self._applied + 1:
+                return False
+            self._apply_locked(notices)
+            return True
+
+    def _apply_locked(self, reply: pb.PollCommitsResponse) -> None:
+        skip = self._applied + 1 - reply.first_seq  # notices of this reply applied already
+        count = len(reply.offsets)
+        if skip >= count:
+            return
         now = self._clock()
         offsets, sizes, names = list(reply.offsets), list(reply.sizes), list(reply.names)
-        count = len(offsets)
         checksums, drops = list(reply.checksums), list(reply.drops)
         instances = list(reply.instances) or [""] * count
         ranks = list(reply.ranks) or [0] * count
         pins = list(reply.pins) or [0] * count
         deadlines = [now + ttl / 1000 if ttl else 0.0 for ttl in reply.pin_ttl_ms] or [0.0] * count
+        if skip > 0:
+            columns = (offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines)
+            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines = (c[skip:] for c in columns)
         entries, empty, timed = self._entries, self._empty, self._deadlines
         pack = _HEAD.pack
-        with self._lock:
-            if session != self._session:
-                return -1
-            party_ids = self._party_ids
-            seq, total = self._seq, self._bytes
-            for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
-                offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
-            ):
-                table: dict[Any, bytes]
-                table, where = (entries, offset) if size else (empty, name)
-                old = table.pop(where, None)
-                if old is not None:
-                    total -= _SIZE_OF(old)[0]
-                if not drop:
-                    seq += 1
-                    party = party_ids.get((instance, rank, pin))
-                    if party is None:
-                        party = party_ids[instance, rank, pin] = len(party_ids)
-                        self._party_instances.append(instance)
-                        self._party_ranks.append(rank)
-                        self._party_pins.append(pin)
-                    table[where] = pack(size, seq, checksum, party) + name.encode()
-                    total += size
-                    if deadline:
-                        timed[where] = deadline
-                        continue
-                if timed:
-                    timed.pop(where, None)
-            self._seq, self._bytes = seq, total
-        return count
+        party_ids = self._party_ids
+        seq, total = self._seq, self._bytes
+        for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
+            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
+        ):
+            table: dict[Any, bytes]
+            table, where = (entries, offset) if size else (empty, name)
+            old = table.pop(where, None)
+            if old is not None:
+                total -= _SIZE_OF(old)[0]
+            if not drop:
+                seq += 1
+                party = party_ids.get((instance, rank, pin))
+                if party is None:
+                    party = party_ids[instance, rank, pin] = len(party_ids)
+                    self._party_instances.append(instance)
+                    self._party_ranks.append(rank)
+                    self._party_pins.append(pin)
+                table[where] = pack(size, seq, checksum, party) + name.encode()
+                total += size
+                if deadline:
+                    timed[where] = deadline
+                    continue
+            if timed:
+                timed.pop(where, None)
+        self._seq, self._bytes = seq, total
+        self._applied = reply.first_seq + count - 1
 
     def inventory(self) -> list[tuple[int, Entry]]:
         """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of
@@ -412,6 +447,13 @@ class CommitFeed:
         self.polls = 0  # polls answered
         self.fast_polls = 0  # ... of them over the fast path (the rest went over gRPC)
 
+    @property
+    def endpoint(self) -> str:
+        """The master's fast-path endpoint this feed polls over now ("" = none, gRPC): the commit
+        relay's (kvtier.segment_server.commit_relay) too. Any thread."""
+        link = self._link
+        return link.endpoint if link is not None else ""
+
     def start(self) -> None:
         self._poller.start()
 
@@ -448,8 +490,8 @@ class CommitFeed:
         applied = self.index.apply(reply, session)
         if applied < 0:
             return 0.0  # mounted again meanwhile: these notices belong to the old mount
-        self.applied += applied
-        self._acked = reply.first_seq + applied - 1
+        self.applied += len(reply.offsets)
+        self._acked = applied  # with what RelayPutEnd answers applied meanwhile, if more
         return 0.0
 
     def _poll(self, request: pb.PollCommitsRequest) -> pb.PollCommitsResponse:

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvtier.segment_server.buckets import BucketStore
+from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.dram_index import CommitFeed
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.shm_grant import GrantStats
@@ -36,8 +37,10 @@ class SegmentCollector(Collector):
         worker: Callable[[], TierWorker | None],
         feed: Callable[[], CommitFeed | None],
         grants: GrantStats | None = None,
+        relay: CommitRelay | None = None,
     ) -> None:
         self._name = name
+        self._relay = relay
         self._stats = stats
         self._disk_bytes_read = disk_bytes_read
         self._capacity = capacity
@@ -260,6 +263,25 @@ class SegmentCollector(Collector):
         polls.add_metric([self._name, "fast"], fast)
         polls.add_metric([self._name, "grpc"], (feed.polls - fast) if feed is not None else 0)
         yield polls
+        relay = self._relay
+        commits = CounterMetricFamily(
+            "kvtier_segment_commits",
+            "COMMIT frames (a client's PutEnd behind its WRITE), by outcome: relayed (the master's answer went "
+            "back), unavailable (no answer: the client sent its PutEnd itself), refused (not right behind a "
+            "completed WRITE, or undecodable).",
+            labels=["segment", "outcome"],
+        )
+        commits.add_metric([self._name, "relayed"], relay.relayed if relay is not None else 0)
+        commits.add_metric([self._name, "unavailable"], relay.failed if relay is not None else 0)
+        commits.add_metric([self._name, "refused"], s.commits_refused)
+        yield commits
+        yield _one(
+            CounterMetricFamily,
+            "kvtier_segment_commit_feed_waits",
+            "Relayed PutEnds whose notices waited for the commit feed (it had not applied earlier ones yet).",
+            self._name,
+            relay.feed_waits if relay is not None else 0,
+        )
 
 
 def _one(kind: type, name: str, documentation: str, segment: str, value: float) -> Metric:

@@ -31,10 +31,12 @@ Invariants that keep the stream in sync:
 Backpressure: while the transport's write buffer is above its high-water mark
 no new request is read (`pause_reading` until `resume_writing`).
 
-READ_DISK (objects on the SSD tier) is the one request served asynchronously:
-its names land in a small buffer, then reading stops while `DiskReader`
-reads, verifies and streams the records, so responses stay in request order
-and one connection has at most one disk request in flight.
+READ_DISK (objects on the SSD tier) and COMMIT (a client's PutEnd, relayed to
+the master by kvtier.segment_server.commit_relay) are the requests served
+asynchronously: their payload lands in a small buffer, then reading stops
+while `DiskReader` reads, verifies and streams the records, or the relay waits
+for the master, so responses stay in request order and one connection has at
+most one of them in flight.
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from google.protobuf.message import DecodeError
+
 from kvtier.common.framed_listener import ConnectionSet, FramedConnection
 from kvtier.common.latency import LatencyHistogram
 from kvtier.common.logs import LogBudget, format_request_id
 from kvtier.proto import frames
+from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
+from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.master_clock import MasterClock
 
@@ -91,8 +97,9 @@ class DataPlaneStats:
     # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
     # the region; READ_DISK: the last record queued). Completed requests only.
     latency: dict[str, LatencyHistogram] = field(
-        default_factory=lambda: {op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK")}
+        default_factory=lambda: {op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK", "COMMIT")}
     )
+    commits_refused: int = 0  # COMMIT frames not right behind a completed WRITE, or undecodable
 
 
 class CapabilityCheck:
@@ -154,6 +161,7 @@ class DataProtocol(FramedConnection):
         connections: Connections | None = None,
         caps: CapabilityCheck | None = None,
         clock: MasterClock | None = None,
+        relay: CommitRelay | None = None,
     ) -> None:
         # The largest frame is a WRITE of the whole region.
         super().__init__(connections, stats, len(region))
@@ -175,13 +183,17 @@ class DataProtocol(FramedConnection):
         self._read_timer_at = 0.0
         self._request_start = time.monotonic()  # first byte of the current (or last) request
         self._disk = disk
+        self._relay = relay  # relays COMMIT frames' PutEnds to the master (None: answers them UNAVAILABLE)
+        self._wrote = False  # the last request was a WRITE that completed: a COMMIT may follow it
+        self._after_write = False  # ... the request before the current one was
+        self._held = b""  # a WRITE's response held back for its COMMIT's (FLAG_COMMIT_FOLLOWS): one send
         self._drained: asyncio.Event | None = None  # set while the transport accepts writes (READ_DISK waits on it)
         self._capacity = len(region)
         self._stats = stats
         self._header = bytearray(frames.REQUEST.size)
         self._header_view = memoryview(self._header)
         self._table = bytearray(0)
-        self._names = bytearray(0)  # READ_DISK object names
+        self._names = bytearray(0)  # READ_DISK object names, or a COMMIT's message
         self._state = _HEADER
         self._filled = 0  # bytes received into the current buffer
         self._need = frames.REQUEST.size  # size of the current buffer
@@ -318,7 +330,7 @@ class DataProtocol(FramedConnection):
                 self._table = bytearray(0)
             self._on_request()
         elif state == _NAMES:
-            self._on_disk_request()
+            self._on_disk_request() if self._op == Op.READ_DISK else self._on_commit()
 
     # ----------------------------------------------------------- state machine
 
@@ -330,6 +342,7 @@ class DataProtocol(FramedConnection):
     def _on_header(self) -> None:
         magic, version, op, request_id, nranges, flags, payload_len = frames.REQUEST.unpack(self._header)
         self._op, self._request_id, self._flags, self._trace = op, request_id, flags, 0
+        self._after_write, self._wrote = self._wrote, False
         self._cap_tags = None
         self._deadline_ms = 0
         self._windows = ()
@@ -348,12 +361,21 @@ class DataProtocol(FramedConnection):
             return self._fatal("a frame with capabilities but no capability block")
         if flags & frames.FLAG_WINDOW and op != Op.READ:
             return self._fatal(f"op {op} with read windows (FLAG_WINDOW is for READ only)")
+        if flags & frames.FLAG_COMMIT_FOLLOWS and op != Op.WRITE:
+            return self._fatal(f"op {op} with FLAG_COMMIT_FOLLOWS (a WRITE's flag)")
+        if self._held and op != Op.COMMIT:  # announced, yet no COMMIT came: its WRITE's answer first
+            self._send(b"")
         special = (flags & _SPECIAL).bit_count()  # one table entry each (a popcount: this runs per request)
         if nranges < special:
             return self._fatal(f"{nranges} table entries for {special} flagged entries")
         if op == Op.READ_DISK:
             if payload_len > nranges * frames.MAX_DISK_NAME:
                 return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
+        elif op == Op.COMMIT:
+            if payload_len > frames.MAX_COMMIT_BYTES:
+                return self._fatal(f"a COMMIT of {payload_len} bytes; the limit is {frames.MAX_COMMIT_BYTES}")
+            if flags & ~frames.FLAG_TRACED or nranges != special:
+                return self._fatal("a COMMIT carries no ranges (its trace entry only)")
         elif op != Op.WRITE and payload_len:
             return self._fatal(f"op {op} must not carry a payload")
         self._stats.requests += 1
@@ -388,6 +410,8 @@ class DataProtocol(FramedConnection):
             if left_ms <= 0:
                 return self._refuse(Status.LEASE_EXPIRED, f"the grant of these ranges ended {-left_ms} ms ago")
             self._cut_at = time.monotonic() + left_ms / 1000
+        if op == Op.COMMIT:
+            return self._start_commit()
         if op == Op.READ_DISK:
             if self._payload_len == 0:
                 return self._on_disk_request()
@@ -493,8 +517,13 @@ class DataProtocol(FramedConnection):
             self._filled = 0
             self._need = end - base
             return
-        self._send(frames.pack_response(Op.WRITE, self._request_id, 0))
+        response = frames.pack_response(Op.WRITE, self._request_id, 0)
+        if self._flags & frames.FLAG_COMMIT_FOLLOWS and self._relay is not None:
+            self._held = response  # sent with the COMMIT's answer (kvtier.proto.frames)
+        else:
+            self._send(response)
         self._stats.latency["WRITE"].observe(time.perf_counter() - self._started)
+        self._wrote = True
         self._start_header()
 
     def _drain(self, status: Status, message: str) -> None:
@@ -505,10 +534,10 @@ class DataProtocol(FramedConnection):
         self._drain_left = self._payload_len
         self._drain_status, self._drain_message = status, message
 
-    def _send_error(self, status: int, message: str) -> None:
+    def _send_error(self, status: int, message: str, level: int = logging.WARNING) -> None:
         if status != Status.PROTOCOL_ERROR:  # _fatal logged those
             _log.log(
-                logging.WARNING,
+                level,
                 "request refused",
                 extra={
                     "rid": format_request_id(self._trace),
@@ -524,6 +553,8 @@ class DataProtocol(FramedConnection):
         self._send(frames.pack_response(self._op, self._request_id, status, len(data)) + data)
 
     def _send(self, data: bytes) -> None:
+        if self._held:  # a WRITE's response held for its COMMIT goes out first, in the same send
+            data, self._held = self._held + data, b""
         self._transport.write(data)
         self._queued += len(data)
 
@@ -612,6 +643,48 @@ class DataProtocol(FramedConnection):
         self._send_error(Status.PROTOCOL_ERROR, message)
         self._state = _CLOSED
         self._transport.close()
+
+    # ----------------------------------------------------------- commit through the segment
+
+    def _start_commit(self) -> None:
+        """A COMMIT's header is in: refuse it (its payload drained) or buffer its message."""
+        if not self._after_write:
+            self._stats.commits_refused += 1
+            return self._drain(Status.INVALID_ARGUMENT, "a COMMIT must come right behind a WRITE that completed")
+        if self._relay is None:
+            return self._drain(Status.UNAVAILABLE, "this segment relays no commits")
+        if self._payload_len == 0:
+            return self._on_commit()
+        self._names = bytearray(self._payload_len)
+        self._state = _NAMES
+        self._filled = 0
+        self._need = self._payload_len
+
+    def _on_commit(self) -> None:
+        """Relay the PutEnd; read nothing more from this connection until it is answered."""
+        message, self._names = bytes(self._names), bytearray(0)
+        try:  # a message the master could not decode would cut the relay's connection for every put
+            pb.RelayPutEndRequest.FromString(message)
+        except DecodeError:
+            self._stats.commits_refused += 1
+            self._send_error(Status.INVALID_ARGUMENT, "a COMMIT's payload is no RelayPutEndRequest")
+            return self._start_header()
+        self._state = _BUSY
+        self._transport.pause_reading()
+        self._relay.commit(message, self._commit_answered)
+
+    def _commit_answered(self, status: int, answer: bytes) -> None:
+        """The relay's answer: (0, the RelayPutEndResponse for the client) or (status, a message)."""
+        if self._state == _CLOSED or self._transport is None:
+            return
+        if status == 0:
+            self._send(frames.pack_response(Op.COMMIT, self._request_id, 0, len(answer)) + answer)
+            self._stats.latency["COMMIT"].observe(time.perf_counter() - self._started)
+        else:  # the client sends its PutEnd itself: nothing is lost, nothing to warn about
+            self._send_error(status, answer.decode(errors="replace"), logging.INFO)
+        self._start_header()
+        if not self._write_paused:
+            self._transport.resume_reading()
 
     # ----------------------------------------------------------- the SSD tier
 

@@ -7,6 +7,7 @@ import logging
 import os
 import resource
 
+from kvtier.common.channels import Credentials
 from kvtier.common.config import write_ready_file
 from kvtier.common.discovery import MasterLocator
 from kvtier.common.service import stop_on_signals
@@ -17,6 +18,7 @@ from kvtier.proto.region import host_id
 from kvtier.segment_server.bucket_format import ALIGN
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.buffer_pool import BufferPool
+from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.config import SegmentConfig
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio_probe import open_engine
@@ -63,7 +65,7 @@ async def serve(config: SegmentConfig) -> int:
     stats = DataPlaneStats()
     grants = GrantStats()
     store = engine = disk = worker = feed = verifier = None
-    link = channels = None
+    link = channels = relay = None
     listeners: list = []
     try:
         if config.ssd_dir:
@@ -74,6 +76,9 @@ async def serve(config: SegmentConfig) -> int:
         # keyed by the epoch of the current mount (the index's session).
         caps = CapabilityCheck(secret, config.name, lambda: index.session[1], region.nonce.hex()) if secret else None
         clock = MasterClock()  # grants are judged on the master's clock (kvtier.segment_server.master_clock)
+        credentials = config.credentials()
+        # COMMIT frames go to the master's fast path the commit feed found (none with TLS: it has none).
+        relay = CommitRelay(index, lambda: feed.endpoint if feed is not None else "", _fast_token(credentials))
         listeners = [
             TcpListener(
                 config.listen,
@@ -84,6 +89,7 @@ async def serve(config: SegmentConfig) -> int:
                 ConnectionLimits(config.max_connections, config.idle_timeout_s, config.request_timeout_s),
                 caps,
                 clock,
+                relay,
             ),
             ShmListener(
                 grant_socket_path(config.shm_dir, config.cluster_id, config.name),
@@ -109,7 +115,6 @@ async def serve(config: SegmentConfig) -> int:
             fatal.append((message, exit_code))
             loop.call_soon_threadsafe(stop.set)
 
-        credentials = config.credentials()
         channels = MasterChannels(MasterLocator(config.master, security=config.etcd_security), credentials)
         link = MasterLink(
             channels,
@@ -146,7 +151,7 @@ async def serve(config: SegmentConfig) -> int:
             worker.start()
             verifier.start()
         # The fast path has no TLS: with TLS the commit feed polls over gRPC.
-        feed = CommitFeed(channels.stub, index, link.session, None if credentials.tls else credentials.token)
+        feed = CommitFeed(channels.stub, index, link.session, _fast_token(credentials))
         feed.start()
         metrics_address = ""
         if config.metrics:
@@ -154,7 +159,15 @@ async def serve(config: SegmentConfig) -> int:
             from kvtier.segment_server.metrics import SegmentCollector
 
             collector = SegmentCollector(
-                config.name, stats, _disk_bytes_read, region.capacity, store, lambda: worker, lambda: feed, grants
+                config.name,
+                stats,
+                _disk_bytes_read,
+                region.capacity,
+                store,
+                lambda: worker,
+                lambda: feed,
+                grants,
+                relay,
             )
             try:
                 metrics_address = serve_metrics(config.metrics, collector, readiness=link.readiness)
@@ -188,6 +201,8 @@ async def serve(config: SegmentConfig) -> int:
             worker.stop()
         if feed is not None:
             feed.stop()
+        if relay is not None:
+            relay.close()
         if link is not None:
             link.stop(unmount=not fatal)
             channels.close()
@@ -203,6 +218,12 @@ async def serve(config: SegmentConfig) -> int:
         (logger.info if exit_code == 0 else logger.error)("segment server exiting: %s", message)
         return exit_code
     return 0
+
+
+def _fast_token(credentials: Credentials) -> str | None:
+    """The token for the master's fast path (the commit feed, the commit relay); None with TLS,
+    which the fast path does not have: both then stay on gRPC (the relay answers UNAVAILABLE)."""
+    return None if credentials.tls else credentials.token
 
 
 def check_startup(config: SegmentConfig) -> None:

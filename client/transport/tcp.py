@@ -9,6 +9,9 @@ scatter call (nothing follows it on the socket, so nothing is read ahead of
 its frame); values returned as bytes of up to 16 KiB are then cut from one
 scratch buffer, the only copy, which costs less than the receive call saved.
 
+A put to one segment sends its PutEnd behind its WRITE, in the same `sendmsg`
+(a COMMIT frame, kvtier.client.commit), for the segment to relay to the master.
+
 Sockets come from a bounded `SocketPool` (blocking, kernel timeouts, at most
 `connections_per_segment` per endpoint; a socket that failed is closed).
 """
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import crc32c
 
 from kvtier.client.chunks import ChunkSums
+from kvtier.client.commit import SegmentCommit
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import Refused, failure_kind
 from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, recv_exact_into_all, send_all
@@ -48,6 +52,7 @@ _MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the tra
 # receive call it saves.
 _AHEAD_RANGES = 256
 _AHEAD_COPY = 16 << 10
+_MAX_COMMIT_ANSWER = 64 << 20  # a RelayPutEndResponse: a few bytes per key
 
 
 def _fill(sock: socket.socket, views: list[memoryview], got: int) -> None:
@@ -66,6 +71,9 @@ def _fill(sock: socket.socket, views: list[memoryview], got: int) -> None:
 class TcpConnector:
     scheme = "tcp"
     reads_disk = True  # a DiskConnector (kvtier.client.transport.base): the segment streams its SSD records
+    # `write` can send a put's PutEnd behind its WRITE (kvtier.client.commit); False once the segment
+    # showed it cannot (an older segment: COMMIT is a protocol error there).
+    commits = True
     # Told the kind of every failed transfer (kvtier.client.failures), set by the client that owns it.
     on_failure: Callable[[str], None] | None = None
 
@@ -162,8 +170,12 @@ class TcpConnector:
         checksums: list[int | None] | None = None,
         caps: Caps = None,
         chunks: list[bytes | None] | None = None,
+        commit: SegmentCommit | None = None,
     ) -> list:
         """Send every frame, then read every response; per-range results.
+
+        With `commit` (a WRITE in one frame), its PutEnd goes right behind the frame (COMMIT) and
+        the segment's answer lands in `commit`.
 
         With `checksums`, the CRC32C of each payload is computed chunk by chunk
         next to the socket call that moves it (just before a chunk is sent, just
@@ -173,15 +185,25 @@ class TcpConnector:
         sizes = [r[1] if isinstance(r[1], int) else len(r[1]) for r in ranges]
         results: list = [_FAILED] * len(ranges)
         trace = current_request_id.get()  # the client call's id: the segment logs it
+        commit_id = 0  # the COMMIT frame's request id, once sent
+        writes_read = False  # every WRITE response is in: a failure now is the COMMIT's alone
+        spans = list(self._frames(sizes, caps=caps is not None))
+        # The segment checks the one WRITE right before a COMMIT: a write of one frame only.
+        with_commit = commit is not None and len(spans) == 1 and checksums is not None and chunks is not None
+        if commit is not None and not with_commit:
+            commit.refused = "the write took more than one frame"
+        flags = frames.FLAG_COMMIT_FOLLOWS if with_commit else 0
         try:
             with self._pool.socket() as sock:
                 sent = []
-                for start, end in self._frames(sizes, caps=caps is not None):
+                for start, end in spans:
                     request_id = next(self._request_ids)
                     table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
                     payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
                     frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
-                    buffers: list = [frames.pack_request(op, request_id, table, payload_len, trace, frame_caps)]
+                    buffers: list = [
+                        frames.pack_request(op, request_id, table, payload_len, trace, frame_caps, flags=flags)
+                    ]
                     if op == Op.WRITE and checksums is not None:
                         # Chunks go out once _CHUNK bytes are checksummed and waiting (still in
                         # cache): small objects share a sendmsg instead of costing one each.
@@ -207,6 +229,10 @@ class TcpConnector:
                                 chunks[i] = sums.blob()  # type: ignore[index]
                     elif op == Op.WRITE:
                         buffers.extend(ranges[i][1] for i in range(start, end) if sizes[i])
+                    if with_commit:  # every checksum is known now: the PutEnd goes in the same send
+                        commit_id = next(self._request_ids)
+                        body = commit.message([r[1] for r in ranges], checksums, chunks)  # type: ignore[union-attr,misc]
+                        buffers += (frames.pack_request(Op.COMMIT, commit_id, [], len(body), trace), body)
                     send_all(sock, buffers)
                     sent.append((request_id, start, end))
                 header = bytearray(frames.RESPONSE.size)
@@ -271,9 +297,30 @@ class TcpConnector:
                                 results[i] = recv_exact(sock, sizes[i]) if sizes[i] else b""
                     else:
                         results[start:end] = [_OK] * (end - start)
+                writes_read = True
+                if commit_id:
+                    self._read_commit(sock, commit_id, header, commit)  # type: ignore[arg-type]
         except (ConnectError, ReadError, ProtocolError, OSError) as exc:  # OSError: timeouts (EAGAIN), resets
-            self._failed(op.name, exc)
+            if commit_id and writes_read:  # the bytes are in: only the relayed PutEnd has no answer
+                commit.refused = f"no answer to COMMIT: {exc}"  # type: ignore[union-attr]
+            else:
+                self._failed(op.name, exc)
         return results
+
+    def _read_commit(self, sock: socket.socket, commit_id: int, header: bytearray, commit: SegmentCommit) -> None:
+        """The COMMIT's answer into `commit`. A protocol error (an older segment that has no COMMIT
+        closes the connection) raises, so the socket is not reused, and stops further COMMITs here."""
+        status, payload_len, _ = self._read_response(sock, commit_id, header)
+        if status != _OK:
+            message = self._error_message(sock, payload_len)
+            commit.refused = f"{to_status(status).name}: {message}"
+            if status == Status.PROTOCOL_ERROR:
+                self.commits = False
+                raise ProtocolError(f"{self.endpoint} does not take COMMIT frames: {message}")
+            return
+        if payload_len > _MAX_COMMIT_ANSWER:
+            raise ProtocolError(f"a COMMIT answer of {payload_len} bytes from {self.endpoint}")
+        commit.answered(recv_exact(sock, payload_len))
 
     def _failed(self, op: str, exc: ConnectError | ReadError | ProtocolError | OSError) -> None:
         """A transfer failed: log it, and tell the client which kind (kvtier.client.failures)."""
@@ -302,8 +349,9 @@ class TcpConnector:
         checksums: list[int | None] | None = None,
         caps: Caps = None,
         chunks: list[bytes | None] | None = None,
+        commit: SegmentCommit | None = None,
     ) -> list[int]:
-        return self._run(Op.WRITE, ranges, into=False, checksums=checksums, caps=caps, chunks=chunks)
+        return self._run(Op.WRITE, ranges, into=False, checksums=checksums, caps=caps, chunks=chunks, commit=commit)
 
     def read_into(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None

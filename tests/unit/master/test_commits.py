@@ -224,3 +224,33 @@ def test_an_acknowledged_put_whose_segment_is_gone_is_not_answered_ok():
     statuses = [int(Status.OK)] * 3
     assert acknowledgement.settle(mounted={A, C}, statuses=statuses) == 1
     assert statuses == [int(Status.OK), int(Status.OK), int(Status.SEGMENT_NOT_FOUND)]
+
+
+def test_a_relayed_calls_notices_do_not_wake_its_segment_until_another_call_waits_for_them(
+    log: CommitLog, wakes: Wakes
+):
+    """RelayPutEnd: the relaying segment gets its notices in the call's answer, so they do not wake its
+    long poll; its acknowledgement rides on its next relay (`ack`). A call that waits for them before
+    that wakes the poll, once, so it never waits for the poll's timeout."""
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    log.committed(A, 0, record("first", replica(A, 0)))  # an ordinary notice wakes A
+    assert wakes.polls == [A]
+    log.relaying = A
+    first = log.next_seq(A)
+    log.committed(A, 64, record("relayed", replica(A, 64)))
+    log.committed(B, 0, record("other", replica(B, 0)))  # another segment's notice still wakes it
+    log.relaying = 0
+    assert wakes.polls == [A, B]
+    assert [r.name for _, r, _ in log.since(A, first)] == ["relayed"]
+    assert log.barrier(relayed_by=A) == {B: 1}  # the relay's own wait leaves A out, and wakes nothing
+    assert wakes.polls == [A, B]
+    assert log.barrier() == {A: 2, B: 1}  # anyone else waits for A: its poll is woken now, once
+    assert wakes.polls == [A, B, A]
+    assert log.barrier() == {A: 2, B: 1} and wakes.polls == [A, B, A]
+    acks = wakes.acks
+    log.ack(A, 2)  # the next relay carries the acknowledgement
+    assert log.barrier() == {B: 1} and wakes.acks == acks + 1
+    log.ack(A, 9)  # more than was ever sent: only what exists is acknowledged
+    assert log.next_seq(A) == 3 and log.since(A, 1) == []
+    log.ack(C, 5)  # not mounted: nothing to acknowledge, no error

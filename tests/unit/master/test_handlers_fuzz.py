@@ -88,6 +88,8 @@ def resolve(request, handlers: MasterHandlers, put_id: int):
         request.put_id = put_id
     if "migration_id" in fields and request.migration_id == MARK:
         request.migration_id = max(handlers.state.drainer._batches, default=MARK)
+    if "put_end" in fields:  # RelayPutEnd: the client's PutEnd inside
+        resolve(request.put_end, handlers, put_id)
     return request
 
 
@@ -136,6 +138,10 @@ def _quiet_refusals():
     logger.setLevel(level)
 
 
+# Calls carrying a segment's acknowledgement (a random acked_seq): its index model is up to date first.
+_ACKNOWLEDGING = ("PollCommits", "RelayPutEnd")
+
+
 @settings(
     max_examples=int(100 * SCALE),
     deadline=None,
@@ -152,7 +158,7 @@ def test_every_handler_answers_any_request_with_a_status_and_keeps_the_books(ste
                     handlers.state.heartbeat(segment_id, 0, {})
             handlers.state.tick()
         else:
-            if rpc == "PollCommits":
+            if rpc in _ACKNOWLEDGING:
                 segment_indexes(handlers.state)  # the index model takes every notice first
             check_response(rpc, getattr(handlers, rpc)(resolve(argument, handlers, put_id)))
         assert_consistent(handlers.state)
@@ -169,7 +175,7 @@ def test_each_handler_alone(rpc, data):
     """Every RPC gets its own share of examples, however the sequences above happen to draw."""
     handlers, _clock, put_id = tables()
     for _ in range(3):
-        if rpc == "PollCommits":
+        if rpc in _ACKNOWLEDGING:
             segment_indexes(handlers.state)
         drawn = resolve(data.draw(request(rpc)), handlers, put_id)
         check_response(rpc, getattr(handlers, rpc)(drawn))

@@ -10,9 +10,13 @@ from kvtier.proto import master_pb2 as pb
 from kvtier.segment_server.dram_index import DramIndex
 
 
+_SEQ = [0]  # the last sequence number handed out: each reply comes after the one before, as a feed's
+
+
 def notices(*items: tuple) -> pb.PollCommitsResponse:
-    """items: (drop, offset, key, value_or_size[, pin, pin_ttl_ms])"""
-    reply = pb.PollCommitsResponse(first_seq=1)
+    """items: (drop, offset, key, value_or_size[, pin, pin_ttl_ms]), numbered after the last reply's."""
+    reply = pb.PollCommitsResponse(first_seq=_SEQ[0] + 1)
+    _SEQ[0] += len(items)
     for drop, offset, key, value, *pin in items:
         size = value if isinstance(value, int) else len(value)
         reply.drops.append(drop)
@@ -32,7 +36,8 @@ def test_inventory_reports_verified_entries_by_offset_and_drops_what_no_longer_v
     index = DramIndex(memoryview(region), clock=lambda: 100.0)
     a, b, c = b"a" * 100, b"b" * 64, b"c" * 10
     region[0:100], region[128:192], region[512:522] = a, b, c
-    assert index.apply(notices((False, 512, "c", c), (False, 0, "a", a), (False, 128, "b", b)), (0, 0)) == 3
+    reply = notices((False, 512, "c", c), (False, 0, "a", a), (False, 128, "b", b))
+    assert index.apply(reply, (0, 0)) == reply.first_seq + 2  # the last notice applied
     index.apply(notices((False, 1024, "gone", b"x" * 8), (True, 1024, "gone", b"x" * 8)), (0, 0))
     index.apply(notices((False, 0, "empty", b"", pb.PIN_SOFT, 5000), (False, 0, "empty2", b"")), (0, 0))
     region[130] = 0  # b's bytes were overwritten (its drop notice was lost with a master)
@@ -68,10 +73,45 @@ def test_notices_of_an_old_mount_are_not_applied_once_the_session_changed():
     region[0:1] = b"v"
     index = DramIndex(memoryview(region))
     index.set_session((1, 7))
-    assert index.apply(notices((False, 0, "k", b"v")), (1, 7)) == 1
+    reply = notices((False, 0, "k", b"v"))
+    assert index.apply(reply, (1, 7)) == reply.first_seq  # the last notice applied
     index.set_session((0, 0))  # the link ends the mount (to snapshot and mount again)
     assert index.apply(notices((False, 64, "late", b"w")), (1, 7)) == -1
+    assert index.apply_relayed(notices((False, 64, "late", b"w")), (1, 7)) is False
     assert [entry[0][3:] for _, entry in index.inventory()] == ["k"]
+    assert index.applied == 0  # a new session numbers its notices from 1
+
+
+def seq_notices(first_seq: int, *items: tuple) -> pb.PollCommitsResponse:
+    reply = notices(*items)
+    reply.first_seq = first_seq
+    return reply
+
+
+def test_notices_arrive_by_two_roads_and_each_is_applied_once_in_order():
+    """The feed's polls and RelayPutEnd answers carry the same numbered notices: a notice already
+    applied is skipped (re-applying a commit after its drop would bring a removed object back), and
+    a relayed answer whose earlier notices are not applied yet is not applied out of order."""
+    region = bytearray(1024)
+    region[0:2], region[64:66] = b"v1", b"v2"
+    index = DramIndex(memoryview(region))
+    index.set_session((3, 9))
+    assert index.apply(seq_notices(1, (False, 0, "a", b"v1")), (3, 9)) == 1
+    # Relayed: commit b at 64 (seq 2) then drop it (seq 3), both from one answer.
+    assert index.apply_relayed(seq_notices(2, (False, 64, "b", b"v2"), (True, 64, "b", b"v2")), (3, 9)) is True
+    assert index.applied == 3
+    # The feed's poll, answered before the relay's, brings seq 2 alone late: it must not revive b.
+    assert index.apply(seq_notices(2, (False, 64, "b", b"v2")), (3, 9)) == 3
+    assert [entry[0][3:] for _, entry in index.inventory()] == ["a"]
+    # A relayed answer starting at seq 6 while 4 and 5 are not applied: refused, nothing changes.
+    assert index.apply_relayed(seq_notices(6, (False, 64, "c", b"v2")), (3, 9)) is False
+    assert index.applied == 3 and len(index) == 1
+    # The feed brings 4..6 (6 among them): applied in order; the relayed answer is then done already.
+    feed = seq_notices(4, (True, 0, "a", b"v1"), (False, 0, "d", b"v1"), (False, 64, "c", b"v2"))
+    assert index.apply(feed, (3, 9)) == 6
+    assert index.apply_relayed(seq_notices(6, (False, 64, "c", b"v2")), (3, 9)) is True
+    assert sorted(entry[0][3:] for _, entry in index.inventory()) == ["c", "d"]
+    assert index.session_and_applied() == ((3, 9), 6)
 
 
 def test_totals_follow_commits_replacements_drops_forgets_and_clears():
