@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.client.chunks import put_checksums
-from kvtier.client.commit import SegmentCommit
+from kvtier.client.commit import MAX_COMMIT_BYTES, SegmentCommit, commit_bytes_bound
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
 from kvtier.client.failures import FailureReports, SegmentFailures
@@ -425,7 +425,7 @@ class Client(
             for j in range(pos, pos + count):
                 per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
-        commit = None if group else self._commit_behind(per_segment, segments, keys, reply.put_id)
+        commit = None if group else self._commit_behind(per_segment, segments, keys, sizes, reply.put_id)
         jobs = [
             (
                 self._write_segment,
@@ -467,7 +467,8 @@ class Client(
                         keys=[keys[i] for i in written],
                         checksums=[checksums[i] for i in written],
                         put_id=reply.put_id,
-                        released_leases=self._done_leases.take(),
+                        # with those a COMMIT that was not relayed took along
+                        released_leases=[*(commit.released_leases if commit else ()), *self._done_leases.take()],
                         group=group,
                         chunk_checksums=chunks if any(chunks) else (),
                     ),
@@ -503,14 +504,22 @@ class Client(
         return [f.result() for f in futures]
 
     def _commit_behind(
-        self, per_segment: dict[int, list], segments: dict[int, pb.SegmentEndpoint], keys: list[str], put_id: int
+        self,
+        per_segment: dict[int, list],
+        segments: dict[int, pb.SegmentEndpoint],
+        keys: list[str],
+        sizes: list[int],
+        put_id: int,
     ) -> SegmentCommit | None:
         """The PutEnd to send behind the write (kvtier.client.commit), when the put's ranges all go to
-        one segment whose connector takes it, and this client reaches the master's fast path (no
-        TLS: the token travels like the fast path's own); None: PutEnd goes to the master."""
+        one segment whose connector takes it, the PutEnd fits a COMMIT frame, and this client reaches
+        the master's fast path (no TLS: the token travels like the fast path's own); None: PutEnd
+        goes to the master."""
         if len(per_segment) != 1 or not self.config.commit_through_segment or not self._master.fast_path_active:
             return None
         ((segment_id, items),) = per_segment.items()
+        if commit_bytes_bound([keys[i] for i, _, _ in items], [sizes[i] for i, _, _ in items]) > MAX_COMMIT_BYTES:
+            return None
         segment = segments.get(segment_id)
         if segment is None or not getattr(self._connector(segment), "commits", False):
             return None

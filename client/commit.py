@@ -18,9 +18,22 @@ from dataclasses import dataclass, field
 from kvtier.client.chunks import put_checksums
 from kvtier.common.logs import request_id as current_request_id
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.chunks import CHUNK_BYTES
+from kvtier.proto.frames import MAX_COMMIT_BYTES
 from kvtier.proto.status import status_name
 
+__all__ = ["MAX_COMMIT_BYTES", "SegmentCommit", "commit_bytes_bound"]
+
 _OK = 0
+_PER_KEY = 64  # protobuf bytes of a key's entry besides its name and chunk CRCs, generously
+_MESSAGE = 1024  # the rest of the message (namespace, put id, leases, token), generously
+
+
+def commit_bytes_bound(keys: list[str], sizes: list[int]) -> int:
+    """An upper bound of a COMMIT's payload for these keys and value sizes: one that could exceed
+    MAX_COMMIT_BYTES is not sent (the segment would close the connection)."""
+    names = sum(4 * len(key) + _PER_KEY for key in keys)
+    return _MESSAGE + names + sum(4 * (size // CHUNK_BYTES + 1) for size in sizes)
 
 
 @dataclass(slots=True, eq=False)

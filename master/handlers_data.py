@@ -3,6 +3,7 @@ removal, corruption reports and instance registration."""
 
 from __future__ import annotations
 
+from kvtier.common.logs import request_id as current_request_id
 from kvtier.master.auth import current_principal
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.corrupt import CorruptReport
@@ -161,11 +162,13 @@ class DataCalls:
         commits.ack(segment_id, request.acked_seq)
         first = commits.next_seq(segment_id)
         token = current_principal.set(principal)  # whose leases it may release (_release_leases)
+        traced = current_request_id.set(put_end.request_id)  # the client's call id, for its log lines
         commits.relaying = segment_id  # its notices come back in the answer: its long poll sleeps on
         try:
             ended = self._put_end(put_end)  # PutEnd's own handler, inside this call's gate (no second one)
         finally:
             commits.relaying = 0
+            current_request_id.reset(traced)
             current_principal.reset(token)
         reply = pb.RelayPutEndResponse(status=ended.status, error=ended.error, statuses=ended.statuses)
         if ended.status == _OK:

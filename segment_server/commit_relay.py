@@ -43,6 +43,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from google.protobuf.internal.encoder import _VarintBytes
 
@@ -57,7 +58,10 @@ logger = logging.getLogger(__name__)
 _HEADER = rpcframe.HEADER
 _HEADER_SIZE = _HEADER.size
 _METHOD = rpcframe.METHOD_IDS["RelayPutEnd"]
-_FEED_WAIT_SLICE_S = 0.001  # how often a call whose notices wait for the feed looks again
+_FEED_WAIT_SLICE_S = 0.001  # how often answers whose notices wait for the feed look again
+_LINKS = 4  # connections to the master at most (a new one only when every other has calls in flight)
+_REFUSED_S = 30.0  # an older master refused RelayPutEnd: no relay there for this long
+_UNKNOWN = f"method={rpcframe.METHOD_IDS['RelayPutEnd']} size=".encode()  # an older master's "bad frame" answer
 # RelayPutEndRequest's segment_id (3), epoch (4) and acked_seq (5), varints: appended to the client's
 # bytes (protobuf concatenation sets them; the client sends fields 1 and 2 only).
 _SEGMENT_TAG, _EPOCH_TAG, _ACKED_TAG = b"\x18", b"\x20", b"\x28"
@@ -78,19 +82,25 @@ class CommitRelay:
         index: DramIndex,
         endpoint: Callable[[], str],
         token: str | None,
-        timeout_s: float = 2.0,
+        timeout_s: float = 1.5,
     ) -> None:
         """`endpoint()`: the master's fast-path endpoint the commit feed uses now ("" = none: relay
         nothing); `token`: the segment's bearer token for it (None: never relay, e.g. TLS).
-        `timeout_s` stays below a client's default timeout, so the client hears UNAVAILABLE and
-        still has time to send its PutEnd itself."""
+        `timeout_s` bounds a relay from its COMMIT to its answer, the wait for the feed included,
+        well below a client's default timeout: the client hears UNAVAILABLE and still has time to
+        send its PutEnd itself."""
         self._index = index
         self._endpoint = endpoint
         self._token = token
         self.timeout_s = timeout_s
-        self._link: _RelayLink | None = None
+        # A few connections, not one: the master answers a connection's frames in order and parks it
+        # while a relayed answer waits for other segments, so one link would queue every put behind it.
+        self._links: list[_RelayLink] = []
+        self._refused: tuple[str, float] = ("", 0.0)  # a master that does not know RelayPutEnd, until when
         self._acknowledged: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied) the master was told
         self._ack_timer: asyncio.TimerHandle | None = None
+        self._feed_waits: list[_FeedWait] = []  # answers whose notices wait for the feed
+        self._feed_timer: asyncio.TimerHandle | None = None
         self.relayed = 0  # PutEnds the master answered through this relay
         self.failed = 0  # COMMITs answered UNAVAILABLE (no usable answer from the master)
         self.feed_waits = 0  # answers whose notices waited for the feed
@@ -108,6 +118,8 @@ class CommitRelay:
         endpoint = self._endpoint()
         if not endpoint:
             return self._fail(loop, done, "no fast path to the master known yet")
+        if self._refused[0] == endpoint and loop.time() < self._refused[1]:
+            return self._fail(loop, done, "the master does not take relayed PutEnds")
         link = self._link_to(endpoint, loop)
         self._acknowledged = (session, applied)
         body = b"".join(
@@ -121,23 +133,40 @@ class CommitRelay:
                 _VarintBytes(applied),
             )
         )
-        link.send(_METHOD, body, lambda status, answer: self._answered(status, answer, session, done))
+        deadline = loop.time() + self.timeout_s
+        link.send(_METHOD, body, lambda status, answer: self._answered(status, answer, session, deadline, done))
 
     def close(self) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
-        if self._link is not None:
-            self._link.close("the segment stops")
-            self._link = None
+        for timer in (self._ack_timer, self._feed_timer):
+            if timer is not None:
+                timer.cancel()
+        self._ack_timer = self._feed_timer = None
+        waits, self._feed_waits = self._feed_waits, []
+        for wait in waits:
+            _call(wait.done, _UNAVAILABLE, b"the segment stops")
+        for link in self._links:
+            link.close("the segment stops")
+        self._links = []
+
+    def refused_by(self, endpoint: str) -> None:
+        """The master at `endpoint` answered RelayPutEnd as an unknown method (an older master): no
+        relay there for a while, so every put does not pay a new connection to learn it again."""
+        self._refused = (endpoint, asyncio.get_running_loop().time() + _REFUSED_S)
+        logger.warning("the master at %s does not take relayed PutEnds: clients send PutEnd themselves", endpoint)
 
     def _link_to(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> _RelayLink:
-        link = self._link
-        if link is None or link.endpoint != endpoint or link.closed:
-            if link is not None:
-                link.close("the leading master moved")
-            link = self._link = _RelayLink(self, endpoint, self._token, loop)
-        return link
+        """An idle link to `endpoint`, a new one while under _LINKS, else the least busy."""
+        links = self._links
+        if any(link.endpoint != endpoint or link.closed for link in links):
+            for link in links:
+                if link.endpoint != endpoint:
+                    link.close("the leading master moved")
+            links = self._links = [link for link in links if not link.closed]
+        best = min(links, key=_in_flight, default=None)
+        if best is None or (best.in_flight and len(links) < _LINKS):
+            best = _RelayLink(self, endpoint, self._token, loop)
+            links.append(best)
+        return best
 
     def _applied_now(self, done: Done, reply: pb.RelayPutEndResponse) -> None:
         """The call's notices are in the index: answer the client; acknowledge them soon."""
@@ -163,7 +192,7 @@ class CommitRelay:
         self.failed += 1
         loop.call_soon(done, _UNAVAILABLE, message.encode())
 
-    def _answered(self, status: int, answer: bytes, session: tuple[int, int], done: Done) -> None:
+    def _answered(self, status: int, answer: bytes, session: tuple[int, int], deadline: float, done: Done) -> None:
         """The master's answer (status 0) or the link's failure (UNAVAILABLE, a message)."""
         if status != _OK:
             self.failed += 1
@@ -178,33 +207,72 @@ class CommitRelay:
             return done(_OK, answer)
         notices = reply.notices
         reply.ClearField("notices")
-        if self._index.apply_relayed(notices, session):
+        try:
+            applied = self._index.apply_relayed(notices, session)
+        except Exception:  # never leave the client's connection waiting for an answer
+            logger.exception("applying a relayed PutEnd's notices failed")
+            self.failed += 1
+            return done(_UNAVAILABLE, b"internal error while applying the put's notices")
+        if applied:
             return self._applied_now(done, reply)
-        self.feed_waits += 1  # the feed is behind: it brings the earlier notices, these included
+        # The feed is behind (or applying a batch right now): it brings the earlier notices, these
+        # included. One timer looks at every such answer, whatever their number.
+        self.feed_waits += 1
         last = notices.first_seq + len(notices.offsets) - 1
-        loop = asyncio.get_running_loop()
-        self._wait_for_feed(loop, loop.time() + self.timeout_s, notices, last, session, reply, done)
+        self._feed_waits.append(_FeedWait(notices, last, session, reply, deadline, done))
+        if self._feed_timer is None:
+            self._feed_timer = asyncio.get_running_loop().call_later(_FEED_WAIT_SLICE_S, self._look_at_feed)
 
-    def _wait_for_feed(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        deadline: float,
-        notices: pb.PollCommitsResponse,
-        last: int,
-        session: tuple[int, int],
-        reply: pb.RelayPutEndResponse,
-        done: Done,
-    ) -> None:
-        index = self._index
-        if index.apply_relayed(notices, session) or (index.session == session and index.applied >= last):
-            return self._applied_now(done, reply)
-        if index.session != session:
-            self.failed += 1
-            return done(_UNAVAILABLE, b"this segment mounted again meanwhile; retry")
-        if loop.time() > deadline:
-            self.failed += 1
-            return done(_UNAVAILABLE, b"the commit feed did not bring the put's notices in time; retry")
-        loop.call_later(_FEED_WAIT_SLICE_S, self._wait_for_feed, loop, deadline, notices, last, session, reply, done)
+    def _look_at_feed(self) -> None:
+        """Answer every waiting call whose notices are in the index now, or whose time is up."""
+        self._feed_timer = None
+        index, now = self._index, asyncio.get_running_loop().time()
+        waiting = []
+        for wait in self._feed_waits:
+            try:
+                if index.apply_relayed(wait.notices, wait.session) or (
+                    index.session == wait.session and index.applied >= wait.last
+                ):
+                    self._applied_now(wait.done, wait.reply)
+                elif index.session != wait.session:
+                    self.failed += 1
+                    wait.done(_UNAVAILABLE, b"this segment mounted again meanwhile; retry")
+                elif now > wait.deadline:
+                    self.failed += 1
+                    wait.done(_UNAVAILABLE, b"the commit feed did not bring the put's notices in time; retry")
+                else:
+                    waiting.append(wait)
+            except Exception:  # never leave a client connection waiting for an answer
+                logger.exception("a relayed PutEnd's answer failed")
+                _call(wait.done, _UNAVAILABLE, b"internal error while applying the put's notices")
+        self._feed_waits = waiting
+        if waiting:
+            self._feed_timer = asyncio.get_running_loop().call_later(_FEED_WAIT_SLICE_S, self._look_at_feed)
+
+
+@dataclass(slots=True, eq=False)
+class _FeedWait:
+    """A relayed answer whose notices wait for the commit feed to catch up."""
+
+    notices: pb.PollCommitsResponse
+    last: int  # sequence number of its last notice
+    session: tuple[int, int]
+    reply: pb.RelayPutEndResponse  # for the client (notices cleared)
+    deadline: float  # loop time: the relay's, from its COMMIT
+    done: Done
+
+
+def _in_flight(link: _RelayLink) -> int:
+    return link.in_flight
+
+
+def _call(callback: Callable[[int, bytes], None], status: int, answer: bytes) -> None:
+    """Call an answer callback; an exception in it is logged, never let out (the caller has others
+    to answer)."""
+    try:
+        callback(status, answer)
+    except Exception:
+        logger.exception("answering a relayed PutEnd failed")
 
 
 def _ignore(_status: int, _answer: bytes) -> None:
@@ -235,6 +303,10 @@ class _RelayLink(asyncio.Protocol):
         )
         connecting.add_done_callback(self._connected)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
     def send(self, method: int, body: bytes, answered: Callable[[int, bytes], None]) -> None:
         self._request_id = self._request_id % 0xFFFFFFFE + 1
         frame = _HEADER.pack(rpcframe.MAGIC, method, self._request_id, len(body)) + body
@@ -257,7 +329,7 @@ class _RelayLink(asyncio.Protocol):
         message = f"relay to the master failed: {reason}".encode()
         for _, answered, timer in waiting:
             timer.cancel()
-            answered(_UNAVAILABLE, message)
+            _call(answered, _UNAVAILABLE, message)
 
     # ----------------------------------------------------------- asyncio
 
@@ -272,6 +344,9 @@ class _RelayLink(asyncio.Protocol):
         logger.info("commit relay over the master's fast path endpoint=%s", self.endpoint)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.closed:  # given up while connecting: its calls were answered already
+            transport.abort()  # type: ignore[attr-defined]
+            return
         self._transport = transport  # type: ignore[assignment]
         if self._unsent:
             transport.writelines(self._unsent)  # type: ignore[attr-defined]
@@ -294,10 +369,12 @@ class _RelayLink(asyncio.Protocol):
                 self._authenticating = False
                 continue
             if not self._waiting or method != self._waiting[0][0]:
+                if method == rpcframe.ERROR_METHOD and _UNKNOWN in body and b"over the limit" not in body:
+                    self._relay.refused_by(self.endpoint)
                 return self.close(f"the master's fast path answered method {method}: {body[:200]!r}")
             _, answered, timer = self._waiting.popleft()
             timer.cancel()
-            answered(_OK, body)
+            _call(answered, _OK, body)
         del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:

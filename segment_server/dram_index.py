@@ -153,6 +153,7 @@ class DramIndex:
         # The commit log's sequence number of the last notice applied under this session: notices
         # come by two roads (the feed's polls, RelayPutEnd answers), each applied once, in order.
         self._applied = 0
+        self._mark: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied): read by the event loop lock-free
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._empty)
@@ -174,14 +175,15 @@ class DramIndex:
 
     def session_and_applied(self) -> tuple[tuple[int, int], int]:
         """The session and its last applied notice, read together (an acknowledgement must never
-        name one session's sequence number under another's segment id)."""
-        with self._lock:
-            return self._session, self._applied
+        name one session's sequence number under another's segment id). Without the lock: one
+        tuple, replaced whole under it (the event loop must not wait for the feed's batches)."""
+        return self._mark
 
     def set_session(self, session: tuple[int, int]) -> None:
         with self._lock:
             if session != self._session:
                 self._session, self._applied = session, 0  # a new mount numbers its notices from 1
+                self._mark = (session, 0)
 
     def clear(self) -> None:
         """The master will not take this index (it expelled us, or serves already): it is stale."""
@@ -203,12 +205,20 @@ class DramIndex:
 
     def apply_relayed(self, notices: pb.PollCommitsResponse, session: tuple[int, int]) -> bool:
         """Apply the notices a RelayPutEnd answer brought, if every notice before them is applied
-        (False: some are not yet; the feed brings them, these included). Already applied: True."""
-        with self._lock:
+        (False: some are not yet; the feed brings them, these included). Already applied: True.
+        Never waits for the lock (the event loop calls it): False while the feed applies a batch."""
+        mark_session, applied = self._mark
+        if session != mark_session or notices.first_seq > applied + 1:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             if session != self._session or notices.first_seq > self._applied + 1:
                 return False
             self._apply_locked(notices)
             return True
+        finally:
+            self._lock.release()
 
     def _apply_locked(self, reply: pb.PollCommitsResponse) -> None:
         skip = self._applied + 1 - reply.first_seq  # notices of this reply applied already
@@ -254,6 +264,7 @@ class DramIndex:
                 timed.pop(where, None)
         self._seq, self._bytes = seq, total
         self._applied = reply.first_seq + count - 1
+        self._mark = (self._session, self._applied)
 
     def inventory(self) -> list[tuple[int, Entry]]:
         """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of

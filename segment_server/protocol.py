@@ -67,6 +67,7 @@ _log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peer
 
 _HEADER, _RANGES, _PAYLOAD, _DRAIN, _CLOSED, _NAMES, _BUSY = range(7)
 _SCRATCH_SIZE = 256 << 10
+_HOLD_S = 0.05  # a WRITE's answer held for its COMMIT's goes alone after this (a slow relay)
 # Where bytes to discard land (a refused WRITE's payload, input after a close): one buffer for every
 # connection of the process (one event loop thread), so an idle connection costs no scratch space.
 _SCRATCH = memoryview(bytearray(_SCRATCH_SIZE))
@@ -187,6 +188,7 @@ class DataProtocol(FramedConnection):
         self._wrote = False  # the last request was a WRITE that completed: a COMMIT may follow it
         self._after_write = False  # ... the request before the current one was
         self._held = b""  # a WRITE's response held back for its COMMIT's (FLAG_COMMIT_FOLLOWS): one send
+        self._held_timer: asyncio.TimerHandle | None = None  # sends it alone if the relay takes long
         self._drained: asyncio.Event | None = None  # set while the transport accepts writes (READ_DISK waits on it)
         self._capacity = len(region)
         self._stats = stats
@@ -219,6 +221,9 @@ class DataProtocol(FramedConnection):
 
     def _lost(self) -> None:
         self._reads.clear()
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
@@ -669,14 +674,20 @@ class DataProtocol(FramedConnection):
             self._stats.commits_refused += 1
             self._send_error(Status.INVALID_ARGUMENT, "a COMMIT's payload is no RelayPutEndRequest")
             return self._start_header()
+        if self._held:  # the client must learn that its bytes are in even when the relay is slow
+            self._held_timer = asyncio.get_running_loop().call_later(_HOLD_S, self._release_held)
         self._state = _BUSY
         self._transport.pause_reading()
         self._relay.commit(message, self._commit_answered)
 
     def _commit_answered(self, status: int, answer: bytes) -> None:
-        """The relay's answer: (0, the RelayPutEndResponse for the client) or (status, a message)."""
-        if self._state == _CLOSED or self._transport is None:
+        """The relay's answer: (0, the RelayPutEndResponse for the client) or (status, a message).
+        Once: a second call (a failure path answering again) finds the connection past the COMMIT."""
+        if self._state != _BUSY or self._op != Op.COMMIT or self._transport is None:
             return
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
         if status == 0:
             self._send(frames.pack_response(Op.COMMIT, self._request_id, 0, len(answer)) + answer)
             self._stats.latency["COMMIT"].observe(time.perf_counter() - self._started)
@@ -685,6 +696,13 @@ class DataProtocol(FramedConnection):
         self._start_header()
         if not self._write_paused:
             self._transport.resume_reading()
+
+    def _release_held(self) -> None:
+        """The relay is slow: the WRITE's held answer goes now (its COMMIT's follows when it comes),
+        so a client timing out on the COMMIT still knows its bytes are in and may send PutEnd itself."""
+        self._held_timer = None
+        if self._held and self._state != _CLOSED and self._transport is not None:
+            self._send(b"")
 
     # ----------------------------------------------------------- the SSD tier
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
+import threading
 
 import crc32c
 import pytest
@@ -19,6 +21,8 @@ from kvtier.proto import auth, frames
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
 from tests.integration.rawframes import connect, far_deadline, is_closed_by_peer, recv_response, send_request
+from tests.integration.test_metrics import scrape
+from tests.integration.test_metrics import value as sample
 
 _SEGMENT_CALLS = {"Heartbeat", "PollCommits", "MountSegment", "ReportDramObjects", "Status", "Hello"}
 
@@ -237,3 +241,80 @@ def test_a_relayed_commit_is_checked_as_the_clients_own_call(tenants):
     _, accepted = _write_then_commit(endpoint, started, value, own, token)
     assert list(pb.RelayPutEndResponse.FromString(accepted[3]).statuses) == [Status.OK]
     assert alice.get("raw") == value
+
+
+def test_many_writers_over_two_segments_are_relayed_and_every_acknowledged_put_survives_kill_9(bare_cluster):
+    """Relays of several clients at once, on two segments: each relayed answer's wait covers the other
+    segment's notices, and a segment's relays spread over a few connections to the master (one parked
+    answer must not queue the rest). Everything answered OK is back after kill -9."""
+    bare_cluster.start_master()
+    segments = [bare_cluster.start_segment(name, "64MiB", "--metrics", "127.0.0.1:0") for name in ("seg0", "seg1")]
+    clients = [bare_cluster.client(transport="tcp") for _ in range(4)]
+    for client in clients:
+        _relay_ready(bare_cluster, client)
+    acknowledged: dict[str, bytes] = {}
+    lock = threading.Lock()
+
+    def writer(n: int, client) -> None:
+        for i in range(60):
+            key, value = f"many/{n}/{i}", os.urandom(512 + 64 * i)
+            if client.batch_put([key], [value]) == [Status.OK]:
+                with lock:
+                    acknowledged[key] = value
+
+    threads = [threading.Thread(target=writer, args=(n, c)) for n, c in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(acknowledged) == 240  # nothing refused on a healthy cluster
+    relayed = [
+        sample(scrape(proc.info["metrics"]), "kvtier_segment_commits_total", segment=name, outcome="relayed")
+        for name, proc in zip(("seg0", "seg1"), segments, strict=True)
+    ]
+    assert all(count > 0 for count in relayed), relayed
+    bare_cluster.restart_master()
+    reader = bare_cluster.client(transport="tcp")
+    assert bare_cluster.wait_for(lambda: len(reader.cluster_status().segments) == 2, timeout=20)
+    assert bare_cluster.wait_for(lambda: reader.exists("many/0/0") and reader.exists("many/3/59"), timeout=20)
+    keys = sorted(acknowledged)
+    assert reader.batch_get(keys) == [acknowledged[k] for k in keys]
+
+
+def test_a_stalled_master_gets_the_write_answered_at_once_the_commit_unavailable_and_the_put_ends_directly(
+    one_segment,
+):
+    """The segment holds a WRITE's answer for its COMMIT's, but not for long: with the master stopped
+    (SIGSTOP), the WRITE is answered within the hold, the COMMIT UNAVAILABLE at the relay's
+    timeout, the connection keeps serving, and the client's own PutEnd then commits the put."""
+    client = one_segment.client(transport="tcp")
+    _relay_ready(one_segment, client)
+    endpoint = _tcp_endpoint(one_segment.segments["seg0"])
+    value_bytes = b"s" * 256
+    started = _put_start(client, "stalled", len(value_bytes))
+    put_end = pb.PutEndRequest(
+        namespace="default", keys=["stalled"], checksums=[crc32c.crc32c(value_bytes)], put_id=started.put_id
+    )
+    master = one_segment.master.popen
+    with connect(endpoint) as sock:
+        write = frames.pack_request(
+            Op.WRITE,
+            1,
+            [(started.replica_offsets[0], len(value_bytes))],
+            len(value_bytes),
+            deadline=started.tag_expiry_ms,
+            flags=frames.FLAG_COMMIT_FOLLOWS,
+        )
+        master.send_signal(signal.SIGSTOP)
+        try:
+            sock.sendall(write + value_bytes + _commit_frame(2, put_end))
+            assert recv_response(sock)[:3] == (Op.WRITE, 1, 0)  # before the relay gave up
+            op, request_id, status, message = recv_response(sock)
+            assert (op, request_id, status) == (Op.COMMIT, 2, Status.UNAVAILABLE), message
+            send_request(sock, Op.PING, 3, [])
+            assert recv_response(sock)[:3] == (Op.PING, 3, 0)
+        finally:
+            master.send_signal(signal.SIGCONT)
+    ended = client._master.call("PutEnd", put_end)  # what the client does when the relay fails
+    assert list(ended.statuses) == [Status.OK]
+    assert client.get("stalled") == value_bytes
