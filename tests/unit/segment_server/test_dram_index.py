@@ -9,7 +9,6 @@ import crc32c
 from kvtier.proto import master_pb2 as pb
 from kvtier.segment_server.dram_index import DramIndex
 
-
 _SEQ = [0]  # the last sequence number handed out: each reply comes after the one before, as a feed's
 
 
