@@ -31,6 +31,13 @@ discards its index, stale from then on.
 A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along.
 
+A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
+the relaying segment's long poll; nor are they due to it (`poll` and
+`has_notices` stop before the first of them) until something waits for them
+(`barrier`, `dropped_after`) or an ordinary notice wakes the poll: handing
+them out would only make the feed poll again at once (docs/architecture.md,
+"Commit through the segment").
+
 Plain Python, owned by `MasterState`'s thread like everything else; the
 waiting itself is asyncio plumbing in kvtier.master.commit_wait.
 """
