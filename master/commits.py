@@ -67,6 +67,7 @@ class SegmentFeed:
     # relayed one (any other notice wakes the poll): not due to the feed (`poll`, `has_notices`) until
     # another call waits for them (`barrier`, `dropped_after`) or another notice wakes the poll.
     unwoken_from: int = 0
+    unwoken_since: float = 0.0  # when unwoken_from last moved: RELAYED_DUE_AFTER_S later they are due anyway
     # Drops on other segments waiting for this one to acknowledge up to seq: (seq, segment id, offset, record)
     after_ack: deque[tuple[int, int, int, ObjectRecord]] = field(default_factory=deque)
 
@@ -78,10 +79,13 @@ class SegmentFeed:
     def unwoken(self) -> bool:
         return self.unwoken_from != 0
 
-    @property
-    def due_seq(self) -> int:
-        """The last notice due to the feed: every one before the first unwoken relayed notice."""
-        return self.unwoken_from - 1 if self.unwoken_from else self.last_seq
+    def due_seq(self, now: float) -> int:
+        """The last notice due to the feed: every one before the first unwoken relayed notice, all
+        of them once those waited RELAYED_DUE_AFTER_S unacknowledged (their answer was lost and
+        nobody else asked for them: the index still gets them)."""
+        if self.unwoken_from and now - self.unwoken_since < RELAYED_DUE_AFTER_S:
+            return self.unwoken_from - 1
+        return self.last_seq
 
 
 @dataclass(slots=True)
@@ -92,6 +96,10 @@ class Notices:
     items: list[tuple[int, ObjectRecord, bool]]
 
 
+# Relayed notices unacknowledged this long are due to the feed even if nobody waits for them: the
+# segment acknowledges its relays within milliseconds (on its next relay, or ~2 ms later alone), so
+# only an answer lost on its way (its client gone too, or it would PutEnd itself) gets here.
+RELAYED_DUE_AFTER_S = 1.0
 # A poll's answer stays far below the 64 MiB gRPC message limit whatever the key lengths.
 POLL_BYTES = 4 << 20
 _NOTICE_OVERHEAD = 64  # protobuf bytes of a notice besides its names
@@ -192,7 +200,7 @@ class CommitLog:
         it now), unless it relays the call making them (they wait, not due, from the first such)."""
         if segment_id == self.relaying:
             if not feed.unwoken_from:
-                feed.unwoken_from = first
+                feed.unwoken_from, feed.unwoken_since = first, self._clock()
         else:
             feed.unwoken_from = 0
             if self.notify is not None:
@@ -238,6 +246,9 @@ class CommitLog:
             feed.acked = acked_seq
             if acked_seq == feed.last_seq:
                 feed.unwoken_from = 0  # nothing left unacknowledged, unwoken or not
+            elif feed.unwoken_from and acked_seq >= feed.unwoken_from:
+                # the rest are relayed too (any other notice wakes the poll): their own grace starts
+                feed.unwoken_from, feed.unwoken_since = acked_seq + 1, self._clock()
             while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
                 _, source, offset, record = feed.after_ack.popleft()
                 self.dropped(source, offset, record)
@@ -247,7 +258,7 @@ class CommitLog:
     def has_notices(self, segment_id: int, acked: int) -> bool:
         """Whether notices after `acked` are due to the segment's feed (unwoken relayed ones are not)."""
         feed = self._feeds.get(segment_id)
-        return feed is not None and feed.due_seq > acked
+        return feed is not None and feed.due_seq(self._clock()) > acked
 
     def poll(self, segment_id: int, acked_seq: int, limit: int) -> Notices | None:
         """Apply the acknowledgement, then the notices after it that are due (at most `limit`, and
@@ -257,14 +268,14 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         if feed is None:
             return None
-        feed.last_poll = self._clock()
+        now = feed.last_poll = self._clock()
         self._ack(feed, acked_seq)
         start = feed.acked + 1  # a segment that lost a reply polls with an older ack: resend
         skip = start - feed.first_seq
         items = []
         budget = POLL_BYTES
         notices = feed.notices
-        for i in range(skip, min(feed.due_seq - feed.first_seq + 1, skip + limit)):
+        for i in range(skip, min(feed.due_seq(now) - feed.first_seq + 1, skip + limit)):
             item = notices[i]
             budget -= len(item[1].name) + _NOTICE_OVERHEAD
             if budget < 0 and items:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvtier.master.commits import POLL_BYTES, CommitLog, PutAcknowledgement, notice_pin
+from kvtier.master.commits import POLL_BYTES, RELAYED_DUE_AFTER_S, CommitLog, PutAcknowledgement, notice_pin
 from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, ObjectRecord, replica
 from kvtier.proto.status import Status
 
@@ -303,6 +303,26 @@ def test_relayed_notices_are_not_due_to_the_feed_until_something_wakes_them(log:
     assert wakes.polls[polls:] == [A] and names(log.poll(A, 7, 100)) == [("moved", False)]
     log.poll(A, 8, 100)
     assert names(log.poll(B, 0, 100)) == [("relayed2", False), ("relayed2", True)], "B's drop went once A acked"
+
+
+def test_unwoken_relayed_notices_nobody_asks_for_are_due_once_unacknowledged_for_a_while(
+    log: CommitLog, clock: FakeClock, wakes: Wakes
+):
+    """A relayed answer lost with its client (no PutEnd follows, no barrier): the segment never
+    acknowledges those notices, so after RELAYED_DUE_AFTER_S its feed's next poll gets them anyway.
+    Under steady relay load each acknowledgement restarts that grace for the rest."""
+    log.mounted(A, keeps_index=True)
+    log.relaying = A
+    log.committed(A, 0, record("r1", replica(A, 0)))  # seq 1
+    log.committed(A, 64, record("r2", replica(A, 64)))  # seq 2 (another relay, in flight)
+    log.relaying = 0
+    clock.now += RELAYED_DUE_AFTER_S * 0.75
+    assert log.poll(A, 1, 100).items == [], "r1's answer applied and acknowledged; r2 in flight"
+    clock.now += RELAYED_DUE_AFTER_S * 0.75
+    assert not log.has_notices(A, 1), "the acknowledgement restarted the grace for r2"
+    clock.now += RELAYED_DUE_AFTER_S * 0.5
+    assert log.has_notices(A, 1) and names(log.poll(A, 1, 100)) == [("r2", False)]
+    assert wakes.polls == []
 
 
 def test_unacked_seqs_give_each_name_its_last_unacknowledged_notice(log: CommitLog):
