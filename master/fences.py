@@ -142,8 +142,8 @@ class Fences:
                 if name not in names:
                     names.add(name)
                     seeded[name] = (segment_id, seq)
-                elif seeded.get(name, (0, 0))[0] == segment_id:
-                    seeded[name] = (segment_id, max(seq, seeded[name][1]))
+                elif (prior := seeded.get(name)) is not None and prior[0] == segment_id:
+                    seeded[name] = (segment_id, max(seq, prior[1]))
                 else:  # touched, seeded from elsewhere, or by another mount: fenced for good
                     seeded.pop(name, None)
             for name in seed:
