@@ -31,6 +31,13 @@ discards its index, stale from then on.
 A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along.
 
+A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
+the relaying segment's long poll; nor are they due to it (`poll` and
+`has_notices` stop before the first of them) until something waits for them
+(`barrier`, `dropped_after`) or an ordinary notice wakes the poll: handing
+them out would only make the feed poll again at once (docs/architecture.md,
+"Commit through the segment").
+
 Plain Python, owned by `MasterState`'s thread like everything else; the
 waiting itself is asyncio plumbing in kvtier.master.commit_wait.
 """
@@ -55,15 +62,30 @@ class SegmentFeed:
     notices: deque[tuple[int, ObjectRecord, bool]] = field(default_factory=deque)  # (offset, record, is a drop)
     first_seq: int = 1  # sequence number of notices[0]
     acked: int = 0  # every notice up to this one is applied by the segment
-    # Notices made while its long poll was not woken (a relayed call's: the segment applies them from
-    # the call's answer); woken as soon as another call waits for them (`barrier`).
-    unwoken: bool = False
+    # Sequence number of the first notice made while its long poll was not woken (a relayed call's:
+    # the segment applies them from the call's answer), 0: none. Every notice from there on is such a
+    # relayed one (any other notice wakes the poll): not due to the feed (`poll`, `has_notices`) until
+    # another call waits for them (`barrier`, `dropped_after`) or another notice wakes the poll.
+    unwoken_from: int = 0
+    unwoken_since: float = 0.0  # when unwoken_from last moved: RELAYED_DUE_AFTER_S later they are due anyway
     # Drops on other segments waiting for this one to acknowledge up to seq: (seq, segment id, offset, record)
     after_ack: deque[tuple[int, int, int, ObjectRecord]] = field(default_factory=deque)
 
     @property
     def last_seq(self) -> int:
         return self.first_seq + len(self.notices) - 1
+
+    @property
+    def unwoken(self) -> bool:
+        return self.unwoken_from != 0
+
+    def due_seq(self, now: float) -> int:
+        """The last notice due to the feed: every one before the first unwoken relayed notice, all
+        of them once those waited RELAYED_DUE_AFTER_S unacknowledged (their answer was lost and
+        nobody else asked for them: the index still gets them)."""
+        if self.unwoken_from and now - self.unwoken_since < RELAYED_DUE_AFTER_S:
+            return self.unwoken_from - 1
+        return self.last_seq
 
 
 @dataclass(slots=True)
@@ -74,6 +96,10 @@ class Notices:
     items: list[tuple[int, ObjectRecord, bool]]
 
 
+# Relayed notices unacknowledged this long are due to the feed even if nobody waits for them: the
+# segment acknowledges its relays within milliseconds (on its next relay, or ~2 ms later alone), so
+# only an answer lost on its way (its client gone too, or it would PutEnd itself) gets here.
+RELAYED_DUE_AFTER_S = 1.0
 # A poll's answer stays far below the 64 MiB gRPC message limit whatever the key lengths.
 POLL_BYTES = 4 << 20
 _NOTICE_OVERHEAD = 64  # protobuf bytes of a notice besides its names
@@ -106,6 +132,16 @@ class CommitLog:
             return set()
         return {record.name for _, record, _ in feed.notices}
 
+    def unacked_seqs(self, segment_id: int) -> dict[str, int]:
+        """`unacked_names` with, for each name, the sequence number of its last unacknowledged notice
+        (a name can have a commit and a drop pending): a segment whose index applied up to it under
+        this mount reflects every notice about the name (kvtier.master.fences `release`)."""
+        feed = self._feeds.get(segment_id)
+        if feed is None:
+            return {}
+        seq = feed.first_seq
+        return {record.name: seq + i for i, (_, record, _) in enumerate(feed.notices)}  # later wins
+
     def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)
         if feed is not None:
@@ -135,36 +171,40 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, False))
-            self._wake(segment_id, feed)
+            self._wake(segment_id, feed, feed.last_seq)
 
     def committed_records(self, records: list[ObjectRecord]) -> None:
         """Every (DRAM) replica of each record became readable: `committed` in bulk (PutEnd's path)."""
         feeds = self._feeds
-        touched = set()
+        touched: dict[int, int] = {}  # segment id -> sequence number of its first notice of this call
         for record in records:
             for packed in record.replicas:
                 segment_id = packed >> SEGMENT_SHIFT
                 feed = feeds.get(segment_id)
                 if feed is not None:
                     feed.notices.append((packed & OFFSET_MASK, record, False))
-                    touched.add(segment_id)
-        for segment_id in touched:
-            self._wake(segment_id, feeds[segment_id])
+                    if segment_id not in touched:
+                        touched[segment_id] = feed.last_seq
+        for segment_id, first in touched.items():
+            self._wake(segment_id, feeds[segment_id], first)
 
     def dropped(self, segment_id: int, offset: int, record: ObjectRecord) -> None:
         """The DRAM copy of `record` at `offset` on the segment is no longer one (its range may be reused)."""
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, True))
-            self._wake(segment_id, feed)
+            self._wake(segment_id, feed, feed.last_seq)
 
-    def _wake(self, segment_id: int, feed: SegmentFeed) -> None:
-        """New notices for the segment: wake its long poll, unless it relays the call making them."""
+    def _wake(self, segment_id: int, feed: SegmentFeed, first: int) -> None:
+        """New notices for the segment, from `first` on: wake its long poll (every notice is due to
+        it now), unless it relays the call making them (they wait, not due, from the first such)."""
         if segment_id == self.relaying:
-            feed.unwoken = True
-        elif self.notify is not None:
-            feed.unwoken = False
-            self.notify(segment_id)
+            if not feed.unwoken_from:
+                feed.unwoken_from, feed.unwoken_since = first, self._clock()
+        else:
+            feed.unwoken_from = 0
+            if self.notify is not None:
+                self.notify(segment_id)
 
     def dropped_after(self, segment_id: int, offset: int, record: ObjectRecord, target_id: int) -> None:
         """Like `dropped`, once `target_id` acknowledged everything queued for it so far (a move:
@@ -174,6 +214,8 @@ class CommitLog:
             self.dropped(segment_id, offset, record)
         else:
             target.after_ack.append((target.last_seq, segment_id, offset, record))
+            if target.unwoken_from and target_id != self.relaying:  # this drop waits for them
+                self._wake(target_id, target, 0)
 
     def next_seq(self, segment_id: int) -> int:
         """The sequence number the segment's next notice will get (0: not mounted)."""
@@ -202,6 +244,11 @@ class CommitLog:
                 feed.notices.popleft()
             feed.first_seq = acked_seq + 1
             feed.acked = acked_seq
+            if acked_seq == feed.last_seq:
+                feed.unwoken_from = 0  # nothing left unacknowledged, unwoken or not
+            elif feed.unwoken_from and acked_seq >= feed.unwoken_from:
+                # the rest are relayed too (any other notice wakes the poll): their own grace starts
+                feed.unwoken_from, feed.unwoken_since = acked_seq + 1, self._clock()
             while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
                 _, source, offset, record = feed.after_ack.popleft()
                 self.dropped(source, offset, record)
@@ -209,23 +256,26 @@ class CommitLog:
                 self.on_ack()
 
     def has_notices(self, segment_id: int, acked: int) -> bool:
+        """Whether notices after `acked` are due to the segment's feed (unwoken relayed ones are not)."""
         feed = self._feeds.get(segment_id)
-        return feed is not None and feed.last_seq > acked
+        return feed is not None and feed.due_seq(self._clock()) > acked
 
     def poll(self, segment_id: int, acked_seq: int, limit: int) -> Notices | None:
-        """Apply the acknowledgement, then the notices after it (at most `limit`, and at most
-        POLL_BYTES of them); None when the segment is not mounted."""
+        """Apply the acknowledgement, then the notices after it that are due (at most `limit`, and
+        at most POLL_BYTES of them; none from the first unwoken relayed one on: the segment has them
+        from its relay's answer, and handing them out would only make its feed poll again at once);
+        None when the segment is not mounted."""
         feed = self._feeds.get(segment_id)
         if feed is None:
             return None
-        feed.last_poll = self._clock()
+        now = feed.last_poll = self._clock()
         self._ack(feed, acked_seq)
         start = feed.acked + 1  # a segment that lost a reply polls with an older ack: resend
         skip = start - feed.first_seq
         items = []
         budget = POLL_BYTES
         notices = feed.notices
-        for i in range(skip, min(len(notices), skip + limit)):
+        for i in range(skip, min(feed.due_seq(now) - feed.first_seq + 1, skip + limit)):
             item = notices[i]
             budget -= len(item[1].name) + _NOTICE_OVERHEAD
             if budget < 0 and items:
@@ -245,7 +295,7 @@ class CommitLog:
         for segment_id in waits:  # relayed notices someone waits for now: the segment's poll brings the ack
             feed = self._feeds[segment_id]
             if feed.unwoken:
-                self._wake(segment_id, feed)
+                self._wake(segment_id, feed, 0)
         return waits
 
     def acked(self, barrier: dict[int, int]) -> bool:

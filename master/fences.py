@@ -41,7 +41,25 @@ Invariants:
    costs one name per change; at most `max_fences` fences are kept (past
    that the oldest is forgotten, which is as safe: its name is saved as
    expelled, and an expelled segment without a fence discards its copies).
-4. In memory only. A master restart cannot prove anything about a segment
+4. Released by what the segment proves (issue 19, "Commit through the
+   segment"): a relayed put is acknowledged to its client once the segment
+   applied its notices, before the master hears the segment's acknowledgement,
+   so a partition right after a put leaves that put's notices unacknowledged.
+   Fencing their names would lose acknowledged, untouched objects. So each
+   name seeded from the commit log keeps the segment id it was seeded from and
+   the sequence number of its last unacknowledged notice (`seeded`). The
+   segment remembers, when a mount session ends, that session's segment id and
+   the last notice its index applied under it, and sends them when it mounts
+   again (`MountSegmentRequest.previous_segment_id`, `previous_applied_seq`,
+   `previous_epoch`). A seeded name with the same segment id and a sequence
+   number at or below the applied one leaves the fence (`release`, counted in
+   `released`): the segment's index reflects every notice about it, as if it had
+   acknowledged them. Names seeded from elsewhere (unacknowledged FORGETs,
+   unsettled offloads: about SSD copies, which the index says nothing of), seeded
+   again by another drop under another segment id, and every name touched while
+   the fence is open are never released. `seeded` is a subset of `names`: it
+   adds no name to what `max_keys` bounds, and an overflow clears it too.
+5. In memory only. A master restart cannot prove anything about a segment
    that was away: dropped names are saved as *expelled* (kvtier.master.persist),
    and such a segment discards its DRAM index and its SSD copies are refused
    when it returns to a master that has no fence for it.
@@ -52,7 +70,7 @@ Plain Python, owned by MasterState's thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -66,6 +84,9 @@ class Fence:
     names: set[str] = field(default_factory=set)
     prefixes: list[str] = field(default_factory=list)  # RemovePrefix while away: every name starting so
     everything: bool = False  # overflowed: nothing of the segment's previous life is re-adopted
+    # Names seeded from the commit log and untouched since: name -> (segment id seeded from, sequence
+    # number of its last unacknowledged notice). A subset of `names` (invariant 4).
+    seeded: dict[str, tuple[int, int]] = field(default_factory=dict)
     reason: str = ""  # why it is "everything"
 
     def admits(self, name: str) -> bool:
@@ -85,6 +106,7 @@ class Fences:
         self.refused = 0  # copies refused because their key was fenced
         self.readopted = 0  # copies re-adopted under a fence (DRAM and SSD)
         self.overflows = 0  # fences turned into "everything"
+        self.released = 0  # seeded names released: the returning segment had applied their notices
 
     def __len__(self) -> int:
         return len(self._open)
@@ -97,8 +119,12 @@ class Fences:
     def get(self, segment: str) -> Fence | None:
         return self._open.get(segment)
 
-    def open(self, segment: str, seed: Iterable[str]) -> Fence:
-        """The segment's copies were dropped: open its fence (or merge `seed` into the open one)."""
+    def open(
+        self, segment: str, seed: Iterable[str], notices: Mapping[str, int] | None = None, segment_id: int = 0
+    ) -> Fence:
+        """The segment's copies were dropped: open its fence (or merge the seed into the open one).
+        `seed`: names fenced for good; `notices`: names of the commit log's unacknowledged notices of
+        mount `segment_id`, each with the sequence number of its last one (released by `release`)."""
         fence = self._open.get(segment)
         if fence is None:
             if len(self._open) >= self.max_fences:
@@ -111,11 +137,40 @@ class Fences:
             self._growing.append(fence)
         if not fence.everything:
             before = len(fence.names)
-            fence.names.update(seed)
-            self._total += len(fence.names) - before
+            names, seeded = fence.names, fence.seeded
+            for name, seq in (notices or {}).items():
+                if name not in names:
+                    names.add(name)
+                    seeded[name] = (segment_id, seq)
+                elif (prior := seeded.get(name)) is not None and prior[0] == segment_id:
+                    seeded[name] = (segment_id, max(seq, prior[1]))
+                else:  # touched, seeded from elsewhere, or by another mount: fenced for good
+                    seeded.pop(name, None)
+            for name in seed:
+                names.add(name)
+                seeded.pop(name, None)
+            self._total += len(names) - before
             self._bound()
         logger.info("fence opened segment=%s names=%d everything=%s", segment, len(fence.names), fence.everything)
         return fence
+
+    def release(self, segment: str, segment_id: int, applied_seq: int) -> int:
+        """The segment mounts again and says its index applied every notice up to `applied_seq` of
+        its mount `segment_id`: the names seeded from that mount's notices at or below it, untouched
+        since, leave its fence (invariant 4). How many."""
+        fence = self._open.get(segment)
+        if fence is None or fence.everything or not segment_id or not fence.seeded:
+            return 0
+        done = [n for n, (sid, seq) in fence.seeded.items() if sid == segment_id and seq <= applied_seq]
+        for name in done:
+            del fence.seeded[name]
+            fence.names.discard(name)
+        if fence in self._growing:
+            self._total -= len(done)
+        self.released += len(done)
+        if done:
+            logger.info("fence released segment=%s names=%d applied_seq=%d", segment, len(done), applied_seq)
+        return len(done)
 
     def touch(self, name: str) -> None:
         """The object `name` changed (committed anew or deleted): no open fence re-adopts it."""
@@ -123,6 +178,8 @@ class Fences:
             if name not in fence.names:
                 fence.names.add(name)
                 self._total += 1
+            elif fence.seeded:
+                fence.seeded.pop(name, None)  # changed since: fenced for good
         if self._total > self.max_keys:
             self._bound()
 
@@ -160,6 +217,7 @@ class Fences:
         fence.everything = True
         fence.reason = reason
         fence.names = set()
+        fence.seeded = {}
         fence.prefixes = []
         self.overflows += 1
         logger.warning("fence covers everything segment=%s reason=%s: it discards its copies", fence.segment, reason)

@@ -95,6 +95,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
                 "fence_copies_readopted": state.fences.readopted,
                 "fence_copies_refused": state.fences.refused,
                 "fence_overflows": state.fences.overflows,
+                "fence_names_released": state.fences.released,
                 "put_keys_lost_with_segment": self.puts_lost,
             }
         )

@@ -40,6 +40,9 @@ class SegmentCalls:
             disk_engine=request.disk_engine,
             ssd_max_object=request.ssd_max_object,
             inventory=request.inventory,
+            # another master's session proves nothing about this one's fence
+            previous_segment_id=request.previous_segment_id if request.previous_epoch == self.epoch else 0,
+            previous_applied_seq=request.previous_applied_seq,
         )
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)

@@ -50,11 +50,17 @@ class SegmentTable:
         disk_engine: str = "",
         ssd_max_object: int = 0,
         inventory: bool = False,
+        previous_segment_id: int = 0,
+        previous_applied_seq: int = 0,
     ) -> MountResult:
         """Register a segment. Returns CLUSTER_MISMATCH, INVALID_ARGUMENT, SEGMENT_DRAINED or OK.
 
         With `inventory` the segment is RECOVERING (no allocations) until it has
         reported the objects its region holds (kvtier.master.recovery).
+        `previous_segment_id` / `previous_applied_seq`: this master's id of the segment's last mount
+        session and the last commit-log notice its index applied under it (0: none, or another
+        master's); they release what its fence holds only for want of an acknowledgement
+        (kvtier.master.fences, invariant 4).
 
         A name that is already mounted is replaced: its old replicas are dropped
         (the previous process under that name is gone; the region file lock on
@@ -75,6 +81,8 @@ class SegmentTable:
         if old is not None:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self.drop_segment(old, reason="remounted")
+        if inventory and previous_segment_id:
+            self.fences.release(name, previous_segment_id, previous_applied_seq)
         now = self.clock()
         # A segment's inventory is taken by a master rebuilding itself (recovering, with saved state
         # telling whom it expelled), or through the fence this master opened when it dropped the
@@ -225,12 +233,11 @@ class SegmentTable:
         if self.commits.keeps_index(segment_id):
             # Its index and disk copies miss what happens from now on: fenced while this master runs,
             # and saved as expelled for the next one (kvtier.master.fences).
-            seed = (
-                self.commits.unacked_names(segment_id)
-                | self.tiering.unacked_forget_names(segment.name)
-                | self.tiering.unsettled_offload_names(segment.name)
-            )
-            self.fences.open(segment.name, seed)
+            # Names of its unacknowledged notices may leave the fence again if it proves, when it
+            # returns, that its index applied them (a relayed put's client heard OK before the master
+            # had that acknowledgement); those about its SSD copies may not.
+            seed = self.tiering.unacked_forget_names(segment.name) | self.tiering.unsettled_offload_names(segment.name)
+            self.fences.open(segment.name, seed, self.commits.unacked_seqs(segment_id), segment_id)
             self.expelled.add(segment.name)
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)

@@ -104,7 +104,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,9 @@ class MountSegmentRequest(_message.Message):
     SSD_MAX_OBJECT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -129,7 +132,10 @@ class MountSegmentRequest(_message.Message):
     ssd_max_object: int
     inventory: bool
     wall_clock_ms: int
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
+    previous_segment_id: int
+    previous_applied_seq: int
+    previous_epoch: int
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms")

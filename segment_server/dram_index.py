@@ -154,6 +154,11 @@ class DramIndex:
         # come by two roads (the feed's polls, RelayPutEnd answers), each applied once, in order.
         self._applied = 0
         self._mark: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied): read by the event loop lock-free
+        # The last mounted session that ended and its last applied notice: sent with the next mount
+        # (MountSegmentRequest.previous_*), which may take several tries, so only a mounted session
+        # ending replaces it: the master releases from the segment's fence the names whose notices
+        # the index applied (kvtier.master.fences).
+        self._previous: tuple[tuple[int, int], int] = ((0, 0), 0)
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._empty)
@@ -182,8 +187,15 @@ class DramIndex:
     def set_session(self, session: tuple[int, int]) -> None:
         with self._lock:
             if session != self._session:
+                if self._session[0]:  # a mounted session ends: remember how far its notices got
+                    self._previous = (self._session, self._applied)
                 self._session, self._applied = session, 0  # a new mount numbers its notices from 1
                 self._mark = (session, 0)
+
+    def previous_session(self) -> tuple[tuple[int, int], int]:
+        """((segment id, epoch), applied) of the last mounted session that ended (zeros: none)."""
+        with self._lock:
+            return self._previous
 
     def clear(self) -> None:
         """The master will not take this index (it expelled us, or serves already): it is stale."""

@@ -224,6 +224,12 @@ class MasterLink:
         self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
         stub = self._channels.stub()
         self._request.wall_clock_ms = wall_ms()
+        # How far the index got under its last mount: what its fence holds only for want of our
+        # acknowledgement is released (kvtier.master.fences).
+        (previous_id, previous_epoch), previous_applied = self._index.previous_session()
+        self._request.previous_segment_id = previous_id
+        self._request.previous_epoch = previous_epoch
+        self._request.previous_applied_seq = previous_applied
         sent = time.monotonic()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)

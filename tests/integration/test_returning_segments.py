@@ -199,6 +199,46 @@ def test_a_partitioned_segment_gets_back_every_untouched_object_when_its_link_re
         cluster.stop()  # before the namespace goes
 
 
+def relayed_put(client: Client, keys: list[str]) -> bool:
+    """Put `keys` (all OK); whether the segment relayed the PutEnd ("Commit through the segment")."""
+    before = client.stats().get("commits_relayed", 0)
+    put_objects(client, keys, "s0")
+    return client.stats().get("commits_relayed", 0) > before
+
+
+def test_a_segment_stopped_before_acknowledging_its_relayed_puts_gets_them_back_when_expelled_and_resumed(
+    bare_cluster,
+):
+    """Relayed puts are acknowledged to the client before the master hears the segment's
+    acknowledgement. Stopped right after the put returns, the segment cannot send it (its ~2 ms timer
+    cannot fire); expelled past segment_ttl_s, it comes back saying how far its index applied under
+    the old mount, and the master's fence lets those objects back (master/fences.py, invariant 4)."""
+    cluster = bare_cluster
+    cluster.start_master()
+    cluster.start_segment("s0")
+    keys = [f"relayed/{i:02d}" for i in range(50)]
+    removed = "relayed/removed"
+    with cluster.client(transport="tcp") as client:
+        # the segment relays once it knows the master's fast path: shortly after its mount
+        warm = iter(range(1000))
+        assert cluster.wait_for(lambda: relayed_put(client, [f"relayed/warm/{next(warm)}"]), timeout=15)
+        assert relayed_put(client, [removed])
+        assert relayed_put(client, keys)
+        segment = cluster.segments["s0"]
+        segment.popen.send_signal(signal.SIGSTOP)  # before its acknowledgement can go
+        try:
+            assert cluster.wait_for(lambda: "s0" not in segment_names(client), timeout=cluster.segment_ttl_s * 5)
+            client.remove(removed)  # lost with s0 (NOT_FOUND), but removed all the same
+        finally:
+            segment.popen.send_signal(signal.SIGCONT)
+        assert cluster.wait_for(lambda: mounted(client, "s0") and all(client.batch_exists(keys)), timeout=15), (
+            f"objects not re-adopted: {sum(client.batch_exists(keys))}/{len(keys)}"
+        )
+        assert client.batch_get(keys) == [value_for(k) for k in keys]
+        assert client.get(removed) is None, "a key removed while the segment was away came back"
+        assert not client.exists(removed)
+
+
 # ---------------------------------------------------------------------------- obs 6: acknowledged means stored
 
 

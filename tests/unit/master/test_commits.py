@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvtier.master.commits import POLL_BYTES, CommitLog, PutAcknowledgement, notice_pin
+from kvtier.master.commits import POLL_BYTES, RELAYED_DUE_AFTER_S, CommitLog, PutAcknowledgement, notice_pin
 from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, ObjectRecord, replica
 from kvtier.proto.status import Status
 
@@ -254,3 +254,83 @@ def test_a_relayed_calls_notices_do_not_wake_its_segment_until_another_call_wait
     log.ack(A, 9)  # more than was ever sent: only what exists is acknowledged
     assert log.next_seq(A) == 3 and log.since(A, 1) == []
     log.ack(C, 5)  # not mounted: nothing to acknowledge, no error
+
+
+def test_relayed_notices_are_not_due_to_the_feed_until_something_wakes_them(log: CommitLog, wakes: Wakes):
+    """Under relay load the segment's feed must not busy-poll: a poll (and `has_notices`) hands out
+    only the notices before the first unwoken relayed one. The relay's acknowledgement still applies.
+    Once a barrier, a move waiting on the segment, or an ordinary notice wakes them, they are due."""
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    log.committed(A, 0, record("plain", replica(A, 0)))  # seq 1: an ordinary notice, due
+    log.relaying = A
+    log.committed(A, 64, record("relayed1", replica(A, 64)))  # seq 2
+    log.committed_records([record("relayed2", replica(A, 128), replica(B, 0))])  # seq 3 (B's seq 1 wakes B)
+    log.relaying = 0
+    assert wakes.polls == [A, B]
+    assert log.has_notices(A, 0) and not log.has_notices(A, 1), "only 'plain' is due"
+    assert names(log.poll(A, 0, 100)) == [("plain", False)]
+    assert log.poll(A, 1, 100).items == [], "the relayed ones: the segment has them from its answer"
+    assert log.poll(A, 3, 1).items == [] and log.barrier(relayed_by=A) == {B: 1}, "the ~2 ms acknowledgement"
+    assert not log.has_notices(A, 3) and wakes.polls == [A, B]
+    # another relay: its notices stay unwoken; a barrier (a call waiting for them) makes them due, once
+    log.relaying = A
+    log.dropped(A, 64, record("relayed1", replica(A, 64)))  # seq 4
+    log.relaying = 0
+    assert log.poll(A, 3, 100).items == [] and not log.has_notices(A, 3)
+    assert A in log.barrier() and wakes.polls == [A, B, A]
+    assert log.has_notices(A, 3) and names(log.poll(A, 3, 100)) == [("relayed1", True)]
+    # the relay's answer was lost (the client sends PutEnd itself): its barrier wakes them
+    log.relaying = A
+    log.committed(A, 192, record("lost", replica(A, 192)))  # seq 5
+    log.relaying = 0
+    assert not log.has_notices(A, 4)
+    log.barrier()
+    assert names(log.poll(A, 4, 100)) == [("lost", False)]
+    # an ordinary notice after unwoken relayed ones wakes the poll: everything is due, in order
+    log.relaying = A
+    log.committed(A, 256, record("r", replica(A, 256)))  # seq 6
+    log.relaying = 0
+    log.committed(A, 320, record("o", replica(A, 320)))  # seq 7
+    assert names(log.poll(A, 5, 100)) == [("r", False), ("o", False)]
+    # a move whose source drop waits for A's acknowledgement of relayed notices wakes A
+    log.ack(A, 7)
+    log.relaying = A
+    log.committed(A, 384, record("moved", replica(A, 384)))  # seq 8
+    log.relaying = 0
+    polls = len(wakes.polls)
+    log.dropped_after(B, 0, record("relayed2", replica(B, 0)), target_id=A)
+    assert wakes.polls[polls:] == [A] and names(log.poll(A, 7, 100)) == [("moved", False)]
+    log.poll(A, 8, 100)
+    assert names(log.poll(B, 0, 100)) == [("relayed2", False), ("relayed2", True)], "B's drop went once A acked"
+
+
+def test_unwoken_relayed_notices_nobody_asks_for_are_due_once_unacknowledged_for_a_while(
+    log: CommitLog, clock: FakeClock, wakes: Wakes
+):
+    """A relayed answer lost with its client (no PutEnd follows, no barrier): the segment never
+    acknowledges those notices, so after RELAYED_DUE_AFTER_S its feed's next poll gets them anyway.
+    Under steady relay load each acknowledgement restarts that grace for the rest."""
+    log.mounted(A, keeps_index=True)
+    log.relaying = A
+    log.committed(A, 0, record("r1", replica(A, 0)))  # seq 1
+    log.committed(A, 64, record("r2", replica(A, 64)))  # seq 2 (another relay, in flight)
+    log.relaying = 0
+    clock.now += RELAYED_DUE_AFTER_S * 0.75
+    assert log.poll(A, 1, 100).items == [], "r1's answer applied and acknowledged; r2 in flight"
+    clock.now += RELAYED_DUE_AFTER_S * 0.75
+    assert not log.has_notices(A, 1), "the acknowledgement restarted the grace for r2"
+    clock.now += RELAYED_DUE_AFTER_S * 0.5
+    assert log.has_notices(A, 1) and names(log.poll(A, 1, 100)) == [("r2", False)]
+    assert wakes.polls == []
+
+
+def test_unacked_seqs_give_each_name_its_last_unacknowledged_notice(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.committed(A, 0, record("acked", replica(A, 0)))  # seq 1
+    log.committed(A, 64, record("x", replica(A, 64)))  # seq 2
+    log.committed(A, 128, record("y", replica(A, 128)))  # seq 3
+    log.dropped(A, 64, record("x", replica(A, 64)))  # seq 4: x has a commit and a drop pending
+    log.poll(A, 1, 100)
+    assert log.unacked_seqs(A) == {"x": 4, "y": 3}
+    assert log.unacked_seqs(B) == {}

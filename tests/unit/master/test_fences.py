@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.fences import Fences
-from kvtier.master.recovery import inventory_done
+from kvtier.master.recovery import inventory_done, report_dram_objects
 from kvtier.proto.status import Status
-from tests.unit.master.test_recovery import NS, MiB, mount, new_state
+from tests.unit.master.test_recovery import NS, OK, MiB, chunk, mount, new_state
 from tests.unit.master.test_state import FakeClock
 
 
@@ -54,3 +54,72 @@ def test_a_put_end_whose_segment_was_lost_during_its_wait_is_not_acknowledged():
     for key, segment_id, status in zip(["k1", "k2"], started.replica_segments, answer, strict=True):
         assert status == (Status.SEGMENT_NOT_FOUND if segment_id == lost_segment else Status.OK), key
     assert {a, b} >= set(started.replica_segments)
+
+
+def test_a_fence_releases_seeded_names_the_returning_segment_applied_and_nothing_else():
+    fences = Fences(max_keys=100)
+    fences.open("s0", {"forget", "both"}, {"a": 3, "b": 5, "touched": 2, "both": 1}, segment_id=7)
+    fences.touch("touched")  # changed while away: fenced for good
+    fences.open("s0", set(), {"again": 2, "a": 1}, segment_id=8)  # a second drop, another mount
+    fence = fences.get("s0")
+    assert fences.release("s0", 9, 100) == 0, "another mount's numbers prove nothing"
+    assert fences.release("s0", 7, 4) == 0
+    assert fence.admits("x") and not fence.admits("a"), "'a' was seeded again by mount 8: fenced for good"
+    assert not fence.admits("b"), "b's last notice (5) is past what the index applied (4)"
+    assert fences.release("s0", 7, 5) == 1 and fence.admits("b")
+    assert not any(map(fence.admits, ("forget", "both", "touched", "again", "a")))
+    assert fences.release("s0", 8, 2) == 1 and fence.admits("again") and not fence.admits("a")
+    assert fences.released == 2 and fences._total == len(fence.names) == 4
+
+
+def test_seeded_names_stay_within_the_bound_and_an_overflow_forgets_them():
+    fences = Fences(max_keys=4)
+    fence = fences.open("s0", set(), {"a": 1, "b": 2, "c": 3}, segment_id=1)
+    assert fences._total == 3 and set(fence.seeded) <= fence.names
+    assert fences.release("s0", 1, 2) == 2 and fences._total == 1
+    for name in ("d", "e", "f", "g"):
+        fences.touch(name)
+    assert fence.everything and fence.seeded == {} and fences.release("s0", 1, 99) == 0
+    assert fences._total == 0 and not fence.admits("a")
+
+
+def test_a_returning_segment_gets_back_what_its_index_applied_but_never_acknowledged():
+    """The master's books (MasterState): puts on a whose notices a never acknowledged (a relayed put's
+    client heard OK from a, which applied them from the relay's answer), a dropped, then a mounts again
+    saying how far its index got under the dropped mount. Exactly these names are admitted: those whose
+    every unacknowledged notice is at or below that point and that nothing touched while a was away."""
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a", MiB, inventory=True)
+    inventory_done(state, a)
+    for key, checksum in (("k1", 1), ("k2", 2), ("k3", 3)):  # notices 1, 2, 3 on a
+        started = state.put_start(NS, [key], [100], 1)
+        state.put_end(NS, [key], [checksum], started.put_id)
+    state.remove(NS, ["k3"])  # notice 4: k3's drop
+    started = state.put_start(NS, ["k4"], [100], 1)
+    state.put_end(NS, ["k4"], [4], started.put_id)  # notice 5
+    assert state.commits.unacked_seqs(a) == {
+        f"{NS}\x00{k}": seq for k, seq in (("k1", 1), ("k2", 2), ("k3", 4), ("k4", 5))
+    }
+    state.unmount_segment(a)  # as an expulsion
+    b = mount(state, "b", MiB, inventory=True)
+    inventory_done(state, b)
+    started = state.put_start(NS, ["k2"], [100], 1)
+    state.put_end(NS, ["k2"], [22], started.put_id)  # touched while a was away (on b)
+    again = state.mount_segment(
+        "unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True, previous_segment_id=a, previous_applied_seq=3
+    )
+    assert not again.discard_index and state.fences.released == 1
+    statuses = report_dram_objects(
+        state,
+        again.segment.segment_id,
+        chunk(
+            [("k1", 100, 1, 0), ("k2", 100, 2, 4096), ("k3", 100, 3, 8192), ("k4", 100, 4, 12288), ("k5", 64, 5, 16384)]
+        ),
+    )
+    refused = Status.CHECKSUM_MISMATCH
+    assert statuses == [OK, refused, refused, refused, OK], (
+        "k1 applied and untouched; k2 put again meanwhile; k3's drop (4) and k4's commit (5) past the applied 3; "
+        "k5 never fenced"
+    )
+    assert state.record(NS, "k1") is not None and state.record(NS, "k2").checksum == 22

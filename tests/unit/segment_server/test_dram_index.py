@@ -218,3 +218,24 @@ def test_entries_that_touch_each_other_and_the_region_end_are_kept():
     index.apply(notices((False, 191, "overlaps both", bytes(region[191:193]))), (0, 0))
     assert [entry[0][3:] for _, entry in index.inventory()] == ["overlaps both"], "the newest wins, older neighbours go"
     assert len(index) == 1
+
+
+def test_the_last_mounted_session_and_how_far_it_applied_outlive_resets_until_the_next_mount():
+    """What the next MountSegmentRequest says (previous_segment_id, previous_epoch, previous_applied_seq):
+    the master releases from the segment's fence the names whose notices its index applied. A mount may
+    take several tries, each resetting the session and maybe clearing the index: the last *mounted*
+    session is kept."""
+    region = bytearray(1024)
+    region[0:2] = b"v1"
+    index = DramIndex(memoryview(region))
+    assert index.previous_session() == ((0, 0), 0)
+    index.set_session((4, 9))
+    index.apply(seq_notices(1, (False, 0, "a", b"v1"), (False, 64, "b", 2)), (4, 9))
+    index.set_session((0, 0))  # the heartbeat heard SEGMENT_NOT_FOUND
+    index.set_session((0, 0))  # each mount try resets again
+    index.clear()  # and a refused mount may empty the index
+    assert index.previous_session() == ((4, 9), 2)
+    index.set_session((5, 9))  # mounted again: nothing applied under it yet
+    assert index.previous_session() == ((4, 9), 2)
+    index.set_session((0, 0))
+    assert index.previous_session() == ((5, 9), 0)
