@@ -100,7 +100,7 @@ class CommitRelay:
         self._acknowledged: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied) the master was told
         self._ack_timer: asyncio.TimerHandle | None = None
         self._feed_waits: list[_FeedWait] = []  # answers whose notices wait for the feed
-        self._feed_timer: asyncio.TimerHandle | None = None
+        self._feed_timer: asyncio.TimerHandle | asyncio.Handle | None = None
         self.relayed = 0  # PutEnds the master answered through this relay
         self.failed = 0  # COMMITs answered UNAVAILABLE (no usable answer from the master)
         self.feed_waits = 0  # answers whose notices waited for the feed
@@ -172,6 +172,10 @@ class CommitRelay:
         """The call's notices are in the index: answer the client; acknowledge them soon."""
         self.relayed += 1
         done(_OK, reply.SerializeToString())
+        if self._feed_waits and self._feed_timer is not None:
+            # Answers come out of order over the links: one waiting for this one's notices may apply now.
+            self._feed_timer.cancel()
+            self._feed_timer = asyncio.get_running_loop().call_soon(self._look_at_feed)
         if self._ack_timer is None:
             self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._acknowledge)
 

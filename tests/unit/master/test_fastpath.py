@@ -190,7 +190,14 @@ def test_the_budget_must_hold_one_message():
 
 
 def test_refusals_are_logged_at_most_a_few_lines_a_second(caplog):
-    connections = Connections(FastPathLimits())
-    with caplog.at_level(logging.WARNING, logger="kvtier.master.fastpath"):
-        logged = sum(connections.log("fast path protocol error, closing", {"n": i}) for i in range(100))
+    # The budget is per clock second: a flood that happens to cross into the next one (a loaded
+    # machine) is measured again, within one second, so the bound checked is the budget's own.
+    for _ in range(5):
+        caplog.clear()
+        connections = Connections(FastPathLimits())
+        second = int(time.monotonic())
+        with caplog.at_level(logging.WARNING, logger="kvtier.master.fastpath"):
+            logged = sum(connections.log("fast path protocol error, closing", {"n": i}) for i in range(100))
+        if int(time.monotonic()) == second:
+            break
     assert logged == len(caplog.records) <= 20
