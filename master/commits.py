@@ -222,6 +222,11 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         return 0 if feed is None else feed.last_seq + 1
 
+    def first_unacked(self, segment_id: int) -> int:
+        """The sequence number of the segment's first notice not acknowledged yet (0: not mounted)."""
+        feed = self._feeds.get(segment_id)
+        return 0 if feed is None else feed.acked + 1
+
     def since(self, segment_id: int, first: int) -> list[tuple[int, ObjectRecord, bool]]:
         """The segment's notices from `first` on that it has not acknowledged (RelayPutEnd: those
         its own call just made, `first` being `next_seq` before the call)."""

@@ -25,6 +25,8 @@ MAX_AVOID = 256
 _EVENT_KINDS = frozenset(int(kind) for kind in EventKind)
 # The hot calls' OK as a plain int: protobuf takes an IntEnum member measurably slower (session 9).
 _OK = int(Status.OK)
+# Notices before a RelayPutEnd's own that its answer carries at most (the rest come with the feed).
+RELAY_BACKLOG = 1024
 
 
 def _no_wake() -> None:
@@ -173,6 +175,11 @@ class DataCalls:
         reply = pb.RelayPutEndResponse(status=ended.status, error=ended.error, statuses=ended.statuses)
         if ended.status == _OK:
             self.relayed_by = segment_id
+            # From the segment's first unacknowledged notice, not just this call's: the segment
+            # applies an answer only after every earlier notice, and another relay's answer (parked
+            # for other segments, or on another link) may bring those later than this one arrives.
+            # Repeats are skipped there; a long backlog is left to the feed.
+            first = max(commits.first_unacked(segment_id), first - RELAY_BACKLOG)
             notices = reply.notices
             notices.status, notices.epoch, notices.first_seq = _OK, self.epoch, first
             if items := commits.since(segment_id, first):

@@ -100,10 +100,10 @@ class CommitRelay:
         self._acknowledged: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied) the master was told
         self._ack_timer: asyncio.TimerHandle | None = None
         self._feed_waits: list[_FeedWait] = []  # answers whose notices wait for the feed
-        self._feed_timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._feed_timer: asyncio.TimerHandle | None = None
         self.relayed = 0  # PutEnds the master answered through this relay
         self.failed = 0  # COMMITs answered UNAVAILABLE (no usable answer from the master)
-        self.feed_waits = 0  # answers whose notices waited for the feed
+        self.feed_waits = 0  # answers not applicable at once (the feed behind, or applying a batch)
 
     def commit(self, payload: bytes, done: Done) -> None:
         """Relay a COMMIT frame's payload (RelayPutEndRequest fields 1-2); `done` gets the answer
@@ -175,7 +175,7 @@ class CommitRelay:
         if self._feed_waits and self._feed_timer is not None:
             # Answers come out of order over the links: one waiting for this one's notices may apply now.
             self._feed_timer.cancel()
-            self._feed_timer = asyncio.get_running_loop().call_soon(self._look_at_feed)
+            self._feed_timer = asyncio.get_running_loop().call_later(0.0, self._look_at_feed)
         if self._ack_timer is None:
             self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._acknowledge)
 
@@ -232,13 +232,16 @@ class CommitRelay:
         self._feed_timer = None
         index, now = self._index, asyncio.get_running_loop().time()
         waiting = []
+        progressed = False
         for wait in self._feed_waits:
             try:
+                session, applied = index.session_and_applied()  # one read: never another mount's number
                 if index.apply_relayed(wait.notices, wait.session) or (
-                    index.session == wait.session and index.applied >= wait.last
+                    session == wait.session and applied >= wait.last
                 ):
                     self._applied_now(wait.done, wait.reply)
-                elif index.session != wait.session:
+                    progressed = True
+                elif session != wait.session:
                     self.failed += 1
                     wait.done(_UNAVAILABLE, b"this segment mounted again meanwhile; retry")
                 elif now > wait.deadline:
@@ -248,10 +251,12 @@ class CommitRelay:
                     waiting.append(wait)
             except Exception:  # never leave a client connection waiting for an answer
                 logger.exception("a relayed PutEnd's answer failed")
+                self.failed += 1
                 _call(wait.done, _UNAVAILABLE, b"internal error while applying the put's notices")
         self._feed_waits = waiting
-        if waiting:
-            self._feed_timer = asyncio.get_running_loop().call_later(_FEED_WAIT_SLICE_S, self._look_at_feed)
+        if waiting:  # one applied may unblock one listed before it: look again at once then
+            delay = 0.0 if progressed else _FEED_WAIT_SLICE_S
+            self._feed_timer = asyncio.get_running_loop().call_later(delay, self._look_at_feed)
 
 
 @dataclass(slots=True, eq=False)

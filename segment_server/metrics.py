@@ -278,7 +278,8 @@ class SegmentCollector(Collector):
         yield _one(
             CounterMetricFamily,
             "kvtier_segment_commit_feed_waits",
-            "Relayed PutEnds whose notices waited for the commit feed (it had not applied earlier ones yet).",
+            "Relayed PutEnds not applicable at once: the commit feed had not applied earlier notices yet, or "
+            "was applying a batch (the event loop never waits for it).",
             self._name,
             relay.feed_waits if relay is not None else 0,
         )
