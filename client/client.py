@@ -455,6 +455,9 @@ class Client(
             for i in written:
                 statuses[i] = by_key[keys[i]]
             self._count(commits_relayed=1)
+        elif not written and commit is not None:  # nothing to end: the leases it took go with the next call
+            for lease_id in commit.released_leases:
+                self._done_leases.add(lease_id)
         elif written:
             if commit is not None:
                 logger.debug("PutEnd not relayed by the segment (%s): sent to the master", commit.refused)
