@@ -521,13 +521,14 @@ class Client(
         if len(per_segment) != 1 or not self.config.commit_through_segment or not self._master.fast_path_active:
             return None
         ((segment_id, items),) = per_segment.items()
-        if commit_bytes_bound([keys[i] for i, _, _ in items], [sizes[i] for i, _, _ in items]) > MAX_COMMIT_BYTES:
+        names = [keys[i] for i, _, _ in items]  # in the order of the write's ranges
+        if commit_bytes_bound(names, [sizes[i] for i, _, _ in items]) > MAX_COMMIT_BYTES:
             return None
         segment = segments.get(segment_id)
         if segment is None or not getattr(self._connector(segment), "commits", False):
             return None
         token = self._master.credentials.token
-        return SegmentCommit(self.namespace, [keys[i] for i, _, _ in items], put_id, token, self._done_leases.take())
+        return SegmentCommit(self.namespace, names, put_id, token, self._done_leases.take())
 
     def _write_segment(
         self, segment: pb.SegmentEndpoint | None, ranges: list, caps: Caps = None, commit: SegmentCommit | None = None

@@ -228,8 +228,9 @@ class CommitLog:
         return 0 if feed is None else feed.acked + 1
 
     def since(self, segment_id: int, first: int) -> list[tuple[int, ObjectRecord, bool]]:
-        """The segment's notices from `first` on that it has not acknowledged (RelayPutEnd: those
-        its own call just made, `first` being `next_seq` before the call)."""
+        """The segment's notices from `first` on that it has not acknowledged (a RelayPutEnd's
+        answer: from the segment's first unacknowledged notice, or a backlog's worth before the
+        call's own, through the call's)."""
         feed = self._feeds.get(segment_id)
         if feed is None or first > feed.last_seq:
             return []

@@ -149,11 +149,11 @@ class DramIndex:
         self._bytes = 0  # sum of the entries' sizes, kept as they change (a scrape must not walk them)
         self._lock = threading.Lock()
         self._seq = 0  # order of commits: a newer entry wins an overlap
-        self._session = (0, 0)
-        # The commit log's sequence number of the last notice applied under this session: notices
-        # come by two roads (the feed's polls, RelayPutEnd answers), each applied once, in order.
-        self._applied = 0
-        self._mark: tuple[tuple[int, int], int] = ((0, 0), 0)  # (session, applied): read by the event loop lock-free
+        # (session, applied): the mount session notices belong to, and the commit log's sequence
+        # number of the last notice applied under it (notices come by two roads, the feed's polls and
+        # RelayPutEnd answers, each applied once, in order). One tuple, replaced whole under the lock,
+        # so a reader without it (the event loop) always sees a matching pair.
+        self._mark: tuple[tuple[int, int], int] = ((0, 0), 0)
         # The last mounted session that ended and its last applied notice: sent with the next mount
         # (MountSegmentRequest.previous_*), which may take several tries, so only a mounted session
         # ending replaces it: the master releases from the segment's fence the names whose notices
@@ -171,12 +171,12 @@ class DramIndex:
 
     @property
     def session(self) -> tuple[int, int]:
-        return self._session
+        return self._mark[0]
 
     @property
     def applied(self) -> int:
         """Sequence number of the last commit-log notice applied under the current session."""
-        return self._applied
+        return self._mark[1]
 
     def session_and_applied(self) -> tuple[tuple[int, int], int]:
         """The session and its last applied notice, read together (an acknowledgement must never
@@ -186,11 +186,11 @@ class DramIndex:
 
     def set_session(self, session: tuple[int, int]) -> None:
         with self._lock:
-            if session != self._session:
-                if self._session[0]:  # a mounted session ends: remember how far its notices got
-                    self._previous = (self._session, self._applied)
-                self._session, self._applied = session, 0  # a new mount numbers its notices from 1
-                self._mark = (session, 0)
+            current = self._mark[0]
+            if session != current:
+                if current[0]:  # a mounted session ends: remember how far its notices got
+                    self._previous = self._mark
+                self._mark = (session, 0)  # a new mount numbers its notices from 1
 
     def previous_session(self) -> tuple[tuple[int, int], int]:
         """((segment id, epoch), applied) of the last mounted session that ended (zeros: none)."""
@@ -210,30 +210,35 @@ class DramIndex:
         skipping those applied already (a RelayPutEnd's answer may have brought them first); the
         sequence number of the last notice applied now (-1: not applied)."""
         with self._lock:
-            if session != self._session:
+            if session != self._mark[0]:
                 return -1
             self._apply_locked(reply)
-            return self._applied
+            return self._mark[1]
 
     def apply_relayed(self, notices: pb.PollCommitsResponse, session: tuple[int, int]) -> bool:
         """Apply the notices a RelayPutEnd answer brought, if every notice before them is applied
         (False: some are not yet; the feed brings them, these included). Already applied: True.
         Never waits for the lock (the event loop calls it): False while the feed applies a batch."""
-        mark_session, applied = self._mark
-        if session != mark_session or notices.first_seq > applied + 1:
+        if not self._follows(notices, session):
             return False
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if session != self._session or notices.first_seq > self._applied + 1:
+            if not self._follows(notices, session):  # again: the feed may have moved meanwhile
                 return False
             self._apply_locked(notices)
             return True
         finally:
             self._lock.release()
 
+    def _follows(self, notices: pb.PollCommitsResponse, session: tuple[int, int]) -> bool:
+        """Whether `notices` belong to the current session and nothing before them is missing."""
+        current, applied = self._mark
+        return session == current and notices.first_seq <= applied + 1
+
     def _apply_locked(self, reply: pb.PollCommitsResponse) -> None:
-        skip = self._applied + 1 - reply.first_seq  # notices of this reply applied already
+        session, applied = self._mark
+        skip = applied + 1 - reply.first_seq  # notices of this reply applied already
         count = len(reply.offsets)
         if skip >= count:
             return
@@ -275,8 +280,7 @@ class DramIndex:
             if timed:
                 timed.pop(where, None)
         self._seq, self._bytes = seq, total
-        self._applied = reply.first_seq + count - 1
-        self._mark = (self._session, self._applied)
+        self._mark = (session, reply.first_seq + count - 1)
 
     def inventory(self) -> list[tuple[int, Entry]]:
         """Entries whose bytes verify, in increasing offset order, without overlaps (the newer of
