@@ -172,10 +172,8 @@ class CommitRelay:
         """The call's notices are in the index: answer the client; acknowledge them soon."""
         self.relayed += 1
         done(_OK, reply.SerializeToString())
-        if self._feed_waits and self._feed_timer is not None:
-            # Answers come out of order over the links: one waiting for this one's notices may apply now.
-            self._feed_timer.cancel()
-            self._feed_timer = asyncio.get_running_loop().call_later(0.0, self._look_at_feed)
+        if self._feed_waits:  # answers come out of order over the links: a waiting one may apply now
+            self._look_at_feed_in(0.0)
         if self._ack_timer is None:
             self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._acknowledge)
 
@@ -225,22 +223,26 @@ class CommitRelay:
         last = notices.first_seq + len(notices.offsets) - 1
         self._feed_waits.append(_FeedWait(notices, last, session, reply, deadline, done))
         if self._feed_timer is None:
-            self._feed_timer = asyncio.get_running_loop().call_later(_FEED_WAIT_SLICE_S, self._look_at_feed)
+            self._look_at_feed_in(_FEED_WAIT_SLICE_S)
+
+    def _look_at_feed_in(self, delay: float) -> None:
+        """(Re)schedule the one look at the answers waiting for the feed."""
+        if self._feed_timer is not None:
+            self._feed_timer.cancel()
+        self._feed_timer = asyncio.get_running_loop().call_later(delay, self._look_at_feed)
 
     def _look_at_feed(self) -> None:
         """Answer every waiting call whose notices are in the index now, or whose time is up."""
         self._feed_timer = None
         index, now = self._index, asyncio.get_running_loop().time()
         waiting = []
-        progressed = False
         for wait in self._feed_waits:
             try:
                 session, applied = index.session_and_applied()  # one read: never another mount's number
                 if index.apply_relayed(wait.notices, wait.session) or (
                     session == wait.session and applied >= wait.last
                 ):
-                    self._applied_now(wait.done, wait.reply)
-                    progressed = True
+                    self._applied_now(wait.done, wait.reply)  # schedules a look at once: it may unblock others
                 elif session != wait.session:
                     self.failed += 1
                     wait.done(_UNAVAILABLE, b"this segment mounted again meanwhile; retry")
@@ -254,9 +256,8 @@ class CommitRelay:
                 self.failed += 1
                 _call(wait.done, _UNAVAILABLE, b"internal error while applying the put's notices")
         self._feed_waits = waiting
-        if waiting:  # one applied may unblock one listed before it: look again at once then
-            delay = 0.0 if progressed else _FEED_WAIT_SLICE_S
-            self._feed_timer = asyncio.get_running_loop().call_later(delay, self._look_at_feed)
+        if waiting and self._feed_timer is None:
+            self._look_at_feed_in(_FEED_WAIT_SLICE_S)
 
 
 @dataclass(slots=True, eq=False)
