@@ -43,6 +43,7 @@ from kvtier.client.failures import FailureReports, SegmentFailures
 from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
+from kvtier.client.locations import LocationCache
 from kvtier.client.master import MasterClient
 from kvtier.client.ranges import RangedReads
 from kvtier.client.reads import _TIERS, Reads, _caps
@@ -139,6 +140,7 @@ class Client(
         tls_cert_file: str = "",
         tls_key_file: str = "",
         commit_through_segment: bool = True,
+        location_cache_keys: int = 4096,
     ) -> None:
         self.config = ClientConfig(
             master=master,
@@ -153,6 +155,7 @@ class Client(
             tls_cert_file=tls_cert_file,
             tls_key_file=tls_key_file,
             commit_through_segment=commit_through_segment,
+            location_cache_keys=location_cache_keys,
         ).validate()
         check_transport(self.config.transport)
         self.namespace = namespace
@@ -175,6 +178,9 @@ class Client(
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
+        # Where small DRAM objects were found, for direct reads (kvtier.client.locations).
+        keys = self.config.location_cache_keys
+        self._locations = LocationCache(keys) if keys else None
         # Segments whose transfers failed: avoided by the next puts, reported to the master (quarantine).
         self._failures = SegmentFailures(self.config.avoid_failed_s, self.config.failure_report_interval_s)
         # Connections one batch's disk reads of a segment are spread over (each has --ssd-read-ahead
@@ -352,6 +358,8 @@ class Client(
         if not keys:
             return []
         views = [as_bytes_view(v) for v in values]
+        if self._locations is not None and _overwrite:  # a hint only (the segment would refuse the old copy)
+            self._locations.forget(keys)
         started = time.monotonic()
         placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment, _overwrite, lease_ms)
         statuses, retry, written = self._put_once(keys, views, *placement)
@@ -567,7 +575,8 @@ class Client(
 
     @traced
     def batch_get(self, keys: Sequence[str], *, with_source: bool = False) -> list[Any]:
-        """Values of many keys (None per miss), with one GetReplicas round trip.
+        """Values of many keys (None per miss), with at most one GetReplicas round trip (none for keys
+        read directly from their segments: docs/architecture.md, "Direct reads").
 
         With `with_source`, one (value, source) pair per key instead, where
         source says which tier and path served the bytes: "dram/shm",
@@ -646,6 +655,8 @@ class Client(
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
+        if self._locations is not None:  # a hint only (the segment would refuse): saves a round trip
+            self._locations.forget(keys)
         request = pb.KeysRequest(
             namespace=self.namespace, keys=keys, released_leases=self._done_leases.take(), force=force
         )

@@ -28,6 +28,11 @@ class ClientConfig:
     # A put whose bytes all go to one segment over tcp sends its PutEnd behind its WRITE, for the
     # segment to relay (kvtier.client.commit): one round trip less. False: always to the master.
     commit_through_segment: bool = True
+    # Direct reads (kvtier.client.locations): where the last lookups found small DRAM objects, for this
+    # many keys at most; a get of one of them asks its segment alone (one round trip, no master),
+    # which serves it only if its own index still says that object is there. 0: every get asks the
+    # master first.
+    location_cache_keys: int = 4096
     # Credentials (docs/security.md); each defaults to its KVTIER_* variable: the cluster's or a
     # tenant's secret (a file, or KVTIER_SECRET itself), the principal it proves ("cluster", or the
     # tenant's name), and TLS to the master (the CA of its certificate; a client certificate for mTLS).
@@ -52,6 +57,8 @@ class ClientConfig:
             raise ValueError("connector_idle_s must be positive")
         if self.io_threads < 1:
             raise ValueError("io_threads must be at least 1")
+        if self.location_cache_keys < 0:
+            raise ValueError(f"location_cache_keys must be 0 (off) or more, got {self.location_cache_keys}")
         return self
 
     def credentials(self, secret: bytes | None = None) -> Credentials:

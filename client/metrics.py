@@ -49,6 +49,16 @@ _SIMPLE = (
         "kvtier_client_commits_not_relayed",
         "Puts that sent a COMMIT frame but then their PutEnd to the master (the segment could not relay it).",
     ),
+    (
+        "direct_reads",
+        "kvtier_client_direct_reads",
+        "Keys served by their segment alone (direct reads: no lookup), verified against the checksum.",
+    ),
+    (
+        "direct_read_misses",
+        "kvtier_client_direct_read_misses",
+        "Keys asked of their segment directly that it did not serve (moved, changed, gone, no lease): looked up.",
+    ),
     ("group_puts", "kvtier_client_group_puts", "Group puts (all or none, kvtier.client.groups), any outcome."),
     ("group_misses", "kvtier_client_group_misses", "Group reads answered with a miss for every member."),
     (

@@ -42,6 +42,7 @@ import crc32c
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import SegmentFailures, call_failures
 from kvtier.client.leases import DoneLeases
+from kvtier.client.locations import DIRECT_READ_MAX_BYTES, Location, LocationCache
 from kvtier.client.sockpool import call_deadline
 from kvtier.client.transport.base import Caps, Connector, DiskConnector
 from kvtier.client.transport.shm import local_host_id
@@ -99,6 +100,7 @@ class Reads:
     _master: Any
     _failures: SegmentFailures
     _done_leases: DoneLeases
+    _locations: LocationCache | None
     _disk_streams: int
     _count: Callable[..., None]
     _connector: Callable[[pb.SegmentEndpoint], Connector]
@@ -125,27 +127,28 @@ class Reads:
         tally: dict[str, int] = {}  # this call's counters, added to the client's once at its end
         token = call_failures.set(seen)
         try:
-            out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None, group, tally)
-            left = deadline - time.monotonic()
-            if cut and not group and left >= self.config.timeout * RETRY_MIN_LEFT:
-                again_sources: list[str | None] | None = [None] * len(cut) if sources is not None else None
-                again, _ = self._lookup_and_read(
-                    [keys[i] for i in cut],
-                    None if views is None else [views[i] for i in cut],
-                    again_sources,
-                    seen,
-                    deadline,
-                    left,
-                    False,
-                    tally,
-                )
-                for n, i in enumerate(cut):
-                    if again[n] is not None:  # None: the lookup failed; the first answer stands
-                        out[i] = again[n]
-                    if again_sources is not None and sources is not None:
-                        sources[i] = again_sources[n]
-                _add(tally, "read_retries", len(cut))
-                _add(tally, "read_retry_lookups", 1)
+            direct = (
+                {} if group or self._locations is None else self._read_direct(keys, views, sources, deadline, tally)
+            )
+            if direct:  # what the segments served alone; the rest is looked up as before
+                rest = [i for i in range(len(keys)) if i not in direct]
+                out: list[Any] = [direct.get(i) for i in range(len(keys))]
+                if rest:
+                    rest_sources = None if sources is None else [None] * len(rest)
+                    found = self._lookup_all(
+                        [keys[i] for i in rest],
+                        None if views is None else [views[i] for i in rest],
+                        rest_sources,
+                        seen,
+                        deadline,
+                        tally,
+                    )
+                    for n, i in enumerate(rest):
+                        out[i] = found[n]
+                        if rest_sources is not None and sources is not None:
+                            sources[i] = rest_sources[n]
+            else:
+                out = self._lookup_all(keys, views, sources, seen, deadline, tally, group)
         except BaseException:
             self._count(**tally)  # what was read and checked before the exception still counts
             raise
@@ -155,6 +158,126 @@ class Reads:
         hits = sum(1 for r in out if not _missed(r))
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits, **tally)
         return out
+
+    def _lookup_all(
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None,
+        seen: set[str],
+        deadline: float,
+        tally: dict[str, int],
+        group: bool = False,
+    ) -> list[Any]:
+        """The lookup, its reads, and the one fresh lookup of the keys worth it (see the module)."""
+        out, cut = self._lookup_and_read(keys, views, sources, seen, deadline, None, group, tally)
+        left = deadline - time.monotonic()
+        if cut and not group and left >= self.config.timeout * RETRY_MIN_LEFT:
+            again_sources: list[str | None] | None = [None] * len(cut) if sources is not None else None
+            again, _ = self._lookup_and_read(
+                [keys[i] for i in cut],
+                None if views is None else [views[i] for i in cut],
+                again_sources,
+                seen,
+                deadline,
+                left,
+                False,
+                tally,
+            )
+            for n, i in enumerate(cut):
+                if again[n] is not None:  # None: the lookup failed; the first answer stands
+                    out[i] = again[n]
+                if again_sources is not None and sources is not None:
+                    sources[i] = again_sources[n]
+            _add(tally, "read_retries", len(cut))
+            _add(tally, "read_retry_lookups", 1)
+        return out
+
+    def _read_direct(
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        sources: list[str | None] | None,
+        deadline: float,
+        tally: dict[str, int],
+    ) -> dict[int, Any]:
+        """Direct reads (kvtier.client.locations): the keys whose location this client remembers, read
+        from their segments alone; by position, the results that verified against the checksum
+        remembered with them. Whatever else happened, the key is forgotten and looked up as usual
+        (a segment's refusal is its index being right: the object moved, changed or left)."""
+        locations = self._locations
+        found = locations.find(keys, time.monotonic())
+        if views is not None:  # too small a buffer: the lookup answers that
+            found = {i: loc for i, loc in found.items() if len(views[i]) >= loc.size}
+        if not found:
+            return {}
+        # One frame per segment and grant: a frame carries one expiry, which each tag's MAC covers.
+        by_segment: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for i, location in found.items():
+            by_segment[(location.segment.name, location.expiry_ms)].append(i)
+        # Half the time left at most: a segment that stopped answering leaves the lookup the rest.
+        until = deadline - (deadline - time.monotonic()) / 2
+        jobs = [(self._read_keyed, keys, views, found, indices, until) for indices in by_segment.values()]
+        served: dict[int, Any] = {}
+        stale: list[str] = []
+        moved = 0
+        for indices, (results, crcs) in zip(by_segment.values(), self._run_parallel(jobs), strict=True):
+            for i, result, crc in zip(indices, results, crcs, strict=True):
+                location = found[i]
+                if isinstance(result, int) and result != _OK:
+                    stale.append(keys[i])
+                    continue
+                if crc is None:
+                    crc = crc32c.crc32c(result if views is None else views[i][: location.size])
+                moved += location.size
+                if crc != location.checksum:  # another version of the key (same place): ask the master
+                    stale.append(keys[i])
+                    continue
+                served[i] = result if views is None else location.size
+                if sources is not None:
+                    sources[i] = "dram/tcp"
+        if stale:
+            locations.forget(stale)
+            _add(tally, "direct_read_misses", len(stale))
+        if served:
+            size = sum(found[i].size for i in served)
+            _add(tally, "direct_reads", len(served))
+            _add(tally, "served_dram_tcp", len(served))
+            _add(tally, "served_bytes_dram_tcp", size)
+        if moved:
+            _add(tally, "bytes_read", moved)
+            _add(tally, "bytes_read_dram", moved)
+        return served
+
+    def _read_keyed(
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        found: dict[int, Location],
+        indices: list[int],
+        until: float,
+    ) -> tuple[list[bytes | int], list[int | None]]:
+        """One segment's share of the direct reads: per key its bytes (or OK, into its view) or a
+        negative status, and the CRCs computed on the way; no socket wait past `until`."""
+        crcs: list[int | None] = [None] * len(indices)
+        segment = found[indices[0]].segment
+        prefix = name_prefix_bytes(self.namespace)
+        items = [(found[i].offset, found[i].size, prefix + keys[i].encode()) for i in indices]
+        tags = [found[i].tag for i in indices]
+        caps: Caps = (found[indices[0]].expiry_ms, tags if all(tags) else [])
+        into = None if views is None else [views[i][: found[i].size] for i in indices]
+        token = call_deadline.set(until)
+        try:
+            connector = self._connector(segment)
+            read_keyed = getattr(connector, "read_keyed", None)
+            if read_keyed is None:  # this host reaches it by shared memory now: no direct reads there
+                return [int(Status.UNAVAILABLE)] * len(indices), crcs
+            return read_keyed(items, into, crcs, caps=caps), crcs
+        except TransportError as exc:
+            logger.info("direct read from segment %s failed, looking the keys up: %s", segment.name, exc)
+            return [int(exc.status)] * len(indices), crcs
+        finally:
+            call_deadline.reset(token)
 
     def _lookup_and_read(
         self,
@@ -226,6 +349,9 @@ class Reads:
                     replicas[i] = sorted(range(pos, pos + count), key=order)
             pos += count
         attempt = 0
+        # Direct reads later (kvtier.client.locations): DRAM copies on segments that serve them.
+        remember = self._locations is not None and any(s.direct_reads for s in reply.segments)
+        until = lease_deadline
         transferred: dict[str, int] = {}  # bytes per tier
         verified: dict[str, int] = {}  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
         corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
@@ -302,6 +428,9 @@ class Reads:
                                 sources[i] = source
                             served += 1
                             served_bytes += size
+                            if remember and path == "tcp" and size <= DIRECT_READ_MAX_BYTES:
+                                position = replicas[i][attempt]
+                                self._remember(keys[i], segments[segment_id], reply, position, size, crc, until)
                             continue
                         status = _MISMATCH
                         corrupt.append((i, replicas[i][attempt]))
@@ -334,6 +463,31 @@ class Reads:
         for name, value in verified.items():
             _add(tally, name, value)
         return out, sorted(i for i in cut if _missed(out[i]))
+
+    def _remember(
+        self,
+        key: str,
+        segment: pb.SegmentEndpoint,
+        reply: pb.GetReplicasResponse,
+        position: int,
+        size: int,
+        checksum: int,
+        until: float,
+    ) -> None:
+        """Where a verified DRAM copy was read over tcp, for direct reads until the lookup's grant ends."""
+        if not segment.direct_reads or reply.replica_tiers[position] != pb.DRAM:
+            return
+        tags = reply.replica_tags
+        location = Location(
+            segment,
+            reply.replica_offsets[position],
+            size,
+            checksum,
+            tags[16 * position : 16 * position + 16] if tags else b"",
+            reply.tag_expiry_ms,
+            until,
+        )
+        self._locations.remember(key, location)
 
     def _replica_order(self, reply: pb.GetReplicasResponse) -> Callable[[int], tuple[bool, bool, bool]]:
         """The sort key of a replicated key's positions: segments that just failed this client or are

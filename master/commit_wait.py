@@ -47,10 +47,14 @@ class Barrier:
     forgets: list[TierTask]
     generation: int
     put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
+    # The state's direct-read fence (MasterState.direct_read_fence) when it was still ahead: a dropped
+    # segment (or one of an earlier incarnation) may serve direct reads until then.
+    not_before: float = 0.0
 
     def done(self, state: MasterState) -> bool:
         return (
-            state.commits.acked(self.notices)
+            (not self.not_before or state.clock() >= self.not_before)
+            and state.commits.acked(self.notices)
             and state.durable_generation >= self.generation
             and all(state.tiering.forgotten(t) for t in self.forgets)
         )
@@ -113,6 +117,7 @@ class CommitWaiter:
         loop = asyncio.get_running_loop()
         state = self._handlers.state
         self._parked.append(_ParkedAnswer(reply, barrier, state, loop.time() + self._timeout_s, deliver))
+        self._wake_after_fence(barrier)
         if self._timer is None:
             self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
 
@@ -134,6 +139,14 @@ class CommitWaiter:
             self._parked = waiting  # before delivering: an answer's connection may park again meanwhile
             for answer in done:
                 self._deliver(answer, self._settled)
+
+    def _wake_after_fence(self, barrier: Barrier) -> None:
+        """Nothing else happens when the direct-read fence passes: a wake then (one per barrier
+        that waits for it, which only calls made within a heartbeat interval or two of a segment's
+        drop or of this incarnation's start do)."""
+        if barrier.not_before:
+            delay = barrier.not_before - self._handlers.state.clock()
+            asyncio.get_running_loop().call_later(max(delay, 0.0), self.wake, context=_neutral())
 
     def _expire(self) -> None:
         self._timer = None
@@ -166,8 +179,12 @@ class CommitWaiter:
         put_ack, handlers.put_ack = handlers.put_ack, None
         relayed_by, handlers.relayed_by = handlers.relayed_by, 0
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        barrier = Barrier(state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack)
-        return barrier if barrier.notices or barrier.forgets or generation else None
+        fence = state.direct_read_fence
+        not_before = fence if fence > state.clock() else 0.0
+        barrier = Barrier(
+            state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack, not_before
+        )
+        return barrier if barrier.notices or barrier.forgets or generation or not_before else None
 
     async def after_removal(self, reply: Any, removal: Removal) -> Any:
         """RemovePrefix's answer once its sweep removed everything it hides (kvtier.master.sweeps),
@@ -187,6 +204,7 @@ class CommitWaiter:
         state = handlers.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
+        self._wake_after_fence(barrier)
         while not barrier.done(state):
             remaining = deadline - loop.time()
             if remaining <= 0:

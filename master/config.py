@@ -61,6 +61,12 @@ class MasterConfig:
     segment_ttl_s: float = 10.0  # a segment silent this long is unmounted, its replicas dropped
     heartbeat_interval_s: float = 1.0  # told to segments at mount
     lease_s: float = 10.0  # read lease granted by GetReplicas
+    # Direct reads (docs/architecture.md, "Direct reads"): a client that looked a small DRAM object up
+    # reads it again from its segment alone, which checks it against its own index, for as long as the
+    # lookup's grant lasts. A segment serves them while its heartbeats are acknowledged (two intervals
+    # after the last one sent); a call that changes what a key reads waits until a dropped segment's
+    # such lease ran out. Off: every read asks the master first.
+    direct_reads: bool = True
     put_timeout_s: float = 30.0  # a PutStart without PutEnd this long is reclaimed
     max_batch_keys: int = 100_000  # keys per request; more is BATCH_TOO_LARGE
     high_watermark: float = 0.90  # a segment fuller than this evicts LRU objects in the background...
@@ -185,6 +191,12 @@ class MasterConfig:
     @property
     def history_log_max_bytes(self) -> int:
         return parse_size(self.history_log_max_size)
+
+    @property
+    def direct_read_lease_s(self) -> float:
+        """How long after sending an acknowledged heartbeat a segment serves direct reads (0: none).
+        Two intervals: one late heartbeat does not interrupt them; safety does not depend on it."""
+        return 2 * self.heartbeat_interval_s if self.direct_reads else 0.0
 
     @property
     def segment_suspect_s(self) -> float:

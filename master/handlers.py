@@ -148,6 +148,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
                     host_id=segment.host_id,
                     endpoints=segment.endpoints,
                     quarantined=shunned,
+                    direct_reads=segment.direct_reads,
                 )
                 if len(cache) > 2 * len(segments) + 64:  # segments that left: forget them
                     for gone in [i for i, (record, _, _) in cache.items() if segments.get(i) is not record]:

@@ -47,6 +47,7 @@ class SegmentCalls:
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
         config = self.state.config
+        result.segment.direct_reads = request.keyed_reads and config.direct_reads
         self.state.note_clock_skew(
             result.segment.segment_id, read_skew(request.wall_clock_ms, received_ms, 0, config.clock_skew_tolerance_s)
         )
@@ -59,6 +60,7 @@ class SegmentCalls:
             epoch=self.epoch,
             discard_index=result.discard_index,
             wall_clock_ms=wall_ms(),
+            direct_read_lease_ms=int(config.direct_read_lease_s * 1000) if request.keyed_reads else 0,
         )
 
     @rpc(pb.UnmountSegmentResponse)

@@ -31,6 +31,7 @@ _PENDING = ObjectState.PENDING
 
 HEARTBEAT_EXPIRED = "heartbeat ttl expired"
 FEED_SILENT = "commit feed silent"
+UNMOUNTED = "unmounted"  # by the segment itself
 EXPULSIONS = (HEARTBEAT_EXPIRED, FEED_SILENT)  # drops after which the segment's index is stale
 
 
@@ -170,7 +171,7 @@ class SegmentTable:
         """Remove a segment and every replica on it. SEGMENT_NOT_FOUND or OK."""
         if segment_id not in self.segments:
             return Status.SEGMENT_NOT_FOUND
-        self.drop_segment(segment_id, reason="unmounted")
+        self.drop_segment(segment_id, reason=UNMOUNTED)
         return Status.OK
 
     def heartbeat(self, segment_id: int, ssd_used: int = 0, io_counters: dict[str, int] | None = None) -> Status:
@@ -230,6 +231,12 @@ class SegmentTable:
         self.upserts.segment_dropped(segment_id)  # new versions written there can never complete
         if reason in EXPULSIONS:
             self.lease_expiries["segment"] += 1
+        if reason != UNMOUNTED:
+            # Its direct-read lease (two heartbeat intervals from the last heartbeat it sent, which we
+            # received after) may outlive the drop: what changes a key it held waits for its end. A
+            # segment that unmounts itself stopped serving them first.
+            lease_end = segment.last_heartbeat + self.config.direct_read_lease_s
+            self.direct_read_fence = max(self.direct_read_fence, lease_end)
         if self.commits.keeps_index(segment_id):
             # Its index and disk copies miss what happens from now on: fenced while this master runs,
             # and saved as expelled for the next one (kvtier.master.fences).

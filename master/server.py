@@ -168,6 +168,19 @@ def fast_path_limits(config: MasterConfig) -> FastPathLimits:
     )
 
 
+def serving_state(config: MasterConfig, minter: Minter) -> MasterState:
+    """Empty tables for a server: each start, leadership and step-down makes new ones."""
+    state = MasterState(config)
+    state.capability_ttl_s = minter.ttl_s(config)
+    state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
+    state.sweep_inline = False  # swept in slices between requests (run_sweeper)
+    state.capabilities = minter.enabled
+    # A segment may still serve direct reads under a lease from an earlier incarnation (it learns
+    # otherwise only at its next heartbeat): nothing that changes a key answers before it ran out.
+    state.direct_read_fence = state.clock() + config.direct_read_lease_s
+    return state
+
+
 class Roles:
     """Switches the handlers between tables as leadership comes and goes (event loop thread)."""
 
@@ -186,11 +199,7 @@ class Roles:
         first start), recover: take the saved segments' inventories. `loaded` False (the store
         could not be read): take no inventories and save nothing this epoch, so the saved state
         (whom to expect, whom we expelled, registrations) is never overwritten by ignorance."""
-        state = MasterState(self.config)
-        state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
-        state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
-        state.sweep_inline = False  # swept in slices between requests (run_sweeper)
-        state.capabilities = self.handlers.minter.enabled
+        state = serving_state(self.config, self.handlers.minter)
         if saved is not None:
             for instance, (tp, pp, budget) in saved.instances.items():
                 try:
@@ -218,11 +227,7 @@ class Roles:
     def stand_by(self, reason: str) -> None:
         """Drop the tables (a new leader rebuilds them from the segments) and refuse everything."""
         logger.warning("no longer leading epoch=%d: %s", self.handlers.epoch, reason)
-        state = MasterState(self.config)
-        state.capability_ttl_s = self.handlers.minter.ttl_s(self.config)
-        state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
-        state.sweep_inline = False  # swept in slices between requests (run_sweeper)
-        state.capabilities = self.handlers.minter.enabled
+        state = serving_state(self.config, self.handlers.minter)
         self.servicer.attach(state)
         self.handlers.state = state
         self.freezer.reset()  # the old tables were frozen: unfrozen, they can be collected
@@ -323,18 +328,14 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     loop = asyncio.get_running_loop()
     check_startup(config)
     raise_fd_limit(config)
-    state = MasterState(config)
-    handlers = MasterHandlers(state, 0)
+    auth = _authenticator(config)
+    minter = Minter(auth.cluster_secret)
+    handlers = MasterHandlers(serving_state(config, minter), 0)
+    handlers.auth, handlers.minter = auth, minter
     # Expulsion of a silent segment (tick, at segment_ttl_s) ends every wait before this.
     waiter = CommitWaiter(handlers, config.segment_ttl_s + 2 * config.tick_interval_s + 1.0)
     servicer = MasterServicer(handlers, waiter)
     roles = Roles(config, handlers, servicer)
-    handlers.auth = _authenticator(config)
-    handlers.minter = Minter(handlers.auth.cluster_secret)
-    state.capability_ttl_s = handlers.minter.ttl_s(config)
-    state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
-    state.sweep_inline = False  # swept in slices between requests (run_sweeper)
-    state.capabilities = handlers.minter.enabled
     # Credentials first: a caller without them learns nothing, not even that its request was garbage.
     interceptors = [AuthInterceptor(handlers.auth)] if handlers.auth.enabled else []
     interceptors.append(DecodeCheck())

@@ -171,6 +171,10 @@ class MasterState(SegmentTable, RangeBook):
         # With a cluster secret write tags stay valid after PutEnd; without one a completed put has no
         # frame in flight (our clients PutEnd only once every WRITE was answered).
         self.capabilities = False
+        # Until when (clock) a segment may still serve direct reads the master can no longer stop:
+        # one dropped meanwhile, or one under an earlier incarnation (set by the server). Calls that
+        # change what a key reads answer only after it (kvtier.master.commit_wait, Barrier).
+        self.direct_read_fence = 0.0
         # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
         self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)

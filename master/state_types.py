@@ -48,6 +48,8 @@ class SegmentRecord:
     # clock_skew_tolerance_s: then it takes no new objects (its reads are still served).
     clock_skew_s: float = 0.0
     clock_skewed: bool = False
+    # It serves direct reads (MountSegmentRequest.keyed_reads, with this master's direct_reads on).
+    direct_reads: bool = False
 
     @property
     def placeable(self) -> bool:

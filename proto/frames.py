@@ -68,6 +68,15 @@ A WRITE whose flags have FLAG_COMMIT_FOLLOWS set announces its COMMIT: its own r
 back and sent with the COMMIT's answer, in one send (a response held when the next frame is not a
 COMMIT goes out first). FLAG_COMMIT_FOLLOWS on any other op is a PROTOCOL_ERROR.
 
+READ_KEYED (direct reads, kvtier.segment_server.keyed_reads) reads small DRAM objects a client
+looked up before, without the master: READ_DISK's layout with DRAM (offset, size) ranges (the
+object names as payload, the same response: per range an i32 status and `size` bytes, zeros
+unless OK), at most MAX_KEYED_FRAME_BYTES of objects per request. With a cluster secret each range
+carries the READ capability its lookup got (FLAG_CAPS; checked as a READ's). The segment serves a
+range only while it holds its direct-read lease and its own index says the range holds that
+object, complete, with matching bytes: NOT_FOUND otherwise, UNAVAILABLE for every range without
+the lease. It needs no grant deadline: the bytes are copied and checked before they are sent.
+
 A range that lies outside the region fails the whole request with
 INVALID_RANGE; the server still consumes the WRITE payload, so the connection
 stays in sync and keeps serving. A bad magic or version, or a header that
@@ -98,6 +107,7 @@ MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
 MAX_DISK_NAME = 2 + MAX_JOINED_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
 DISK_STATUS = struct.Struct("<i")
 MAX_COMMIT_BYTES = 16 << 20  # a COMMIT's payload (larger PutEnds go to the master directly)
+MAX_KEYED_FRAME_BYTES = 4 << 20  # object bytes in one READ_KEYED request (each one is copied)
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
 FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
@@ -112,6 +122,7 @@ class Op(enum.IntEnum):
     PING = 3  # no ranges -> empty OK response (liveness, connection warm-up)
     READ_DISK = 4  # (location, size) ranges + object names -> per range: status, size bytes
     COMMIT = 5  # a PutEnd for the master, right behind its WRITE -> RelayPutEndResponse (commit_relay)
+    READ_KEYED = 6  # (offset, size) DRAM ranges + object names -> per range: status, size bytes
 
 
 def pack_request(
@@ -169,23 +180,29 @@ def pack_disk_names(names: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<H", len(name)) + name for name in names)
 
 
-def unpack_disk_names(buf: bytes | bytearray | memoryview, count: int) -> list[tuple[str, str]]:
-    """(namespace, key) per range; ValueError when the payload does not hold exactly `count` names."""
+def unpack_names(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]:
+    """The joined names of a READ_DISK or READ_KEYED payload, as sent; ValueError when the payload
+    does not hold exactly `count` of them."""
     view = memoryview(buf)
     out = []
     pos = 0
     for _ in range(count):
         if pos + 2 > len(view):
-            raise ValueError("READ_DISK names end early")
+            raise ValueError("names end early")
         (length,) = struct.unpack_from("<H", view, pos)
         pos += 2
         if pos + length > len(view):
-            raise ValueError("READ_DISK name runs past the payload")
-        try:
-            out.append(split_name_bytes(view[pos : pos + length]))
-        except ValueError as exc:
-            raise ValueError(f"READ_DISK {exc}") from exc
+            raise ValueError("a name runs past the payload")
+        out.append(bytes(view[pos : pos + length]))
         pos += length
     if pos != len(view):
-        raise ValueError("READ_DISK payload longer than its names")
+        raise ValueError("payload longer than its names")
     return out
+
+
+def unpack_disk_names(buf: bytes | bytearray | memoryview, count: int) -> list[tuple[str, str]]:
+    """(namespace, key) per range; ValueError when the payload does not hold exactly `count` names."""
+    try:
+        return [split_name_bytes(name) for name in unpack_names(buf, count)]
+    except ValueError as exc:
+        raise ValueError(f"READ_DISK {exc}") from exc

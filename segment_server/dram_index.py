@@ -69,6 +69,7 @@ Entry = tuple[str, int, int, str, int, int, float, int]
 _HEAD = struct.Struct("=QQII")
 _HEADER = _HEAD.size
 _SIZE_OF = struct.Struct("=Q").unpack_from
+_CHECKSUM_OF = struct.Struct("=16xI").unpack_from
 _FIRST, _THIRD = itemgetter(0), itemgetter(2)
 _HEAD_BYTES = itemgetter(slice(0, _HEADER))
 _NAME_BYTES = itemgetter(slice(_HEADER, None))
@@ -162,6 +163,19 @@ class DramIndex:
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._empty)
+
+    def holding(self, offset: int, name: bytes, size: int) -> bytes | None:
+        """The packed entry at `offset` if it is the object `name` ("namespace NUL key", UTF-8) of
+        `size` bytes, else None. Without the lock (a direct read on the event loop): one dict lookup;
+        a caller that compares the result again later learns whether a notice replaced it."""
+        entry = self._entries.get(offset)
+        if entry is None or entry[_HEADER:] != name or _SIZE_OF(entry)[0] != size:
+            return None
+        return entry
+
+    @staticmethod
+    def checksum_of(entry: bytes) -> int:
+        return _CHECKSUM_OF(entry)[0]
 
     def totals(self) -> tuple[int, int]:
         """(objects, bytes) of the complete objects this region holds by its own index: what the

@@ -18,6 +18,7 @@ from kvtier.common.framed_listener import serve
 from kvtier.common.units import parse_hostport
 from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.protocol import (
     CapabilityCheck,
@@ -56,11 +57,13 @@ class TcpListener:
         caps: CapabilityCheck | None = None,
         clock: MasterClock | None = None,
         relay: CommitRelay | None = None,
+        keyed: KeyedReads | None = None,
     ) -> None:
         self._host, self._port = parse_hostport(listen)
         self._caps = caps
         self._clock = clock
         self._relay = relay
+        self._keyed = keyed
         self._connections = Connections(limits or ConnectionLimits(), stats)
         self._advertise = advertise  # the host put in the endpoint URL (default: the bound one)
         self._region = region
@@ -72,7 +75,14 @@ class TcpListener:
         self._server, endpoint = await serve(
             (self._host, self._port),
             lambda: DataProtocol(
-                self._region, self._stats, self._disk, self._connections, self._caps, self._clock, self._relay
+                self._region,
+                self._stats,
+                self._disk,
+                self._connections,
+                self._caps,
+                self._clock,
+                self._relay,
+                self._keyed,
             ),
             self._connections,
             self._advertise,

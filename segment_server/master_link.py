@@ -43,6 +43,7 @@ from kvtier.proto import master_pb2_grpc
 from kvtier.proto.auth import wall_ms
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
+from kvtier.segment_server.keyed_reads import DirectReadLease
 from kvtier.segment_server.master_clock import MasterClock
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,13 @@ class MasterLink:
         report: Callable[[], dict[str, int]] | None = None,
         report_disk: Callable[[Any, int, int], None] | None = None,
         clock: MasterClock | None = None,
+        lease: DirectReadLease | None = None,
     ) -> None:
         """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each
-        heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory."""
+        heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory; `lease` is
+        started by each mount and renewed by each acknowledged heartbeat (direct reads)."""
         self._channels = channels
+        self._lease = lease or DirectReadLease()
         self._request = mount_request
         self._request.inventory = True
         self._index = index
@@ -163,6 +167,7 @@ class MasterLink:
 
     def stop(self, unmount: bool = True) -> None:
         self._poller.stop(timeout=5)
+        self._lease.end()  # before the unmount: the master does not wait for our lease after one
         segment_id, epoch = self._index.session
         if unmount and segment_id:
             try:
@@ -201,13 +206,18 @@ class MasterLink:
                         status_name(reply.status),
                         reply.error,
                     )
-                    self._index.set_session((0, 0))
+                    self._end_session()
                     return 0.0
+                self._lease.renew(sent)  # the master had us mounted when it got this heartbeat
         except _Fatal as exc:
             self._on_fatal(str(exc), exc.exit_code)
             raise StopPolling from exc
         self._last_heartbeat = time.monotonic()
         return self._interval_s
+
+    def _end_session(self) -> None:
+        self._lease.end()  # first: no direct read is served from an index that stopped following
+        self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
 
     def _failed(self, exc: BaseException) -> str:
         """A mount or heartbeat failed (the poller backs off): what to log."""
@@ -221,7 +231,7 @@ class MasterLink:
         return str(exc.code()) if isinstance(exc, grpc.RpcError) else str(exc)
 
     def _mount(self) -> None:
-        self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
+        self._end_session()
         stub = self._channels.stub()
         self._request.wall_clock_ms = wall_ms()
         # How far the index got under its last mount: what its fence holds only for want of our
@@ -257,6 +267,7 @@ class MasterLink:
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
         self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
+        self._lease.start(reply.direct_read_lease_ms / 1000, sent)
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.dram_index import CommitFeed
+from kvtier.segment_server.keyed_reads import KeyedReads, KeyedStats
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.shm_grant import GrantStats
 from kvtier.segment_server.tier_worker import TierWorker
@@ -38,9 +39,11 @@ class SegmentCollector(Collector):
         feed: Callable[[], CommitFeed | None],
         grants: GrantStats | None = None,
         relay: CommitRelay | None = None,
+        keyed: KeyedReads | None = None,
     ) -> None:
         self._name = name
         self._relay = relay
+        self._keyed = keyed
         self._stats = stats
         self._disk_bytes_read = disk_bytes_read
         self._capacity = capacity
@@ -282,6 +285,26 @@ class SegmentCollector(Collector):
             "was applying a batch (the event loop never waits for it).",
             self._name,
             relay.feed_waits if relay is not None else 0,
+        )
+        keyed = self._keyed.stats if self._keyed is not None else KeyedStats()
+        direct = CounterMetricFamily(
+            "kvtier_segment_direct_reads",
+            "Ranges of READ_KEYED frames (direct reads: a client reading a small DRAM object it looked up "
+            "before, without the master), by outcome: served (the index names that object there and its bytes "
+            "matched), not_found (it does not, or the bytes did not match: the client asks the master), "
+            "no_lease (not mounted, or heartbeats not acknowledged lately: UNAVAILABLE).",
+            labels=["segment", "outcome"],
+        )
+        direct.add_metric([self._name, "served"], keyed.served)
+        direct.add_metric([self._name, "not_found"], keyed.not_found)
+        direct.add_metric([self._name, "no_lease"], keyed.no_lease)
+        yield direct
+        yield _one(
+            GaugeMetricFamily,
+            "kvtier_segment_direct_read_lease_seconds",
+            "How long this segment may still serve direct reads without another acknowledged heartbeat.",
+            self._name,
+            self._keyed.lease.left_s if self._keyed is not None else 0.0,
         )
 
 

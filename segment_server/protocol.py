@@ -60,6 +60,7 @@ from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.disk_reads import DiskReader
+from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class DataPlaneStats:
     # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
     # the region; READ_DISK: the last record queued). Completed requests only.
     latency: dict[str, LatencyHistogram] = field(
-        default_factory=lambda: {op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK", "COMMIT")}
+        default_factory=lambda: {
+            op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK", "COMMIT", "READ_KEYED")
+        }
     )
     commits_refused: int = 0  # COMMIT frames not right behind a completed WRITE, or undecodable
 
@@ -163,6 +166,7 @@ class DataProtocol(FramedConnection):
         caps: CapabilityCheck | None = None,
         clock: MasterClock | None = None,
         relay: CommitRelay | None = None,
+        keyed: KeyedReads | None = None,
     ) -> None:
         # The largest frame is a WRITE of the whole region.
         super().__init__(connections, stats, len(region))
@@ -185,6 +189,7 @@ class DataProtocol(FramedConnection):
         self._request_start = time.monotonic()  # first byte of the current (or last) request
         self._disk = disk
         self._relay = relay  # relays COMMIT frames' PutEnds to the master (None: answers them UNAVAILABLE)
+        self._keyed = keyed  # serves READ_KEYED (direct reads; None: answers them UNAVAILABLE)
         self._wrote = False  # the last request was a WRITE that completed: a COMMIT may follow it
         self._after_write = False  # ... the request before the current one was
         self._held = b""  # a WRITE's response held back for its COMMIT's (FLAG_COMMIT_FOLLOWS): one send
@@ -335,7 +340,7 @@ class DataProtocol(FramedConnection):
                 self._table = bytearray(0)
             self._on_request()
         elif state == _NAMES:
-            self._on_disk_request() if self._op == Op.READ_DISK else self._on_commit()
+            {Op.READ_DISK: self._on_disk_request, Op.READ_KEYED: self._on_keyed}.get(self._op, self._on_commit)()
 
     # ----------------------------------------------------------- state machine
 
@@ -373,9 +378,9 @@ class DataProtocol(FramedConnection):
         special = (flags & _SPECIAL).bit_count()  # one table entry each (a popcount: this runs per request)
         if nranges < special:
             return self._fatal(f"{nranges} table entries for {special} flagged entries")
-        if op == Op.READ_DISK:
+        if op in (Op.READ_DISK, Op.READ_KEYED):
             if payload_len > nranges * frames.MAX_DISK_NAME:
-                return self._fatal(f"READ_DISK names of {payload_len} bytes for {nranges} ranges")
+                return self._fatal(f"{Op(op).name} names of {payload_len} bytes for {nranges} ranges")
         elif op == Op.COMMIT:
             if payload_len > frames.MAX_COMMIT_BYTES:
                 return self._fatal(f"a COMMIT of {payload_len} bytes; the limit is {frames.MAX_COMMIT_BYTES}")
@@ -417,6 +422,8 @@ class DataProtocol(FramedConnection):
             self._cut_at = time.monotonic() + left_ms / 1000
         if op == Op.COMMIT:
             return self._start_commit()
+        if op == Op.READ_KEYED:
+            return self._start_keyed()
         if op == Op.READ_DISK:
             if self._payload_len == 0:
                 return self._on_disk_request()
@@ -648,6 +655,46 @@ class DataProtocol(FramedConnection):
         self._send_error(Status.PROTOCOL_ERROR, message)
         self._state = _CLOSED
         self._transport.close()
+
+    # ----------------------------------------------------------- direct reads
+
+    def _start_keyed(self) -> None:
+        """A READ_KEYED's ranges are in: refuse it (its names drained) or buffer its names."""
+        ranges = self._ranges
+        if self._keyed is None:
+            return self._drain(Status.UNAVAILABLE, "this segment serves no direct reads")
+        if self._caps is not None and (denied := self._capability_problem(Op.READ)):  # a READ's grant
+            self._stats.capability_denials += 1
+            return self._drain(Status.CAPABILITY_DENIED, denied)
+        if (total := sum(ranges[1::2])) > frames.MAX_KEYED_FRAME_BYTES:
+            return self._drain(
+                Status.INVALID_RANGE, f"{total} bytes in one READ_KEYED; the limit is {frames.MAX_KEYED_FRAME_BYTES}"
+            )
+        if any(ranges[i] + ranges[i + 1] > self._capacity for i in range(0, len(ranges), 2)):
+            self._stats.range_errors += 1
+            return self._drain(Status.INVALID_RANGE, f"a range outside the region of {self._capacity}")
+        if self._payload_len == 0:
+            return self._on_keyed()
+        self._names = bytearray(self._payload_len)
+        self._state = _NAMES
+        self._filled = 0
+        self._need = self._payload_len
+
+    def _on_keyed(self) -> None:
+        """Check and copy each range (kvtier.segment_server.keyed_reads), answer in one send."""
+        try:
+            names = frames.unpack_names(self._names, self._nranges)
+        except ValueError as exc:
+            return self._fatal(f"malformed READ_KEYED names: {exc}")
+        finally:
+            self._names = bytearray(0)
+        parts, served = self._keyed.serve(self._ranges, names)
+        total = sum(len(part) for part in parts)
+        self._transport.writelines([frames.pack_response(Op.READ_KEYED, self._request_id, 0, total), *parts])
+        self._queued += frames.RESPONSE.size + total  # copies: nothing of the region waits in the transport
+        self._stats.bytes_read += served
+        self._stats.latency["READ_KEYED"].observe(time.perf_counter() - self._started)
+        self._start_header()
 
     # ----------------------------------------------------------- commit through the segment
 

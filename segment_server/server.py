@@ -24,6 +24,7 @@ from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio_probe import open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
 from kvtier.segment_server.group_writer import GroupWriter
+from kvtier.segment_server.keyed_reads import DirectReadLease, KeyedReads
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
@@ -79,6 +80,7 @@ async def serve(config: SegmentConfig) -> int:
         credentials = config.credentials()
         # COMMIT frames go to the master's fast path the commit feed found (none with TLS: it has none).
         relay = CommitRelay(index, lambda: feed.endpoint if feed is not None else "", _fast_token(credentials))
+        keyed = KeyedReads(index, region.view, DirectReadLease())  # its lease: renewed by the master link
         listeners = [
             TcpListener(
                 config.listen,
@@ -90,6 +92,7 @@ async def serve(config: SegmentConfig) -> int:
                 caps,
                 clock,
                 relay,
+                keyed,
             ),
             ShmListener(
                 grant_socket_path(config.shm_dir, config.cluster_id, config.name),
@@ -130,8 +133,10 @@ async def serve(config: SegmentConfig) -> int:
                 disk_engine=engine.name if engine is not None else "",
                 # a record is read whole into one read buffer: larger objects could not be served
                 ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
+                keyed_reads=True,  # READ_KEYED on the tcp listener (kvtier.segment_server.keyed_reads)
             ),
             index=index,
+            lease=keyed.lease,
             on_mounted=on_mounted,
             on_fatal=on_fatal,
             report=lambda: _report(stats, store, worker),
@@ -168,6 +173,7 @@ async def serve(config: SegmentConfig) -> int:
                 lambda: feed,
                 grants,
                 relay,
+                keyed,
             )
             try:
                 metrics_address = serve_metrics(config.metrics, collector, readiness=link.readiness)

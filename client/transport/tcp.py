@@ -414,6 +414,30 @@ class TcpConnector:
         for `read_into`. The segment reads, checks and streams the records
         (see READ_DISK in kvtier.proto.frames); this side never opens a file.
         """
+        return self._read_named(Op.READ_DISK, frames.MAX_DISK_FRAME_BYTES, items, views, checksums, caps)
+
+    def read_keyed(
+        self,
+        items: Sequence[DiskItem],
+        views: Sequence[Buffer] | None = None,
+        checksums: list[int | None] | None = None,
+        caps: Caps = None,
+    ) -> list[bytes | int]:
+        """Direct reads (kvtier.client.locations): items are (DRAM offset, size, b"namespace\\0key")
+        of copies a lookup named; the segment serves each only if its own index still says so
+        (READ_KEYED in kvtier.proto.frames). Results and `checksums` as for `read_disk`."""
+        return self._read_named(Op.READ_KEYED, frames.MAX_KEYED_FRAME_BYTES, items, views, checksums, caps)
+
+    def _read_named(
+        self,
+        op: Op,
+        max_frame: int,
+        items: Sequence[DiskItem],
+        views: Sequence[Buffer] | None,
+        checksums: list[int | None] | None,
+        caps: Caps,
+    ) -> list[bytes | int]:
+        """READ_DISK and READ_KEYED: ranges that name their objects, answered per range."""
         sizes = [item[1] for item in items]
         results: list[bytes | int] = [_FAILED] * len(items)
         status_buf = bytearray(frames.DISK_STATUS.size)
@@ -424,19 +448,19 @@ class TcpConnector:
                 # disk request, so a second large request sent before reading the first response
                 # could fill both directions of the socket and stall both sides.
                 header = bytearray(frames.RESPONSE.size)
-                frame_bytes = min(self._frame_bytes, frames.MAX_DISK_FRAME_BYTES)
+                frame_bytes = min(self._frame_bytes, max_frame)
                 for start, end in self._frames(sizes, frame_bytes, caps=caps is not None):
                     request_id = next(self._request_ids)
                     names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
                     table = [(items[i][0], sizes[i]) for i in range(start, end)]
                     frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
-                    request = frames.pack_request(Op.READ_DISK, request_id, table, len(names), trace, frame_caps)
+                    request = frames.pack_request(op, request_id, table, len(names), trace, frame_caps)
                     send_all(sock, [request, names])
                     status, payload_len, _ = self._read_response(sock, request_id, header)
                     if status != _OK:
                         message = self._error_message(sock, payload_len)
                         logger.warning(
-                            "segment %s refused READ_DISK: %s: %s", self.endpoint, to_status(status).name, message
+                            "segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message
                         )
                         results[start:end] = [status] * (end - start)
                         continue
@@ -461,5 +485,5 @@ class TcpConnector:
                             checksums[i] = crc
                         results[i] = item_status
         except (ConnectError, ReadError, ProtocolError, OSError) as exc:
-            self._failed("READ_DISK", exc)
+            self._failed(op.name, exc)
         return results

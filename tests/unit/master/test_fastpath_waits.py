@@ -195,3 +195,33 @@ def test_a_tenants_call_that_wakes_a_segments_parked_poll_does_not_answer_it_as_
         assert list(poll.names)  # the commit notice itself
 
     asyncio.run(main())
+
+
+def test_a_put_end_waits_for_the_direct_read_fence_of_a_dropped_segment():
+    """While a dropped segment (or one of an earlier incarnation) may still serve direct reads
+    (MasterState.direct_read_fence), a PutEnd is not answered, even once acknowledged."""
+
+    async def main() -> None:
+        cluster = Cluster()
+        state = cluster.handlers.state
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        fence = state.direct_read_fence = state.clock() + 0.2
+        client.feed(put_end("k", put_id))
+        [(_, _, body)] = answers(segment)
+        segment.feed(cluster.poll(acked=pb.PollCommitsResponse.FromString(body).first_seq))
+        assert answers(client) == []  # acknowledged, but the fence is ahead
+        await answered(client, 2.0)
+        assert state.clock() >= fence
+        [(_, _, body)] = answers(client)
+        assert pb.KeyStatusResponse.FromString(body).status == Status.OK
+        # Past the fence nothing waits for it any more.
+        put_id = cluster.put_start(client, "k2")
+        client.feed(put_end("k2", put_id))
+        [(_, _, body)] = answers(segment)
+        segment.feed(cluster.poll(acked=pb.PollCommitsResponse.FromString(body).first_seq))
+        [(_, _, body)] = answers(client)
+        assert pb.KeyStatusResponse.FromString(body).status == Status.OK
+
+    asyncio.run(main())

@@ -708,3 +708,21 @@ class MasterStateMachine(RuleBasedStateMachine):
 
 TestMasterStateMachine = MasterStateMachine.TestCase
 TestMasterStateMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_a_dropped_segment_fences_changes_until_its_direct_read_lease_ran_out(state, clock):
+    """A segment may serve direct reads two heartbeat intervals after the last heartbeat it sent
+    (we received it after): a drop the segment did not ask for moves the fence there; its own
+    unmount (it stopped serving first) and an expulsion long after its last heartbeat do not."""
+    lease = state.config.direct_read_lease_s
+    assert lease == 2 * state.config.heartbeat_interval_s
+    a, b, c = mount(state, "a"), mount(state, "b"), mount(state, "c")
+    advance_alive(state, clock, 0.5)
+    state.unmount_segment(a)
+    assert state.direct_read_fence == 0.0
+    state.drop_segment(b, reason="drained")
+    assert state.direct_read_fence == clock.now + lease
+    clock.advance(state.config.segment_ttl_s + 1)
+    state.tick()  # c expelled for silence: its lease ended long ago, the fence stays where it was
+    assert c not in state.segments
+    assert state.direct_read_fence == clock.now - state.config.segment_ttl_s - 1 + lease

@@ -18,7 +18,7 @@ def test_layout():
     assert RANGE.size == 16
     assert MAGIC.to_bytes(2, "little") == b"KT"
     assert VERSION == 1
-    assert [int(op) for op in Op] == [1, 2, 3, 4, 5]
+    assert [int(op) for op in Op] == [1, 2, 3, 4, 5, 6]
 
 
 def test_request_bytes_are_little_endian():

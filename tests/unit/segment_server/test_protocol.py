@@ -591,12 +591,12 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
         if (
             magic != MAGIC
             or version != VERSION
-            or op not in (1, 2, 3, 4)
+            or op not in (1, 2, 3, 4, 6)
             or nranges > frames.MAX_RANGES_PER_FRAME
             or (op == Op.WRITE and payload_len > capacity)
             or nranges < special
-            or (op == Op.READ_DISK and payload_len > nranges * frames.MAX_DISK_NAME)
-            or (op not in (Op.WRITE, Op.READ_DISK) and payload_len)
+            or (op in (Op.READ_DISK, Op.READ_KEYED) and payload_len > nranges * frames.MAX_DISK_NAME)
+            or (op not in (Op.WRITE, Op.READ_DISK, Op.READ_KEYED) and payload_len)
         ):
             out.append((op, rid, Status.PROTOCOL_ERROR, None))
             return region, out, True
@@ -615,6 +615,12 @@ def reference_model(data: bytes, capacity: int) -> tuple[bytearray, list[tuple[i
                     break
                 pos += payload_len
             out.append((op, rid, Status.CAPABILITY_DENIED if not deadline else Status.LEASE_EXPIRED, None))
+            continue
+        if op == Op.READ_KEYED:  # this segment serves no direct reads: UNAVAILABLE, its names drained unread
+            if len(data) - pos < payload_len:
+                break
+            pos += payload_len
+            out.append((op, rid, Status.UNAVAILABLE, None))
             continue
         if op == Op.READ_DISK:  # this segment has no SSD tier: NOT_FOUND, its names drained unread
             if payload_len == 0 and ranges:  # no names for its ranges: malformed

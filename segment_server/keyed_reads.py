@@ -1,0 +1,126 @@
+"""Direct reads: READ_KEYED frames, served from the DRAM region only where this segment's own
+index says the range holds the object asked for (docs/architecture.md, "Direct reads").
+
+A client that looked an object up once may read it again from its segment alone, without asking
+the master, for as long as the lookup's grant lasts (kvtier.client.locations). Nothing it
+remembers is trusted: per range, the frame names the object ("namespace NUL key") and the segment
+serves its bytes only if
+
+- the segment holds a direct-read lease (`DirectReadLease`): it is mounted, and the master
+  acknowledged a heartbeat it sent less than the lease's length ago. While it does, every call that
+  changes what a key reads (PutEnd, Remove, RemovePrefix) answers only after this segment applied
+  its notices (kvtier.master.commits), so the index is never behind an acknowledged change; once it
+  lapses the master may drop the segment and answer without it, so the segment stops serving (the
+  master waits for the lease's end after a drop: MasterState.direct_read_fence);
+- the index has an entry at that offset with that name and size: the object is complete there and
+  no notice since removed it;
+- the bytes, copied out of the region, match the entry's checksum, and the entry is still the same
+  after the copy: a range the master reuses before this segment applied the drop (it may, once the
+  drop is out of the object's grant) fails the checksum, so neither torn nor another object's bytes
+  ever leave (a copy, not a view: nothing of the region is read after the check).
+
+Anything else answers that range NOT_FOUND (UNAVAILABLE for every range without a lease), and the
+client asks the master as before. The response has READ_DISK's shape: per range an i32 status,
+then `size` bytes (zeros unless OK). Only small objects (`MAX_KEYED_FRAME_BYTES` a frame) are read
+so: the copy is what makes them safe, and for large ones the master's round trip is a small part
+of the read.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import crc32c
+
+from kvtier.proto.frames import DISK_STATUS
+from kvtier.proto.status import Status
+from kvtier.segment_server.dram_index import DramIndex
+
+_OK = struct.pack("<i", 0)
+_NOT_FOUND = DISK_STATUS.pack(int(Status.NOT_FOUND))
+_UNAVAILABLE = DISK_STATUS.pack(int(Status.UNAVAILABLE))
+
+
+class DirectReadLease:
+    """Whether this segment may serve direct reads now: renewed by the master link with the send time
+    of each heartbeat (and mount) the master acknowledged, ended when the mount ends. Set from the
+    link's thread, read on the event loop: one float, replaced whole."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._length_s = 0.0  # the master's MountSegmentResponse.direct_read_lease_ms (0: none)
+        self._until = 0.0
+        self._lock = threading.Lock()  # renew and end from the link's thread; end also from stop()
+
+    def start(self, length_s: float, sent: float) -> None:
+        """A mount the master acknowledged: serve for `length_s` after `sent` (0: not at all)."""
+        with self._lock:
+            self._length_s = length_s
+            self._until = sent + length_s if length_s > 0 else 0.0
+
+    def renew(self, sent: float) -> None:
+        """A heartbeat sent at `sent` (monotonic) was acknowledged under the current mount."""
+        with self._lock:
+            if self._length_s > 0:
+                self._until = max(self._until, sent + self._length_s)
+
+    def end(self) -> None:
+        """The mount ends (the master dropped us, we mount again, or we unmount): stop at once."""
+        with self._lock:
+            self._length_s = 0.0
+            self._until = 0.0
+
+    def valid(self) -> bool:
+        return self._clock() < self._until
+
+    @property
+    def left_s(self) -> float:
+        return max(0.0, self._until - self._clock())
+
+
+@dataclass(slots=True)
+class KeyedStats:
+    """READ_KEYED ranges by outcome (kvtier_segment_keyed_reads_total)."""
+
+    served: int = 0  # checked and sent
+    not_found: int = 0  # no entry there, another object, or bytes that did not match
+    no_lease: int = 0  # answered UNAVAILABLE: not mounted, or heartbeats not acknowledged lately
+
+
+class KeyedReads:
+    """The check and copy behind READ_KEYED (the protocol parses the frame and sends the answer)."""
+
+    def __init__(self, index: DramIndex, region: memoryview, lease: DirectReadLease) -> None:
+        self._index = index
+        self._region = region
+        self.lease = lease
+        self.stats = KeyedStats()
+
+    def serve(self, ranges: Sequence[int], names: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """The response payload's parts for flat (offset, size, ...) `ranges` and their joined names,
+        and how many of its bytes are objects served (the rest: statuses and zeros)."""
+        count = len(names)
+        stats = self.stats
+        if not self.lease.valid() or not self._index.session[0]:
+            stats.no_lease += count
+            return [part for i in range(count) for part in (_UNAVAILABLE, bytes(ranges[2 * i + 1]))], 0
+        parts: list[bytes] = []
+        served = 0
+        region, holding = self._region, self._index.holding
+        for i, name in enumerate(names):
+            offset, size = ranges[2 * i], ranges[2 * i + 1]
+            entry = holding(offset, name, size)
+            if entry is not None:
+                data = bytes(region[offset : offset + size])
+                if crc32c.crc32c(data) == DramIndex.checksum_of(entry) and holding(offset, name, size) is entry:
+                    parts += (_OK, data)
+                    stats.served += 1
+                    served += size
+                    continue
+            parts += (_NOT_FOUND, bytes(size))
+            stats.not_found += 1
+        return parts, served

@@ -1,0 +1,132 @@
+"""Direct reads (docs/architecture.md, "Direct reads"): a client reads a small DRAM object it looked
+up before from its segment alone, and never gets an old version for it: not after an overwrite or a
+removal by another client, not from a segment the master dropped (stopped, drained) and not from
+one that lost its master."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.proto import master_pb2 as pb
+
+KiB = 1 << 10
+
+
+def _direct(segment, outcome: str) -> float:
+    """kvtier_segment_direct_reads_total{outcome} of a segment started with --metrics."""
+    with urllib.request.urlopen(f"http://{segment.info['metrics']}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvtier_segment_direct_reads_total" and sample.labels["outcome"] == outcome:
+                return sample.value
+    raise AssertionError("kvtier_segment_direct_reads_total missing")
+
+
+def test_a_repeated_get_is_served_by_the_segment_alone_also_with_a_cluster_secret(bare_cluster, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    bare_cluster.secret_file = str(secret)
+    bare_cluster.start_master()
+    segment = bare_cluster.start_segment("seg0", "32MiB", "--metrics", "127.0.0.1:0")
+    writer, reader = bare_cluster.client(transport="tcp"), bare_cluster.client(transport="tcp")
+    values = {f"d/{i}": secrets.token_bytes(4 * KiB + i) for i in range(8)}
+    assert not any(writer.batch_put(list(values), list(values.values())))
+    assert reader.batch_get(list(values)) == list(values.values())  # the lookup: locations remembered
+    assert reader.stats().get("direct_reads", 0) == 0
+
+    assert reader.batch_get(list(values)) == list(values.values())
+    assert reader.get("d/3", with_source=True) == (values["d/3"], "dram/tcp")
+    buffer = bytearray(8 * KiB)
+    assert reader.get_into("d/5", buffer) == len(values["d/5"]) and bytes(buffer[: len(values["d/5"])]) == values["d/5"]
+    assert reader.stats()["direct_reads"] == 10
+    assert _direct(segment, "served") == 10
+    # Without a grant of its own (a forged or missing tag), nothing is served.
+    assert _direct(segment, "no_lease") == 0
+
+
+def test_every_overwrite_and_removal_by_another_client_is_seen_at_once(cluster):
+    writer, reader = cluster.client(transport="tcp"), cluster.client(transport="tcp")
+    key = "hot"
+    for version in range(30):
+        value = version.to_bytes(4, "little") * KiB  # 4 KiB, different per version
+        writer.upsert(key, value)
+        # Acknowledged: the reader's remembered copy (the version before) must not answer any more.
+        assert reader.get(key) == value
+        assert reader.get(key) == value  # and now from the segment alone
+    stats = reader.stats()
+    assert stats["direct_reads"] >= 29 and stats["direct_read_misses"] >= 29
+    assert writer.remove(key)
+    assert reader.get(key) is None
+
+
+def test_a_segment_the_master_dropped_serves_no_direct_read_when_it_returns(cluster):
+    writer, reader = cluster.client(transport="tcp"), cluster.client(transport="tcp", timeout=3.0)
+    old, new = b"o" * 4 * KiB, b"n" * 4 * KiB
+    writer.put("k", old, preferred_segment="seg0")
+    assert reader.get("k") == old and reader.get("k") == old  # remembered on seg0, then read from it alone
+    seg0 = cluster.segments["seg0"]
+    seg0.popen.send_signal(signal.SIGSTOP)
+    try:
+        assert cluster.wait_for(lambda: [s.name for s in writer.cluster_status().segments] == ["seg1"], timeout=15)
+        writer.put("k", new)  # gone with seg0: a new object, on seg1
+    finally:
+        seg0.popen.send_signal(signal.SIGCONT)
+    # seg0 still has k in its index and believes itself mounted until its next heartbeat is refused;
+    # its direct-read lease ran out while it was stopped: it must not serve the old copy.
+    assert reader.get("k") == new
+
+
+def test_objects_dropped_with_a_drained_segment_are_not_read_from_it(bare_cluster):
+    cluster = bare_cluster
+    cluster.heartbeat_interval_s = 1.0  # seg0 may go on believing itself mounted for up to a second
+    cluster.start_master()
+    cluster.start_segment("seg0")
+    cluster.start_segment("seg1")
+    writer, reader = cluster.client(transport="tcp"), cluster.client(transport="tcp")
+    keys = [f"dr/{i}" for i in range(4)]
+    olds = [bytes([i]) * 4 * KiB for i in range(4)]
+    news = [bytes([100 + i]) * 4 * KiB for i in range(4)]
+    assert not any(writer.batch_put(keys, olds, preferred_segment="seg0"))
+    assert reader.batch_get(keys) == olds
+    # Unmounted at once, objects not moved: dropped. seg0 learns it at its next heartbeat only.
+    reply = writer._master.call("DrainSegment", pb.DrainSegmentRequest(segment="seg0", finish=True))
+    assert reply.state == "DRAINED"
+    assert not any(writer.batch_put(keys, news))  # answered only once seg0's direct-read lease ran out
+    assert reader.batch_get(keys) == news
+
+
+def test_a_segment_cut_from_its_master_stops_serving_direct_reads(bare_cluster):
+    bare_cluster.heartbeat_interval_s = 1.0  # a 2 s lease: time for the reads right after the stop
+    bare_cluster.start_master()
+    segment = bare_cluster.start_segment("seg0", "32MiB", "--metrics", "127.0.0.1:0")
+    client = bare_cluster.client(transport="tcp", timeout=1.0)
+    client.put("k", b"v" * 4 * KiB)
+    assert client.get("k") == b"v" * 4 * KiB
+    bare_cluster.master.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # past the lease (2 heartbeat intervals) from the last heartbeat acknowledged
+        served = _direct(segment, "served")
+        assert client.get("k") is None  # the segment refuses; the master does not answer: a miss
+        assert _direct(segment, "no_lease") == 1 and _direct(segment, "served") == served
+    finally:
+        bare_cluster.master.popen.send_signal(signal.SIGCONT)
+    assert bare_cluster.wait_for(lambda: client.get("k") == b"v" * 4 * KiB, timeout=10)
+
+
+def test_no_direct_reads_when_the_master_or_the_client_turns_them_off(bare_cluster):
+    bare_cluster.start_master("--direct-reads", "false")
+    segment = bare_cluster.start_segment("seg0", "32MiB", "--metrics", "127.0.0.1:0")
+    client = bare_cluster.client(transport="tcp")
+    client.put("k", b"v" * 4 * KiB)
+    for _ in range(3):
+        assert client.get("k") == b"v" * 4 * KiB
+    assert client.stats().get("direct_reads", 0) == 0 and _direct(segment, "served") == 0
+    off = bare_cluster.client(transport="tcp", location_cache_keys=0)
+    assert off.get("k") == b"v" * 4 * KiB
