@@ -47,13 +47,12 @@ class Barrier:
     forgets: list[TierTask]
     generation: int
     put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
-    # The state's direct-read fence (MasterState.direct_read_fence) when it was still ahead: a dropped
-    # segment (or one of an earlier incarnation) may serve direct reads until then.
-    not_before: float = 0.0
 
     def done(self, state: MasterState) -> bool:
+        # The fence as it is now, not as it was when the wait began: a segment dropped during the
+        # wait (its notices then count as acknowledged) may serve direct reads until then.
         return (
-            (not self.not_before or state.clock() >= self.not_before)
+            state.clock() >= state.direct_read_fence
             and state.commits.acked(self.notices)
             and state.durable_generation >= self.generation
             and all(state.tiering.forgotten(t) for t in self.forgets)
@@ -95,6 +94,8 @@ class CommitWaiter:
         self._parked: deque[_ParkedAnswer] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self._flush_soon: asyncio.Handle | None = None
+        self._fence_timer: asyncio.TimerHandle | None = None  # a wake once the direct-read fence passed
+        self._fence_at = 0.0
         self.polls = CommitPolls(handlers)
         self.attach(handlers.state)
 
@@ -110,6 +111,7 @@ class CommitWaiter:
         _wake_all(self._wakeups)
         if self._parked and self._flush_soon is None:
             self._flush_soon = asyncio.get_running_loop().call_soon(self.flush, context=_neutral())
+        self._wake_after_fence()
 
     def park(self, reply: Any, barrier: Barrier, deliver: Deliver) -> None:
         """The fast path's `finish`: `deliver` gets the answer once `barrier` is done (at a `flush`),
@@ -117,7 +119,7 @@ class CommitWaiter:
         loop = asyncio.get_running_loop()
         state = self._handlers.state
         self._parked.append(_ParkedAnswer(reply, barrier, state, loop.time() + self._timeout_s, deliver))
-        self._wake_after_fence(barrier)
+        self._wake_after_fence()
         if self._timer is None:
             self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
 
@@ -140,13 +142,24 @@ class CommitWaiter:
             for answer in done:
                 self._deliver(answer, self._settled)
 
-    def _wake_after_fence(self, barrier: Barrier) -> None:
-        """Nothing else happens when the direct-read fence passes: a wake then (one per barrier
-        that waits for it, which only calls made within a heartbeat interval or two of a segment's
-        drop or of this incarnation's start do)."""
-        if barrier.not_before:
-            delay = barrier.not_before - self._handlers.state.clock()
-            asyncio.get_running_loop().call_later(max(delay, 0.0), self.wake, context=_neutral())
+    def _wake_after_fence(self) -> None:
+        """Nothing else happens when the direct-read fence passes: one timer wakes every wait then,
+        armed whenever a wait begins or something wakes them while the fence is ahead (a drop moves
+        it: the drop's own wake arms it). A timer that fires a little early (the loop's clock is
+        coarser) finds the fence ahead and arms again."""
+        state = self._handlers.state
+        fence = state.direct_read_fence
+        ahead = fence - state.clock()
+        if ahead <= 0 or (self._fence_timer is not None and self._fence_at >= fence):
+            return
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        self._fence_at = fence
+        self._fence_timer = asyncio.get_running_loop().call_later(ahead + 0.002, self._fence_passed, context=_neutral())
+
+    def _fence_passed(self) -> None:
+        self._fence_timer = None
+        self.wake()
 
     def _expire(self) -> None:
         self._timer = None
@@ -179,12 +192,9 @@ class CommitWaiter:
         put_ack, handlers.put_ack = handlers.put_ack, None
         relayed_by, handlers.relayed_by = handlers.relayed_by, 0
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        fence = state.direct_read_fence
-        not_before = fence if fence > state.clock() else 0.0
-        barrier = Barrier(
-            state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack, not_before
-        )
-        return barrier if barrier.notices or barrier.forgets or generation or not_before else None
+        fenced = state.direct_read_fence > state.clock()  # a segment that may serve direct reads was dropped
+        barrier = Barrier(state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack)
+        return barrier if barrier.notices or barrier.forgets or generation or fenced else None
 
     async def after_removal(self, reply: Any, removal: Removal) -> Any:
         """RemovePrefix's answer once its sweep removed everything it hides (kvtier.master.sweeps),
@@ -204,7 +214,7 @@ class CommitWaiter:
         state = handlers.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        self._wake_after_fence(barrier)
+        self._wake_after_fence()
         while not barrier.done(state):
             remaining = deadline - loop.time()
             if remaining <= 0:

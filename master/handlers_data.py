@@ -154,6 +154,10 @@ class DataCalls:
             return pb.RelayPutEndResponse(
                 status=Status.SEGMENT_NOT_FOUND, error="the relaying segment is not mounted under this epoch"
             )
+        if self.state.direct_read_fence > self.state.clock():
+            # A dropped segment may still serve direct reads: this answer would wait for that longer
+            # than the relay waits. The client sends its PutEnd itself (and that one waits).
+            return pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error="a direct-read fence is ahead")
         principal = self.auth.principal(request.token) if self.auth.enabled else CLUSTER_PRINCIPAL
         if not principal:
             return pb.RelayPutEndResponse(status=Status.UNAUTHENTICATED, error="the client's token proves no principal")

@@ -47,7 +47,11 @@ class SegmentCalls:
         if result.segment is None:
             return pb.MountSegmentResponse(status=result.status, error=result.error)
         config = self.state.config
-        result.segment.direct_reads = request.keyed_reads and config.direct_reads
+        # Not with tenants: a range freed early (a cluster reader handed its lease back) may go to a
+        # tenant's put before its segment applied the drop, and only the checksum (CRC32C: forgeable by
+        # one who knows the old bytes) would then tell that tenant's bytes from the old object.
+        direct = request.keyed_reads and config.direct_reads and not self.auth.tenants
+        result.segment.direct_reads = direct
         self.state.note_clock_skew(
             result.segment.segment_id, read_skew(request.wall_clock_ms, received_ms, 0, config.clock_skew_tolerance_s)
         )
@@ -60,7 +64,7 @@ class SegmentCalls:
             epoch=self.epoch,
             discard_index=result.discard_index,
             wall_clock_ms=wall_ms(),
-            direct_read_lease_ms=int(config.direct_read_lease_s * 1000) if request.keyed_reads else 0,
+            direct_read_lease_ms=int(config.direct_read_lease_s * 1000) if direct else 0,
         )
 
     @rpc(pb.UnmountSegmentResponse)

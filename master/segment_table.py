@@ -231,7 +231,7 @@ class SegmentTable:
         self.upserts.segment_dropped(segment_id)  # new versions written there can never complete
         if reason in EXPULSIONS:
             self.lease_expiries["segment"] += 1
-        if reason != UNMOUNTED:
+        if reason != UNMOUNTED and segment.direct_reads:
             # Its direct-read lease (two heartbeat intervals from the last heartbeat it sent, which we
             # received after) may outlive the drop: what changes a key it held waits for its end. A
             # segment that unmounts itself stopped serving them first.

@@ -175,9 +175,6 @@ def serving_state(config: MasterConfig, minter: Minter) -> MasterState:
     state.reuse_margin_s = CLOCK_SKEW_MS / 1000  # a segment's clock may lag ours
     state.sweep_inline = False  # swept in slices between requests (run_sweeper)
     state.capabilities = minter.enabled
-    # A segment may still serve direct reads under a lease from an earlier incarnation (it learns
-    # otherwise only at its next heartbeat): nothing that changes a key answers before it ran out.
-    state.direct_read_fence = state.clock() + config.direct_read_lease_s
     return state
 
 
@@ -213,6 +210,11 @@ class Roles:
                 set(saved.expelled) if saved else set(),
                 self.config.recovery_max_s,
             )
+        if not loaded or isinstance(self.store, NoStateStore) or (saved is not None and saved.segments):
+            # A segment may still serve direct reads under a lease from an earlier incarnation (it
+            # learns otherwise at its next heartbeat): nothing that changes a key answers before that
+            # lease ran out. A first start (a state store that holds nothing) had no such incarnation.
+            state.direct_read_fence = state.clock() + self.config.direct_read_lease_s
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
         self._saving_allowed = loaded

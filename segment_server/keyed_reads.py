@@ -31,30 +31,40 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
 
-from kvtier.proto.frames import DISK_STATUS
+from kvtier.proto.frames import DISK_STATUS, MAX_KEYED_FRAME_BYTES
 from kvtier.proto.status import Status
 from kvtier.segment_server.dram_index import DramIndex
 
 _OK = struct.pack("<i", 0)
 _NOT_FOUND = DISK_STATUS.pack(int(Status.NOT_FOUND))
 _UNAVAILABLE = DISK_STATUS.pack(int(Status.UNAVAILABLE))
+_ZEROS = memoryview(bytes(MAX_KEYED_FRAME_BYTES))  # what a refused range answers: no allocation per miss
+
+
+def _boot_clock() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class DirectReadLease:
     """Whether this segment may serve direct reads now: renewed by the master link with the send time
-    of each heartbeat (and mount) the master acknowledged, ended when the mount ends. Set from the
-    link's thread, read on the event loop: one float, replaced whole."""
+    (`now()`) of each heartbeat (and mount) the master acknowledged, ended when the mount ends. Set
+    from the link's thread, read on the event loop: one float, replaced whole. Its clock counts a
+    suspended host's sleep (CLOCK_BOOTTIME), which the monotonic clock does not: a host woken from
+    suspend must not think its lease still runs while the master's clock went on."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = _boot_clock) -> None:
         self._clock = clock
         self._length_s = 0.0  # the master's MountSegmentResponse.direct_read_lease_ms (0: none)
         self._until = 0.0
         self._lock = threading.Lock()  # renew and end from the link's thread; end also from stop()
+
+    def now(self) -> float:
+        return self._clock()
 
     def start(self, length_s: float, sent: float) -> None:
         """A mount the master acknowledged: serve for `length_s` after `sent` (0: not at all)."""
@@ -84,7 +94,7 @@ class DirectReadLease:
 
 @dataclass(slots=True)
 class KeyedStats:
-    """READ_KEYED ranges by outcome (kvtier_segment_keyed_reads_total)."""
+    """READ_KEYED ranges by outcome (kvtier_segment_direct_reads_total)."""
 
     served: int = 0  # checked and sent
     not_found: int = 0  # no entry there, another object, or bytes that did not match
@@ -100,15 +110,15 @@ class KeyedReads:
         self.lease = lease
         self.stats = KeyedStats()
 
-    def serve(self, ranges: Sequence[int], names: Sequence[bytes]) -> tuple[list[bytes], int]:
+    def serve(self, ranges: Sequence[int], names: Sequence[bytes]) -> tuple[list[bytes | memoryview], int]:
         """The response payload's parts for flat (offset, size, ...) `ranges` and their joined names,
         and how many of its bytes are objects served (the rest: statuses and zeros)."""
         count = len(names)
         stats = self.stats
         if not self.lease.valid() or not self._index.session[0]:
             stats.no_lease += count
-            return [part for i in range(count) for part in (_UNAVAILABLE, bytes(ranges[2 * i + 1]))], 0
-        parts: list[bytes] = []
+            return [part for i in range(count) for part in (_UNAVAILABLE, _ZEROS[: ranges[2 * i + 1]])], 0
+        parts: list[bytes | memoryview] = []
         served = 0
         region, holding = self._region, self._index.holding
         for i, name in enumerate(names):
@@ -121,6 +131,6 @@ class KeyedReads:
                     stats.served += 1
                     served += size
                     continue
-            parts += (_NOT_FOUND, bytes(size))
+            parts += (_NOT_FOUND, _ZEROS[:size])
             stats.not_found += 1
         return parts, served

@@ -193,7 +193,7 @@ class MasterLink:
                     rtt_ms=self._clock.rtt_ms,
                     **extra,
                 )
-                sent = time.monotonic()
+                sent, lease_sent = time.monotonic(), self._lease.now()
                 reply = self._channels.stub().Heartbeat(request, timeout=_RPC_TIMEOUT_S)
                 self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
                 if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
@@ -208,7 +208,7 @@ class MasterLink:
                     )
                     self._end_session()
                     return 0.0
-                self._lease.renew(sent)  # the master had us mounted when it got this heartbeat
+                self._lease.renew(lease_sent)  # the master had us mounted when it got this heartbeat
         except _Fatal as exc:
             self._on_fatal(str(exc), exc.exit_code)
             raise StopPolling from exc
@@ -240,7 +240,7 @@ class MasterLink:
         self._request.previous_segment_id = previous_id
         self._request.previous_epoch = previous_epoch
         self._request.previous_applied_seq = previous_applied
-        sent = time.monotonic()
+        sent, lease_sent = time.monotonic(), self._lease.now()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
         if reply.status == Status.SEGMENT_DRAINED:
@@ -267,7 +267,7 @@ class MasterLink:
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
         self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
-        self._lease.start(reply.direct_read_lease_ms / 1000, sent)
+        self._lease.start(reply.direct_read_lease_ms / 1000, lease_sent)
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,

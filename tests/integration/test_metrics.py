@@ -46,8 +46,10 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
     def delta(before, after, name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 41
-    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="GetReplicas") == 40
+    # The 5 keys read before are read again from the segment alone (direct reads): not looked up.
+    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 36
+    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="GetReplicas") == 35
+    assert delta(s0, s1, "kvtier_segment_direct_reads_total", segment="seg0", outcome="served") == 5
     assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="Exists") == 11
     assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="Exists") == 10
     served = delta(s0, s1, "kvtier_segment_served_bytes_total", segment="seg0", tier="dram", transport="tcp")
@@ -61,8 +63,9 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
     assert value(m1, "kvtier_master_role", role="leader") == 1
     assert value(s1, "kvtier_segment_index_objects", segment="seg0") == 40
     # Data-path latency, per op, apart from the master's metadata latency: the 41-key get was one
-    # READ frame (40 ranges), the puts one WRITE.
+    # READ_KEYED frame (5 ranges) and one READ frame (35), the puts one WRITE.
     assert delta(s0, s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ") == 1
+    assert delta(s0, s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ_KEYED") == 1
     assert value(s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="WRITE") >= 1
     assert delta(s0, s1, "kvtier_segment_request_latency_seconds_sum", segment="seg0", op="READ") > 0
     for samples in (m1, s1):  # process figures of each service

@@ -225,3 +225,31 @@ def test_a_put_end_waits_for_the_direct_read_fence_of_a_dropped_segment():
         assert pb.KeyStatusResponse.FromString(body).status == Status.OK
 
     asyncio.run(main())
+
+
+def test_a_segment_dropped_while_a_put_end_waits_for_it_fences_the_answer():
+    """The drop ends the wait for the segment's acknowledgement, but the segment may serve direct
+    reads from its index (which never got the notice) until its lease ends: the answer waits."""
+
+    async def main() -> None:
+        cluster = Cluster()
+        state = cluster.handlers.state
+        state.segments[cluster.segment_id].direct_reads = True
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        client.feed(put_end("k", put_id))
+        answers(segment)  # the notice, never acknowledged
+        assert answers(client) == []
+        state.drop_segment(cluster.segment_id, reason="drained")
+        fence = state.direct_read_fence
+        assert fence > state.clock()
+        await asyncio.sleep(0)
+        assert answers(client) == []  # acknowledged by the drop, fenced by the lease
+        await answered(client, 5.0)
+        assert state.clock() >= fence
+        [(_, _, body)] = answers(client)
+        reply = pb.KeyStatusResponse.FromString(body)
+        assert reply.status == Status.OK and list(reply.statuses) == [Status.SEGMENT_NOT_FOUND]
+
+    asyncio.run(main())

@@ -716,9 +716,12 @@ def test_a_dropped_segment_fences_changes_until_its_direct_read_lease_ran_out(st
     unmount (it stopped serving first) and an expulsion long after its last heartbeat do not."""
     lease = state.config.direct_read_lease_s
     assert lease == 2 * state.config.heartbeat_interval_s
-    a, b, c = mount(state, "a"), mount(state, "b"), mount(state, "c")
+    a, b, c, d = mount(state, "a"), mount(state, "b"), mount(state, "c"), mount(state, "d")
+    for segment_id in (a, b, c):
+        state.segments[segment_id].direct_reads = True  # the handler sets it from the mount request
     advance_alive(state, clock, 0.5)
     state.unmount_segment(a)
+    state.drop_segment(d, reason="drained")  # serves no direct reads: nothing to wait for
     assert state.direct_read_fence == 0.0
     state.drop_segment(b, reason="drained")
     assert state.direct_read_fence == clock.now + lease
