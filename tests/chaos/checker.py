@@ -175,7 +175,11 @@ def overlapping(faults: list[dict], t0: float, t1: float) -> list[dict]:
 
 class Checker:
     def __init__(self, records: Iterable[dict], events: Iterable[dict] = (), faults: Iterable[dict] = ()) -> None:
+        records = list(records)
         self.ops = key_ops(records)
+        # Keys the readers got from their segments alone (direct reads): checked like any other read,
+        # counted so a run shows it exercised them.
+        self.direct_reads = sum(r.get("dr", 0) for r in records if r.get("k") == "c")
         self.faults = sorted(faults, key=lambda f: f["t0"])
         self.events: dict[str, list[dict]] = defaultdict(list)
         self.event_counts: Counter = Counter()
@@ -217,6 +221,8 @@ class Checker:
                     violations += self._check_miss(key, read, writes, starts)
                 else:
                     counts["failed"] += 1
+        if self.direct_reads:
+            counts["of_them_direct"] = self.direct_reads
         return Report(violations, counts, self.event_counts, not math.isinf(self.truncated_at))
 
     def _faults(self, since: float, read: KeyOp) -> list[dict]:

@@ -54,8 +54,8 @@ class Recorder:
         self._line({"k": "i", "p": self.proc, "id": op_id, "op": op, "keys": keys, "t": time.monotonic(), **extra})
         return op_id
 
-    def complete(self, op_id: int, results: list) -> None:
-        self._line({"k": "c", "p": self.proc, "id": op_id, "t": time.monotonic(), "r": results})
+    def complete(self, op_id: int, results: list, **extra) -> None:
+        self._line({"k": "c", "p": self.proc, "id": op_id, "t": time.monotonic(), "r": results, **extra})
         self.unsynced += 1
         if self.unsynced >= FSYNC_EVERY:
             os.fsync(self.out.fileno())
@@ -178,6 +178,7 @@ class Worker:
     def get(self, keys: list[str]) -> None:
         buffers = self.buffers[: len(keys)]
         op = self.record.invoke("get", keys, tr=self.args.transport)
+        direct = self.client.stats().get("direct_reads", 0)
         try:
             if len(keys) == 1:
                 raw = [self.client.get_into(keys[0], buffers[0])]
@@ -186,7 +187,8 @@ class Worker:
             results = [read_result(int(r), b) for r, b in zip(raw, buffers, strict=True)]
         except Exception as exc:  # noqa: BLE001
             results = [failure(exc)] * len(keys)
-        self.record.complete(op, results)
+        # How many of them the segments served alone (direct reads, kvtier.client.locations).
+        self.record.complete(op, results, dr=self.client.stats().get("direct_reads", 0) - direct)
 
 
 def main(argv: list[str]) -> int:
