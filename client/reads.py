@@ -102,6 +102,7 @@ class Reads:
     _done_leases: DoneLeases
     _locations: LocationCache | None
     _disk_streams: int
+    _connectors: dict[str, tuple[tuple[str, ...], Connector, float]]
     _count: Callable[..., None]
     _connector: Callable[[pb.SegmentEndpoint], Connector]
     _disk_connector: Callable[[pb.SegmentEndpoint], DiskConnector]
@@ -201,15 +202,17 @@ class Reads:
         deadline: float,
         tally: dict[str, int],
     ) -> dict[int, Any]:
-        """Direct reads (kvtier.client.locations): the keys whose location this client remembers, read
-        from their segments alone; by position, the results that verified against the checksum
+        """Direct reads (kvtier.client.locations): when this client remembers where every key is, read
+        them from their segments alone; by position, the results that verified against the checksum
         remembered with them. Whatever else happened, the key is forgotten and looked up as usual
         (a segment's refusal is its index being right: the object moved, changed or left)."""
         locations = self._locations
         found = locations.find(keys, time.monotonic())
         if views is not None:  # too small a buffer: the lookup answers that
             found = {i: loc for i, loc in found.items() if len(views[i]) >= loc.size}
-        if not found:
+        if len(found) < len(keys):
+            # Some must be looked up anyway: one lookup for all costs two round trips, direct reads
+            # before it three (an engine re-reading a prefix's blocks finds them all here).
             return {}
         # One frame per segment and grant: a frame carries one expiry, which each tag's MAC covers.
         by_segment: dict[tuple[str, int], list[int]] = defaultdict(list)
@@ -266,6 +269,11 @@ class Reads:
         tags = [found[i].tag for i in indices]
         caps: Caps = (found[indices[0]].expiry_ms, tags if all(tags) else [])
         into = None if views is None else [views[i][: found[i].size] for i in indices]
+        known = self._connectors.get(segment.name)
+        if known is None or known[0] != tuple(segment.endpoints):
+            # Remembered from the segment's earlier life (it restarted elsewhere since), or its
+            # connector was closed: never replace the current one with a stale address.
+            return [int(Status.UNAVAILABLE)] * len(indices), crcs
         token = call_deadline.set(until)
         try:
             connector = self._connector(segment)

@@ -130,3 +130,17 @@ def test_no_direct_reads_when_the_master_or_the_client_turns_them_off(bare_clust
     assert client.stats().get("direct_reads", 0) == 0 and _direct(segment, "served") == 0
     off = bare_cluster.client(transport="tcp", location_cache_keys=0)
     assert off.get("k") == b"v" * 4 * KiB
+
+
+def test_a_call_with_a_key_not_remembered_looks_every_key_up_once(cluster):
+    client = cluster.client(transport="tcp")
+    keys = [f"p/{i}" for i in range(4)]
+    values = [bytes([i]) * 4 * KiB for i in range(4)]
+    assert not any(client.batch_put(keys, values))
+    assert client.batch_get(keys[:3]) == values[:3]  # three remembered
+    stats = client.stats()
+    assert client.batch_get(keys) == values  # the fourth is not: one lookup for all four
+    after = client.stats()
+    assert after.get("direct_reads", 0) == stats.get("direct_reads", 0)
+    assert client.batch_get(keys) == values  # now all four are: one direct read each
+    assert client.stats()["direct_reads"] == after.get("direct_reads", 0) + 4

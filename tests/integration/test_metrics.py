@@ -46,10 +46,8 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
     def delta(before, after, name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    # The 5 keys read before are read again from the segment alone (direct reads): not looked up.
-    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 36
-    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="GetReplicas") == 35
-    assert delta(s0, s1, "kvtier_segment_direct_reads_total", segment="seg0", outcome="served") == 5
+    assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 41
+    assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="GetReplicas") == 40
     assert delta(m0, m1, "kvtier_master_lookup_keys_total", rpc="Exists") == 11
     assert delta(m0, m1, "kvtier_master_lookup_hits_total", rpc="Exists") == 10
     served = delta(s0, s1, "kvtier_segment_served_bytes_total", segment="seg0", tier="dram", transport="tcp")
@@ -63,11 +61,18 @@ def test_metrics_keep_lookup_hits_bytes_served_and_physical_reads_apart(bare_clu
     assert value(m1, "kvtier_master_role", role="leader") == 1
     assert value(s1, "kvtier_segment_index_objects", segment="seg0") == 40
     # Data-path latency, per op, apart from the master's metadata latency: the 41-key get was one
-    # READ_KEYED frame (5 ranges) and one READ frame (35), the puts one WRITE.
+    # READ frame (40 ranges), the puts one WRITE.
     assert delta(s0, s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ") == 1
-    assert delta(s0, s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ_KEYED") == 1
     assert value(s1, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="WRITE") >= 1
     assert delta(s0, s1, "kvtier_segment_request_latency_seconds_sum", segment="seg0", op="READ") > 0
+    # Read again, every key remembered: the segment serves them alone (direct reads), no lookup, and
+    # the bytes count as served from DRAM over TCP all the same.
+    assert client.batch_get(keys) == values
+    m2, s2 = scrape(master_metrics), scrape(segment_metrics)
+    assert delta(m1, m2, "kvtier_master_lookup_keys_total", rpc="GetReplicas") == 0
+    assert delta(s1, s2, "kvtier_segment_direct_reads_total", segment="seg0", outcome="served") == 40
+    assert delta(s1, s2, "kvtier_segment_request_latency_seconds_count", segment="seg0", op="READ_KEYED") == 1
+    assert delta(s1, s2, "kvtier_segment_served_bytes_total", segment="seg0", tier="dram", transport="tcp") == 40 * 8192
     for samples in (m1, s1):  # process figures of each service
         assert value(samples, "process_open_fds") > 0
         assert value(samples, "process_resident_memory_bytes") > 0
