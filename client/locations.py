@@ -9,9 +9,10 @@ is looked up through the master as before and the entry is forgotten.
 
 An entry lives as long as the read grant of the lookup it came from (the segment checks that
 grant's capability where the cluster has a secret), and at most `location_cache_keys` entries are
-kept (least recently used leave first). Only DRAM copies read over TCP of at most
-`DIRECT_READ_MAX_BYTES` are kept: the segment copies what it serves (which is what makes the check
-sound), and for larger objects the master's round trip is a small part of the read.
+kept (least recently used leave first). Only DRAM copies read over TCP are kept, and only calls of
+at most `DIRECT_READ_MAX_BYTES` in all are read so: the segment copies and checksums what it serves
+(which is what makes the check sound), and for larger reads that costs more than the master's round
+trip it saves (a 32 x 64 KiB batch ran at a third of its lookup-and-READ throughput).
 """
 
 from __future__ import annotations

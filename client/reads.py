@@ -210,9 +210,10 @@ class Reads:
         found = locations.find(keys, time.monotonic())
         if views is not None:  # too small a buffer: the lookup answers that
             found = {i: loc for i, loc in found.items() if len(views[i]) >= loc.size}
-        if len(found) < len(keys):
+        if len(found) < len(keys) or sum(loc.size for loc in found.values()) > DIRECT_READ_MAX_BYTES:
             # Some must be looked up anyway: one lookup for all costs two round trips, direct reads
-            # before it three (an engine re-reading a prefix's blocks finds them all here).
+            # before it three (an engine re-reading a prefix's blocks finds them all here). And a
+            # large call gains little from one round trip less, less than the segment's copy costs.
             return {}
         # One frame per segment and grant: a frame carries one expiry, which each tag's MAC covers.
         by_segment: dict[tuple[str, int], list[int]] = defaultdict(list)

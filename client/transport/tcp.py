@@ -472,6 +472,9 @@ class TcpConnector:
                         continue
                     if payload_len != expected:
                         raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
+                    if expected <= _CHUNK and end - start <= _AHEAD_RANGES:  # statuses and bytes: one scatter receive
+                        self._named_scattered(sock, start, end, sizes, views, checksums, results)
+                        continue
                     for i in range(start, end):
                         recv_exact_into(sock, memoryview(status_buf))
                         (item_status,) = frames.DISK_STATUS.unpack(status_buf)
@@ -492,6 +495,40 @@ class TcpConnector:
         except (ConnectError, ReadError, ProtocolError, OSError) as exc:
             self._failed(op.name, exc)
         return results
+
+    @staticmethod
+    def _named_scattered(
+        sock: socket.socket,
+        start: int,
+        end: int,
+        sizes: list[int],
+        views: Sequence[Buffer] | None,
+        checksums: list[int | None] | None,
+        results: list[bytes | int],
+    ) -> None:
+        """A READ_DISK or READ_KEYED answer's payload of at most _CHUNK bytes: every range's status
+        and bytes in one scatter receive (the caller's buffers, or one buffer the values are cut from)."""
+        statuses = memoryview(bytearray(4 * (end - start)))
+        if views is None:
+            whole = memoryview(bytearray(sum(sizes[start:end])))
+            cuts = [0, *itertools.accumulate(sizes[start:end])]
+            datas = [whole[cuts[n] : cuts[n + 1]] for n in range(end - start)]
+        else:
+            datas = [memoryview(views[i])[: sizes[i]] for i in range(start, end)]
+        parts = []
+        for n, data in enumerate(datas):
+            parts.append(statuses[4 * n : 4 * n + 4])
+            if len(data):
+                parts.append(data)
+        recv_exact_into_all(sock, parts)
+        for n, i in enumerate(range(start, end)):
+            (item_status,) = frames.DISK_STATUS.unpack_from(statuses, 4 * n)
+            if views is None:
+                results[i] = bytes(datas[n]) if item_status == _OK else item_status
+                continue
+            if checksums is not None:
+                checksums[i] = crc32c.crc32c(datas[n])
+            results[i] = item_status
 
     def _named_small(
         self,

@@ -45,8 +45,11 @@ def test_a_repeated_get_is_served_by_the_segment_alone_also_with_a_cluster_secre
     assert reader.get("d/3", with_source=True) == (values["d/3"], "dram/tcp")
     buffer = bytearray(8 * KiB)
     assert reader.get_into("d/5", buffer) == len(values["d/5"]) and bytes(buffer[: len(values["d/5"])]) == values["d/5"]
-    assert reader.stats()["direct_reads"] == 10
-    assert _direct(segment, "served") == 10
+    buffers = [bytearray(5 * KiB) for _ in values]  # 32 KiB in all: statuses and bytes in one scatter receive
+    assert reader.batch_get_into(list(values), buffers) == [len(v) for v in values.values()]
+    assert [bytes(b[: len(v)]) for b, v in zip(buffers, values.values(), strict=True)] == list(values.values())
+    assert reader.stats()["direct_reads"] == 18
+    assert _direct(segment, "served") == 18
     # Without a grant of its own (a forged or missing tag), nothing is served.
     assert _direct(segment, "no_lease") == 0
 
