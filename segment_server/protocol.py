@@ -344,6 +344,14 @@ class DataProtocol(FramedConnection):
 
     # ----------------------------------------------------------- state machine
 
+    def _receive_names(self) -> None:
+        """The request's payload next, into its own buffer: READ_DISK's and READ_KEYED's object names,
+        a COMMIT's message (handled once all of it is in: the _NAMES state)."""
+        self._names = bytearray(self._payload_len)
+        self._state = _NAMES
+        self._filled = 0
+        self._need = self._payload_len
+
     def _start_header(self) -> None:
         self._state = _HEADER
         self._filled = 0
@@ -433,11 +441,7 @@ class DataProtocol(FramedConnection):
             if self._caps is not None and (denied := self._capability_problem(Op.READ_DISK)):
                 self._stats.capability_denials += 1
                 return self._drain(Status.CAPABILITY_DENIED, denied)
-            self._names = bytearray(self._payload_len)
-            self._state = _NAMES
-            self._filled = 0
-            self._need = self._payload_len
-            return
+            return self._receive_names()
         total = 0
         bad = None
         for i in range(0, len(ranges), 2):
@@ -675,10 +679,7 @@ class DataProtocol(FramedConnection):
             return self._drain(Status.INVALID_RANGE, f"a range outside the region of {self._capacity}")
         if self._payload_len == 0:
             return self._on_keyed()
-        self._names = bytearray(self._payload_len)
-        self._state = _NAMES
-        self._filled = 0
-        self._need = self._payload_len
+        self._receive_names()
 
     def _on_keyed(self) -> None:
         """Check and copy each range (kvtier.segment_server.keyed_reads), answer in one send."""
@@ -707,10 +708,7 @@ class DataProtocol(FramedConnection):
             return self._drain(Status.UNAVAILABLE, "this segment relays no commits")
         if self._payload_len == 0:
             return self._on_commit()
-        self._names = bytearray(self._payload_len)
-        self._state = _NAMES
-        self._filled = 0
-        self._need = self._payload_len
+        self._receive_names()
 
     def _on_commit(self) -> None:
         """Relay the PutEnd; read nothing more from this connection until it is answered."""

@@ -10,6 +10,7 @@ test's, and `stop()` checks that nothing of it is left behind.
 
 from __future__ import annotations
 
+import secrets
 import signal
 import sys
 import time
@@ -138,6 +139,13 @@ class Cluster:
         return Path(self.segments[segment].info["region"])
 
     # ------------------------------------------------------------ clients
+
+    def use_secret(self, path: Path) -> None:
+        """Write a fresh cluster secret to `path` (only its owner may read it): every process and client
+        started from here on uses it."""
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+        self.secret_file = str(path)
 
     def _secret_args(self) -> list[str]:
         return ["--secret-file", self.secret_file] if self.secret_file else []

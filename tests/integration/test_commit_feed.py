@@ -43,10 +43,7 @@ def _put_restart_get(bare_cluster, master_args: tuple[str, ...] = ()) -> None:
 @pytest.mark.parametrize("secret", [False, True], ids=["open", "secret"])
 def test_feed_polls_over_the_fast_path_and_acknowledged_puts_survive_a_master_restart(bare_cluster, tmp_path, secret):
     if secret:
-        path = tmp_path / "secret"
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
-        bare_cluster.secret_file = str(path)
+        bare_cluster.use_secret(tmp_path / "secret")
     bare_cluster.start_master()
     segment = bare_cluster.start_segment("seg0", "32MiB", "--metrics", "127.0.0.1:0")
     client = bare_cluster.client()

@@ -29,10 +29,7 @@ def _direct(segment, outcome: str) -> float:
 
 
 def test_a_repeated_get_is_served_by_the_segment_alone_also_with_a_cluster_secret(bare_cluster, tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text(secrets.token_hex(32))
-    secret.chmod(0o600)
-    bare_cluster.secret_file = str(secret)
+    bare_cluster.use_secret(tmp_path / "secret")
     bare_cluster.start_master()
     segment = bare_cluster.start_segment("seg0", "32MiB", "--metrics", "127.0.0.1:0")
     writer, reader = bare_cluster.client(transport="tcp"), bare_cluster.client(transport="tcp")
