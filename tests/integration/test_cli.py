@@ -22,6 +22,17 @@ def kvtier(*args: str, stdin: bytes | None = None, check: bool = True) -> subpro
     return result
 
 
+def stop_up(proc: subprocess.Popen) -> None:
+    """A `kvtier up` a test leaves (passing or not): Ctrl-C, which stops its master and segments too;
+    SIGKILL would leave them running without it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_put_from_stdin_and_get_to_stdout_and_file(cluster, tmp_path: Path):
     payload = os.urandom(200_000)
     kvtier("put", "--master", cluster.master_address, "blob", "-", stdin=payload)
@@ -164,8 +175,7 @@ def test_up_serves_then_stops_cleanly_on_sigint(tmp_path: Path):
             assert b"stopped" in proc.stdout.read()
             assert not list(Path("/dev/shm").glob(f"kvtier.{cluster_id}.*")), "Ctrl-C left a region file behind"
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            stop_up(proc)
 
 
 def test_up_keeps_serving_after_one_of_its_segments_is_drained(tmp_path: Path):
@@ -199,5 +209,4 @@ def test_up_keeps_serving_after_one_of_its_segments_is_drained(tmp_path: Path):
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 0
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            stop_up(proc)
