@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.master.auth import current_principal
-from kvtier.master.commits import PutAcknowledgement
+from kvtier.master.commits import FENCED_RELAY, PutAcknowledgement
 from kvtier.master.gates import DATA
 from kvtier.master.handlers import MasterHandlers
 from kvtier.master.state import MasterState
@@ -100,6 +100,9 @@ class CommitWaiter:
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
+        if self._fence_timer is not None:  # the old tables' fence: the new ones have their own
+            self._fence_timer.cancel()
+            self._fence_timer, self._fence_at = None, 0.0
         state.commits.on_ack = self.wake
         state.tiering.on_ack = self.wake
         self.polls.attach(state)
@@ -134,13 +137,25 @@ class CommitWaiter:
         self._flush_soon = None
         parked = self._parked
         waiting: deque[_ParkedAnswer] = deque()
-        done = []
+        done, fenced = [], []
+        state = self._handlers.state
+        fence_ahead = state.direct_read_fence > state.clock()
         for answer in parked:
-            (done if answer.barrier.done(answer.state) else waiting).append(answer)
-        if done:
+            if answer.barrier.done(answer.state):
+                done.append(answer)
+            elif fence_ahead and isinstance(answer.reply, pb.RelayPutEndResponse):
+                # A segment dropped while this relayed PutEnd waited: the fence may outlast the relay's
+                # own bound, which would close its link for every put on it. The client sends its
+                # PutEnd itself (repeatable), and that one waits.
+                fenced.append(answer)
+            else:
+                waiting.append(answer)
+        if done or fenced:
             self._parked = waiting  # before delivering: an answer's connection may park again meanwhile
             for answer in done:
                 self._deliver(answer, self._settled)
+            for answer in fenced:
+                answer.deliver(pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY))
 
     def _wake_after_fence(self) -> None:
         """Nothing else happens when the direct-read fence passes: one timer wakes every wait then,

@@ -52,6 +52,10 @@ from typing import Any
 from kvtier.master.records import OFFSET_MASK, PIN_SOFT, SEGMENT_SHIFT, ObjectRecord
 from kvtier.proto.status import Status
 
+# A relayed PutEnd's answer while a dropped segment may still serve direct reads
+# (MasterState.direct_read_fence): the client sends its PutEnd to the master, which waits for it.
+FENCED_RELAY = "a direct-read fence is ahead: send the PutEnd to the master"
+
 
 @dataclass(slots=True, eq=False)
 class SegmentFeed:

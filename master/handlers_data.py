@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvtier.common.logs import request_id as current_request_id
 from kvtier.master.auth import current_principal
-from kvtier.master.commits import PutAcknowledgement
+from kvtier.master.commits import FENCED_RELAY, PutAcknowledgement
 from kvtier.master.corrupt import CorruptReport
 from kvtier.master.events import EventKind, Watcher
 from kvtier.master.gates import rpc
@@ -154,10 +154,6 @@ class DataCalls:
             return pb.RelayPutEndResponse(
                 status=Status.SEGMENT_NOT_FOUND, error="the relaying segment is not mounted under this epoch"
             )
-        if self.state.direct_read_fence > self.state.clock():
-            # A dropped segment may still serve direct reads: this answer would wait for that longer
-            # than the relay waits. The client sends its PutEnd itself (and that one waits).
-            return pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error="a direct-read fence is ahead")
         principal = self.auth.principal(request.token) if self.auth.enabled else CLUSTER_PRINCIPAL
         if not principal:
             return pb.RelayPutEndResponse(status=Status.UNAUTHENTICATED, error="the client's token proves no principal")
@@ -166,6 +162,10 @@ class DataCalls:
             self.denied["PutEnd"] += 1
             return pb.RelayPutEndResponse(status=Status.PERMISSION_DENIED, error=denied)
         commits.ack(segment_id, request.acked_seq)
+        if self.state.direct_read_fence > self.state.clock():
+            # A dropped segment may still serve direct reads: this answer would wait for that longer
+            # than the relay waits. The client sends its PutEnd itself (and that one waits).
+            return pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY)
         first = commits.next_seq(segment_id)
         token = current_principal.set(principal)  # whose leases it may release (_release_leases)
         traced = current_request_id.set(put_end.request_id)  # the client's call id, for its log lines

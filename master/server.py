@@ -210,10 +210,11 @@ class Roles:
                 set(saved.expelled) if saved else set(),
                 self.config.recovery_max_s,
             )
-        if not loaded or isinstance(self.store, NoStateStore) or (saved is not None and saved.segments):
+        if not loaded or isinstance(self.store, NoStateStore) or saved is not None:
             # A segment may still serve direct reads under a lease from an earlier incarnation (it
-            # learns otherwise at its next heartbeat): nothing that changes a key answers before that
-            # lease ran out. A first start (a state store that holds nothing) had no such incarnation.
+            # learns otherwise at its next heartbeat), also one that incarnation dropped just before
+            # it died: nothing that changes a key answers before that lease ran out. A first start
+            # (a state store that holds nothing) had no such incarnation.
             state.direct_read_fence = state.clock() + self.config.direct_read_lease_s
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)

@@ -73,7 +73,7 @@ class DirectReadLease:
             self._until = sent + length_s if length_s > 0 else 0.0
 
     def renew(self, sent: float) -> None:
-        """A heartbeat sent at `sent` (monotonic) was acknowledged under the current mount."""
+        """A heartbeat sent at `sent` (this lease's clock, `now()`) was acknowledged under the current mount."""
         with self._lock:
             if self._length_s > 0:
                 self._until = max(self._until, sent + self._length_s)

@@ -253,3 +253,34 @@ def test_a_segment_dropped_while_a_put_end_waits_for_it_fences_the_answer():
         assert reply.status == Status.OK and list(reply.statuses) == [Status.SEGMENT_NOT_FOUND]
 
     asyncio.run(main())
+
+
+def test_a_relayed_put_end_parked_when_a_segment_is_dropped_is_refused_at_once():
+    """The fence a drop sets may outlast the relay's own bound (its link would be cut for every put
+    on it): a parked relayed PutEnd is answered UNAVAILABLE at the drop, the client's PutEnd waits."""
+
+    async def main() -> None:
+        cluster = Cluster()
+        state = cluster.handlers.state
+        other = state.mount_segment("unit", "b", "host-b", ["tcp://127.0.0.1:8"], MiB, inventory=True)
+        inventory_done(state, other.segment.segment_id)
+        other.segment.direct_reads = True
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        relay = pb.RelayPutEndRequest(
+            put_end=pb.PutEndRequest(namespace=NS, keys=["k"], checksums=[1], put_id=put_id),
+            segment_id=other.segment.segment_id,  # relayed by "b": parked for "a"'s acknowledgement
+            epoch=cluster.handlers.epoch,
+        )
+        relayer = cluster.connect()
+        relayer.feed(frame("RelayPutEnd", relay, request_id=9))
+        assert answers(relayer) == []
+        state.drop_segment(other.segment.segment_id, reason="drained")
+        assert state.direct_read_fence > state.clock()
+        await asyncio.sleep(0)
+        [(_, request_id, body)] = answers(relayer)
+        reply = pb.RelayPutEndResponse.FromString(body)
+        assert request_id == 9 and reply.status == Status.UNAVAILABLE
+
+    asyncio.run(main())

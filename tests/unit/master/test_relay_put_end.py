@@ -57,3 +57,22 @@ def test_a_refused_relay_carries_no_notices_and_a_foreign_epoch_is_refused():
     reply = handlers.RelayPutEnd(wrong)  # no such pending put
     assert reply.status == Status.OK and list(reply.statuses) == [Status.NOT_PENDING]
     assert len(reply.notices.offsets) == 0
+
+
+def test_under_a_direct_read_fence_a_relay_is_refused_after_its_acknowledgement_counts():
+    """A dropped segment may still serve direct reads: the relay would wait past its own bound, so it
+    is answered UNAVAILABLE at once (the client sends its PutEnd itself) and commits nothing; the
+    acknowledgement it carried still counts."""
+    handlers, segment_id = _cluster()
+    state = handlers.state
+    first = _relay(handlers, segment_id, "a", acked=0)
+    assert list(first.statuses) == [Status.OK]
+    state.direct_read_fence = state.clock() + 1.0
+    started = state.put_start("ns", ["b"], [100], 1, PutOptions())
+    put_end = pb.PutEndRequest(namespace="ns", keys=["b"], checksums=[7], put_id=started.put_id)
+    reply = handlers.RelayPutEnd(
+        pb.RelayPutEndRequest(put_end=put_end, segment_id=segment_id, epoch=EPOCH, acked_seq=1)
+    )
+    assert reply.status == Status.UNAVAILABLE and not reply.statuses
+    assert state.commits.first_unacked(segment_id) == 2  # "a"'s notice acknowledged all the same
+    assert state.exists("ns", ["b"])[0] == [False]  # nothing committed: the client's own PutEnd will
