@@ -20,6 +20,13 @@ from kvtier.proto.rpcframe import MESSAGE_LIMIT
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    # gRPC's own reconnect backoff starts at 1 s and grows to 120 s: a segment whose master restarted
+    # stayed unable to reach it for a second or more after it listened again, and missed the recovery
+    # gate (its index then discarded). Our callers retry with their own bounded backoff; the channel
+    # reconnects within 100 ms to 1 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
