@@ -457,24 +457,17 @@ class TcpConnector:
                     request = frames.pack_request(op, request_id, table, len(names), trace, frame_caps)
                     send_all(sock, [request, names])
                     expected = 4 * (end - start) + sum(sizes[start:end])
-                    if expected <= _AHEAD_COPY:  # a few small objects: header and all in one receive
-                        self._named_small(
+                    if expected <= _CHUNK and end - start <= _AHEAD_RANGES:
+                        self._named_at_once(
                             sock, request_id, header, op, start, end, expected, sizes, views, checksums, results
                         )
                         continue
                     status, payload_len, _ = self._read_response(sock, request_id, header)
                     if status != _OK:
-                        message = self._error_message(sock, payload_len)
-                        logger.warning(
-                            "segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message
-                        )
-                        results[start:end] = [status] * (end - start)
+                        self._named_refused(op, status, self._error_message(sock, payload_len), results, start, end)
                         continue
                     if payload_len != expected:
                         raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
-                    if expected <= _CHUNK and end - start <= _AHEAD_RANGES:  # statuses and bytes: one scatter receive
-                        self._named_scattered(sock, start, end, sizes, views, checksums, results)
-                        continue
                     for i in range(start, end):
                         recv_exact_into(sock, memoryview(status_buf))
                         (item_status,) = frames.DISK_STATUS.unpack(status_buf)
@@ -496,41 +489,7 @@ class TcpConnector:
             self._failed(op.name, exc)
         return results
 
-    @staticmethod
-    def _named_scattered(
-        sock: socket.socket,
-        start: int,
-        end: int,
-        sizes: list[int],
-        views: Sequence[Buffer] | None,
-        checksums: list[int | None] | None,
-        results: list[bytes | int],
-    ) -> None:
-        """A READ_DISK or READ_KEYED answer's payload of at most _CHUNK bytes: every range's status
-        and bytes in one scatter receive (the caller's buffers, or one buffer the values are cut from)."""
-        statuses = memoryview(bytearray(4 * (end - start)))
-        if views is None:
-            whole = memoryview(bytearray(sum(sizes[start:end])))
-            cuts = [0, *itertools.accumulate(sizes[start:end])]
-            datas = [whole[cuts[n] : cuts[n + 1]] for n in range(end - start)]
-        else:
-            datas = [memoryview(views[i])[: sizes[i]] for i in range(start, end)]
-        parts = []
-        for n, data in enumerate(datas):
-            parts.append(statuses[4 * n : 4 * n + 4])
-            if len(data):
-                parts.append(data)
-        recv_exact_into_all(sock, parts)
-        for n, i in enumerate(range(start, end)):
-            (item_status,) = frames.DISK_STATUS.unpack_from(statuses, 4 * n)
-            if views is None:
-                results[i] = bytes(datas[n]) if item_status == _OK else item_status
-                continue
-            if checksums is not None:
-                checksums[i] = crc32c.crc32c(datas[n])
-            results[i] = item_status
-
-    def _named_small(
+    def _named_at_once(
         self,
         sock: socket.socket,
         request_id: int,
@@ -544,28 +503,47 @@ class TcpConnector:
         checksums: list[int | None] | None,
         results: list[bytes | int],
     ) -> None:
-        """The answer of a READ_DISK or READ_KEYED frame of at most _AHEAD_COPY bytes, nothing behind
-        it on the socket: received with its header into one scratch buffer, then cut per range."""
-        scratch = bytearray(expected)
-        status, payload_len, got = self._read_response(sock, request_id, header, [memoryview(scratch)])
+        """The answer of a READ_DISK or READ_KEYED frame of at most _CHUNK bytes, nothing behind it on
+        the socket: each range's status and bytes go straight to their place (the caller's buffers,
+        or one buffer the values are cut from), with the header's receive when they came with it
+        (a few small objects: one receive in all) and one scatter receive for the rest."""
+        statuses = memoryview(bytearray(4 * (end - start)))
+        if views is None:
+            whole = memoryview(bytearray(sum(sizes[start:end])))
+            cuts = [0, *itertools.accumulate(sizes[start:end])]
+            datas = [whole[cuts[n] : cuts[n + 1]] for n in range(end - start)]
+        else:
+            datas = [memoryview(views[i])[: sizes[i]] for i in range(start, end)]
+        parts = []
+        for n, data in enumerate(datas):
+            parts.append(statuses[4 * n : 4 * n + 4])
+            if len(data):
+                parts.append(data)
+        status, payload_len, got = self._read_response(sock, request_id, header, parts)
         if status != _OK:
-            message = self._error_message(sock, payload_len, [memoryview(scratch)], got)
-            logger.warning("segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message)
-            results[start:end] = [status] * (end - start)
-            return
+            return self._named_refused(
+                op, status, self._error_message(sock, payload_len, parts, got), results, start, end
+            )
         if payload_len != expected:
             raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {expected}")
-        if got < expected:
-            recv_exact_into(sock, memoryview(scratch)[got:])
-        pos = 0
-        for i in range(start, end):
-            (item_status,) = frames.DISK_STATUS.unpack_from(scratch, pos)
-            data = memoryview(scratch)[pos + 4 : pos + 4 + sizes[i]]
-            pos += 4 + sizes[i]
+        rest = []
+        for part in parts:  # what did not come with the header
+            if got >= len(part):
+                got -= len(part)
+            else:
+                rest.append(part[got:])
+                got = 0
+        if rest:
+            recv_exact_into_all(sock, rest)
+        for n, i in enumerate(range(start, end)):
+            (item_status,) = frames.DISK_STATUS.unpack_from(statuses, 4 * n)
             if views is None:
-                results[i] = bytes(data) if item_status == _OK else item_status
+                results[i] = bytes(datas[n]) if item_status == _OK else item_status
                 continue
-            views[i][: sizes[i]] = data
             if checksums is not None:
-                checksums[i] = crc32c.crc32c(data)
+                checksums[i] = crc32c.crc32c(datas[n])
             results[i] = item_status
+
+    def _named_refused(self, op: Op, status: int, message: str, results: list, start: int, end: int) -> None:
+        logger.warning("segment %s refused %s: %s: %s", self.endpoint, op.name, to_status(status).name, message)
+        results[start:end] = [status] * (end - start)
