@@ -52,7 +52,7 @@ class Barrier:
         # The fence as it is now, not as it was when the wait began: a segment dropped during the
         # wait (its notices then count as acknowledged) may serve direct reads until then.
         return (
-            state.clock() >= state.direct_read_fence
+            not state.direct_reads_fenced()
             and state.commits.acked(self.notices)
             and state.durable_generation >= self.generation
             and all(state.tiering.forgotten(t) for t in self.forgets)
@@ -139,7 +139,7 @@ class CommitWaiter:
         waiting: deque[_ParkedAnswer] = deque()
         done, fenced = [], []
         state = self._handlers.state
-        fence_ahead = state.direct_read_fence > state.clock()
+        fence_ahead = state.direct_reads_fenced()
         for answer in parked:
             if answer.barrier.done(answer.state):
                 done.append(answer)
@@ -207,7 +207,7 @@ class CommitWaiter:
         put_ack, handlers.put_ack = handlers.put_ack, None
         relayed_by, handlers.relayed_by = handlers.relayed_by, 0
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
-        fenced = state.direct_read_fence > state.clock()  # a segment that may serve direct reads was dropped
+        fenced = state.direct_reads_fenced()  # a segment that may serve direct reads was dropped
         barrier = Barrier(state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation or fenced else None
 

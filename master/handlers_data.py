@@ -162,7 +162,7 @@ class DataCalls:
             self.denied["PutEnd"] += 1
             return pb.RelayPutEndResponse(status=Status.PERMISSION_DENIED, error=denied)
         commits.ack(segment_id, request.acked_seq)
-        if self.state.direct_read_fence > self.state.clock():
+        if self.state.direct_reads_fenced():
             # A dropped segment may still serve direct reads: this answer would wait for that longer
             # than the relay waits. The client sends its PutEnd itself (and that one waits).
             return pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY)

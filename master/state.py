@@ -638,6 +638,11 @@ class MasterState(SegmentTable, RangeBook):
 
     # ------------------------------------------------------------------ time
 
+    def direct_reads_fenced(self) -> bool:
+        """Whether a segment the master can no longer stop may still serve direct reads (before
+        `direct_read_fence`): calls that change what a key reads wait until it is not."""
+        return self.clock() < self.direct_read_fence
+
     def tick(self) -> None:
         """Expire silent segments, reclaim abandoned puts, free ranges whose lease ended, evict to the watermark."""
         now = self.clock()
