@@ -360,7 +360,6 @@ class Reads:
         attempt = 0
         # Direct reads later (kvtier.client.locations): DRAM copies on segments that serve them.
         remember = self._locations is not None and any(s.direct_reads for s in reply.segments)
-        until = lease_deadline
         transferred: dict[str, int] = {}  # bytes per tier
         verified: dict[str, int] = {}  # "served_<tier>_<path>" objects and "served_bytes_<tier>_<path>"
         corrupt: list[tuple[int, int]] = []  # (key index, replica position) of copies that failed verification
@@ -439,7 +438,9 @@ class Reads:
                             served_bytes += size
                             if remember and path == "tcp" and size <= DIRECT_READ_MAX_BYTES:
                                 position = replicas[i][attempt]
-                                self._remember(keys[i], segments[segment_id], reply, position, size, crc, until)
+                                self._remember(
+                                    keys[i], segments[segment_id], reply, position, size, crc, lease_deadline
+                                )
                             continue
                         status = _MISMATCH
                         corrupt.append((i, replicas[i][attempt]))
