@@ -170,6 +170,15 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _by_overwrite(keys: list[str], values: list[Any]) -> list[tuple[bool, list[tuple[str, Any]]]]:
+    """The puts of one store call: content-addressed keys (never overwritten) apart from foreign ones
+    (overwritten, `FOREIGN_PREFIX`); each part only when it has keys."""
+    parts: dict[bool, list[tuple[str, Any]]] = {False: [], True: []}
+    for key, value in zip(keys, values, strict=True):
+        parts[key.startswith(FOREIGN_PREFIX)].append((key, value))
+    return [(overwrite, part) for overwrite, part in parts.items() if part]
+
+
 def key_world_size(config: Any, metadata: Any) -> int:
     """The world size LMCache writes into its keys: MLA with save_only_first_rank collapses it to 1."""
     if metadata.use_mla and config.get_extra_config_value("save_only_first_rank", metadata.use_mla):
@@ -583,14 +592,17 @@ class KvtierConnector(RemoteConnector):
             )
         if not kv_keys:
             return
-        foreign = [k for k in kv_keys if k.startswith(FOREIGN_PREFIX)]
-        if foreign:  # not content-addressed (e.g. LMCache's health probe): the last put wins
-            self.guard.call("remove", lambda: self._client.batch_remove(foreign), [])
-        statuses = self.guard.call(
-            "batch_put",
-            lambda: self._client.batch_put(kv_keys, values, replicas=self.settings.replicas),
-            [Status.UNAVAILABLE] * len(kv_keys),
-        )
+        statuses: list[Status] = []
+        for overwrite, group in _by_overwrite(kv_keys, values):
+            names, data = [k for k, _ in group], [v for _, v in group]
+            # Not content-addressed (LMCache's health probe): the last put wins, as one atomic
+            # overwrite, so a reader meanwhile gets the old bytes or the new, never a miss.
+            put = self._client.batch_upsert if overwrite else self._client.batch_put
+            statuses += self.guard.call(
+                "batch_put",
+                lambda put=put, names=names, data=data: put(names, data, replicas=self.settings.replicas),
+                [Status.UNAVAILABLE] * len(names),
+            )
         failed = [s for s in statuses if s != Status.OK]
         self.guard.count("puts", len(kv_keys) - len(failed))
         if failed:

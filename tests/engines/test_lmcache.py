@@ -353,6 +353,45 @@ def test_lmcache_health_probe_round_trips_with_fresh_bytes_every_time(cluster, e
     assert RemoteBackendHealthCheck(engine.remote)._put_and_get_check()
 
 
+def test_an_overwritten_probe_key_never_reads_as_a_miss_meanwhile(cluster, engines):
+    """Keys that are overwritten (the health probe's) are replaced atomically: a reader polling the
+    key while the probe is put again and again always finds a value (remove-then-put left a gap)."""
+    import threading
+
+    engine = engines(cluster.master_address)
+    probe = CacheEngineKey(model_name="test", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.bfloat16)
+
+    def put(fill: int) -> None:
+        obj = engine.cpu.allocate(engine.metadata.get_shapes(), engine.metadata.get_dtypes())
+        obj.raw_tensor.fill_(fill)
+        engine.remote.submit_put_task(probe, obj).result(10)
+        obj.ref_count_down()
+
+    put(1)
+    misses, reads, done = [], [0], threading.Event()
+    with cluster.client(namespace=engine.connector.namespace) as raw:
+        kv_key = engine.connector.kv_key(probe)
+        assert raw.get(kv_key) is not None
+
+        def read() -> None:
+            while not done.is_set():
+                reads[0] += 1
+                if raw.get(kv_key) is None:
+                    misses.append(reads[0])
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            for fill in range(2, 42):
+                put(fill)
+        finally:
+            done.set()
+            reader.join(10)
+    assert reads[0] > 40
+    assert misses == [], f"{len(misses)} of {reads[0]} reads missed the overwritten key"
+    assert engine.connector.stats().get("put_failures", 0) == 0
+
+
 # ---------------------------------------------------------------------------- failures
 
 
