@@ -40,6 +40,7 @@ from kvtier.bench.limits import (
     wire_target,
 )
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
+from kvtier.bench.placement_bench import add_arguments as add_placement_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
 from kvtier.bench.scan_bench import add_arguments as add_scan_arguments
 from kvtier.common.units import format_size, parse_size
@@ -124,6 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_master_arguments(parser)
     add_scan_arguments(parser)
+    add_placement_arguments(parser)
     add_recovery_arguments(parser)
     add_eviction_arguments(parser)
 
@@ -433,6 +435,22 @@ def run(opts: argparse.Namespace) -> int:
             opts.eviction_cluster_scale,
         )
         print_eviction_result(result, opts.json, machine_description())
+        return 0
+    if opts.master_placement:
+        from kvtier.bench.placement_bench import print_placement_result, run_placement_bench
+
+        try:
+            counts = [int(c) for c in opts.placement_segments.split(",") if c.strip()]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1 or opts.placement_keys < 1 or opts.batch < 1:
+            print(
+                "kvtier bench: --placement-segments (counts >= 1), --placement-keys, --batch must be positive",
+                file=sys.stderr,
+            )
+            return 2
+        rows = run_placement_bench(counts, opts.batch, opts.placement_keys)
+        print_placement_result(rows, opts.batch, opts.json, machine_description())
         return 0
     if opts.master_scan:
         from kvtier.bench.scan_bench import print_scan_result, run_scan_bench

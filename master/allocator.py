@@ -37,6 +37,12 @@ _SCAN_OWN_BIN = 8  # extents of the request's own bin inspected before going up 
 
 
 class OffsetAllocator:
+    # Every allocation, reservation and release of any allocator in the process adds one: a
+    # placement order built from the allocators knows it is still exact while this is unchanged
+    # (kvtier.master.placement.SegmentPicker). One process-wide count, not one per allocator: no
+    # reader would have to look at every allocator to learn that one changed.
+    changes = 0
+
     def __init__(self, capacity: int, alignment: int = 64, track: bool = True) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, not {alignment}")
@@ -88,6 +94,7 @@ class OffsetAllocator:
         if self._bump_end - start >= size:  # the hot path of a fill: no map is touched
             self._bump = start + size
             self.used += size
+            OffsetAllocator.changes += 1
             if self._allocated is not None:
                 self._allocated[start] = size
             return start
@@ -115,6 +122,7 @@ class OffsetAllocator:
         # A small range cut from a larger bin's extent: keep the rest aside as the bump extent.
         self._bump, self._bump_end = start + size, start + extent
         self.used += size
+        OffsetAllocator.changes += 1
         if self._allocated is not None:
             self._allocated[start] = size
         return start
@@ -136,6 +144,7 @@ class OffsetAllocator:
         if offset + size < self.capacity:
             self._insert(offset + size, self.capacity - offset - size)
         self.used += size
+        OffsetAllocator.changes += 1
         if self._allocated is not None:
             self._allocated[offset] = size
         return True
@@ -158,6 +167,7 @@ class OffsetAllocator:
         ):
             raise ValueError(f"release of a range that is not allocated: offset={offset} size={size}")
         self.used -= size
+        OffsetAllocator.changes += 1
         end = offset + size
         after = self._free_by_start.get(end)
         if after is not None:
@@ -178,6 +188,7 @@ class OffsetAllocator:
         if extent > size:
             self._insert(start + size, extent - size)
         self.used += size
+        OffsetAllocator.changes += 1
         if self._allocated is not None:
             self._allocated[start] = size
         return start

@@ -17,9 +17,11 @@ a false alarm (or a cluster of one segment) must not refuse every put.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
+from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.eviction import pick_victims
 from kvtier.master.records import OFFSET_MASK, SEGMENT_SHIFT, TIER_SHIFT, ObjectRecord, replica
 from kvtier.master.tiering import dram_key
@@ -51,27 +53,74 @@ def static_rank(
     }
 
 
+def _used_ratio(segment: SegmentRecord) -> float:
+    allocator = segment.allocator
+    return allocator.used / allocator.capacity if allocator.capacity else 1.0
+
+
+class SegmentPicker:
+    """One PutStart's first choice for its single-replica keys, as `place` ranks segments (static
+    rank, then the lowest used ratio, then the order of `active`), in O(log segments) a key instead
+    of O(segments): a master with hundreds of segments (one per engine rank on many hosts) paid a
+    pass over all of them per key. A heap built from the allocators as they are, kept exact as its
+    own allocations fill segments; any other change to any allocator (an eviction, a release, a
+    placement elsewhere) is seen in `OffsetAllocator.changes` and rebuilds it at the next key."""
+
+    __slots__ = ("_active", "_static", "_heap", "_seen")
+
+    def __init__(self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool, bool]]) -> None:
+        self._active, self._static = active, static
+        self._heap: list[tuple[tuple[bool, bool, bool], float, int, SegmentRecord]] = []
+        self._seen = -1  # OffsetAllocator.changes when the heap was last exact
+
+    def allocate(self, size: int) -> int | None:
+        """A replica of `size` (> 0) bytes on the first segment in order, or None when that one has
+        no room (`place` then tries the others and eviction)."""
+        heap = self._heap
+        if self._seen != OffsetAllocator.changes:
+            static = self._static
+            heap[:] = [(static[s.segment_id], _used_ratio(s), i, s) for i, s in enumerate(self._active)]
+            heapq.heapify(heap)
+        rank, _, position, segment = heap[0]
+        offset = segment.allocator.allocate(size)
+        if offset is None:
+            return None
+        segment.objects += 1
+        heapq.heapreplace(heap, (rank, _used_ratio(segment), position, segment))
+        self._seen = OffsetAllocator.changes
+        return segment.segment_id << SEGMENT_SHIFT | offset  # replica(): inlined, hot
+
+
 def place(
-    state: MasterState, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
+    state: MasterState,
+    active: list[SegmentRecord],
+    static: dict[int, tuple[bool, bool]],
+    size: int,
+    replicas: int,
+    picker: SegmentPicker | None = None,
 ) -> tuple[int, ...] | None:
     """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
 
     Preference: `static` (preferred segment, writer's host), then the
     highest free ratio, re-evaluated per key as the batch fills segments.
     Tries each segment in that order, then evicts LRU objects from
-    segments in that order until the range fits.
+    segments in that order until the range fits. `picker`: the batch's
+    SegmentPicker over the same `active` and `static`, for its first choice.
     """
 
     def rank(segment: SegmentRecord) -> tuple:
-        allocator = segment.allocator
-        return static[segment.segment_id], allocator.used / allocator.capacity if allocator.capacity else 1.0
+        return static[segment.segment_id], _used_ratio(segment)
 
-    if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
-        best = active[0] if len(active) == 1 else min(active, key=rank)
-        offset = best.allocator.allocate(size)
-        if offset is not None:
-            best.objects += 1
-            return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
+    if replicas == 1 and size:  # the common case: the first segment in order, if it has room
+        if picker is not None:
+            if (placed := picker.allocate(size)) is not None:
+                return (placed,)
+        else:
+            best = active[0] if len(active) == 1 else min(active, key=rank)
+            offset = best.allocator.allocate(size)
+            if offset is not None:
+                best.objects += 1
+                return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
     order = sorted(active, key=rank)
     placed: list[int] = []
     used_hosts: set[str] = set()

@@ -66,7 +66,7 @@ from kvtier.master.groups import GroupTable
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
-from kvtier.master.placement import place, static_rank
+from kvtier.master.placement import SegmentPicker, place, static_rank
 from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.range_book import RangeBook
@@ -236,6 +236,8 @@ class MasterState(SegmentTable, RangeBook):
         active = [s for s in self.segments.values() if s.placeable]
         largest = max((s.capacity for s in active), default=0)
         static = static_rank(active, options, now - self.config.segment_suspect_s, self.quarantine.names)
+        # The order of many segments, built at the first key placed (one segment needs none).
+        picker = SegmentPicker(active, static) if len(active) > 1 else None
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
@@ -287,7 +289,7 @@ class MasterState(SegmentTable, RangeBook):
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                placed = place(self, active, static, size, replicas)
+                placed = place(self, active, static, size, replicas, picker)
                 if placed is None:
                     status = self.pressure.no_room()
                 else:

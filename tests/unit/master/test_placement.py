@@ -6,10 +6,12 @@ and objects, when a range is asked for, then where it goes and what was evicted 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.placement import allocate_on, fits_after, place, static_rank
+from kvtier.master.placement import SegmentPicker, allocate_on, fits_after, place, static_rank
 from kvtier.master.records import PIN_HARD, PIN_NONE, ObjectRecord, replica, replica_offset, replica_segment
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
@@ -80,6 +82,48 @@ def test_the_preferred_segment_wins_while_it_has_room(state: MasterState):
     active = [fuller, emptier]
     static = static_rank(active, PutOptions(preferred_segment="fuller"))
     assert replica_segment(place(state, active, static, 1000, 1)[0]) == fuller.segment_id
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_batch_picker_chooses_as_the_full_ranking_does_whatever_else_changes(state: MasterState, seed: int):
+    """SegmentPicker (a heap over one PutStart's segments) picks exactly the segment the full ranking
+    would at each key: its own allocations, releases, allocations elsewhere and ties in between."""
+    rng = random.Random(seed)
+    active = [mount(state, f"s{i}", f"h{i % 3}", capacity=rng.choice([256, 512, 1024]) * KiB) for i in range(12)]
+    static = static_rank(active, PutOptions(client_host="h1") if seed % 2 else PutOptions())
+    picker = SegmentPicker(active, static)
+    held: list[tuple] = []  # (segment, offset, size) allocated so far
+    picks = 0
+    for _ in range(400):
+        move = rng.random()
+        if move < 0.3 and held:  # a release somewhere (an eviction, a removal)
+            segment, offset, size = held.pop(rng.randrange(len(held)))
+            segment.allocator.release(offset, size)
+        elif move < 0.4:  # an allocation the picker did not make (a replica, a promotion)
+            segment = rng.choice(active)
+            size = rng.choice([1, 4, 16]) * KiB
+            if (offset := segment.allocator.allocate(size)) is not None:
+                held.append((segment, offset, size))
+        else:
+            size = rng.choice([1, 4, 16, 32]) * KiB
+            expected = min(active, key=lambda s: (static[s.segment_id], s.allocator.used / s.allocator.capacity))
+            placed = picker.allocate(size)
+            if placed is None:  # only when the first choice has no room for it
+                assert expected.allocator.allocate(size) is None
+                continue
+            assert replica_segment(placed) == expected.segment_id
+            held.append((expected, replica_offset(placed), size))
+            picks += 1
+    assert picks > 150  # most keys were placed: the comparison ran on a changing cluster
+
+
+def test_a_batch_spreads_over_many_segments_by_their_fill(state: MasterState):
+    """Through PutStart: equal segments take a batch's keys in turn (each key re-ranks them)."""
+    segments = [mount(state, f"s{i}") for i in range(8)]
+    started = state.put_start(NS, [f"k{i}" for i in range(32)], [4 * KiB] * 32, 1, PutOptions())
+    assert started.statuses == [Status.OK] * 32
+    counts = {s.segment_id: list(started.replica_segments).count(s.segment_id) for s in segments}
+    assert set(counts.values()) == {4}
 
 
 def test_replicas_go_to_distinct_segments_on_distinct_hosts_first(state: MasterState):
