@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvtier.bench.clients import ClientsResult, cpu_seconds, needed_dram, verdicts
+from kvtier.bench.clients import ClientsResult, cpu_seconds, needed_dram, overlap_rates, verdicts
 
 MiB = 1 << 20
 
@@ -34,3 +34,16 @@ def test_cpu_seconds_come_from_proc_and_grow_with_work():
 def test_each_segment_gets_room_for_every_clients_puts_of_one_workload():
     # 4 clients, 32 x 1 MiB batches, 256 MiB per run: 8 batches + the read set each, twice over 2 segments.
     assert needed_dram(4, [MiB], 32, 256 * MiB, 2) == 2 * 4 * (256 + 32) * MiB // 2
+
+
+def test_per_client_rates_are_taken_while_every_client_ran():
+    """Fixed work each: a client that finished first is not credited with the machine it left."""
+    fast = [0.0, 1.0, 2.0, 3.0, 4.0]  # four batches, one a second
+    slow = [0.0, 2.0, 4.0, 6.0, 8.0]  # the same work at half the speed
+    assert overlap_rates([fast, slow], 10) == [10.0, 5.0]  # over [0, 4]: 4 and 2 batches
+    # The batch in flight at the window's edges counts in proportion; a late start shortens it.
+    late = [1.0, 2.5, 4.0, 5.5]
+    rates = overlap_rates([fast, late], 10)
+    assert rates[0] == 10.0  # [1, 4]: batches 2-4 of the fast client
+    assert abs(rates[1] - 20 / 3) < 1e-9  # 2 batches in 3 s
+    assert overlap_rates([[0.0, 1.0], [2.0, 3.0]], 10) is None  # never ran together: no such window
