@@ -437,17 +437,21 @@ def run(opts: argparse.Namespace) -> int:
         print_eviction_result(result, opts.json, machine_description())
         return 0
     if opts.master_placement:
-        from kvtier.bench.placement_bench import print_placement_result, run_placement_bench
+        from kvtier.bench.placement_bench import print_placement_result, run_placement_bench, too_many_keys
 
         try:
             counts = [int(c) for c in opts.placement_segments.split(",") if c.strip()]
         except ValueError:
             counts = []
-        if not counts or min(counts) < 1 or opts.placement_keys < 1 or opts.batch < 1:
+        if not counts or min(counts) < 1 or opts.batch < 1 or opts.placement_keys < opts.batch:
             print(
-                "kvtier bench: --placement-segments (counts >= 1), --placement-keys, --batch must be positive",
+                "kvtier bench: --placement-segments (counts >= 1) and --batch must be positive, "
+                "--placement-keys at least --batch",
                 file=sys.stderr,
             )
+            return 2
+        if too_many_keys(counts, opts.placement_keys):
+            print("kvtier bench: --placement-keys: more 4 KiB keys than the fewest segments hold", file=sys.stderr)
             return 2
         rows = run_placement_bench(counts, opts.batch, opts.placement_keys)
         print_placement_result(rows, opts.batch, opts.json, machine_description())

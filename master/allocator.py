@@ -40,7 +40,9 @@ class OffsetAllocator:
     # Every allocation, reservation and release of any allocator in the process adds one: a
     # placement order built from the allocators knows it is still exact while this is unchanged
     # (kvtier.master.placement.SegmentPicker). One process-wide count, not one per allocator: no
-    # reader would have to look at every allocator to learn that one changed.
+    # reader would have to look at every allocator to learn that one changed. Not atomic across
+    # threads, and need not be: one MasterState's allocators change on its event loop only, so an
+    # increment lost to another thread's can only hide another state's change from a picker.
     changes = 0
 
     def __init__(self, capacity: int, alignment: int = 64, track: bool = True) -> None:

@@ -60,22 +60,35 @@ def _used_ratio(segment: SegmentRecord) -> float:
 
 class SegmentPicker:
     """One PutStart's first choice for its single-replica keys, as `place` ranks segments (static
-    rank, then the lowest used ratio, then the order of `active`), in O(log segments) a key instead
-    of O(segments): a master with hundreds of segments (one per engine rank on many hosts) paid a
-    pass over all of them per key. A heap built from the allocators as they are, kept exact as its
-    own allocations fill segments; any other change to any allocator (an eviction, a release, a
-    placement elsewhere) is seen in `OffsetAllocator.changes` and rebuilds it at the next key."""
+    rank, then the lowest used ratio, then the order of `active`). The first key is chosen by one
+    pass over the segments, as before; from the second key on, a heap built from the allocators as
+    they are (one more pass) and kept exact as the picker's own allocations fill segments answers
+    in O(log segments): a master with hundreds of segments (one per engine rank on many hosts) paid
+    a pass over all of them per key of a batch. Any other change to any allocator (an eviction, a
+    release, a placement elsewhere) is seen in `OffsetAllocator.changes` and rebuilds the heap at
+    the next key. What stays O(segments) is once per PutStart (this and its caller's list of
+    placeable segments and their static ranks)."""
 
-    __slots__ = ("_active", "_static", "_heap", "_seen")
+    __slots__ = ("_active", "_static", "_heap", "_seen", "_placed")
 
     def __init__(self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool, bool]]) -> None:
         self._active, self._static = active, static
         self._heap: list[tuple[tuple[bool, bool, bool], float, int, SegmentRecord]] = []
         self._seen = -1  # OffsetAllocator.changes when the heap was last exact
+        self._placed = 0  # keys this picker placed
 
     def allocate(self, size: int) -> int | None:
         """A replica of `size` (> 0) bytes on the first segment in order, or None when that one has
         no room (`place` then tries the others and eviction)."""
+        if not self._placed:  # a single-key PutStart must not pay for a heap it will not use
+            static = self._static
+            best = min(self._active, key=lambda s: (static[s.segment_id], _used_ratio(s)))
+            offset = best.allocator.allocate(size)
+            if offset is None:
+                return None
+            best.objects += 1
+            self._placed = 1
+            return best.segment_id << SEGMENT_SHIFT | offset
         heap = self._heap
         if self._seen != OffsetAllocator.changes:
             static = self._static
@@ -86,6 +99,7 @@ class SegmentPicker:
         if offset is None:
             return None
         segment.objects += 1
+        self._placed += 1
         heapq.heapreplace(heap, (rank, _used_ratio(segment), position, segment))
         self._seen = OffsetAllocator.changes
         return segment.segment_id << SEGMENT_SHIFT | offset  # replica(): inlined, hot

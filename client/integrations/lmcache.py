@@ -592,14 +592,14 @@ class KvtierConnector(RemoteConnector):
             )
         if not kv_keys:
             return
-        statuses: list[Status] = []
+        statuses: list[Status] = []  # counted only: in the order of the parts, not of kv_keys
         for overwrite, group in _by_overwrite(kv_keys, values):
             names, data = [k for k, _ in group], [v for _, v in group]
             # Not content-addressed (LMCache's health probe): the last put wins, as one atomic
             # overwrite, so a reader meanwhile gets the old bytes or the new, never a miss.
             put = self._client.batch_upsert if overwrite else self._client.batch_put
             statuses += self.guard.call(
-                "batch_put",
+                "batch_upsert" if overwrite else "batch_put",
                 lambda put=put, names=names, data=data: put(names, data, replicas=self.settings.replicas),
                 [Status.UNAVAILABLE] * len(names),
             )
