@@ -5,9 +5,10 @@ mounted (each a segment of its own host, as one segment per engine rank on many 
 driven through the state methods the PutStart and PutEnd handlers call; no sockets. For each
 segment count, batches of `--batch` keys (default 32) of 4 KiB are put and committed; the figure is
 the master's time per key (PutStart + PutEnd), and its ratio to the first count's in the same run
-(one segment by default). Placement ranks every segment for each key (kvtier.master.placement):
-before the batch's SegmentPicker that was a pass over all segments per key, so the cost grew with
-the cluster; what is still a pass over the segments is once per PutStart (`--batch 1` shows it).
+(one segment by default). Placement ranks the segments for each key (kvtier.master.placement):
+done as a pass over all of them per key, the cost grew with the cluster; the master's
+PlacementOrder (kvtier.master.placement_order) answers the first choice in O(log segments).
+`--batch 1` shows a single-key put's cost.
 Every key must be stored without evicting another (1 GiB per segment holds every default run):
 more keys than the segments hold would make this an eviction benchmark, so they are refused.
 """

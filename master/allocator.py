@@ -37,14 +37,6 @@ _SCAN_OWN_BIN = 8  # extents of the request's own bin inspected before going up 
 
 
 class OffsetAllocator:
-    # Every allocation, reservation and release of any allocator in the process adds one: a
-    # placement order built from the allocators knows it is still exact while this is unchanged
-    # (kvtier.master.placement.SegmentPicker). One process-wide count, not one per allocator: no
-    # reader would have to look at every allocator to learn that one changed. Not atomic across
-    # threads, and need not be: one MasterState's allocators change on its event loop only, so an
-    # increment lost to another thread's can only hide another state's change from a picker.
-    changes = 0
-
     def __init__(self, capacity: int, alignment: int = 64, track: bool = True) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, not {alignment}")
@@ -58,8 +50,17 @@ class OffsetAllocator:
         # start -> aligned size of every live allocation; None when untracked
         self._allocated: dict[int, int] | None = {} if track else None
         self._bump = self._bump_end = 0  # the bump extent [_bump, _bump_end); empty when equal
+        # Who wants to know that `used` changed (kvtier.master.placement_order): this allocator puts
+        # itself on the list at its first change since `watched` was cleared; None: nobody.
+        self.watch: list[OffsetAllocator] | None = None
+        self.watched = False
         if self.capacity:
             self._insert(0, self.capacity)
+
+    def _changed(self) -> None:
+        if self.watch is not None and not self.watched:
+            self.watched = True
+            self.watch.append(self)
 
     def aligned(self, size: int) -> int:
         return -(-size // self.alignment) * self.alignment
@@ -96,7 +97,7 @@ class OffsetAllocator:
         if self._bump_end - start >= size:  # the hot path of a fill: no map is touched
             self._bump = start + size
             self.used += size
-            OffsetAllocator.changes += 1
+            self._changed()
             if self._allocated is not None:
                 self._allocated[start] = size
             return start
@@ -124,7 +125,7 @@ class OffsetAllocator:
         # A small range cut from a larger bin's extent: keep the rest aside as the bump extent.
         self._bump, self._bump_end = start + size, start + extent
         self.used += size
-        OffsetAllocator.changes += 1
+        self._changed()
         if self._allocated is not None:
             self._allocated[start] = size
         return start
@@ -146,7 +147,7 @@ class OffsetAllocator:
         if offset + size < self.capacity:
             self._insert(offset + size, self.capacity - offset - size)
         self.used += size
-        OffsetAllocator.changes += 1
+        self._changed()
         if self._allocated is not None:
             self._allocated[offset] = size
         return True
@@ -169,7 +170,7 @@ class OffsetAllocator:
         ):
             raise ValueError(f"release of a range that is not allocated: offset={offset} size={size}")
         self.used -= size
-        OffsetAllocator.changes += 1
+        self._changed()
         end = offset + size
         after = self._free_by_start.get(end)
         if after is not None:
@@ -190,7 +191,7 @@ class OffsetAllocator:
         if extent > size:
             self._insert(start + size, extent - size)
         self.used += size
-        OffsetAllocator.changes += 1
+        self._changed()
         if self._allocated is not None:
             self._allocated[start] = size
         return start

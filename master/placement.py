@@ -17,12 +17,11 @@ a false alarm (or a cluster of one segment) must not refuse every put.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
-from kvtier.master.allocator import OffsetAllocator
 from kvtier.master.eviction import pick_victims
+from kvtier.master.placement_order import used_ratio
 from kvtier.master.records import OFFSET_MASK, SEGMENT_SHIFT, TIER_SHIFT, ObjectRecord, replica
 from kvtier.master.tiering import dram_key
 
@@ -53,88 +52,39 @@ def static_rank(
     }
 
 
-def _used_ratio(segment: SegmentRecord) -> float:
-    allocator = segment.allocator
-    return allocator.used / allocator.capacity if allocator.capacity else 1.0
+# The placeable segments, the largest capacity among them, and their static rank (static_rank).
+Ranking = tuple[list["SegmentRecord"], int, dict[int, tuple[bool, bool, bool]]]
 
 
-class SegmentPicker:
-    """One PutStart's first choice for its single-replica keys, as `place` ranks segments (static
-    rank, then the lowest used ratio, then the order of `active`). The first key is chosen by one
-    pass over the segments, as before; from the second key on, a heap built from the allocators as
-    they are (one more pass) and kept exact as the picker's own allocations fill segments answers
-    in O(log segments): a master with hundreds of segments (one per engine rank on many hosts) paid
-    a pass over all of them per key of a batch. Any other change to any allocator (an eviction, a
-    release, a placement elsewhere) is seen in `OffsetAllocator.changes` and rebuilds the heap at
-    the next key. What stays O(segments) is once per PutStart (this and its caller's list of
-    placeable segments and their static ranks)."""
-
-    __slots__ = ("_active", "_static", "_heap", "_seen", "_placed")
-
-    def __init__(self, active: list[SegmentRecord], static: dict[int, tuple[bool, bool, bool]]) -> None:
-        self._active, self._static = active, static
-        self._heap: list[tuple[tuple[bool, bool, bool], float, int, SegmentRecord]] = []
-        self._seen = -1  # OffsetAllocator.changes when the heap was last exact
-        self._placed = 0  # keys this picker placed
-
-    def allocate(self, size: int) -> int | None:
-        """A replica of `size` (> 0) bytes on the first segment in order, or None when that one has
-        no room (`place` then tries the others and eviction)."""
-        if not self._placed:  # a single-key PutStart must not pay for a heap it will not use
-            static = self._static
-            best = min(self._active, key=lambda s: (static[s.segment_id], _used_ratio(s)))
-            offset = best.allocator.allocate(size)
-            if offset is None:
-                return None
-            best.objects += 1
-            self._placed = 1
-            return best.segment_id << SEGMENT_SHIFT | offset
-        heap = self._heap
-        if self._seen != OffsetAllocator.changes:
-            static = self._static
-            heap[:] = [(static[s.segment_id], _used_ratio(s), i, s) for i, s in enumerate(self._active)]
-            heapq.heapify(heap)
-        rank, _, position, segment = heap[0]
-        offset = segment.allocator.allocate(size)
-        if offset is None:
-            return None
-        segment.objects += 1
-        self._placed += 1
-        heapq.heapreplace(heap, (rank, _used_ratio(segment), position, segment))
-        self._seen = OffsetAllocator.changes
-        return segment.segment_id << SEGMENT_SHIFT | offset  # replica(): inlined, hot
+def full_ranking(state: MasterState, options: PutOptions, silent_since: float) -> Ranking:
+    """What ranking every segment for a key takes (a pass over them all): see `place`."""
+    active = [s for s in state.segments.values() if s.placeable]
+    largest = max((s.capacity for s in active), default=0)
+    return active, largest, static_rank(active, options, silent_since, state.quarantine.names)
 
 
 def place(
-    state: MasterState,
-    active: list[SegmentRecord],
-    static: dict[int, tuple[bool, bool]],
-    size: int,
-    replicas: int,
-    picker: SegmentPicker | None = None,
+    state: MasterState, active: list[SegmentRecord], static: dict[int, tuple[bool, bool]], size: int, replicas: int
 ) -> tuple[int, ...] | None:
     """Ranges on `replicas` distinct segments (distinct hosts first); None if they do not fit.
 
     Preference: `static` (preferred segment, writer's host), then the
     highest free ratio, re-evaluated per key as the batch fills segments.
     Tries each segment in that order, then evicts LRU objects from
-    segments in that order until the range fits. `picker`: the batch's
-    SegmentPicker over the same `active` and `static`, for its first choice.
+    segments in that order until the range fits. (A PutStart asks its
+    PlacementOrder for the first choice of a single-replica key before this:
+    kvtier.master.placement_order.)
     """
 
     def rank(segment: SegmentRecord) -> tuple:
-        return static[segment.segment_id], _used_ratio(segment)
+        return static[segment.segment_id], used_ratio(segment)
 
-    if replicas == 1 and size:  # the common case: the first segment in order, if it has room
-        if picker is not None:
-            if (placed := picker.allocate(size)) is not None:
-                return (placed,)
-        else:
-            best = active[0] if len(active) == 1 else min(active, key=rank)
-            offset = best.allocator.allocate(size)
-            if offset is not None:
-                best.objects += 1
-                return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
+    if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
+        best = active[0] if len(active) == 1 else min(active, key=rank)
+        offset = best.allocator.allocate(size)
+        if offset is not None:
+            best.objects += 1
+            return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
     order = sorted(active, key=rank)
     placed: list[int] = []
     used_hosts: set[str] = set()

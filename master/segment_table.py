@@ -116,6 +116,7 @@ class SegmentTable:
         )
         self.segments[segment.segment_id] = segment
         self._segments_by_name[name] = segment.segment_id
+        self.placement_order.add(segment)
         if self.quarantine.is_quarantined(name):  # by name: a re-mount is not a cure
             self.refresh_quarantine()
         self.tiering.mounted(segment)
@@ -225,6 +226,7 @@ class SegmentTable:
         """Forget a mounted segment and every replica on it (objects left without one go); an
         expulsion or a segment keeping its index opens a fence (kvtier.master.fences)."""
         segment = self.segments.pop(segment_id)
+        self.placement_order.remove(segment_id)
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)

@@ -66,7 +66,8 @@ from kvtier.master.groups import GroupTable
 from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
-from kvtier.master.placement import SegmentPicker, place, static_rank
+from kvtier.master.placement import Ranking, full_ranking, place
+from kvtier.master.placement_order import PlacementOrder
 from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.range_book import RangeBook
@@ -116,6 +117,7 @@ class MasterState(SegmentTable, RangeBook):
         self.clock = clock
         self.started_at = clock()
         self.segments: dict[int, SegmentRecord] = {}
+        self.placement_order = PlacementOrder()  # the first choice of a put, kept across PutStarts
         self._segments_by_name: dict[str, int] = {}
         # Every object by object_name(namespace, key), in one of two dicts. `_objects`: pending
         # objects and those with a DRAM copy, in recency order (see master/eviction.py): the
@@ -233,11 +235,11 @@ class MasterState(SegmentTable, RangeBook):
         objects = self._objects
         prefix = name_prefix(namespace)
         alignment = self.config.alignment
-        active = [s for s in self.segments.values() if s.placeable]
-        largest = max((s.capacity for s in active), default=0)
-        static = static_rank(active, options, now - self.config.segment_suspect_s, self.quarantine.names)
-        # The order of many segments, built at the first key placed (one segment needs none).
-        picker = SegmentPicker(active, static) if len(active) > 1 else None
+        silent_since = now - self.config.segment_suspect_s
+        # The full ranking (a pass over every segment), made only for a key the PlacementOrder does not
+        # answer or whose first choice has no room (kvtier.master.placement_order).
+        ranked: Ranking | None = None
+        order: PlacementOrder | None = self.placement_order
         statuses, counts = result.statuses, result.replica_counts
         separator, short = NAME_SEPARATOR, SHORT_KEY_CHARS
         sweeps, index_add = self.sweeps, self._index.insert  # the name is in neither dict: absent
@@ -266,10 +268,24 @@ class MasterState(SegmentTable, RangeBook):
                             self.history.left(existing, "replaced")
                         self._delete(objects.pop(name))  # pending: always in _objects
             if status == _OK:
-                if replicas > len(active):
-                    status = Status.NO_REPLICA
-                elif size > largest:
-                    status = Status.TOO_LARGE
+                first = None
+                if replicas == 1 and size and order is not None:  # the full ranking's first, without it
+                    first = order.first(
+                        options.preferred_segment,
+                        options.client_host,
+                        silent_since,
+                        self.quarantine.names,
+                        options.avoid_segments,
+                    )
+                    if first is None:  # the same answer for the rest of this PutStart: rank in full
+                        order = None
+                if first is None or size > first.capacity:  # whether any segment could take it: ask all
+                    first, ranked = None, ranked or full_ranking(self, options, silent_since)
+                    active, largest, _ = ranked
+                    if replicas > len(active):
+                        status = Status.NO_REPLICA
+                    elif size > largest:
+                        status = Status.TOO_LARGE
             charge = -(-size // alignment) * alignment * replicas
             quota_victims: list[ObjectRecord] = []
             if status == _OK and owner is not None and owner.over_by(charge):
@@ -289,7 +305,13 @@ class MasterState(SegmentTable, RangeBook):
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                placed = place(self, active, static, size, replicas, picker)
+                placed = None
+                if first is not None and (offset := first.allocator.allocate(size)) is not None:
+                    first.objects += 1
+                    placed = (first.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
+                else:
+                    ranked = ranked or full_ranking(self, options, silent_since)
+                    placed = place(self, ranked[0], ranked[2], size, replicas)
                 if placed is None:
                     status = self.pressure.no_room()
                 else:

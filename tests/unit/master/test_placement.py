@@ -11,9 +11,10 @@ import random
 import pytest
 
 from kvtier.master.config import MasterConfig
-from kvtier.master.placement import SegmentPicker, allocate_on, fits_after, place, static_rank
+from kvtier.master.placement import allocate_on, fits_after, place, static_rank
 from kvtier.master.records import PIN_HARD, PIN_NONE, ObjectRecord, replica, replica_offset, replica_segment
 from kvtier.master.state import MasterState, PutOptions
+from kvtier.master.state_types import SegmentState
 from kvtier.proto.status import Status
 
 KiB = 1 << 10
@@ -84,37 +85,91 @@ def test_the_preferred_segment_wins_while_it_has_room(state: MasterState):
     assert replica_segment(place(state, active, static, 1000, 1)[0]) == fuller.segment_id
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_the_batch_picker_chooses_as_the_full_ranking_does_whatever_else_changes(state: MasterState, seed: int):
-    """SegmentPicker (a heap over one PutStart's segments) picks exactly the segment the full ranking
-    would at each key: its own allocations, releases, allocations elsewhere and ties in between."""
+@pytest.mark.parametrize("seed", range(6))
+def test_the_placement_order_answers_as_the_full_ranking_whatever_changes(state: MasterState, clock, seed: int):
+    """PlacementOrder (segments by used ratio, kept across PutStarts) names exactly the segment the
+    full ranking puts first, or None when that one is shunned or none is placeable: under puts,
+    releases, allocations it did not make, segments draining, recovering, unsaved, skewed, silent,
+    mounted and dropped, preferred segments, writers' hosts and avoid lists, ties included."""
     rng = random.Random(seed)
-    active = [mount(state, f"s{i}", f"h{i % 3}", capacity=rng.choice([256, 512, 1024]) * KiB) for i in range(12)]
-    static = static_rank(active, PutOptions(client_host="h1") if seed % 2 else PutOptions())
-    picker = SegmentPicker(active, static)
+    for i in range(12):
+        mount(state, f"s{i}", f"h{i % 3}", capacity=rng.choice([256, 512, 1024]) * KiB)
+    order = state.placement_order
     held: list[tuple] = []  # (segment, offset, size) allocated so far
-    picks = 0
-    for _ in range(400):
+    answers = shunned_seen = 0
+    for step in range(600):
+        segments = list(state.segments.values())
         move = rng.random()
-        if move < 0.3 and held:  # a release somewhere (an eviction, a removal)
+        if move < 0.2 and held:  # a release (an eviction, a removal)
             segment, offset, size = held.pop(rng.randrange(len(held)))
-            segment.allocator.release(offset, size)
-        elif move < 0.4:  # an allocation the picker did not make (a replica, a promotion)
-            segment = rng.choice(active)
-            size = rng.choice([1, 4, 16]) * KiB
+            if segment.segment_id in state.segments:
+                segment.allocator.release(offset, size)
+        elif move < 0.28:  # an allocation the order did not answer (a replica, a promotion)
+            segment, size = rng.choice(segments), rng.choice([1, 4, 16]) * KiB
             if (offset := segment.allocator.allocate(size)) is not None:
                 held.append((segment, offset, size))
+        elif move < 0.36:  # placeability and liveness change under it
+            segment = rng.choice(segments)
+            flip = rng.randrange(5)
+            if flip == 0:
+                segment.state = rng.choice([SegmentState.ACTIVE, SegmentState.DRAINING, SegmentState.RECOVERING])
+            elif flip == 1:
+                segment.saved = not segment.saved
+            elif flip == 2:
+                segment.clock_skewed = not segment.clock_skewed
+            else:
+                segment.last_heartbeat = clock.now - rng.choice([0.0, 1000.0])
+        elif move < 0.39 and len(segments) > 2:
+            state.drop_segment(rng.choice(segments).segment_id, reason="unmounted")
+        elif move < 0.42:
+            mount(state, f"n{step}", f"h{rng.randrange(4)}", capacity=rng.choice([256, 512]) * KiB)
         else:
-            size = rng.choice([1, 4, 16, 32]) * KiB
-            expected = min(active, key=lambda s: (static[s.segment_id], s.allocator.used / s.allocator.capacity))
-            placed = picker.allocate(size)
-            if placed is None:  # only when the first choice has no room for it
-                assert expected.allocator.allocate(size) is None
-                continue
-            assert replica_segment(placed) == expected.segment_id
-            held.append((expected, replica_offset(placed), size))
-            picks += 1
-    assert picks > 150  # most keys were placed: the comparison ran on a changing cluster
+            names = [s.name for s in segments]
+            options = PutOptions(
+                preferred_segment=rng.choice(["", "", rng.choice(names), "gone"]),
+                client_host=rng.choice(["", "h1", "h3"]),
+                avoid_segments=rng.sample(names, rng.choice([0, 0, 1, 2])),
+            )
+            silent_since = clock.now - state.config.segment_suspect_s
+            active = [s for s in state.segments.values() if s.placeable]
+            static = static_rank(active, options, silent_since, state.quarantine.names)
+            best = min(
+                active, key=lambda s: (static[s.segment_id], s.allocator.used / s.allocator.capacity), default=None
+            )
+            expected = None if best is None or static[best.segment_id][0] else best
+            got = order.first(
+                options.preferred_segment, options.client_host, silent_since, state.quarantine.names,
+                options.avoid_segments,
+            )  # fmt: skip
+            assert got is expected, (step, options)
+            shunned_seen += any(rank[0] for rank in static.values())
+            if got is not None:
+                answers += 1
+                size = rng.choice([1, 4, 16, 32]) * KiB
+                if (offset := got.allocator.allocate(size)) is not None:  # the put that follows
+                    held.append((got, offset, size))
+    assert answers > 150 and shunned_seen > 50  # compared on a changing cluster, shunned segments in it
+
+
+def test_the_placement_order_leaves_shunned_and_unplaceable_segments_to_the_full_ranking(state, clock):
+    a, b = mount(state, "a", "h1"), mount(state, "b", "h2")
+    silent_since = clock.now - state.config.segment_suspect_s
+    order = state.placement_order
+    assert order.first("", "", silent_since, (), ()) is a  # equal ratios: mount order
+    assert b.allocator.allocate(4 * KiB) is not None and a.allocator.allocate(8 * KiB) is not None
+    assert order.first("", "", silent_since, (), ()) is b  # the lower used ratio
+    assert order.first("a", "", silent_since, (), ()) is a  # the preferred segment first
+    assert order.first("", "h1", silent_since, (), ()) is a  # then the writer's host
+    assert order.first("", "", silent_since, (), ("b",)) is a  # b avoided by this writer
+    b.last_heartbeat = silent_since - 1.0
+    assert order.first("b", "h2", silent_since, (), ()) is a  # b silent: shunned, even preferred
+    a.state = SegmentState.DRAINING
+    assert order.first("", "", silent_since, (), ()) is None  # only a shunned one left: the full ranking
+    started = state.put_start(NS, ["k"], [KiB], 1, PutOptions())
+    assert started.statuses == [Status.OK] and started.replica_segments == [b.segment_id]  # as a last resort
+    state.drop_segment(b.segment_id, reason="unmounted")
+    assert order.first("", "", silent_since, (), ()) is None
+    assert state.put_start(NS, ["k2"], [KiB], 1, PutOptions()).statuses == [Status.NO_REPLICA]
 
 
 def test_a_batch_spreads_over_many_segments_by_their_fill(state: MasterState):
@@ -195,3 +250,17 @@ def test_fits_after_asks_for_a_contiguous_run_not_just_enough_bytes(state: Maste
     assert fits_after(state, segment, [victim("k2")], 512 * KiB), "k2 lies next to the free gap"
     assert not fits_after(state, segment, [victim("k3")], 512 * KiB), "256 + 256 KiB, but apart"
     assert fits_after(state, segment, [victim("k0"), victim("k2")], 768 * KiB)
+
+
+def test_the_placement_order_stays_bounded_however_segments_and_allocations_churn(state: MasterState, clock):
+    keep = [mount(state, f"k{i}") for i in range(4)]
+    for i in range(500):  # mounts and drops without a single put in between
+        state.drop_segment(mount(state, f"churn{i}").segment_id, reason="unmounted")
+    for _ in range(200):  # allocators changing with answers in between
+        for segment in keep:
+            offset = segment.allocator.allocate(KiB)
+            segment.allocator.release(offset, KiB)
+        state.placement_order.first("", "", clock.now - 1.0, (), ())
+    order = state.placement_order
+    assert len(order._heap) <= 4 * len(keep) + 65 and len(order.dirty) == 0
+    assert len(order._segments) == len(order._by_allocator) == 4
