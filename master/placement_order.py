@@ -99,8 +99,8 @@ class PlacementOrder:
         avoid: Collection[str],
     ) -> SegmentRecord | None:
         """The placeable segment the full ranking puts first, or None when that would be a shunned
-        one (or no segment is placeable): see the module docstring."""
-        self._refresh()
+        one (or no segment is placeable): see the module docstring. On every put's path: each
+        case costs what it must and no more."""
 
         def eligible(segment: SegmentRecord) -> bool:
             return (
@@ -110,13 +110,19 @@ class PlacementOrder:
                 and segment.name not in avoid
             )
 
+        segments = self._segments
+        if len(segments) == 1:  # the only one, whatever its ratio (the heap catches up when another comes)
+            for only in segments.values():
+                return only if eligible(only) else None
         if preferred and (named := self._by_name.get(preferred)) is not None and eligible(named):
             return named
-        if client_host:
-            local = [s for s in self._by_host.get(client_host, ()) if eligible(s)]
+        if client_host and (peers := self._by_host.get(client_host)):
+            local = [s for s in peers if eligible(s)]
             if local:
-                return min(local, key=lambda s: (used_ratio(s), s.segment_id))
-        heap, ratios, segments = self._heap, self._ratio, self._segments
+                return local[0] if len(local) == 1 else min(local, key=lambda s: (used_ratio(s), s.segment_id))
+        if self.dirty:
+            self._refresh()
+        heap, ratios = self._heap, self._ratio
         passed: list[tuple[float, int]] = []  # live entries of segments not eligible now: put back
         found = None
         while heap and len(passed) < MAX_PASSED:
