@@ -21,8 +21,8 @@ from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from kvtier.master.eviction import pick_victims
-from kvtier.master.placement_order import used_ratio
-from kvtier.master.records import OFFSET_MASK, SEGMENT_SHIFT, TIER_SHIFT, ObjectRecord, replica
+from kvtier.master.placement_order import place_on, shunned, used_ratio
+from kvtier.master.records import OFFSET_MASK, TIER_SHIFT, ObjectRecord, replica
 from kvtier.master.tiering import dram_key
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def static_rank(
     avoid = options.avoid_segments
     return {
         s.segment_id: (
-            s.last_heartbeat < silent_since or s.name in quarantined or s.name in avoid,
+            shunned(s, silent_since, quarantined, avoid),
             s.name != options.preferred_segment,
             not options.client_host or s.host_id != options.client_host,
         )
@@ -80,11 +80,9 @@ def place(
         return static[segment.segment_id], used_ratio(segment)
 
     if replicas == 1 and size:  # the common case: one O(segments) pass instead of a sort
-        best = active[0] if len(active) == 1 else min(active, key=rank)
-        offset = best.allocator.allocate(size)
-        if offset is not None:
-            best.objects += 1
-            return (best.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
+        placed = place_on(active[0] if len(active) == 1 else min(active, key=rank), size)
+        if placed is not None:
+            return placed
     order = sorted(active, key=rank)
     placed: list[int] = []
     used_hosts: set[str] = set()

@@ -31,8 +31,10 @@ and asks no more for the rest of its PutStart (eligibility does not change withi
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from typing import TYPE_CHECKING
+
+from kvtier.master.records import SEGMENT_SHIFT
 
 if TYPE_CHECKING:
     from kvtier.master.allocator import OffsetAllocator
@@ -48,6 +50,22 @@ MAX_PASSED = 32
 def used_ratio(segment: SegmentRecord) -> float:
     allocator = segment.allocator
     return allocator.used / allocator.capacity if allocator.capacity else 1.0
+
+
+def shunned(segment: SegmentRecord, silent_since: float, quarantined: Container[str], avoid: Container[str]) -> bool:
+    """A last resort for placement (kvtier.master.placement): its last heartbeat is older than
+    `silent_since` (cut off, frozen), it is in quarantine, or the writer avoids it. The one
+    definition, for the full ranking and for this order alike."""
+    return segment.last_heartbeat < silent_since or segment.name in quarantined or segment.name in avoid
+
+
+def place_on(segment: SegmentRecord, size: int) -> tuple[int, ...] | None:
+    """A single replica of `size` bytes on `segment` (counted there), or None if it has no room."""
+    offset = segment.allocator.allocate(size)
+    if offset is None:
+        return None
+    segment.objects += 1
+    return (segment.segment_id << SEGMENT_SHIFT | offset,)  # kvtier.master.records.replica, inlined: hot
 
 
 class PlacementOrder:
@@ -103,12 +121,7 @@ class PlacementOrder:
         case costs what it must and no more."""
 
         def eligible(segment: SegmentRecord) -> bool:
-            return (
-                segment.placeable
-                and segment.last_heartbeat >= silent_since
-                and segment.name not in quarantined
-                and segment.name not in avoid
-            )
+            return segment.placeable and not shunned(segment, silent_since, quarantined, avoid)
 
         segments = self._segments
         if len(segments) == 1:  # the only one, whatever its ratio (the heap catches up when another comes)
@@ -142,8 +155,6 @@ class PlacementOrder:
     def _refresh(self) -> None:
         """Re-key the segments whose allocators changed since the last answer."""
         dirty = self.dirty
-        if not dirty:
-            return
         by_allocator = self._by_allocator
         for allocator in dirty:
             allocator.watched = False

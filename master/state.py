@@ -67,7 +67,7 @@ from kvtier.master.history import open_history
 from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
 from kvtier.master.placement import Ranking, full_ranking, place
-from kvtier.master.placement_order import PlacementOrder
+from kvtier.master.placement_order import PlacementOrder, place_on
 from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.range_book import RangeBook
@@ -305,11 +305,8 @@ class MasterState(SegmentTable, RangeBook):
                     if sum(self._record_bytes(v) for v in quota_victims) < over:
                         status = Status.QUOTA_EXCEEDED
             if status == _OK:
-                placed = None
-                if first is not None and (offset := first.allocator.allocate(size)) is not None:
-                    first.objects += 1
-                    placed = (first.segment_id << SEGMENT_SHIFT | offset,)  # replica(): inlined, hot
-                else:
+                placed = None if first is None else place_on(first, size)
+                if placed is None:
                     ranked = ranked or full_ranking(self, options, silent_since)
                     placed = place(self, ranked[0], ranked[2], size, replicas)
                 if placed is None:
