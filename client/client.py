@@ -129,6 +129,7 @@ class Client(
         timeout: float = 5.0,
         connections_per_segment: int = 4,
         io_threads: int = 4,
+        copy_threads: int = 2,
         transport: str = "",
         instance: str = "",
         rank: int = 0,
@@ -148,6 +149,7 @@ class Client(
             timeout=timeout,
             connections_per_segment=connections_per_segment,
             io_threads=io_threads,
+            copy_threads=copy_threads,
             transport=(transport or ClientConfig.transport_override()).strip().lower(),
             secret_file=secret_file,
             principal=principal,
@@ -434,6 +436,17 @@ class Client(
                 per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
         commit = None if group else self._commit_behind(per_segment, segments, keys, sizes, reply.put_id)
+        # A large same-host write is split over io threads, each copying and checksumming its part
+        # (never one that carries the PutEnd: that goes behind the whole write, over tcp).
+        parts = [
+            (segment_id, part)
+            for segment_id, items in per_segment.items()
+            for part in (
+                [items]
+                if commit is not None
+                else self._split_copy(segments.get(segment_id), items, [sizes[i] for i, _, _ in items])
+            )
+        ]
         jobs = [
             (
                 self._write_segment,
@@ -442,9 +455,9 @@ class Client(
                 _caps(reply.replica_tags, reply.tag_expiry_ms, [j for _, _, j in items]),
                 commit,
             )
-            for segment_id, items in per_segment.items()
+            for segment_id, items in parts
         ]
-        for items, (results, crcs, chunks) in zip(per_segment.values(), self._run_parallel(jobs), strict=True):
+        for (_, items), (results, crcs, chunks) in zip(parts, self._run_parallel(jobs), strict=True):
             for (i, _, _), result, crc, blob in zip(items, results, crcs, chunks, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result

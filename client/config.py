@@ -18,6 +18,10 @@ class ClientConfig:
     timeout: float = 5.0  # seconds for one call, master retries and transfers included
     connections_per_segment: int = 4  # pooled data-plane sockets per segment endpoint
     io_threads: int = 4  # threads serving one batch's segments in parallel (per client)
+    # A same-host (shm) batch is a memcpy and a CRC32C in this process, both with the GIL released:
+    # one segment's share of a batch, when large enough, is copied by this many of the io threads
+    # at once (kvtier.client.reads.split_copy). 1: by the calling thread alone.
+    copy_threads: int = 2
     connector_idle_s: float = 60.0  # a segment connection (socket pool, mapping) unused this long is closed
     frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)
     transport: str = ""  # force a scheme ("tcp"); default from KVTIER_TRANSPORT, else best available
@@ -57,6 +61,8 @@ class ClientConfig:
             raise ValueError("connector_idle_s must be positive")
         if self.io_threads < 1:
             raise ValueError("io_threads must be at least 1")
+        if self.copy_threads < 1:
+            raise ValueError("copy_threads must be at least 1")
         if self.location_cache_keys < 0:
             raise ValueError(f"location_cache_keys must be 0 (off) or more, got {self.location_cache_keys}")
         return self

@@ -35,7 +35,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c
 
@@ -84,6 +84,35 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return [items[lo : lo + step] for lo in range(0, len(items), step)]
 
 
+# Same-host copies are split only into parts at least this large: below it a part's hand-off to an
+# io thread (tens of microseconds) costs what the second core saves.
+COPY_PART_MIN_BYTES = 512 << 10
+
+
+T = TypeVar("T")
+
+
+def split_copy(items: list[T], sizes: list[int], parts: int) -> list[list[T]]:
+    """`items` (of `sizes` bytes each) in up to `parts` contiguous runs of about equal bytes, each of
+    at least COPY_PART_MIN_BYTES: one run per io thread that shares a same-host copy."""
+    total = sum(sizes)
+    parts = min(parts, len(items), total // COPY_PART_MIN_BYTES)
+    if parts <= 1:
+        return [items]
+    runs: list[list[T]] = []
+    run: list[T] = []
+    done = 0
+    for item, size in zip(items, sizes, strict=True):
+        run.append(item)
+        done += size
+        if done * parts >= total * (len(runs) + 1) and len(runs) + 1 < parts:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return runs
+
+
 def _add(counts: dict[str, int], name: str, delta: int) -> None:
     counts[name] = counts.get(name, 0) + delta
 
@@ -110,6 +139,24 @@ class Reads:
     _report_corrupt: Callable[..., None]
     _report_failures: Callable[[], None]
     _transport_failed: Callable[[str, TransportError], None]
+
+    def _copy_threads(self, segment: pb.SegmentEndpoint | None, sizes: list[int]) -> int:
+        """How many io threads may share one transfer of objects of `sizes` with `segment`:
+        copy_threads when its connector (one already made: this never connects) copies them in the
+        calling thread with the GIL released (shm), else 1 (a socket pool's transfer is the segment's
+        to pace: measured slower split)."""
+        if segment is None or self.config.copy_threads < 2 or not sizes:
+            return 1
+        known = self._connectors.get(segment.name)
+        if known is None or known[0] != tuple(segment.endpoints):
+            return 1
+        if min(sizes) < getattr(known[1], "parallel_copy_min", float("inf")):
+            return 1
+        return min(self.config.copy_threads, self.config.io_threads)
+
+    def _split_copy(self, segment: pb.SegmentEndpoint | None, items: list[T], sizes: list[int]) -> list[list[T]]:
+        """`items` (of `sizes` bytes) to transfer with `segment`, in one run per io thread that shares it."""
+        return split_copy(items, sizes, self._copy_threads(segment, sizes))
 
     def _fetch(
         self,
@@ -378,11 +425,16 @@ class Reads:
                 groups[(replica_segments[position], replica_tiers[position])].append(i)
             retry: dict[int, list[int]] = {}
             # Disk reads of one segment are split over parallel connections: the segment serves a
-            # connection's requests one at a time, and more in flight keeps its disk busy.
+            # connection's requests one at a time, and more in flight keeps its disk busy. A large
+            # same-host read is split over io threads: each copies and checksums its part.
             parts = [
                 ((segment_id, tier), chunk)
                 for (segment_id, tier), indices in groups.items()
-                for chunk in (_split(indices, self._disk_streams) if tier == pb.SSD else [indices])
+                for chunk in (
+                    _split(indices, self._disk_streams)
+                    if tier == pb.SSD
+                    else self._split_copy(segments.get(segment_id), indices, [sizes[i] for i in indices])
+                )
             ]
             # A segment that stops answering may take half the time left when its keys have another
             # replica to try: the call's timeout is shared by the attempts, never exceeded by them.

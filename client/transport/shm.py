@@ -193,6 +193,10 @@ def check_sealed(fd: int, path: str) -> None:
 
 class ShmConnector:
     scheme = "shm"
+    # A transfer is a copy in the calling thread; objects at least this large are copied and
+    # checksummed with the GIL released, so several threads can share a batch of them (smaller ones
+    # are copied holding it: splitting their batch only adds hand-offs, measured in benchmarks.md).
+    parallel_copy_min = _MEMMOVE_MIN
     reads_disk = False  # it maps the region; the SSD tier is read by the segment server (a tcp connector)
 
     def __init__(self, endpoint: str, config: ClientConfig) -> None:

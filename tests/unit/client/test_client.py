@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.client import Client, Status
 from kvtier.client.client import _pin_ttl_ms, as_bytes_view, as_writable_view
-from kvtier.client.reads import _caps, _split
+from kvtier.client.reads import COPY_PART_MIN_BYTES, _caps, _split, split_copy
 from kvtier.proto.errors import InvalidKeyError, KvtierError
 
 NOWHERE = "127.0.0.1:1"
@@ -170,3 +170,39 @@ def test_capability_tags_are_handed_to_each_replica_by_position():
     assert _caps(tags, 1234, [2, 0]) == (1234, [tags[32:48], tags[0:16]])
     assert _caps(b"", 1234, [0]) == (1234, []), "no tags: the expiry still bounds the frames"
     assert _caps(b"", 0, [0]) is None
+
+
+# ------------------------------------------------------------------ same-host copies shared by io threads
+
+
+def test_a_large_copy_is_cut_in_contiguous_runs_of_about_equal_bytes():
+    mib = 1 << 20
+    items = list(range(32))
+    runs = split_copy(items, [mib] * 32, 2)
+    assert runs == [items[:16], items[16:]]
+    runs = split_copy(items, [mib] * 32, 3)
+    assert [x for run in runs for x in run] == items and len(runs) == 3
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1
+    # Unequal sizes: the cut follows bytes, not counts.
+    sizes = [4 * mib] + [mib] * 4
+    assert split_copy(list(range(5)), sizes, 2) == [[0], [1, 2, 3, 4]]
+
+
+def test_a_copy_too_small_to_share_stays_whole():
+    half = COPY_PART_MIN_BYTES
+    assert split_copy([1, 2], [half, half - 1], 2) == [[1, 2]]  # a part would be under the minimum
+    assert split_copy([1, 2], [half, half], 2) == [[1], [2]]
+    assert split_copy([1], [64 * half], 4) == [[1]]  # one object is never cut: its CRC is one pass
+    assert split_copy([1, 2, 3], [half] * 3, 1) == [[1, 2, 3]]
+    assert split_copy([], [], 2) == [[]]
+
+
+def test_a_client_shares_copies_only_with_a_made_same_host_connector(client):
+    from kvtier.proto import master_pb2 as pb
+
+    segment = pb.SegmentEndpoint(name="seg0", endpoints=["shm:///nowhere"])
+    assert client._copy_threads(segment, [1 << 20] * 4) == 1  # no connector made yet: never connects to ask
+    with Client(NOWHERE, copy_threads=3, io_threads=2) as other:
+        assert other.config.copy_threads == 3
+    with pytest.raises(ValueError, match="copy_threads"):
+        Client(NOWHERE, copy_threads=0)
