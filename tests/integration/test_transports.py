@@ -232,7 +232,9 @@ def test_a_large_same_host_batch_is_copied_by_several_threads_each_part_intact(b
     assert alone.batch_get(keys) == values  # read by one thread, verified against the parts' CRCs
     for key, value in zip(keys, values, strict=True):  # chunk CRCs (kvtier.client.chunks) of the parts
         assert alone.get_ranges(key, [(0, 1), (len(value) - 5, 5), (65_536, 1000)]) == [
-            value[:1], value[-5:], value[65_536:66_536]
+            value[:1],
+            value[-5:],
+            value[65_536:66_536],
         ], key
     buffers = [bytearray(size) for size in sizes]
     assert shared.batch_get_into(keys, buffers) == sizes
