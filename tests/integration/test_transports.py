@@ -203,32 +203,29 @@ def test_a_segment_killed_mid_batch(bare_cluster, transport):
 # ------------------------------------------------------------------ same-host copies shared by io threads
 
 
-def io_threads_alive() -> int:
-    return sum(t.name.startswith("kvtier-io") for t in threading.enumerate())
-
-
 def test_a_large_same_host_batch_is_copied_by_several_threads_each_part_intact(bare_cluster):
-    """One segment, so any io thread at work is one sharing the copy (kvtier.client.reads.split_copy):
-    every byte, whole-object CRC and chunk CRC written and read by parts must be the object's."""
+    """One segment, so a client whose io pool exists ran one call as several jobs: a copy it shared
+    (kvtier.client.reads.split_copy). Every byte, whole-object CRC and chunk CRC written and read
+    by parts must be the object's."""
     cluster = bare_cluster
     cluster.start_master()
     cluster.start_segment("seg0")
-    assert io_threads_alive() == 0
     alone = cluster.client(transport="shm", copy_threads=1)
     shared = cluster.client(transport="shm", copy_threads=2)
+    reader = cluster.client(transport="shm", copy_threads=2)
     sizes = [MiB, 3 * MiB + 7, 200_000, 128 * KiB, 2 * MiB - 1, MiB, MiB + 1, 700_001]
     values = [os.urandom(size) for size in sizes]
     keys = [f"split/{i}" for i in range(len(sizes))]
-    for client in (alone, shared):  # a first call makes the connectors: only a made one is shared
+    for client in (alone, shared, reader):  # a first call makes the connectors: only a made one is shared
         assert client.batch_put([f"warm/{id(client)}"], [b"w" * 10]) == [Status.OK]
         assert connector_types(client) == {ShmConnector}
     # Small objects are copied holding the GIL: never shared (no gain, measured), whatever the batch.
     small = [os.urandom(64 * KiB) for _ in range(64)]
     assert shared.batch_put([f"small/{i}" for i in range(64)], small) == [Status.OK] * 64
     assert shared.batch_get([f"small/{i}" for i in range(64)]) == small
-    assert io_threads_alive() == 0
+    assert shared._pool is None
     assert shared.batch_put(keys, values) == [Status.OK] * len(keys)
-    assert io_threads_alive() == 2, "the write was not shared"
+    assert shared._pool is not None, "the write was not shared"
     assert alone.batch_get(keys) == values  # read by one thread, verified against the parts' CRCs
     for key, value in zip(keys, values, strict=True):  # chunk CRCs (kvtier.client.chunks) of the parts
         assert alone.get_ranges(key, [(0, 1), (len(value) - 5, 5), (65_536, 1000)]) == [
@@ -237,11 +234,13 @@ def test_a_large_same_host_batch_is_copied_by_several_threads_each_part_intact(b
             value[65_536:66_536],
         ], key
     buffers = [bytearray(size) for size in sizes]
-    assert shared.batch_get_into(keys, buffers) == sizes
+    assert reader.batch_get_into(keys, buffers) == sizes
+    assert reader._pool is not None, "the read was not shared"
     assert [bytes(b) for b in buffers] == values
     assert alone.batch_put([f"one/{i}" for i in range(len(sizes))], values) == [Status.OK] * len(sizes)
     assert shared.batch_get([f"one/{i}" for i in range(len(sizes))]) == values
-    for client in (alone, shared):
+    assert alone._pool is None
+    for client in (alone, shared, reader):
         assert client.stats().get("checksum_mismatches", 0) == 0
 
 

@@ -29,6 +29,9 @@ SERVER = """
         print("stopping cleanly", flush=True)
         sys.exit(0)
     signal.signal(signal.SIGTERM, bye)
+    # Python keeps SIGINT ignored when it starts ignored (a suite run from a background shell job):
+    # Ctrl-C's default behaviour, whatever was inherited.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print("starting", flush=True)
     with open(sys.argv[1] + ".tmp", "w") as f:
         json.dump({"pid": os.getpid(), "address": "127.0.0.1:1"}, f)
