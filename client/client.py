@@ -444,7 +444,7 @@ class Client(
             for part in (
                 [items]
                 if commit is not None
-                else self._split_copy(segments.get(segment_id), items, [sizes[i] for i, _, _ in items])
+                else self._split_copy(segments.get(segment_id), items, lambda item: sizes[item[0]])
             )
         ]
         jobs = [

@@ -140,23 +140,25 @@ class Reads:
     _report_failures: Callable[[], None]
     _transport_failed: Callable[[str, TransportError], None]
 
-    def _copy_threads(self, segment: pb.SegmentEndpoint | None, sizes: list[int]) -> int:
-        """How many io threads may share one transfer of objects of `sizes` with `segment`:
-        copy_threads when its connector (one already made: this never connects) copies them in the
-        calling thread with the GIL released (shm), else 1 (a socket pool's transfer is the segment's
-        to pace: measured slower split)."""
-        if segment is None or self.config.copy_threads < 2 or not sizes:
-            return 1
+    def _split_copy(
+        self, segment: pb.SegmentEndpoint | None, items: list[T], size_of: Callable[[T], int]
+    ) -> list[list[T]]:
+        """`items` to transfer with `segment`, in one run per io thread that shares the copy: several
+        when its connector (one already made: this never connects) copies in the calling thread with
+        the GIL released (shm) and every object (`size_of` each) is large enough for that; else one
+        run (a socket pool's transfer is the segment's to pace: split, it measured slower)."""
+        if segment is None or self.config.copy_threads < 2 or len(items) < 2:
+            return [items]
         known = self._connectors.get(segment.name)
         if known is None or known[0] != tuple(segment.endpoints):
-            return 1
-        if min(sizes) < getattr(known[1], "parallel_copy_min", float("inf")):
-            return 1
-        return min(self.config.copy_threads, self.config.io_threads)
-
-    def _split_copy(self, segment: pb.SegmentEndpoint | None, items: list[T], sizes: list[int]) -> list[list[T]]:
-        """`items` (of `sizes` bytes) to transfer with `segment`, in one run per io thread that shares it."""
-        return split_copy(items, sizes, self._copy_threads(segment, sizes))
+            return [items]
+        least = getattr(known[1], "parallel_copy_min", 0)
+        if not least:
+            return [items]
+        sizes = [size_of(item) for item in items]
+        if min(sizes) < least:
+            return [items]
+        return split_copy(items, sizes, min(self.config.copy_threads, self.config.io_threads))
 
     def _fetch(
         self,
@@ -433,7 +435,7 @@ class Reads:
                 for chunk in (
                     _split(indices, self._disk_streams)
                     if tier == pb.SSD
-                    else self._split_copy(segments.get(segment_id), indices, [sizes[i] for i in indices])
+                    else self._split_copy(segments.get(segment_id), indices, sizes.__getitem__)
                 )
             ]
             # A segment that stops answering may take half the time left when its keys have another

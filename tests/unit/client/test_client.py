@@ -201,7 +201,8 @@ def test_a_client_shares_copies_only_with_a_made_same_host_connector(client):
     from kvtier.proto import master_pb2 as pb
 
     segment = pb.SegmentEndpoint(name="seg0", endpoints=["shm:///nowhere"])
-    assert client._copy_threads(segment, [1 << 20] * 4) == 1  # no connector made yet: never connects to ask
+    # No connector made yet: never connects to ask, the call stays whole.
+    assert client._split_copy(segment, [1, 2, 3, 4], lambda item: 1 << 20) == [[1, 2, 3, 4]]
     with Client(NOWHERE, copy_threads=3, io_threads=2) as other:
         assert other.config.copy_threads == 3
     with pytest.raises(ValueError, match="copy_threads"):
