@@ -39,7 +39,7 @@ from kvtier.client.chunks import put_checksums
 from kvtier.client.commit import MAX_COMMIT_BYTES, SegmentCommit, commit_bytes_bound
 from kvtier.client.config import ClientConfig
 from kvtier.client.events import EventWatching
-from kvtier.client.failures import FailureReports, SegmentFailures
+from kvtier.client.failures import FailureReports, SegmentFailures, call_failures
 from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
@@ -178,6 +178,7 @@ class Client(
         self._stats: Counter[str] = Counter()
         self._latency: dict[str, LatencyHistogram] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._copy_pool: ThreadPoolExecutor | None = None  # the further parts of shared same-host copies
         self._closed = False
         self._done_leases = DoneLeases()  # handed back on the next request (kvtier.client.leases)
         # Where small DRAM objects were found, for direct reads (kvtier.client.locations).
@@ -209,9 +210,11 @@ class Client(
             self._closed = True
             connectors = list(self._connectors.values()) + list(self._disk_connectors.values())
             self._connectors, self._disk_connectors = {}, {}
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = [self._pool, self._copy_pool]
+            self._pool = self._copy_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         for _, connector, _ in connectors:
             connector.close()
         self._master.close()
@@ -436,17 +439,21 @@ class Client(
                 per_segment[replica_segments[j]].append((i, replica_offsets[j], j))
             pos += count
         commit = None if group else self._commit_behind(per_segment, segments, keys, sizes, reply.put_id)
-        # A large same-host write is split over io threads, each copying and checksumming its part
-        # (never one that carries the PutEnd: that goes behind the whole write, over tcp).
-        parts = [
-            (segment_id, part)
-            for segment_id, items in per_segment.items()
-            for part in (
+        # A large same-host write is split, each thread copying and checksumming its part (never one
+        # that carries the PutEnd: that goes behind the whole write, over tcp). A read-only value
+        # (bytes) is copied holding the GIL: no thread would gain.
+        parts: list[tuple[int, list[tuple[int, int, int]]]] = []
+        copies: set[int] = set()
+        for segment_id, items in per_segment.items():
+            runs = (
                 [items]
                 if commit is not None
-                else self._split_copy(segments.get(segment_id), items, lambda item: sizes[item[0]])
+                else self._split_copy(
+                    segments.get(segment_id), items, lambda item: 0 if views[item[0]].readonly else sizes[item[0]]
+                )
             )
-        ]
+            copies.update(range(len(parts) + 1, len(parts) + len(runs)))
+            parts += [(segment_id, run) for run in runs]
         jobs = [
             (
                 self._write_segment,
@@ -457,7 +464,14 @@ class Client(
             )
             for segment_id, items in parts
         ]
-        for (_, items), (results, crcs, chunks) in zip(parts, self._run_parallel(jobs), strict=True):
+        # A segment whose connection failed is noted once for this attempt, however many parts failed.
+        token = call_failures.set(set()) if call_failures.get() is None else None
+        try:
+            done = self._run_parallel(jobs, copies)
+        finally:
+            if token is not None:
+                call_failures.reset(token)
+        for (_, items), (results, crcs, chunks) in zip(parts, done, strict=True):
             for (i, _, _), result, crc, blob in zip(items, results, crcs, chunks, strict=True):
                 if result != _OK and statuses[i] == _OK:
                     statuses[i] = result
@@ -510,22 +524,35 @@ class Client(
 
     batch_put_from = batch_put
 
-    def _run_parallel(self, jobs: list[tuple]) -> list:
-        """Run one transfer job per segment, concurrently when there are several.
+    def _run_parallel(self, jobs: list[tuple], copies: frozenset[int] | set[int] = frozenset()) -> list:
+        """Run transfer jobs (one per segment, or per part of a shared copy) concurrently; results in order.
 
-        Sockets release the GIL, so segments are served in parallel by a pool
-        of `io_threads` threads per client (a constant, whatever the batch).
+        The calling thread runs the first job itself. Sockets release the GIL, so the other
+        segments are served in parallel by a pool of `io_threads` threads per client; the jobs
+        numbered in `copies` (the further parts of a same-host copy, kvtier.client.reads.split_copy:
+        memory only, never a wait on a peer) go to a pool of their own (`copy_threads` - 1 threads),
+        so a local copy never queues behind another call's transfer to a slow segment. Both pools
+        are constants of the configuration, whatever the batch.
         """
         if len(jobs) == 1:
             fn, *args = jobs[0]
             return [fn(*args)]
         with self._lock:
-            if self._pool is None:
+            if self._closed:
+                raise KvtierError(Status.CANCELLED, "client is closed")
+            if self._pool is None and len(copies) < len(jobs) - 1:
                 self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-io")
-            pool = self._pool
+            if self._copy_pool is None and copies:
+                self._copy_pool = ThreadPoolExecutor(self.config.copy_threads - 1, thread_name_prefix="kvtier-copy")
+            io_pool, copy_pool = self._pool, self._copy_pool
         # Each job in a copy of this call's context: its frames carry the call's request id.
-        futures = [pool.submit(contextvars.copy_context().run, fn, *args) for fn, *args in jobs]
-        return [f.result() for f in futures]
+        futures = [
+            (copy_pool if n in copies else io_pool).submit(contextvars.copy_context().run, fn, *args)  # type: ignore[union-attr]
+            for n, (fn, *args) in enumerate(jobs)
+            if n
+        ]
+        fn, *args = jobs[0]
+        return [fn(*args), *(f.result() for f in futures)]
 
     def _commit_behind(
         self,

@@ -19,8 +19,9 @@ class ClientConfig:
     connections_per_segment: int = 4  # pooled data-plane sockets per segment endpoint
     io_threads: int = 4  # threads serving one batch's segments in parallel (per client)
     # A same-host (shm) batch is a memcpy and a CRC32C in this process, both with the GIL released:
-    # one segment's share of a batch, when large enough, is copied by this many of the io threads
-    # at once (kvtier.client.reads.split_copy). 1: by the calling thread alone.
+    # one segment's share of a batch, when large enough, is copied by this many threads at once, the
+    # calling thread and copy_threads - 1 of a pool of their own (kvtier.client.reads.split_copy).
+    # 1: by the calling thread alone.
     copy_threads: int = 2
     connector_idle_s: float = 60.0  # a segment connection (socket pool, mapping) unused this long is closed
     frame_bytes: int = 64 << 20  # payload bytes per data-plane frame (large objects get a frame each)

@@ -31,9 +31,11 @@ logger = logging.getLogger("kvtier.client.client")
 
 MAX_SEGMENTS = 256  # also the most entries the master reads from one report or avoid list
 # The segments whose connections failed during the current read call (kvtier.client.reads sets a fresh
-# set for the call): one call notes a segment once, however many of its attempts there fail (a read
-# retries), and the read path tells by it a failed connection from a segment's answer.
+# set for the call; a put attempt sets one for its writes): one call notes a segment once, however
+# many of its attempts or parts there fail (a read retries; a shared copy runs in parts), and the read
+# path tells by it a failed connection from a segment's answer.
 call_failures: ContextVar[set[str] | None] = ContextVar("kvtier_call_failures", default=None)
+_seen_lock = threading.Lock()
 
 
 class Refused(ConnectError):
@@ -127,9 +129,10 @@ class FailureReports:
         """A connection to `segment` failed: noted (avoided, reported) once per call (`call_failures`)."""
         seen = call_failures.get()
         if seen is not None:
-            if segment in seen:
-                return
-            seen.add(segment)
+            with _seen_lock:  # a call's jobs run on several threads
+                if segment in seen:
+                    return
+                seen.add(segment)
         self._failures.note(segment, kind)
 
     def _report_failures(self) -> None:

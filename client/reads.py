@@ -93,8 +93,10 @@ T = TypeVar("T")
 
 
 def split_copy(items: list[T], sizes: list[int], parts: int) -> list[list[T]]:
-    """`items` (of `sizes` bytes each) in up to `parts` contiguous runs of about equal bytes, each of
-    at least COPY_PART_MIN_BYTES: one run per io thread that shares a same-host copy."""
+    """`items` (of `sizes` bytes each) in up to `parts` contiguous runs, cut where the bytes before
+    are nearest a multiple of the total's share and only where both sides keep at least
+    COPY_PART_MIN_BYTES: one run per thread that shares a same-host copy. An object is never cut
+    (its CRCs are one pass), so an object larger than a share leaves fewer, unequal runs."""
     total = sum(sizes)
     parts = min(parts, len(items), total // COPY_PART_MIN_BYTES)
     if parts <= 1:
@@ -102,12 +104,19 @@ def split_copy(items: list[T], sizes: list[int], parts: int) -> list[list[T]]:
     runs: list[list[T]] = []
     run: list[T] = []
     done = 0
+    run_bytes = 0
     for item, size in zip(items, sizes, strict=True):
         run.append(item)
         done += size
-        if done * parts >= total * (len(runs) + 1) and len(runs) + 1 < parts:
+        run_bytes += size
+        if (
+            done * parts >= total * (len(runs) + 1)
+            and len(runs) + 1 < parts
+            and run_bytes >= COPY_PART_MIN_BYTES
+            and total - done >= COPY_PART_MIN_BYTES
+        ):
             runs.append(run)
-            run = []
+            run, run_bytes = [], 0
     if run:
         runs.append(run)
     return runs
@@ -135,7 +144,7 @@ class Reads:
     _count: Callable[..., None]
     _connector: Callable[[pb.SegmentEndpoint], Connector]
     _disk_connector: Callable[[pb.SegmentEndpoint], DiskConnector]
-    _run_parallel: Callable[[list[tuple]], list]
+    _run_parallel: Callable[..., list]
     _report_corrupt: Callable[..., None]
     _report_failures: Callable[[], None]
     _transport_failed: Callable[[str, TransportError], None]
@@ -143,10 +152,11 @@ class Reads:
     def _split_copy(
         self, segment: pb.SegmentEndpoint | None, items: list[T], size_of: Callable[[T], int]
     ) -> list[list[T]]:
-        """`items` to transfer with `segment`, in one run per io thread that shares the copy: several
+        """`items` to transfer with `segment`, in one run per thread that shares the copy: several
         when its connector (one already made: this never connects) copies in the calling thread with
-        the GIL released (shm) and every object (`size_of` each) is large enough for that; else one
-        run (a socket pool's transfer is the segment's to pace: split, it measured slower)."""
+        the GIL released (shm) and every object is large enough for that (`size_of`: its bytes, 0 if
+        its copy would hold the GIL); else one run (a socket pool's transfer is the segment's to
+        pace: split, it measured slower)."""
         if segment is None or self.config.copy_threads < 2 or len(items) < 2:
             return [items]
         known = self._connectors.get(segment.name)
@@ -158,7 +168,7 @@ class Reads:
         sizes = [size_of(item) for item in items]
         if min(sizes) < least:
             return [items]
-        return split_copy(items, sizes, min(self.config.copy_threads, self.config.io_threads))
+        return split_copy(items, sizes, self.config.copy_threads)
 
     def _fetch(
         self,
@@ -429,15 +439,17 @@ class Reads:
             # Disk reads of one segment are split over parallel connections: the segment serves a
             # connection's requests one at a time, and more in flight keeps its disk busy. A large
             # same-host read is split over io threads: each copies and checksums its part.
-            parts = [
-                ((segment_id, tier), chunk)
-                for (segment_id, tier), indices in groups.items()
-                for chunk in (
-                    _split(indices, self._disk_streams)
-                    if tier == pb.SSD
-                    else self._split_copy(segments.get(segment_id), indices, sizes.__getitem__)
-                )
-            ]
+            parts: list[tuple[tuple[int, int], list[int]]] = []
+            copies: set[int] = set()  # the further parts of a shared same-host copy
+            for (segment_id, tier), indices in groups.items():
+                if tier == pb.SSD:
+                    parts += [((segment_id, tier), chunk) for chunk in _split(indices, self._disk_streams)]
+                    continue
+                # Only copies into the caller's buffers: new bytes objects are made holding the GIL.
+                segment = segments.get(segment_id)
+                runs = [indices] if views is None else self._split_copy(segment, indices, sizes.__getitem__)
+                copies.update(range(len(parts) + 1, len(parts) + len(runs)))
+                parts += [((segment_id, tier), run) for run in runs]
             # A segment that stops answering may take half the time left when its keys have another
             # replica to try: the call's timeout is shared by the attempts, never exceeded by them.
             jobs = [
@@ -455,7 +467,7 @@ class Reads:
                 )
                 for (segment_id, tier), indices in parts
             ]
-            all_results = self._run_parallel(jobs)
+            all_results = self._run_parallel(jobs, copies)
             expired = time.monotonic() > lease_deadline  # checked after every byte has arrived
             for ((segment_id, tier), indices), (results, crcs, path) in zip(parts, all_results, strict=True):
                 name = segments[segment_id].name if segment_id in segments else str(segment_id)

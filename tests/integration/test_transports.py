@@ -204,44 +204,89 @@ def test_a_segment_killed_mid_batch(bare_cluster, transport):
 
 
 def test_a_large_same_host_batch_is_copied_by_several_threads_each_part_intact(bare_cluster):
-    """One segment, so a client whose io pool exists ran one call as several jobs: a copy it shared
-    (kvtier.client.reads.split_copy). Every byte, whole-object CRC and chunk CRC written and read
-    by parts must be the object's."""
+    """One segment: a client whose copy pool exists shared a copy (kvtier.client.reads.split_copy).
+    Every byte, whole-object CRC and chunk CRC written and read by parts must be the object's."""
     cluster = bare_cluster
     cluster.start_master()
     cluster.start_segment("seg0")
     alone = cluster.client(transport="shm", copy_threads=1)
     shared = cluster.client(transport="shm", copy_threads=2)
     reader = cluster.client(transport="shm", copy_threads=2)
+    over_tcp = cluster.client(transport="tcp", copy_threads=2)
     sizes = [MiB, 3 * MiB + 7, 200_000, 128 * KiB, 2 * MiB - 1, MiB, MiB + 1, 700_001]
     values = [os.urandom(size) for size in sizes]
     keys = [f"split/{i}" for i in range(len(sizes))]
-    for client in (alone, shared, reader):  # a first call makes the connectors: only a made one is shared
+    for client in (alone, shared, reader, over_tcp):  # a first call makes the connectors: only a made one is shared
         assert client.batch_put([f"warm/{id(client)}"], [b"w" * 10]) == [Status.OK]
-        assert connector_types(client) == {ShmConnector}
-    # Small objects are copied holding the GIL: never shared (no gain, measured), whatever the batch.
+    assert connector_types(over_tcp) == {TcpConnector}
+    # Small objects and read-only values (bytes) are copied holding the GIL: never shared (no gain).
     small = [os.urandom(64 * KiB) for _ in range(64)]
     assert shared.batch_put([f"small/{i}" for i in range(64)], small) == [Status.OK] * 64
     assert shared.batch_get([f"small/{i}" for i in range(64)]) == small
-    assert shared._pool is None
-    assert shared.batch_put(keys, values) == [Status.OK] * len(keys)
-    assert shared._pool is not None, "the write was not shared"
+    assert shared.batch_put([f"ro/{i}" for i in range(len(sizes))], values) == [Status.OK] * len(sizes)
+    assert shared._copy_pool is None
+    writable = [bytearray(v) for v in values]
+    assert shared.batch_put(keys, writable) == [Status.OK] * len(keys)
+    assert shared._copy_pool is not None, "the write was not shared"
     assert alone.batch_get(keys) == values  # read by one thread, verified against the parts' CRCs
+    assert alone.batch_get([f"ro/{i}" for i in range(len(sizes))]) == values
     for key, value in zip(keys, values, strict=True):  # chunk CRCs (kvtier.client.chunks) of the parts
         assert alone.get_ranges(key, [(0, 1), (len(value) - 5, 5), (65_536, 1000)]) == [
             value[:1],
             value[-5:],
             value[65_536:66_536],
         ], key
+    assert reader.batch_get(keys) == values
+    assert reader._copy_pool is None, "new bytes objects are made holding the GIL: not shared"
     buffers = [bytearray(size) for size in sizes]
     assert reader.batch_get_into(keys, buffers) == sizes
-    assert reader._pool is not None, "the read was not shared"
+    assert reader._copy_pool is not None, "the read was not shared"
     assert [bytes(b) for b in buffers] == values
-    assert alone.batch_put([f"one/{i}" for i in range(len(sizes))], values) == [Status.OK] * len(sizes)
-    assert shared.batch_get([f"one/{i}" for i in range(len(sizes))]) == values
-    assert alone._pool is None
-    for client in (alone, shared, reader):
+    assert alone.batch_put([f"one/{i}" for i in range(len(sizes))], writable) == [Status.OK] * len(sizes)
+    assert shared.batch_get_into([f"one/{i}" for i in range(len(sizes))], buffers) == sizes
+    assert [bytes(b) for b in buffers] == values
+    assert over_tcp.batch_put([f"tcp/{i}" for i in range(len(sizes))], writable) == [Status.OK] * len(sizes)
+    assert over_tcp.batch_get_into(keys, buffers) == sizes and [bytes(b) for b in buffers] == values
+    for client in (alone, over_tcp):
+        assert client._copy_pool is None and client._pool is None
+    for client in (alone, shared, reader, over_tcp):
         assert client.stats().get("checksum_mismatches", 0) == 0
+
+
+def test_a_shared_copy_never_waits_behind_another_calls_transfer(bare_cluster):
+    """The io pool may be held by transfers to a slow segment; a same-host copy's parts have a pool
+    of their own, so the copy finishes meanwhile (here: the only io thread waits on an event)."""
+    cluster = bare_cluster
+    cluster.start_master()
+    cluster.start_segment("seg0")
+    client = cluster.client(transport="shm", copy_threads=2, io_threads=1)
+    sizes = [MiB] * 8
+    values = [bytearray(os.urandom(size)) for size in sizes]
+    keys = [f"hol/{i}" for i in range(len(sizes))]
+    assert client.batch_put(["warm"], [b"w"]) == [Status.OK]
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_io_thread() -> None:
+        held.set()
+        release.wait(60)
+
+    blocker = threading.Thread(target=client._run_parallel, args=([(lambda: None,), (hold_the_io_thread,)],))
+    blocker.start()
+    try:
+        assert held.wait(10)
+        done: list = []
+        buffers = [bytearray(size) for size in sizes]
+        copier = threading.Thread(
+            target=lambda: done.extend([client.batch_put(keys, values), client.batch_get_into(keys, buffers)])
+        )
+        copier.start()
+        copier.join(30)
+        assert not copier.is_alive(), "the copy waited for the io thread"
+        assert done == [[Status.OK] * len(keys), sizes] and [bytes(b) for b in buffers] == values
+        assert client._copy_pool is not None
+    finally:
+        release.set()
+        blocker.join(10)
 
 
 # ------------------------------------------------------------------ choosing the transport

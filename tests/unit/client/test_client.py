@@ -188,6 +188,23 @@ def test_a_large_copy_is_cut_in_contiguous_runs_of_about_equal_bytes():
     assert split_copy(list(range(5)), sizes, 2) == [[0], [1, 2, 3, 4]]
 
 
+def test_every_run_of_a_shared_copy_keeps_the_minimum_and_the_order():
+    import random
+
+    rng = random.Random(7)
+    mib = 1 << 20
+    assert split_copy([0, 1, 2], [3 * mib, 128 << 10, 128 << 10], 2) == [[0, 1, 2]]  # 256 KiB after the cut
+    assert split_copy(list(range(5)), [128 << 10] * 4 + [8 * mib], 2) == [list(range(5))]  # no cut leaves both
+    for _ in range(500):
+        n = rng.randint(1, 40)
+        sizes = [rng.choice([128 << 10, 300_000, mib, 3 * mib, 9 * mib]) for _ in range(n)]
+        parts = rng.randint(1, 5)
+        runs = split_copy(list(range(n)), sizes, parts)
+        assert [x for run in runs for x in run] == list(range(n)) and 1 <= len(runs) <= parts
+        if len(runs) > 1:
+            assert min(sum(sizes[i] for i in run) for run in runs) >= COPY_PART_MIN_BYTES, (sizes, parts, runs)
+
+
 def test_a_copy_too_small_to_share_stays_whole():
     half = COPY_PART_MIN_BYTES
     assert split_copy([1, 2], [half, half - 1], 2) == [[1, 2]]  # a part would be under the minimum
@@ -207,3 +224,21 @@ def test_a_client_shares_copies_only_with_a_made_same_host_connector(client):
         assert other.config.copy_threads == 3
     with pytest.raises(ValueError, match="copy_threads"):
         Client(NOWHERE, copy_threads=0)
+
+
+def test_parallel_jobs_answer_in_order_the_first_on_the_calling_thread_copies_on_their_pool():
+    import threading
+
+    with Client(NOWHERE, copy_threads=2, io_threads=2) as client:
+        where = threading.current_thread().name
+        jobs = [(lambda n=n: (n, threading.current_thread().name),) for n in range(4)]
+        results = client._run_parallel(jobs, {2})
+        assert [n for n, _ in results] == [0, 1, 2, 3]
+        assert results[0][1] == where
+        assert results[1][1].startswith("kvtier-io") and results[3][1].startswith("kvtier-io")
+        assert results[2][1].startswith("kvtier-copy")
+    assert client._pool is None and client._copy_pool is None  # closed with the client
+    with pytest.raises(KvtierError) as closed:
+        client._run_parallel(jobs, {2})
+    assert closed.value.status == Status.CANCELLED
+    assert client._pool is None and client._copy_pool is None, "a call racing close() made a pool nobody shuts"
