@@ -534,9 +534,8 @@ class Client(
         so a local copy never queues behind another call's transfer to a slow segment. Both pools
         are constants of the configuration, whatever the batch.
         """
-        if len(jobs) == 1:
-            fn, *args = jobs[0]
-            return [fn(*args)]
+        if len(jobs) <= 1:
+            return [fn(*args) for fn, *args in jobs]
         with self._lock:
             if self._closed:
                 raise KvtierError(Status.CANCELLED, "client is closed")
