@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.client.chunks import put_checksums
@@ -529,10 +529,12 @@ class Client(
 
         The calling thread runs the first job itself. Sockets release the GIL, so the other
         segments are served in parallel by a pool of `io_threads` threads per client; the jobs
-        numbered in `copies` (the further parts of a same-host copy, kvtier.client.reads.split_copy:
-        memory only, never a wait on a peer) go to a pool of their own (`copy_threads` - 1 threads),
-        so a local copy never queues behind another call's transfer to a slow segment. Both pools
-        are constants of the configuration, whatever the batch.
+        numbered in `copies` (the further parts of a same-host copy, kvtier.client.reads.split_copy)
+        go to a pool of their own (`copy_threads` - 1 threads), so they never queue behind another
+        call's transfer to a slow segment, and a part still queued there behind other calls' copies
+        when the caller is done with its own is taken back and copied by the caller. Both pools are
+        constants of the configuration, whatever the batch. The call returns (or raises the first
+        error) only once every job has ended: none writes into the caller's buffers afterwards.
         """
         if len(jobs) <= 1:
             return [fn(*args) for fn, *args in jobs]
@@ -544,14 +546,40 @@ class Client(
             if self._copy_pool is None and copies:
                 self._copy_pool = ThreadPoolExecutor(self.config.copy_threads - 1, thread_name_prefix="kvtier-copy")
             io_pool, copy_pool = self._pool, self._copy_pool
-        # Each job in a copy of this call's context: its frames carry the call's request id.
-        futures = [
-            (copy_pool if n in copies else io_pool).submit(contextvars.copy_context().run, fn, *args)  # type: ignore[union-attr]
-            for n, (fn, *args) in enumerate(jobs)
-            if n
-        ]
-        fn, *args = jobs[0]
-        return [fn(*args), *(f.result() for f in futures)]
+        futures: dict[int, Future] = {}
+        errors: list[BaseException] = []
+        try:
+            for n, (fn, *args) in enumerate(jobs):
+                if n:  # each in a copy of this call's context: its frames carry the call's request id
+                    pool = copy_pool if n in copies else io_pool
+                    futures[n] = pool.submit(contextvars.copy_context().run, fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # close() shut the pools after the check above
+            errors.append(KvtierError(Status.CANCELLED, "client is closed"))
+            for future in futures.values():
+                future.cancel()
+        results: list[Any] = [None] * len(jobs)
+        if not errors:
+            fn, *args = jobs[0]
+            try:
+                results[0] = fn(*args)
+            except BaseException as exc:  # raised below, once the other jobs ended
+                errors.append(exc)
+        for n, future in futures.items():
+            if n in copies and future.cancel():  # still queued: the caller copies it now
+                fn, *args = jobs[n]
+                try:
+                    results[n] = fn(*args)
+                except BaseException as exc:
+                    errors.append(exc)
+        for n, future in futures.items():
+            if not future.cancelled():
+                try:
+                    results[n] = future.result()
+                except BaseException as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+        return results
 
     def _commit_behind(
         self,

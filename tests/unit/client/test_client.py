@@ -229,9 +229,23 @@ def test_a_client_shares_copies_only_with_a_made_same_host_connector(client):
 def test_parallel_jobs_answer_in_order_the_first_on_the_calling_thread_copies_on_their_pool():
     import threading
 
+    copy_started = threading.Event()
+
+    def first() -> tuple[int, str]:
+        assert copy_started.wait(10)  # so the copy part is not taken back by this (calling) thread
+        return 0, threading.current_thread().name
+
+    def copy_part() -> tuple[int, str]:
+        copy_started.set()
+        return 2, threading.current_thread().name
+
     with Client(NOWHERE, copy_threads=2, io_threads=2) as client:
         where = threading.current_thread().name
-        jobs = [(lambda n=n: (n, threading.current_thread().name),) for n in range(4)]
+
+        def on_io_pool(n: int):
+            return lambda: (n, threading.current_thread().name)
+
+        jobs = [(first,), (on_io_pool(1),), (copy_part,), (on_io_pool(3),)]
         results = client._run_parallel(jobs, {2})
         assert [n for n, _ in results] == [0, 1, 2, 3]
         assert results[0][1] == where
@@ -242,3 +256,57 @@ def test_parallel_jobs_answer_in_order_the_first_on_the_calling_thread_copies_on
         client._run_parallel(jobs, {2})
     assert closed.value.status == Status.CANCELLED
     assert client._pool is None and client._copy_pool is None, "a call racing close() made a pool nobody shuts"
+
+
+def test_a_copy_part_queued_behind_other_calls_is_copied_by_its_caller():
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def wait_until_held() -> None:
+        assert held.wait(10)  # the other part runs on the copy pool's only thread, not on this one
+
+    def hold_the_copy_thread() -> None:
+        held.set()
+        release.wait(60)
+
+    with Client(NOWHERE, copy_threads=2) as client:
+        other = threading.Thread(target=client._run_parallel, args=([(wait_until_held,), (hold_the_copy_thread,)], {1}))
+        other.start()
+        try:
+            assert held.wait(10)
+            answers: list = []
+            caller = threading.Thread(
+                target=lambda: answers.extend(
+                    client._run_parallel([(lambda: "first",), (lambda: threading.current_thread().name,)], {1})
+                ),
+                name="the-caller",
+            )
+            caller.start()
+            caller.join(30)
+            assert not caller.is_alive(), "the part waited for the busy copy thread"
+            assert answers == ["first", "the-caller"]
+        finally:
+            release.set()
+            other.join(10)
+
+
+def test_a_failed_job_raises_only_once_the_others_have_ended():
+    import threading
+
+    ended: list[str] = []
+    go = threading.Event()
+
+    def fails() -> None:
+        go.set()
+        raise ValueError("the first job failed")
+
+    def writes_late() -> None:
+        assert go.wait(10)
+        threading.Event().wait(0.2)  # still writing into the caller's buffers when the first one failed
+        ended.append("late")
+
+    with Client(NOWHERE) as client:
+        with pytest.raises(ValueError, match="the first job failed"):
+            client._run_parallel([(fails,), (writes_late,)])
+        assert ended == ["late"]
