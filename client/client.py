@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from kvtier.client.chunks import put_checksums
@@ -547,23 +547,23 @@ class Client(
                 self._copy_pool = ThreadPoolExecutor(self.config.copy_threads - 1, thread_name_prefix="kvtier-copy")
             io_pool, copy_pool = self._pool, self._copy_pool
         futures: dict[int, Future] = {}
-        errors: list[BaseException] = []
         try:
             for n, (fn, *args) in enumerate(jobs):
                 if n:  # each in a copy of this call's context: its frames carry the call's request id
                     pool = copy_pool if n in copies else io_pool
                     futures[n] = pool.submit(contextvars.copy_context().run, fn, *args)  # type: ignore[union-attr]
         except RuntimeError:  # close() shut the pools after the check above
-            errors.append(KvtierError(Status.CANCELLED, "client is closed"))
-            for future in futures.values():
-                future.cancel()
+            # Those already running end first (a cancelled one is never "done" to wait() until a
+            # worker has dequeued it, which may be long after).
+            wait([future for future in futures.values() if not future.cancel()])
+            raise KvtierError(Status.CANCELLED, "client is closed") from None
         results: list[Any] = [None] * len(jobs)
-        if not errors:
-            fn, *args = jobs[0]
-            try:
-                results[0] = fn(*args)
-            except BaseException as exc:  # raised below, once the other jobs ended
-                errors.append(exc)
+        errors: list[BaseException] = []
+        fn, *args = jobs[0]
+        try:
+            results[0] = fn(*args)
+        except BaseException as exc:  # raised below, once the other jobs ended
+            errors.append(exc)
         for n, future in futures.items():
             if n in copies and future.cancel():  # still queued: the caller copies it now
                 fn, *args = jobs[n]

@@ -84,8 +84,8 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
     return [items[lo : lo + step] for lo in range(0, len(items), step)]
 
 
-# Same-host copies are split only into parts at least this large: below it a part's hand-off to an
-# io thread (tens of microseconds) costs what the second core saves.
+# Same-host copies are split only into parts at least this large: below it a part's hand-off to
+# another thread (tens of microseconds) costs what the second core saves.
 COPY_PART_MIN_BYTES = 512 << 10
 
 
@@ -93,8 +93,8 @@ T = TypeVar("T")
 
 
 def split_copy(items: list[T], sizes: list[int], parts: int) -> list[list[T]]:
-    """`items` (of `sizes` bytes each) in up to `parts` contiguous runs, cut where the bytes before
-    are nearest a multiple of the total's share and only where both sides keep at least
+    """`items` (of `sizes` bytes each) in up to `parts` contiguous runs, cut after the first object
+    that reaches each next share of the total and only where both sides keep at least
     COPY_PART_MIN_BYTES: one run per thread that shares a same-host copy. An object is never cut
     (its CRCs are one pass), so an object larger than a share leaves fewer, unequal runs."""
     total = sum(sizes)
@@ -438,7 +438,8 @@ class Reads:
             retry: dict[int, list[int]] = {}
             # Disk reads of one segment are split over parallel connections: the segment serves a
             # connection's requests one at a time, and more in flight keeps its disk busy. A large
-            # same-host read is split over io threads: each copies and checksums its part.
+            # same-host read is split over threads (the caller's, the copy pool's): each copies and
+            # checksums its part.
             parts: list[tuple[tuple[int, int], list[int]]] = []
             copies: set[int] = set()  # the further parts of a shared same-host copy
             for (segment_id, tier), indices in groups.items():

@@ -310,3 +310,38 @@ def test_a_failed_job_raises_only_once_the_others_have_ended():
         with pytest.raises(ValueError, match="the first job failed"):
             client._run_parallel([(fails,), (writes_late,)])
         assert ended == ["late"]
+
+
+def test_a_call_racing_close_is_cancelled_and_runs_nothing():
+    import threading
+
+    ran: list[int] = []
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_copy_thread() -> None:
+        held.set()
+        release.wait(60)
+
+    with Client(NOWHERE, copy_threads=2) as client:
+        client._run_parallel([(lambda: None,), (lambda: None,), (lambda: None,)], {1})  # makes both pools
+        client._copy_pool.submit(hold_the_copy_thread)
+        assert held.wait(10)
+        client._pool.shutdown()  # what close() does right after a call passed its check
+        try:
+            jobs = [(lambda: ran.append(0),), (lambda: ran.append(1),), (lambda: ran.append(2),)]
+            raised: list[BaseException] = []
+
+            def call() -> None:
+                try:
+                    client._run_parallel(jobs, {1})  # part 1 queued on the copy pool, part 2 refused
+                except BaseException as exc:
+                    raised.append(exc)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            caller.join(20)
+            assert not caller.is_alive(), "the call waited for a part it had cancelled"
+            assert [getattr(exc, "status", exc) for exc in raised] == [Status.CANCELLED]
+            assert ran == [], "a cancelled part ran anyway"
+        finally:
+            release.set()
