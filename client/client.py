@@ -46,7 +46,7 @@ from kvtier.client.leases import DoneLeases
 from kvtier.client.locations import LocationCache
 from kvtier.client.master import MasterClient
 from kvtier.client.ranges import RangedReads
-from kvtier.client.reads import _TIERS, Reads, _caps
+from kvtier.client.reads import _TIERS, Reads, _caps, add_runs
 from kvtier.client.replicas import ReplicaOps
 from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
@@ -452,8 +452,7 @@ class Client(
                     segments.get(segment_id), items, lambda item: 0 if views[item[0]].readonly else sizes[item[0]]
                 )
             )
-            copies.update(range(len(parts) + 1, len(parts) + len(runs)))
-            parts += [(segment_id, run) for run in runs]
+            add_runs(parts, copies, segment_id, runs)
         jobs = [
             (
                 self._write_segment,

@@ -122,6 +122,13 @@ def split_copy(items: list[T], sizes: list[int], parts: int) -> list[list[T]]:
     return runs
 
 
+def add_runs(parts: list[tuple[Any, list[T]]], copies: set[int], key: Any, runs: list[list[T]]) -> None:
+    """Append one segment's `runs` to a call's `parts` as (key, run); all but its first run are the
+    further parts of a shared copy, noted in `copies` by position (Client._run_parallel)."""
+    copies.update(range(len(parts) + 1, len(parts) + len(runs)))
+    parts += [(key, run) for run in runs]
+
+
 def _add(counts: dict[str, int], name: str, delta: int) -> None:
     counts[name] = counts.get(name, 0) + delta
 
@@ -449,8 +456,7 @@ class Reads:
                 # Only copies into the caller's buffers: new bytes objects are made holding the GIL.
                 segment = segments.get(segment_id)
                 runs = [indices] if views is None else self._split_copy(segment, indices, sizes.__getitem__)
-                copies.update(range(len(parts) + 1, len(parts) + len(runs)))
-                parts += [((segment_id, tier), run) for run in runs]
+                add_runs(parts, copies, (segment_id, tier), runs)
             # A segment that stops answering may take half the time left when its keys have another
             # replica to try: the call's timeout is shared by the attempts, never exceeded by them.
             jobs = [
