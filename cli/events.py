@@ -74,7 +74,9 @@ def cmd_events(opts: argparse.Namespace) -> int:
                         print(json.dumps(event.to_dict()) if opts.json else _line(event), flush=True)
                     outcome.append(None)
                 except BaseException as exc:  # noqa: BLE001 (reported by the main thread)
-                    outcome.append(exc)
+                    # Without its traceback: that holds this frame, and through it the stream,
+                    # in a cycle only the garbage collector frees (see main()).
+                    outcome.append(exc.with_traceback(None))
                 finally:
                     done.set()
 

@@ -30,6 +30,7 @@ and exit with status 2; a miss or a failed operation exits with status 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -329,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `kvtier status --json | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        # Free what a command left in reference cycles while gRPC's threads still run: a gRPC call
+        # object first collected at interpreter exit waits in its finalizer for a lock that a
+        # frozen gRPC daemon thread may hold, and the process never exits (seen with `events`).
+        gc.collect()
 
 
 if __name__ == "__main__":
