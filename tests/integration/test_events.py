@@ -16,8 +16,8 @@ import sys
 import threading
 
 import grpc
-from grpc import _channel as grpc_channel
 import pytest
+from grpc import _channel as grpc_channel
 
 from kvtier.client import Client, ConnectError, Event, EventStream, Status, WatchEnded
 from kvtier.proto import master_pb2 as pb
