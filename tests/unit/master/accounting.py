@@ -116,10 +116,12 @@ def assert_consistent(state: MasterState) -> None:
             owner_objects[id(record.owner)] += 1
     for batch in state.drainer._batches.values():  # targets of migrations in flight
         for item in batch.items:
-            if item.target is not None and item.record.size:
-                segment_id = replica_segment(item.target)
+            if item.target is None:
+                continue
+            segment_id = replica_segment(item.target)
+            replicas[segment_id] += 1  # counted from the reservation on, a zero-size object's too
+            if item.record.size:
                 used[segment_id] += aligned(item.record.size)
-                replicas[segment_id] += 1
                 ranges[segment_id].append((replica_offset(item.target), aligned(item.record.size), "<migrating>"))
     for task in state.tiering._promoting.values():  # DRAM ranges allocated for a promotion in flight
         if task.size and task.segment_id in ranges:
