@@ -200,15 +200,22 @@ class CommitWaiter:
         logger.error("acknowledgements missing after %.1fs segments=%s", self._timeout_s, sorted(barrier.notices))
         return type(reply)(status=Status.UNAVAILABLE, error="segments did not acknowledge; retry")
 
-    def barrier(self) -> Barrier | None:
-        """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding."""
+    def barrier(self, every_notice: bool = False) -> Barrier | None:
+        """After a waiting call's handler ran: what to wait for, or None when nothing is outstanding.
+        The notices and FORGETs about the names the handler dealt with (`barrier_names`), or, with
+        `every_notice` (a prefix removal's sweep, done over many loop turns), all of them."""
         handlers = self._handlers
         state = handlers.state
         put_ack, handlers.put_ack = handlers.put_ack, None
         relayed_by, handlers.relayed_by = handlers.relayed_by, 0
+        names, handlers.barrier_names = None if every_notice else handlers.barrier_names, None
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
         fenced = state.direct_reads_fenced()  # a segment that may serve direct reads was dropped
-        barrier = Barrier(state.commits.barrier(relayed_by), state.tiering.pending_forgets(), generation, put_ack)
+        forgets = state.tiering.pending_forgets()
+        if names is not None and forgets:
+            wanted = set(names)
+            forgets = [task for task in forgets if task.name in wanted]
+        barrier = Barrier(state.commits.barrier(relayed_by, names), forgets, generation, put_ack)
         return barrier if barrier.notices or barrier.forgets or generation or fenced else None
 
     async def after_removal(self, reply: Any, removal: Removal) -> Any:
@@ -219,7 +226,7 @@ class CommitWaiter:
             if self._handlers.state is not state:
                 return type(reply)(status=Status.UNAVAILABLE, error="master changed")
         reply.removed = removal.removed
-        barrier = self.barrier()
+        barrier = self.barrier(every_notice=True)
         return reply if barrier is None else await self.finish(reply, barrier)
 
     async def finish(self, reply: Any, barrier: Barrier) -> Any:

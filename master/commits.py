@@ -10,15 +10,20 @@ that becomes readable (PutEnd, promotion from SSD, a drain's move) is a
 numbered per segment and handed out in order by a long poll
 (`PollCommits`); each poll acknowledges everything up to `acked_seq`.
 
-PutEnd, Remove and RemovePrefix answer only once every segment that keeps an
-index acknowledged every notice made before the answer (`barrier` /
-`acked`; kvtier.master.commit_wait's `Barrier` adds the FORGETs of SSD copies, see
-kvtier.master.tiering): an object a client saw committed is in a segment's
-index, and one it saw removed is in none, whatever happens to the master
-next. Waiting for all segments, not only those the call touched, also orders
-versions: when a key is dropped on one segment and put again, with other
-bytes, on another, the drop is acknowledged before the new put is, so a
-restart can never bring back the old bytes next to, or instead of, the new.
+PutEnd and Remove answer only once every segment that keeps an index
+acknowledged every notice about the call's names made before the answer
+(`barrier` / `acked`; kvtier.master.commit_wait's `Barrier` adds the FORGETs of
+SSD copies, see kvtier.master.tiering): an object a client saw committed is in
+a segment's index, and one it saw removed is in none, whatever happens to the
+master next. Waiting for every segment with a notice about the name, not only
+those the call touched, also orders versions: when a key is dropped on one
+segment and put again, with other bytes, on another, the drop is acknowledged
+before the new put is, so a restart can never bring back the old bytes next
+to, or instead of, the new. Notices about other names are not waited for: a
+segment cut off with some pending (every busy segment has a few: a relayed
+call's are acknowledged ~2 ms after its answer) would otherwise hold every
+put in the cluster until it is expelled at `segment_ttl_s`. RemovePrefix,
+whose names are a sweep's, waits for every notice (`barrier(names=None)`).
 
 Nobody is ever counted as having acknowledged what it did not. A segment
 whose feed has notices waiting and has not polled for `segment_ttl_s` is
@@ -45,7 +50,7 @@ waiting itself is asyncio plumbing in kvtier.master.commit_wait.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +119,9 @@ class CommitLog:
         self._clock = clock
         self._feeds: dict[int, SegmentFeed] = {}
         self.counters: Counter[str] = Counter()
+        # Object name -> {segment id: sequence number of its last notice about the name not yet
+        # acknowledged}, for segments that keep an index: what a call about the name waits for.
+        self._unacked_by_name: dict[str, dict[int, int]] = {}
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
         # The segment relaying the call being handled (RelayPutEnd): its notices do not wake its poll.
@@ -122,6 +130,8 @@ class CommitLog:
     # ------------------------------------------------------------------ segments
 
     def mounted(self, segment_id: int, keeps_index: bool) -> None:
+        if segment_id in self._feeds:  # (ids are never reused; a second mount replaces the feed)
+            self._forget_names(segment_id, self._feeds[segment_id])
         self._feeds[segment_id] = SegmentFeed(self._clock(), keeps_index)
 
     def keeps_index(self, segment_id: int) -> bool:
@@ -149,6 +159,7 @@ class CommitLog:
     def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)
         if feed is not None:
+            self._forget_names(segment_id, feed)
             for _, source, offset, record in feed.after_ack:  # its copies are gone: the sources go now
                 self.dropped(source, offset, record)
         if self.on_ack is not None:
@@ -175,6 +186,8 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, False))
+            if feed.keeps_index:
+                self._unacked(record.name, segment_id, feed.last_seq)
             self._wake(segment_id, feed, feed.last_seq)
 
     def committed_records(self, records: list[ObjectRecord]) -> None:
@@ -187,8 +200,11 @@ class CommitLog:
                 feed = feeds.get(segment_id)
                 if feed is not None:
                     feed.notices.append((packed & OFFSET_MASK, record, False))
+                    seq = feed.last_seq
+                    if feed.keeps_index:
+                        self._unacked(record.name, segment_id, seq)
                     if segment_id not in touched:
-                        touched[segment_id] = feed.last_seq
+                        touched[segment_id] = seq
         for segment_id, first in touched.items():
             self._wake(segment_id, feeds[segment_id], first)
 
@@ -197,7 +213,31 @@ class CommitLog:
         feed = self._feeds.get(segment_id)
         if feed is not None:
             feed.notices.append((offset, record, True))
+            if feed.keeps_index:
+                self._unacked(record.name, segment_id, feed.last_seq)
             self._wake(segment_id, feed, feed.last_seq)
+
+    def _unacked(self, name: str, segment_id: int, seq: int) -> None:
+        segments = self._unacked_by_name.get(name)
+        if segments is None:
+            self._unacked_by_name[name] = {segment_id: seq}
+        else:
+            segments[segment_id] = seq
+
+    def _acked_name(self, name: str, segment_id: int, seq: int) -> None:
+        """The segment applied its notice `seq` about `name`: forgotten, unless a later one is pending."""
+        segments = self._unacked_by_name.get(name)
+        if segments is not None and segments.get(segment_id, seq) <= seq:
+            segments.pop(segment_id, None)
+            if not segments:
+                del self._unacked_by_name[name]
+
+    def _forget_names(self, segment_id: int, feed: SegmentFeed) -> None:
+        """The segment's feed is gone: nothing waits for its notices any more."""
+        for _, record, _ in feed.notices:
+            segments = self._unacked_by_name.get(record.name)
+            if segments is not None and segments.pop(segment_id, None) is not None and not segments:
+                del self._unacked_by_name[record.name]
 
     def _wake(self, segment_id: int, feed: SegmentFeed, first: int) -> None:
         """New notices for the segment, from `first` on: wake its long poll (every notice is due to
@@ -245,13 +285,17 @@ class CommitLog:
         """The segment applied every notice up to `acked_seq` (a RelayPutEnd's, like a poll's)."""
         feed = self._feeds.get(segment_id)
         if feed is not None:
-            self._ack(feed, acked_seq)
+            self._ack(segment_id, feed, acked_seq)
 
-    def _ack(self, feed: SegmentFeed, acked_seq: int) -> None:
+    def _ack(self, segment_id: int, feed: SegmentFeed, acked_seq: int) -> None:
         acked_seq = min(acked_seq, feed.last_seq)
         if acked_seq > feed.acked:
-            for _ in range(acked_seq - feed.first_seq + 1):
-                feed.notices.popleft()
+            if feed.keeps_index:
+                for seq in range(feed.first_seq, acked_seq + 1):
+                    self._acked_name(feed.notices.popleft()[1].name, segment_id, seq)
+            else:
+                for _ in range(acked_seq - feed.first_seq + 1):
+                    feed.notices.popleft()
             feed.first_seq = acked_seq + 1
             feed.acked = acked_seq
             if acked_seq == feed.last_seq:
@@ -279,7 +323,7 @@ class CommitLog:
         if feed is None:
             return None
         now = feed.last_poll = self._clock()
-        self._ack(feed, acked_seq)
+        self._ack(segment_id, feed, acked_seq)
         start = feed.acked + 1  # a segment that lost a reply polls with an older ack: resend
         skip = start - feed.first_seq
         items = []
@@ -295,13 +339,26 @@ class CommitLog:
 
     # ------------------------------------------------------------------ waiting
 
-    def barrier(self, relayed_by: int = 0) -> dict[int, int]:
-        """Every notice made so far and not yet acknowledged: segment id -> sequence number to wait
-        for. Segments that keep no index are left out, and `relayed_by` (a RelayPutEnd's segment:
-        it applies its notices itself, in order, before it answers the client)."""
-        waits = {
-            s: f.last_seq for s, f in self._feeds.items() if f.keeps_index and f.last_seq > f.acked and s != relayed_by
-        }
+    def barrier(self, relayed_by: int = 0, names: Iterable[str] | None = None) -> dict[int, int]:
+        """Every notice about `names` made so far and not yet acknowledged (every notice when
+        `names` is None): segment id -> sequence number to wait for. Segments that keep no index are
+        left out, and `relayed_by` (a RelayPutEnd's segment: it applies its notices itself, in
+        order, before it answers the client)."""
+        if names is None:
+            waits = {
+                s: f.last_seq
+                for s, f in self._feeds.items()
+                if f.keeps_index and f.last_seq > f.acked and s != relayed_by
+            }
+        else:
+            waits = {}
+            unacked = self._unacked_by_name
+            for name in names:
+                segments = unacked.get(name)
+                if segments:
+                    for s, seq in segments.items():
+                        if s != relayed_by and seq > waits.get(s, 0):
+                            waits[s] = seq
         for segment_id in waits:  # relayed notices someone waits for now: the segment's poll brings the ack
             feed = self._feeds[segment_id]
             if feed.unwoken:
@@ -319,6 +376,10 @@ class CommitLog:
 
     def backlog(self) -> int:
         return sum(len(f.notices) for f in self._feeds.values())
+
+    def unacked_name_count(self) -> int:
+        """Names with a notice not yet acknowledged (bounded like the notices themselves)."""
+        return len(self._unacked_by_name)
 
 
 def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:

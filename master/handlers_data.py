@@ -112,6 +112,7 @@ class DataCalls:
 
     @rpc(pb.KeyStatusResponse)
     def PutEnd(self, request):
+        self.barrier_names = None
         self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
@@ -133,6 +134,8 @@ class DataCalls:
             )
         else:
             statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
+        # Its answer waits for every notice about the names committed: theirs, and an earlier version's drop.
+        self.barrier_names = [record.name for _, record, _ in ack.committed]
         if chunks:  # kept with the records committed now, before any reader can see them (this is sync)
             for i, record, _ in ack.committed:
                 record.keep_chunk_crcs(chunks[i])
@@ -253,10 +256,13 @@ class DataCalls:
 
     @rpc(pb.RemoveResponse)
     def Remove(self, request):
+        self.barrier_names = None
         self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
             return rejected
+        prefix = name_prefix(namespace)
+        self.barrier_names = [prefix + key for key in request.keys]
         statuses = self.state.remove(namespace, request.keys, request.force)
         return pb.RemoveResponse(status=_OK, statuses=statuses, removed=statuses.count(0))
 
@@ -288,6 +294,7 @@ class DataCalls:
     def RemovePrefix(self, request):
         """Starts the removal (hidden from every reader at once); unless it finished here, the
         caller awaits `take_removal()` before answering (kvtier.master.commit_wait.after_removal)."""
+        self.barrier_names = None  # a sweep's names: its answer waits for every notice
         namespace = check_namespace(request.namespace)
         removal = self.state.start_remove_prefix(namespace, request.prefix)
         if not removal.done:

@@ -334,3 +334,90 @@ def test_unacked_seqs_give_each_name_its_last_unacknowledged_notice(log: CommitL
     log.poll(A, 1, 100)
     assert log.unacked_seqs(A) == {"x": 4, "y": 3}
     assert log.unacked_seqs(B) == {}
+
+
+def test_a_barrier_by_names_waits_only_for_notices_about_those_names(log: CommitLog):
+    """A segment cut off with notices pending about other keys holds no put of these: before, every
+    PutEnd in the cluster waited for it until it was expelled at segment_ttl_s."""
+    for s in (A, B, C):
+        log.mounted(s, keeps_index=True)
+    log.committed(A, 0, record("elsewhere", replica(A, 0)))  # A is cut off with this pending
+    log.dropped(B, 0, record("key", replica(B, 0)))  # the key's old version, dropped on B
+    log.committed(C, 0, record("key", replica(C, 0)))  # its new version, on C
+    assert log.barrier(names=["key"]) == {B: 1, C: 1}, "the old version's drop is waited for: versions stay ordered"
+    assert log.barrier(relayed_by=C, names=["key"]) == {B: 1}
+    assert log.barrier(names=["unrelated"]) == {}
+    assert log.barrier() == {A: 1, B: 1, C: 1}, "every notice, for a prefix removal's sweep"
+    log.poll(B, 1, 10)
+    assert log.barrier(names=["key"]) == {C: 1}
+
+
+def test_a_barrier_by_names_waits_up_to_the_names_last_notice_and_forgets_acknowledged_ones(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=False)  # keeps no index: never waited for
+    log.committed(A, 0, record("k", replica(A, 0)))
+    log.committed(A, 64, record("other", replica(A, 64)))
+    log.dropped(A, 0, record("k", replica(A, 0)))
+    log.committed(B, 0, record("k", replica(B, 0)))
+    assert log.barrier(names=["k"]) == {A: 3}
+    log.poll(A, 2, 10)  # applied the commit of k, not its drop
+    assert log.barrier(names=["k"]) == {A: 3} and log.barrier(names=["other"]) == {}
+    log.poll(A, 3, 10)
+    assert log.barrier(names=["k"]) == {} and log.unacked_name_count() == 0
+
+
+def test_a_dropped_segment_leaves_nothing_waited_for_by_name(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    for i in range(3):
+        log.committed(A, 64 * i, record(f"k{i}", replica(A, 64 * i)))
+    log.committed(B, 0, record("k0", replica(B, 0)))
+    log.segment_dropped(A)
+    assert log.barrier(names=["k0", "k1", "k2"]) == {B: 1} and log.unacked_name_count() == 1
+
+
+def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_under_random_operations(
+    log: CommitLog,
+):
+    """The name index against the feeds themselves (`unacked_seqs`): whatever order notices,
+    acknowledgements (in order, stale, relayed), mounts and drops come in."""
+    import random
+
+    rng = random.Random(7)
+    names_ = [f"n{i}" for i in range(12)]
+    mounted: list[int] = []
+    next_id = 1
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.08 or not mounted:
+            log.mounted(next_id, keeps_index=rng.random() < 0.8)
+            mounted.append(next_id)
+            next_id += 1
+        elif op < 0.12 and len(mounted) > 1:
+            log.segment_dropped(mounted.pop(rng.randrange(len(mounted))))
+        elif op < 0.5:
+            s = rng.choice(mounted)
+            rec = record(rng.choice(names_), replica(s, 0))
+            (log.dropped if rng.random() < 0.4 else log.committed)(s, 0, rec)
+        elif op < 0.6:
+            segs = rng.sample(mounted, min(len(mounted), 2))
+            log.committed_records([record(rng.choice(names_), *(replica(s, 0) for s in segs))])
+        else:
+            s = rng.choice(mounted)
+            upto = log.next_seq(s) - 1
+            acked = rng.randint(max(0, log.first_unacked(s) - 2), upto)
+            if rng.random() < 0.5:
+                log.poll(s, acked, 100)
+            else:
+                log.ack(s, acked)
+        asked = rng.sample(names_, rng.randint(1, 3))
+        relayed = rng.choice(mounted + [0])
+        expected: dict[int, int] = {}
+        for s in mounted:
+            if s == relayed or not log.keeps_index(s):
+                continue
+            seqs = [seq for name, seq in log.unacked_seqs(s).items() if name in asked]
+            if seqs:
+                expected[s] = max(seqs)
+        assert log.barrier(relayed, asked) == expected
+    assert log.unacked_name_count() <= len(names_)
