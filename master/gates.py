@@ -67,6 +67,9 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
             self.requests[name] += 1
             # The client call's id on every line logged while handling it (0: none, or not traced).
             token = current_request_id.set(getattr(request, "request_id", 0))
+            # A waiting call's answer waits for every commit notice unless its handler names the
+            # keys it is about (kvtier.master.commit_wait): never for a name an earlier call left.
+            self.barrier_names = None
             try:
                 principal = current_principal.get()
                 if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, name, request)):

@@ -71,7 +71,7 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.relayed_by = 0  # the segment that relayed the PutEnd just handled (RelayPutEnd), if any
         # The object names the waiting call just handled is about: its answer waits for the notices
-        # about them (kvtier.master.commits). None: for every notice. Set by each waiting handler.
+        # about them (kvtier.master.commits). None (each call's start, kvtier.master.gates): every notice.
         self.barrier_names: list[str] | None = None
         self.removal: Removal | None = None  # of the RemovePrefix just handled, still sweeping
         self.watcher: Watcher | None = None  # subscribed by the WatchEvents just handled

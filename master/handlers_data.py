@@ -112,7 +112,6 @@ class DataCalls:
 
     @rpc(pb.KeyStatusResponse)
     def PutEnd(self, request):
-        self.barrier_names = None
         self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
@@ -134,8 +133,11 @@ class DataCalls:
             )
         else:
             statuses = self.state.put_end(namespace, request.keys, request.checksums, request.put_id, ack.committed)
-        # Its answer waits for every notice about the names committed: theirs, and an earlier version's drop.
-        self.barrier_names = [record.name for _, record, _ in ack.committed]
+        # Its answer waits for every notice about its keys: the commits it made, an earlier version's
+        # drop, and the commit a key answered OK without one was made by (a retried PutEnd, the
+        # client's own after a relay it never heard, a group member another put completed).
+        prefix = name_prefix(namespace)
+        self.barrier_names = [prefix + key for key in request.keys]
         if chunks:  # kept with the records committed now, before any reader can see them (this is sync)
             for i, record, _ in ack.committed:
                 record.keep_chunk_crcs(chunks[i])
@@ -256,7 +258,6 @@ class DataCalls:
 
     @rpc(pb.RemoveResponse)
     def Remove(self, request):
-        self.barrier_names = None
         self._release_leases(request)
         namespace = check_namespace(request.namespace)
         if rejected := self._too_many(request.keys, pb.RemoveResponse):
@@ -294,8 +295,7 @@ class DataCalls:
     def RemovePrefix(self, request):
         """Starts the removal (hidden from every reader at once); unless it finished here, the
         caller awaits `take_removal()` before answering (kvtier.master.commit_wait.after_removal)."""
-        self.barrier_names = None  # a sweep's names: its answer waits for every notice
-        namespace = check_namespace(request.namespace)
+        namespace = check_namespace(request.namespace)  # (a sweep's names: its answer waits for every notice)
         removal = self.state.start_remove_prefix(namespace, request.prefix)
         if not removal.done:
             self.removal = removal

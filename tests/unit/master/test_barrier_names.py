@@ -1,0 +1,110 @@
+"""What a waiting call's answer waits for (kvtier.master.commit_wait `CommitWaiter.barrier`): the
+commit notices about the keys it names, including those another call made. Handlers and the waiter
+in-process, no loop: the barrier each answer would wait for."""
+
+from __future__ import annotations
+
+from kvtier.master.commit_wait import CommitWaiter
+from kvtier.master.config import MasterConfig
+from kvtier.master.handlers import MasterHandlers
+from kvtier.master.recovery import inventory_done
+from kvtier.master.state import MasterState, PutOptions
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.keys import name_prefix
+from kvtier.proto.status import Status
+
+EPOCH = 7
+MiB = 1 << 20
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cluster(n: int = 1):
+    state = MasterState(MasterConfig(cluster_id="unit").validate(), clock=Clock())
+    ids = []
+    for i in range(n):
+        r = state.mount_segment("unit", f"s{i}", f"h{i}", [f"tcp://127.0.0.1:{9 + i}"], MiB, inventory=True)
+        inventory_done(state, r.segment.segment_id)
+        ids.append(r.segment.segment_id)
+    handlers = MasterHandlers(state, EPOCH)
+    return handlers, CommitWaiter(handlers, 5.0), ids
+
+
+def put_end_request(put_id: int, *keys: str, group: bool = False) -> pb.PutEndRequest:
+    return pb.PutEndRequest(namespace="ns", keys=list(keys), checksums=[7] * len(keys), put_id=put_id, group=group)
+
+
+def test_a_retried_put_end_answered_ok_still_waits_for_its_unacknowledged_commit():
+    """PutEnd #1 committed, its segment cut off: it times out UNAVAILABLE ("retry"), or its answer is
+    lost. The retry finds the key COMPLETE, answers OK: it must wait for the same notice."""
+    handlers, waiter, [a] = cluster()
+    put_id = handlers.state.put_start("ns", ["k"], [100], 1, PutOptions()).put_id
+    assert list(handlers.PutEnd(put_end_request(put_id, "k")).statuses) == [Status.OK]
+    first = waiter.barrier()
+    assert first is not None and first.notices == {a: 1}
+    retry = handlers.PutEnd(put_end_request(put_id, "k"))
+    assert list(retry.statuses) == [Status.OK]
+    second = waiter.barrier()
+    assert second is not None and second.notices == {a: 1}, "OK answered while k is in no index"
+
+
+def test_the_clients_own_put_end_after_a_relay_it_never_heard_waits_for_the_relayed_notices():
+    """commit_relay.py: a relay whose notices the segment cannot apply in order (or a FENCED_RELAY
+    answer from CommitWaiter.flush) reaches the client as UNAVAILABLE; "a PutEnd retried by the client
+    is answered OK then". That PutEnd must wait for the relaying segment's notices."""
+    handlers, waiter, [a] = cluster()
+    put_id = handlers.state.put_start("ns", ["k"], [100], 1, PutOptions()).put_id
+    relay = pb.RelayPutEndRequest(put_end=put_end_request(put_id, "k"), segment_id=a, epoch=EPOCH, acked_seq=0)
+    assert handlers.RelayPutEnd(relay).status == Status.OK
+    waiter.barrier()  # the relay's own (leaves "a" out: it applies the answer's notices itself)
+    retry = handlers.PutEnd(put_end_request(put_id, "k"))  # the client's own, after UNAVAILABLE
+    assert list(retry.statuses) == [Status.OK]
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {a: 1}, "OK answered while k is in no index"
+
+
+def test_a_group_put_end_answering_ok_for_a_member_another_put_completed_waits_for_that_commit():
+    """x completed by another put on s0 (its commit unacknowledged: s0 cut off); the group [x, y]
+    puts y on s1 and answers OK for both: x must be in an index first."""
+    handlers, waiter, [a, b] = cluster(2)
+    state = handlers.state
+    other = state.put_start("ns", ["x"], [100], 1, PutOptions(preferred_segment="s0")).put_id
+    handlers.PutEnd(put_end_request(other, "x"))  # x's own PutEnd: still waiting for s0
+    waiter.barrier()
+    group = state.put_start("ns", ["x", "y"], [100, 100], 1, PutOptions(preferred_segment="s1")).put_id
+    reply = handlers.PutEnd(put_end_request(group, "x", "y", group=True))
+    assert list(reply.statuses) == [Status.OK, Status.OK]
+    barrier = waiter.barrier()
+    assert barrier is not None and a in barrier.notices, barrier and barrier.notices
+
+
+def test_a_put_end_does_not_wait_for_another_keys_notice_on_a_segment_cut_off():
+    handlers, waiter, [a, b] = cluster(2)
+    state = handlers.state
+    other = state.put_start("ns", ["x"], [100], 1, PutOptions(preferred_segment="s0")).put_id
+    handlers.PutEnd(put_end_request(other, "x"))  # s0 is cut off before it acknowledges x's commit
+    waiter.barrier()
+    put_id = state.put_start("ns", ["y"], [100], 1, PutOptions(preferred_segment="s1")).put_id
+    assert list(handlers.PutEnd(put_end_request(put_id, "y")).statuses) == [Status.OK]
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {b: 1}
+
+
+def test_a_call_that_names_no_keys_waits_for_every_notice_whatever_the_call_before_left():
+    """Names a call left behind (one refused after naming its keys, which answers no barrier) never
+    narrow a later call's wait: MigrateEnd names none, so it waits for every notice."""
+    handlers, waiter, [a, b] = cluster(2)
+    state = handlers.state
+    for key, segment in (("x", "s0"), ("y", "s1")):
+        put_id = state.put_start("ns", [key], [100], 1, PutOptions(preferred_segment=segment)).put_id
+        handlers.PutEnd(put_end_request(put_id, key))
+        waiter.barrier()
+    handlers.barrier_names = [name_prefix("ns") + "y"]  # as a handler leaves them when it fails after naming its keys
+    handlers.MigrateEnd(pb.MigrateEndRequest(migration_id=12345))  # names nothing
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {a: 1, b: 1}
