@@ -51,10 +51,13 @@ class Barrier:
     def done(self, state: MasterState) -> bool:
         # The fence as it is now, not as it was when the wait began: a segment dropped during the
         # wait (its notices then count as acknowledged) may serve direct reads until then.
+        # Likewise its expulsion: saved (its stale index discarded by the next incarnation) before
+        # a wait it ended answers.
         return (
             not state.direct_reads_fenced()
             and state.commits.acked(self.notices)
             and state.durable_generation >= self.generation
+            and (state.durable_generation >= state.state_generation or not state.commits.any_gone(self.notices))
             and all(state.tiering.forgotten(t) for t in self.forgets)
         )
 

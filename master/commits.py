@@ -374,6 +374,11 @@ class CommitLog:
                 return False
         return True
 
+    def any_gone(self, barrier: dict[int, int]) -> bool:
+        """Whether a segment of `barrier` left or was expelled (its notices count as acknowledged)."""
+        feeds = self._feeds
+        return any(segment_id not in feeds for segment_id in barrier)
+
     def backlog(self) -> int:
         return sum(len(f.notices) for f in self._feeds.values())
 

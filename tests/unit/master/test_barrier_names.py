@@ -108,3 +108,22 @@ def test_a_call_that_names_no_keys_waits_for_every_notice_whatever_the_call_befo
     handlers.MigrateEnd(pb.MigrateEndRequest(migration_id=12345))  # names nothing
     barrier = waiter.barrier()
     assert barrier is not None and barrier.notices == {a: 1, b: 1}
+
+
+def test_a_wait_ended_by_its_segments_expulsion_answers_only_once_the_expulsion_is_saved():
+    """Its notices count as acknowledged once it is expelled; the next master incarnation must know
+    its index is stale (saved as expelled) before the Remove is answered, or a restart between the
+    answer and the save brings the removed key back from that index."""
+    handlers, waiter, [a] = cluster()
+    state = handlers.state
+    put_id = state.put_start("ns", ["k"], [100], 1, PutOptions()).put_id
+    handlers.PutEnd(put_end_request(put_id, "k"))
+    waiter.barrier()
+    state.commits.poll(a, 1, 10)
+    handlers.Remove(pb.KeysRequest(namespace="ns", keys=["k"]))
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {a: 2} and not barrier.done(state)
+    state.drop_segment(a, reason="commit feed silent")
+    assert not barrier.done(state), "answered before the expulsion was saved"
+    state.durable_generation = state.state_generation  # what the server sets once its save is durable
+    assert barrier.done(state)

@@ -242,6 +242,7 @@ def test_a_segment_dropped_while_a_put_end_waits_for_it_fences_the_answer():
         answers(segment)  # the notice, never acknowledged
         assert answers(client) == []
         state.drop_segment(cluster.segment_id, reason="drained")
+        state.durable_generation = state.state_generation  # the server's save of the drop (no server here)
         fence = state.direct_read_fence
         assert fence > state.clock()
         await asyncio.sleep(0)
