@@ -34,7 +34,9 @@ what its fence admits (kvtier.master.fences); to a later incarnation it
 discards its index, stale from then on.
 
 A move (drain) drops the source copy only after the target's commit is
-acknowledged (`dropped_after`): the object is in some index all along.
+acknowledged (`dropped_after`): the object is in some index all along. If the
+key is dropped from the target first (removed, evicted), the source copy is
+dropped at once, so the call dropping it waits for the source's index too.
 
 A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
 the relaying segment's long poll; nor are they due to it (`poll` and
@@ -122,6 +124,8 @@ class CommitLog:
         # Object name -> {segment id: sequence number of its last notice about the name not yet
         # acknowledged}, for segments that keep an index: what a call about the name waits for.
         self._unacked_by_name: dict[str, dict[int, int]] = {}
+        # Names with a move's source drop deferred until its target acknowledges (`dropped_after`): how many.
+        self._deferred_names: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
         # The segment relaying the call being handled (RelayPutEnd): its notices do not wake its poll.
@@ -161,6 +165,7 @@ class CommitLog:
         if feed is not None:
             self._forget_names(segment_id, feed)
             for _, source, offset, record in feed.after_ack:  # its copies are gone: the sources go now
+                self._undefer(record.name)
                 self.dropped(source, offset, record)
         if self.on_ack is not None:
             self.on_ack()  # waiters for it are done: it was expelled or left
@@ -216,6 +221,28 @@ class CommitLog:
             if feed.keeps_index:
                 self._unacked(record.name, segment_id, feed.last_seq)
             self._wake(segment_id, feed, feed.last_seq)
+        if self._deferred_names and record.name in self._deferred_names:
+            self._drop_deferred_now(record.name)
+
+    def _drop_deferred_now(self, name: str) -> None:
+        """A copy of `name` is dropped while a move's source drop of it waits for the target: the
+        source is dropped now, so the call dropping the name waits for that drop too (`barrier`).
+        Else a Remove right after a move answered before the source's index forgot the key, which
+        a restart then brought back. The object is leaving its new place anyway: nothing needs the
+        old one to keep it until the target acknowledges."""
+        released = []
+        for feed in self._feeds.values():
+            if feed.after_ack and any(item[3].name == name for item in feed.after_ack):
+                released.extend(item for item in feed.after_ack if item[3].name == name)
+                feed.after_ack = deque(item for item in feed.after_ack if item[3].name != name)
+        for _, source, offset, record in released:
+            self._undefer(name)
+            self.dropped(source, offset, record)
+
+    def _undefer(self, name: str) -> None:
+        count = self._deferred_names.pop(name, 0) - 1
+        if count > 0:
+            self._deferred_names[name] = count
 
     def _unacked(self, name: str, segment_id: int, seq: int) -> None:
         segments = self._unacked_by_name.get(name)
@@ -258,6 +285,7 @@ class CommitLog:
             self.dropped(segment_id, offset, record)
         else:
             target.after_ack.append((target.last_seq, segment_id, offset, record))
+            self._deferred_names[record.name] += 1
             if target.unwoken_from and target_id != self.relaying:  # this drop waits for them
                 self._wake(target_id, target, 0)
 
@@ -305,6 +333,7 @@ class CommitLog:
                 feed.unwoken_from, feed.unwoken_since = acked_seq + 1, self._clock()
             while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
                 _, source, offset, record = feed.after_ack.popleft()
+                self._undefer(record.name)
                 self.dropped(source, offset, record)
             if self.on_ack is not None:
                 self.on_ack()

@@ -380,7 +380,7 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
     log: CommitLog,
 ):
     """The name index against the feeds themselves (`unacked_seqs`): whatever order notices,
-    acknowledgements (in order, stale, relayed), mounts and drops come in."""
+    acknowledgements (in order, stale, relayed), moves, mounts and drops come in."""
     import random
 
     rng = random.Random(7)
@@ -402,6 +402,9 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
         elif op < 0.6:
             segs = rng.sample(mounted, min(len(mounted), 2))
             log.committed_records([record(rng.choice(names_), *(replica(s, 0) for s in segs))])
+        elif op < 0.65 and len(mounted) > 1:
+            source, target = rng.sample(mounted, 2)  # a move: the source drop waits for the target
+            log.dropped_after(source, 0, record(rng.choice(names_), replica(target, 0)), target)
         else:
             s = rng.choice(mounted)
             upto = log.next_seq(s) - 1
@@ -421,3 +424,35 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
                 expected[s] = max(seqs)
         assert log.barrier(relayed, asked) == expected
     assert log.unacked_name_count() <= len(names_)
+
+
+def test_a_key_dropped_right_after_its_move_waits_for_the_source_to_forget_it_and_is_dropped_there_once(
+    log: CommitLog,
+):
+    """The move's source drop waits for the target's acknowledgement; a Remove of the key before
+    then made it only after the Remove's own wait, so the Remove answered while the source's index
+    still held the key (a restart brought it back)."""
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    moved = record("k", replica(B, 0))
+    log.committed(B, 0, moved)  # the move: k's copy on B
+    log.dropped_after(A, 64, moved, B)  # A's copy leaves A's index once B acknowledged
+    assert log.barrier(names=["k"]) == {B: 1}
+    log.dropped(B, 0, moved)  # Remove(k) right after MigrateEnd
+    assert log.barrier(names=["k"]) == {A: 1, B: 2}
+    log.poll(B, 2, 10)  # B acknowledges: nothing more for A
+    assert [(r.name, drop) for _, r, drop in log.since(A, 1)] == [("k", True)]
+    log.poll(A, 1, 10)
+    assert log.barrier(names=["k"]) == {} and log.barrier() == {}
+
+
+def test_moves_still_drop_their_sources_once_their_targets_acknowledge(log: CommitLog):
+    log.mounted(A, keeps_index=True)
+    log.mounted(B, keeps_index=True)
+    for i in range(3):
+        log.committed(B, 64 * i, record(f"k{i}", replica(B, 64 * i)))
+        log.dropped_after(A, 64 * i, record(f"k{i}", replica(B, 64 * i)), B)
+    log.dropped(B, 0, record("k0", replica(B, 0)))  # k0 removed at once: its source drop goes now
+    assert [r.name for _, r, _ in log.since(A, 1)] == ["k0"]
+    log.poll(B, 4, 10)
+    assert [r.name for _, r, _ in log.since(A, 1)] == ["k0", "k1", "k2"]
