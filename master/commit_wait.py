@@ -47,19 +47,20 @@ class Barrier:
     forgets: list[TierTask]
     generation: int
     put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
+    gone_seen: bool = False  # a segment of `notices` left: `generation` includes the save of that
 
     def done(self, state: MasterState) -> bool:
         # The fence as it is now, not as it was when the wait began: a segment dropped during the
         # wait (its notices then count as acknowledged) may serve direct reads until then.
-        # Likewise its expulsion: saved (its stale index discarded by the next incarnation) before
-        # a wait it ended answers.
-        return (
-            not state.direct_reads_fenced()
-            and state.commits.acked(self.notices)
-            and state.durable_generation >= self.generation
-            and (state.durable_generation >= state.state_generation or not state.commits.any_gone(self.notices))
-            and all(state.tiering.forgotten(t) for t in self.forgets)
-        )
+        if state.direct_reads_fenced() or not state.commits.acked(self.notices):
+            return False
+        if not self.gone_seen and state.commits.any_gone(self.notices):
+            # Likewise an expulsion that ended the wait: saved (the next incarnation discards that
+            # stale index) before the answer: the save due when the drop is first seen, not a
+            # later one for another segment's drop.
+            self.gone_seen = True
+            self.generation = max(self.generation, state.state_generation)
+        return state.durable_generation >= self.generation and all(state.tiering.forgotten(t) for t in self.forgets)
 
 
 Deliver = Callable[[Any], None]  # writes one parked answer (the fast path's connection)

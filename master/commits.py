@@ -35,8 +35,8 @@ discards its index, stale from then on.
 
 A move (drain) drops the source copy only after the target's commit is
 acknowledged (`dropped_after`): the object is in some index all along. If the
-key is dropped from the target first (removed, evicted), the source copy is
-dropped at once, so the call dropping it waits for the source's index too.
+object leaves the tables first (removed, replaced, evicted), the source copy is
+dropped at once, so the call removing it waits for the source's index too.
 
 A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
 the relaying segment's long poll; nor are they due to it (`poll` and
@@ -221,22 +221,22 @@ class CommitLog:
             if feed.keeps_index:
                 self._unacked(record.name, segment_id, feed.last_seq)
             self._wake(segment_id, feed, feed.last_seq)
-        if self._deferred_names and record.name in self._deferred_names:
-            self._drop_deferred_now(record.name)
 
-    def _drop_deferred_now(self, name: str) -> None:
-        """A copy of `name` is dropped while a move's source drop of it waits for the target: the
-        source is dropped now, so the call dropping the name waits for that drop too (`barrier`).
-        Else a Remove right after a move answered before the source's index forgot the key, which
-        a restart then brought back. The object is leaving its new place anyway: nothing needs the
-        old one to keep it until the target acknowledges."""
+    def record_gone(self, record: ObjectRecord) -> None:
+        """`record` left the tables for good (removed, replaced, lost): a move's source drop of it
+        still waiting for the target (`dropped_after`) is made now, so the call that removed it
+        waits for that drop too (`barrier`). Else a Remove right after a move answered before the
+        source's index forgot the key, which a restart then brought back. Only this record's: a
+        copy of a live object keeps its source until the target has it."""
+        if not self._deferred_names or record.name not in self._deferred_names:
+            return
         released = []
         for feed in self._feeds.values():
-            if feed.after_ack and any(item[3].name == name for item in feed.after_ack):
-                released.extend(item for item in feed.after_ack if item[3].name == name)
-                feed.after_ack = deque(item for item in feed.after_ack if item[3].name != name)
-        for _, source, offset, record in released:
-            self._undefer(name)
+            if feed.after_ack and any(item[3] is record for item in feed.after_ack):
+                released.extend(item for item in feed.after_ack if item[3] is record)
+                feed.after_ack = deque(item for item in feed.after_ack if item[3] is not record)
+        for _, source, offset, _ in released:
+            self._undefer(record.name)
             self.dropped(source, offset, record)
 
     def _undefer(self, name: str) -> None:

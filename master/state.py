@@ -577,6 +577,7 @@ class MasterState(SegmentTable, RangeBook):
             for packed in record.replicas:
                 if is_dram(packed):
                     self.commits.dropped(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
+            self.commits.record_gone(record)
         disk = [r for r in record.replicas if not is_dram(r)]
         if disk:
             record.replicas = tuple(r for r in record.replicas if is_dram(r))

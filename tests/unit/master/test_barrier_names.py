@@ -127,3 +127,21 @@ def test_a_wait_ended_by_its_segments_expulsion_answers_only_once_the_expulsion_
     assert not barrier.done(state), "answered before the expulsion was saved"
     state.durable_generation = state.state_generation  # what the server sets once its save is durable
     assert barrier.done(state)
+
+
+def test_a_wait_ended_by_an_expulsion_waits_for_that_save_not_for_a_later_drops():
+    handlers, waiter, [a, b] = cluster(2)
+    state = handlers.state
+    put_id = state.put_start("ns", ["k"], [100], 1, PutOptions(preferred_segment="s0")).put_id
+    handlers.PutEnd(put_end_request(put_id, "k"))
+    waiter.barrier()
+    state.commits.poll(a, 1, 10)
+    handlers.Remove(pb.KeysRequest(namespace="ns", keys=["k"]))
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {a: 2}
+    state.drop_segment(a, reason="commit feed silent")
+    assert not barrier.done(state)
+    saving = state.state_generation  # a save of the expulsion begins
+    state.drop_segment(b, reason="unmounted")  # another segment leaves meanwhile
+    state.durable_generation = saving  # that save is durable
+    assert barrier.done(state), "held for the next save, of an unrelated drop"

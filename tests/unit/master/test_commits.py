@@ -12,7 +12,7 @@ from kvtier.master.commits import POLL_BYTES, RELAYED_DUE_AFTER_S, CommitLog, Pu
 from kvtier.master.records import PIN_HARD, PIN_NONE, PIN_SOFT, ObjectRecord, replica
 from kvtier.proto.status import Status
 
-A, B, C = 1, 2, 3  # segment ids
+A, B, C, D = 1, 2, 3, 4  # segment ids
 
 
 class FakeClock:
@@ -386,6 +386,7 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
     rng = random.Random(7)
     names_ = [f"n{i}" for i in range(12)]
     mounted: list[int] = []
+    moves: list[ObjectRecord] = []
     next_id = 1
     for _ in range(3000):
         op = rng.random()
@@ -404,7 +405,10 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
             log.committed_records([record(rng.choice(names_), *(replica(s, 0) for s in segs))])
         elif op < 0.65 and len(mounted) > 1:
             source, target = rng.sample(mounted, 2)  # a move: the source drop waits for the target
-            log.dropped_after(source, 0, record(rng.choice(names_), replica(target, 0)), target)
+            moves.append(record(rng.choice(names_), replica(target, 0)))
+            log.dropped_after(source, 0, moves[-1], target)
+        elif op < 0.68 and moves:
+            log.record_gone(moves.pop(rng.randrange(len(moves))))  # removed: its source drop goes now
         else:
             s = rng.choice(mounted)
             upto = log.next_seq(s) - 1
@@ -426,7 +430,7 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
     assert log.unacked_name_count() <= len(names_)
 
 
-def test_a_key_dropped_right_after_its_move_waits_for_the_source_to_forget_it_and_is_dropped_there_once(
+def test_a_key_removed_right_after_its_move_waits_for_the_source_to_forget_it_and_is_dropped_there_once(
     log: CommitLog,
 ):
     """The move's source drop waits for the target's acknowledgement; a Remove of the key before
@@ -438,7 +442,8 @@ def test_a_key_dropped_right_after_its_move_waits_for_the_source_to_forget_it_an
     log.committed(B, 0, moved)  # the move: k's copy on B
     log.dropped_after(A, 64, moved, B)  # A's copy leaves A's index once B acknowledged
     assert log.barrier(names=["k"]) == {B: 1}
-    log.dropped(B, 0, moved)  # Remove(k) right after MigrateEnd
+    log.dropped(B, 0, moved)  # Remove(k) right after MigrateEnd (MasterState._delete)
+    log.record_gone(moved)
     assert log.barrier(names=["k"]) == {A: 1, B: 2}
     log.poll(B, 2, 10)  # B acknowledges: nothing more for A
     assert [(r.name, drop) for _, r, drop in log.since(A, 1)] == [("k", True)]
@@ -446,13 +451,46 @@ def test_a_key_dropped_right_after_its_move_waits_for_the_source_to_forget_it_an
     assert log.barrier(names=["k"]) == {} and log.barrier() == {}
 
 
+def test_a_live_objects_move_keeps_its_source_until_the_target_acknowledges(log: CommitLog):
+    """Only the object leaving releases its source drop: not another copy of it dropped (eviction,
+    a replica removed), not a second move's target acknowledging, not another target expelled.
+    (Each released the source early in a first version: the object in no index for a moment.)"""
+    for s in (A, B, C, D):
+        log.mounted(s, keeps_index=True)
+    k = record("k", replica(B, 0), replica(C, 0))
+    log.committed(B, 0, k)
+    log.dropped_after(A, 64, k, B)  # a drain of A moved k to B
+    log.dropped(C, 0, k)  # k's other copy dropped
+    assert log.since(A, 1) == []
+    log.committed(D, 0, k)
+    log.dropped_after(B, 0, k, D)  # then a drain of B moves it on to D
+    log.poll(B, 1, 10)  # B has k: A's copy goes, B's waits for D
+    assert [r.name for _, r, _ in log.since(A, 1)] == ["k"] and log.since(B, 2) == []
+    log.poll(D, 1, 10)
+    assert [r.name for _, r, _ in log.since(B, 2)] == ["k"]
+
+
+def test_an_expelled_target_releases_only_the_drops_waiting_for_it(log: CommitLog):
+    for s in (A, B, C, D):
+        log.mounted(s, keeps_index=True)
+    k = record("k", replica(B, 0), replica(D, 0))
+    log.committed(B, 0, k)
+    log.dropped_after(A, 64, k, B)
+    log.committed(D, 0, k)
+    log.dropped_after(C, 64, k, D)
+    log.segment_dropped(B)
+    assert [r.name for _, r, _ in log.since(A, 1)] == ["k"] and log.since(C, 1) == []
+
+
 def test_moves_still_drop_their_sources_once_their_targets_acknowledge(log: CommitLog):
     log.mounted(A, keeps_index=True)
     log.mounted(B, keeps_index=True)
-    for i in range(3):
-        log.committed(B, 64 * i, record(f"k{i}", replica(B, 64 * i)))
-        log.dropped_after(A, 64 * i, record(f"k{i}", replica(B, 64 * i)), B)
-    log.dropped(B, 0, record("k0", replica(B, 0)))  # k0 removed at once: its source drop goes now
+    moved = [record(f"k{i}", replica(B, 64 * i)) for i in range(3)]
+    for i, k in enumerate(moved):
+        log.committed(B, 64 * i, k)
+        log.dropped_after(A, 64 * i, k, B)
+    log.dropped(B, 0, moved[0])  # k0 removed at once: its source drop goes now
+    log.record_gone(moved[0])
     assert [r.name for _, r, _ in log.since(A, 1)] == ["k0"]
     log.poll(B, 4, 10)
     assert [r.name for _, r, _ in log.since(A, 1)] == ["k0", "k1", "k2"]
