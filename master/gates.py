@@ -52,6 +52,11 @@ GATES = {
         SEGMENT,
     ),
 }
+# Calls answered once a commit barrier is done (kvtier.master.commit_wait): each starts with no
+# names, so its barrier covers every notice unless its handler names the keys it is about, and never
+# names an earlier call left. (Not on every call: a PollCommits answered between a PutEnd's handler
+# and its barrier, a parked poll woken by its notices, must not clear the PutEnd's names.)
+ANSWERED_AFTER_BARRIER = frozenset(("PutEnd", "RelayPutEnd", "Remove", "RemovePrefix", "MigrateEnd", "RemoveReplicas"))
 
 
 def rpc(response_type: type) -> Callable[[Handler], Handler]:
@@ -60,6 +65,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
 
         gate = GATES.get(name, DATA)
         check_epoch = gate is SEGMENT and name != "MountSegment"
+        names_the_barrier = name in ANSWERED_AFTER_BARRIER
 
         @functools.wraps(handler)
         def wrapper(self: Any, request: Any) -> Any:
@@ -67,9 +73,8 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
             self.requests[name] += 1
             # The client call's id on every line logged while handling it (0: none, or not traced).
             token = current_request_id.set(getattr(request, "request_id", 0))
-            # A waiting call's answer waits for every commit notice unless its handler names the
-            # keys it is about (kvtier.master.commit_wait): never for a name an earlier call left.
-            self.barrier_names = None
+            if names_the_barrier:
+                self.barrier_names = None
             try:
                 principal = current_principal.get()
                 if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, name, request)):

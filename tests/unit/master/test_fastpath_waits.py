@@ -285,3 +285,35 @@ def test_a_relayed_put_end_parked_when_a_segment_is_dropped_is_refused_at_once()
         assert request_id == 9 and reply.status == Status.UNAVAILABLE
 
     asyncio.run(main())
+
+
+def test_a_put_end_whose_notice_wakes_a_parked_poll_waits_only_for_its_own_keys():
+    """The PutEnd's dispatch answers the segment's parked poll (a PollCommits handler runs between
+    the PutEnd's handler and its barrier): that must not widen the PutEnd's wait to every notice,
+    so another segment cut off with a notice pending about another key holds nothing here."""
+
+    async def main() -> None:
+        cluster = Cluster()
+        state = cluster.handlers.state
+        other = state.mount_segment("unit", "b", "host-b", ["tcp://127.0.0.1:8"], MiB, inventory=True)
+        inventory_done(state, other.segment.segment_id)
+        segment, writer, client = cluster.connect(), cluster.connect(), cluster.connect()
+        writer.feed(
+            frame(
+                "PutStart",
+                pb.PutStartRequest(namespace=NS, keys=["x"], sizes=[4096], replicas=1, preferred_segment="b"),
+            )
+        )
+        [(_, _, body)] = answers(writer)
+        writer.feed(put_end("x", pb.PutStartResponse.FromString(body).put_id))  # "b" never acknowledges it
+        assert answers(writer) == []
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")  # on "a" ("b" holds more)
+        client.feed(put_end("k", put_id, request_id=9))
+        [(_, _, body)] = answers(segment)  # the parked poll, answered inside the PutEnd's dispatch
+        segment.feed(cluster.poll(acked=pb.PollCommitsResponse.FromString(body).first_seq))
+        [(method, request_id, body)] = answers(client)
+        assert (method, request_id) == (rpcframe.METHOD_IDS["PutEnd"], 9)
+        assert pb.KeyStatusResponse.FromString(body).status == Status.OK
+
+    asyncio.run(main())
