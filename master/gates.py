@@ -52,10 +52,11 @@ GATES = {
         SEGMENT,
     ),
 }
-# Calls answered once a commit barrier is done (kvtier.master.commit_wait): each starts with no
-# names, so its barrier covers every notice unless its handler names the keys it is about, and never
-# names an earlier call left. (Not on every call: a PollCommits answered between a PutEnd's handler
-# and its barrier, a parked poll woken by its notices, must not clear the PutEnd's names.)
+# Calls answered once a commit barrier is done (kvtier.master.commit_wait): each starts with none
+# of what a handler leaves for its barrier (the names it is about, a PutEnd's acknowledgement, the
+# relaying segment), so nothing an earlier call left after failing can narrow its wait or settle its
+# answer; with no names its barrier covers every notice. (Not on every call: a PollCommits answered
+# between a PutEnd's handler and its barrier, a parked poll its notices woke, must not clear them.)
 ANSWERED_AFTER_BARRIER = frozenset(("PutEnd", "RelayPutEnd", "Remove", "RemovePrefix", "MigrateEnd", "RemoveReplicas"))
 
 
@@ -74,7 +75,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
             # The client call's id on every line logged while handling it (0: none, or not traced).
             token = current_request_id.set(getattr(request, "request_id", 0))
             if names_the_barrier:
-                self.barrier_names = None
+                self.barrier_names, self.put_ack, self.relayed_by = None, None, 0
             try:
                 principal = current_principal.get()
                 if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, name, request)):

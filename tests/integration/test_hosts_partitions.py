@@ -99,6 +99,8 @@ def test_a_segment_cut_off_for_longer_than_its_ttl_keeps_its_objects_and_puts_go
             time.sleep(2.0)  # away a while past its expulsion, like the 12 s outage
         finally:
             net.restore("s0")
+            remover.join(timeout=10)  # its Remove ends at the client's 3 s timeout or the expulsion
+        assert not remover.is_alive()
         assert cluster.wait_for(lambda: segments(client).get("s0") == "ACTIVE", timeout=15)
         assert cluster.wait_for(lambda: all(client.batch_exists(keys)), timeout=10), (
             f"objects not re-adopted: {sum(client.batch_exists(keys))}/50\n{cluster.logs()}"

@@ -5,6 +5,7 @@ in-process, no loop: the barrier each answer would wait for."""
 from __future__ import annotations
 
 from kvtier.master.commit_wait import CommitWaiter
+from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.config import MasterConfig
 from kvtier.master.handlers import MasterHandlers
 from kvtier.master.recovery import inventory_done
@@ -145,3 +146,22 @@ def test_a_wait_ended_by_an_expulsion_waits_for_that_save_not_for_a_later_drops(
     state.drop_segment(b, reason="unmounted")  # another segment leaves meanwhile
     state.durable_generation = saving  # that save is durable
     assert barrier.done(state), "held for the next save, of an unrelated drop"
+
+
+def test_every_call_answered_after_a_barrier_starts_clean():
+    """The calls the doors answer after `CommitWaiter.barrier()`: both doors' waiting calls and the
+    gRPC-only replica moves. Each starts with nothing an earlier call left (kvtier.master.gates)."""
+    from kvtier.master.commit_wait import WAITING_CALLS
+    from kvtier.master.gates import ANSWERED_AFTER_BARRIER
+
+    assert ANSWERED_AFTER_BARRIER == {*WAITING_CALLS, "MigrateEnd", "RemoveReplicas"}
+    handlers, waiter, [a] = cluster()
+    state = handlers.state
+    put_id = state.put_start("ns", ["k"], [100], 1, PutOptions()).put_id
+    handlers.PutEnd(put_end_request(put_id, "k"))
+    waiter.barrier()
+    # As a RelayPutEnd that failed after naming its segment leaves them (no barrier follows an error).
+    handlers.relayed_by, handlers.put_ack = a, PutAcknowledgement()
+    assert handlers.Remove(pb.KeysRequest(namespace="ns", keys=["k"])).removed == 1
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.notices == {a: 2} and barrier.put_ack is None
