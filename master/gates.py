@@ -66,7 +66,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
 
         gate = GATES.get(name, DATA)
         check_epoch = gate is SEGMENT and name != "MountSegment"
-        names_the_barrier = name in ANSWERED_AFTER_BARRIER
+        after_barrier = name in ANSWERED_AFTER_BARRIER
 
         @functools.wraps(handler)
         def wrapper(self: Any, request: Any) -> Any:
@@ -74,7 +74,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
             self.requests[name] += 1
             # The client call's id on every line logged while handling it (0: none, or not traced).
             token = current_request_id.set(getattr(request, "request_id", 0))
-            if names_the_barrier:
+            if after_barrier:
                 self.barrier_names, self.put_ack, self.relayed_by = None, None, 0
             try:
                 principal = current_principal.get()
