@@ -129,6 +129,8 @@ class CommitWaiter:
         self._wake_after_fence()
         if self._timer is None:
             self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
+        if state.unsaveable and self._flush_soon is None:  # a save it may wait for never comes: say so now
+            self._flush_soon = loop.call_soon(self.flush, context=_neutral())
 
     def flush(self) -> None:
         """Answer every parked answer whose barrier is done, in the order they were parked. Only
@@ -141,12 +143,14 @@ class CommitWaiter:
         self._flush_soon = None
         parked = self._parked
         waiting: deque[_ParkedAnswer] = deque()
-        done, fenced = [], []
+        done, fenced, refused = [], [], []
         state = self._handlers.state
         fence_ahead = state.direct_reads_fenced()
         for answer in parked:
             if answer.barrier.done(answer.state):
                 done.append(answer)
+            elif self._unsaveable(answer.barrier, answer.state):
+                refused.append(answer)
             elif fence_ahead and isinstance(answer.reply, pb.RelayPutEndResponse):
                 # A segment dropped while this relayed PutEnd waited: the fence may outlast the relay's
                 # own bound, which would close its link for every put on it. The client sends its
@@ -154,12 +158,19 @@ class CommitWaiter:
                 fenced.append(answer)
             else:
                 waiting.append(answer)
-        if done or fenced:
+        if done or fenced or refused:
             self._parked = waiting  # before delivering: an answer's connection may park again meanwhile
             for answer in done:
                 self._deliver(answer, self._settled)
             for answer in fenced:
                 answer.deliver(pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY))
+            for answer in refused:
+                answer.deliver(type(answer.reply)(status=Status.UNAVAILABLE, error=answer.state.unsaveable))
+
+    @staticmethod
+    def _unsaveable(barrier: Barrier, state: MasterState) -> bool:
+        """The barrier waits for a save this master will never make (`MasterState.unsaveable`)."""
+        return bool(state.unsaveable) and state.durable_generation < barrier.generation
 
     def _wake_after_fence(self) -> None:
         """Nothing else happens when the direct-read fence passes: one timer wakes every wait then,
@@ -242,6 +253,8 @@ class CommitWaiter:
         deadline = loop.time() + self._timeout_s
         self._wake_after_fence()
         while not barrier.done(state):
+            if self._unsaveable(barrier, state):
+                return type(reply)(status=Status.UNAVAILABLE, error=state.unsaveable)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return self._timed_out(reply, barrier, state)

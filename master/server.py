@@ -219,6 +219,12 @@ class Roles:
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
         self._saving_allowed = loaded
+        if not loaded:
+            state.unsaveable = (
+                "this master could not read its saved state at start (see its log) and saves nothing until "
+                "restarted: it cannot record that a segment left, so no change is acknowledged after one "
+                "did; repair or move the state file (state_dir) and restart it"
+            )
         self.servicer.attach(state)
         self.handlers.state = state
         self.freezer.reset()  # the old tables were frozen: unfrozen, they can be collected

@@ -162,6 +162,9 @@ class MasterState(SegmentTable, RangeBook):
         # expulsion); the server sets durable_generation once a save covering it is durable.
         self.state_generation = 0
         self.durable_generation = 0
+        # Why this master saves nothing this epoch (its state store could not be read at start), or
+        # "": a call waiting for a save it will never make is answered UNAVAILABLE with it at once.
+        self.unsaveable = ""
         # With a state store, a new segment takes allocations only once its name is saved.
         self.save_mounts = False
         self.evictions: dict[str, list[int]] = {}  # reason -> [objects, bytes]

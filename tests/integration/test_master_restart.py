@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.client import KvtierError
 from kvtier.client.master import MasterClient
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
@@ -275,3 +277,24 @@ def test_a_segment_whose_inventory_outlasts_the_recovery_gate_keeps_its_objects(
     sample = random.Random(19).sample(range(count), 2_000)
     got = client.batch_get([f"many/{i}" for i in sample])
     assert got == [i.to_bytes(8, "little") * 8 for i in sample]
+
+
+def test_a_master_that_cannot_read_its_state_refuses_changes_after_a_segment_left_saying_why(bare_cluster):
+    """It serves without recovery and never overwrites the file it could not read, so it cannot
+    record that a segment left (the next incarnation would re-adopt that segment's stale index):
+    changes after one did are refused with the cause, not "segments did not acknowledge"."""
+    state_dir = bare_cluster.state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "master-state.json").write_bytes(b"{not json")
+    bare_cluster.start_master()
+    bare_cluster.start_segment("seg0")
+    seg1 = bare_cluster.start_segment("seg1")
+    client = bare_cluster.client(timeout=3.0)
+    client.put("before", b"x" * 100)
+    assert client.exists("before")
+    bare_cluster.kill(seg1, signal.SIGTERM)  # unmounts: its name would have to be saved as gone
+    assert bare_cluster.wait_for(lambda: len(client.cluster_status().segments) == 1)
+    with pytest.raises(KvtierError) as refused:  # (the client retries UNAVAILABLE until its timeout)
+        client.remove("before")
+    assert refused.value.status == Status.UNAVAILABLE and "saved state" in refused.value.message
+    assert (state_dir / "master-state.json").read_bytes() == b"{not json"  # never overwritten

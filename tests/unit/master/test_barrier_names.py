@@ -165,3 +165,25 @@ def test_every_call_answered_after_a_barrier_starts_clean():
     assert handlers.Remove(pb.KeysRequest(namespace="ns", keys=["k"])).removed == 1
     barrier = waiter.barrier()
     assert barrier is not None and barrier.notices == {a: 2} and barrier.put_ack is None
+
+
+def test_a_master_that_saves_nothing_answers_a_wait_for_a_save_at_once_saying_why():
+    """Its state store could not be read at start: after a segment left, no change can be
+    acknowledged (the next incarnation could not know that segment's index is stale). The call is
+    told so at once, instead of waiting its whole timeout for "segments did not acknowledge"."""
+    import asyncio
+
+    handlers, waiter, [a, b] = cluster(2)
+    state = handlers.state
+    state.unsaveable = "cannot save: repair the state file"  # what Roles.lead sets when the load failed
+    state.drop_segment(b, reason="unmounted")
+    put_id = state.put_start("ns", ["k"], [100], 1, PutOptions()).put_id
+    reply = handlers.PutEnd(put_end_request(put_id, "k"))
+    barrier = waiter.barrier()
+    assert barrier is not None and barrier.generation
+
+    async def answer():
+        return await asyncio.wait_for(waiter.finish(reply, barrier), 1.0)
+
+    answered = asyncio.run(answer())
+    assert answered.status == Status.UNAVAILABLE and answered.error == "cannot save: repair the state file"

@@ -317,3 +317,23 @@ def test_a_put_end_whose_notice_wakes_a_parked_poll_waits_only_for_its_own_keys(
         assert pb.KeyStatusResponse.FromString(body).status == Status.OK
 
     asyncio.run(main())
+
+
+def test_a_parked_answer_waiting_for_a_save_that_never_comes_is_refused_at_once():
+    async def main() -> None:
+        cluster = Cluster()
+        state = cluster.handlers.state
+        other = state.mount_segment("unit", "b", "host-b", ["tcp://127.0.0.1:8"], MiB, inventory=True)
+        inventory_done(state, other.segment.segment_id)
+        state.unsaveable = "cannot save: repair the state file"  # its state store could not be read at start
+        state.drop_segment(other.segment.segment_id, reason="unmounted")
+        segment, client = cluster.connect(), cluster.connect()
+        segment.feed(cluster.poll(acked=0))
+        put_id = cluster.put_start(client, "k")
+        client.feed(put_end("k", put_id))
+        await answered(client, 1.0)
+        [(_, _, body)] = answers(client)
+        reply = pb.KeyStatusResponse.FromString(body)
+        assert reply.status == Status.UNAVAILABLE and reply.error == "cannot save: repair the state file"
+
+    asyncio.run(main())
