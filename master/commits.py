@@ -134,8 +134,6 @@ class CommitLog:
     # ------------------------------------------------------------------ segments
 
     def mounted(self, segment_id: int, keeps_index: bool) -> None:
-        if segment_id in self._feeds:  # (ids are never reused; a second mount replaces the feed)
-            self._forget_names(segment_id, self._feeds[segment_id])
         self._feeds[segment_id] = SegmentFeed(self._clock(), keeps_index)
 
     def keeps_index(self, segment_id: int) -> bool:

@@ -187,7 +187,6 @@ class Roles:
         self.servicer = servicer
         self.store: StateStore = NoStateStore()
         self._saving = asyncio.Lock()
-        self._saving_allowed = True
         servicer.save_state = self.save
         self.freezer = LongLivedFreezer(minimum=config.gc_freeze_min_objects)  # the ticker feeds it
 
@@ -218,8 +217,7 @@ class Roles:
             state.direct_read_fence = state.clock() + self.config.direct_read_lease_s
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
-        self._saving_allowed = loaded
-        if not loaded:
+        if not loaded:  # saves nothing this epoch (`save`)
             state.unsaveable = (
                 "this master could not read its saved state at start (see its log) and saves nothing until "
                 "restarted: it cannot record that a segment left, so no change is acknowledged after one "
@@ -246,7 +244,7 @@ class Roles:
         RegisterInstance awaits it: a registration acknowledged is a registration kept."""
         async with self._saving:  # one save at a time: a later snapshot is never overwritten by an earlier
             state = self.handlers.state
-            if not state.saved_state_stale or not self.handlers.leadership.is_leader() or not self._saving_allowed:
+            if not state.saved_state_stale or not self.handlers.leadership.is_leader() or state.unsaveable:
                 return
             state.saved_state_stale = False
             segments = {s.name for s in state.segments.values()}
