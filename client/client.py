@@ -637,7 +637,10 @@ class Client(
 
         With `with_source`, a (value, source) pair: see `batch_get`.
         """
-        return self.batch_get([key], with_source=with_source)[0]
+        sources: list[str | None] | None = [None] if with_source else None
+        result = self._get_one(key, None, sources)
+        value = result if isinstance(result, bytes) else None
+        return (value, sources[0]) if sources is not None else value
 
     @traced
     def batch_get(self, keys: Sequence[str], *, with_source: bool = False) -> list[Any]:
@@ -659,7 +662,9 @@ class Client(
 
         With `with_source`, a (result, source) pair: see `batch_get`.
         """
-        return self.batch_get_into([key], [buffer], with_source=with_source)[0]
+        sources: list[str | None] | None = [None] if with_source else None
+        result = self._get_one(key, as_writable_view(buffer), sources)
+        return (result, sources[0]) if sources is not None else result
 
     @traced
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, with_source: bool = False) -> list[Any]:

@@ -38,6 +38,7 @@ class Location:
     tag: bytes  # its capability tag (b"": the cluster has no secret)
     expiry_ms: int  # the grant's expiry on the master's clock (what the tag covers)
     until: float  # monotonic: the grant's end as this client counts it (kvtier.client.reads.LEASE_SAFETY)
+    endpoints: tuple[str, ...] = ()  # the segment's, as a tuple once: a get compares them with its connector's
 
 
 class LocationCache:
@@ -68,6 +69,21 @@ class LocationCache:
                 entries.move_to_end(key)
                 found[i] = location
         return found
+
+    def get(self, key: str, now: float) -> Location | None:
+        """`find` of one key (a get's): its live entry, or None."""
+        entries = self._entries
+        if not entries:
+            return None
+        with self._lock:
+            location = entries.get(key)
+            if location is None:
+                return None
+            if location.until <= now:
+                del entries[key]
+                return None
+            entries.move_to_end(key)
+        return location
 
     def remember(self, key: str, location: Location) -> None:
         with self._lock:

@@ -54,6 +54,7 @@ from kvtier.proto.status import Status
 logger = logging.getLogger("kvtier.client.client")
 
 _OK = 0
+_STAMP_EVERY_S = 1.0
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _NOT_FOUND = int(Status.NOT_FOUND)
 # What a transfer whose connection failed answers (TcpConnector's results, or a connector that could
@@ -177,20 +178,84 @@ class Reads:
             return [items]
         return split_copy(items, sizes, self.config.copy_threads)
 
+    def _get_one(self, key: str, view: memoryview | None, sources: list[str | None] | None) -> bytes | int:
+        """`get`'s and `get_into`'s key: `_fetch` of one key, its direct read made without a batch's
+        bookkeeping (which cost a single get more CPU than its round trip). Anything but a served,
+        verified copy forgets the location, as `_read_direct` does, and leaves the key to `_fetch`
+        within the same deadline, failures noted once."""
+        key = check_key(key)
+        now = time.monotonic()
+        location = None if self._locations is None else self._locations.get(key, now)
+        if (
+            location is None
+            or location.size > DIRECT_READ_MAX_BYTES
+            or (view is not None and len(view) < location.size)
+        ):
+            return self._fetch([key], None if view is None else [view], sources)[0]
+        deadline = now + self.config.timeout
+        seen: set[str] = set()
+        result, crc = self._read_keyed_one(key, view, location, deadline, seen)
+        size = location.size
+        if crc == location.checksum:
+            if sources is not None:
+                sources[0] = "dram/tcp"
+            self._report_failures()
+            self._count(
+                gets=1, hits=1, direct_reads=1, served_dram_tcp=1, served_bytes_dram_tcp=size,
+                bytes_read=size, bytes_read_dram=size,
+            )  # fmt: skip
+            return result if view is None else size
+        self._locations.forget((key,))  # type: ignore[union-attr]
+        if crc is None:
+            self._count(direct_read_misses=1)
+        else:  # another version of the key at the same place: ask the master
+            self._count(direct_read_misses=1, bytes_read=size, bytes_read_dram=size)
+        return self._fetch([key], None if view is None else [view], sources, deadline=deadline, seen=seen)[0]
+
+    def _read_keyed_one(
+        self, key: str, view: memoryview | None, location: Location, deadline: float, seen: set[str]
+    ) -> tuple[bytes | int, int | None]:
+        """`_read_keyed` of one key: its bytes (or OK) or a negative status, and their CRC32C (None
+        with a status); no socket wait past half the time left."""
+        segment = location.segment
+        known = self._connectors.get(segment.name)
+        if known is None or known[0] != location.endpoints:  # as in _read_keyed
+            return int(Status.UNAVAILABLE), None
+        failures = call_failures.set(seen)
+        now = time.monotonic()
+        until = call_deadline.set(deadline - (deadline - now) / 2)
+        try:
+            # Its last use is stamped at most once a second, and well within `connector_idle_s`.
+            fresh = now - known[2] < min(_STAMP_EVERY_S, self.config.connector_idle_s / 4)
+            connector = known[1] if fresh else self._connector(segment)
+            read_one = getattr(connector, "read_keyed_one", None)
+            if read_one is None:  # this host reaches it by shared memory now: no direct reads there
+                return int(Status.UNAVAILABLE), None
+            name = name_prefix_bytes(self.namespace) + key.encode()
+            return read_one(location.offset, location.size, name, view, location.expiry_ms, location.tag)
+        except TransportError as exc:
+            logger.info("direct read from segment %s failed, looking the key up: %s", segment.name, exc)
+            return int(exc.status), None
+        finally:
+            call_deadline.reset(until)
+            call_failures.reset(failures)
+
     def _fetch(
         self,
         keys: Sequence[str],
         views: list[memoryview] | None,
         sources: list[str | None] | None = None,
         group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
+        deadline: float | None = None,  # a call's, when `_get_one` tried a direct read first
+        seen: set[str] | None = None,  # and the segments whose connection failed in that try
     ) -> list[bytes | int]:
         """Per key its verified bytes (or size, with `views`) or a negative Status; see the module.
         A group is read whole or not at all: never looked up again member by member."""
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
-        deadline = time.monotonic() + self.config.timeout
-        seen: set[str] = set()  # segments whose connection failed in this call
+        deadline = time.monotonic() + self.config.timeout if deadline is None else deadline
+        seen = set() if seen is None else seen  # segments whose connection failed in this call
         tally: dict[str, int] = {}  # this call's counters, added to the client's once at its end
         token = call_failures.set(seen)
         try:
@@ -569,6 +634,7 @@ class Reads:
             tags[16 * position : 16 * position + 16] if tags else b"",
             reply.tag_expiry_ms,
             until,
+            tuple(segment.endpoints),
         )
         self._locations.remember(key, location)
 

@@ -106,6 +106,7 @@ MAX_ERROR_MESSAGE = 4096
 MAX_DISK_FRAME_BYTES = 1 << 30  # object bytes in one READ_DISK request
 MAX_DISK_NAME = 2 + MAX_JOINED_NAME_BYTES  # u16 length, then a joined name (kvtier.proto.keys)
 DISK_STATUS = struct.Struct("<i")
+NAME_LENGTH = struct.Struct("<H")  # before each name of a READ_DISK or READ_KEYED payload
 MAX_COMMIT_BYTES = 16 << 20  # a COMMIT's payload (larger PutEnds go to the master directly)
 MAX_KEYED_FRAME_BYTES = 4 << 20  # object bytes in one READ_KEYED request (each one is copied)
 
@@ -177,7 +178,7 @@ def unpack_ranges(buf: bytes | bytearray | memoryview, nranges: int) -> tuple[in
 
 def pack_disk_names(names: Sequence[bytes]) -> bytes:
     """The READ_DISK payload: each name ("namespace NUL key", UTF-8) with a u16 length."""
-    return b"".join(struct.pack("<H", len(name)) + name for name in names)
+    return b"".join(NAME_LENGTH.pack(len(name)) + name for name in names)
 
 
 def unpack_names(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]:
@@ -189,7 +190,7 @@ def unpack_names(buf: bytes | bytearray | memoryview, count: int) -> list[bytes]
     for _ in range(count):
         if pos + 2 > len(view):
             raise ValueError("names end early")
-        (length,) = struct.unpack_from("<H", view, pos)
+        (length,) = NAME_LENGTH.unpack_from(view, pos)
         pos += 2
         if pos + length > len(view):
             raise ValueError("a name runs past the payload")

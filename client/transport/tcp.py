@@ -53,6 +53,7 @@ _MAX_RANGES = frames.MAX_RANGES_PER_FRAME - 1  # one table entry goes to the tra
 _AHEAD_RANGES = 256
 _AHEAD_COPY = 16 << 10
 _MAX_COMMIT_ANSWER = 64 << 20  # a RelayPutEndResponse: a few bytes per key
+_STATUS_BYTES = frames.DISK_STATUS.size  # a READ_KEYED answer's status before each range's bytes
 
 
 def _fill(sock: socket.socket, views: list[memoryview], got: int) -> None:
@@ -427,6 +428,48 @@ class TcpConnector:
         of copies a lookup named; the segment serves each only if its own index still says so
         (READ_KEYED in kvtier.proto.frames). Results and `checksums` as for `read_disk`."""
         return self._read_named(Op.READ_KEYED, frames.MAX_KEYED_FRAME_BYTES, items, views, checksums, caps)
+
+    def read_keyed_one(
+        self, offset: int, size: int, name: bytes, view: Buffer | None, expiry_ms: int, tag: bytes
+    ) -> tuple[bytes | int, int | None]:
+        """`read_keyed` of one object (a get's direct read): its bytes (or OK, into `view`) or a
+        negative status, and the CRC32C of the bytes that came (None with a status). One send and,
+        mostly, one receive: the general batch path walked for one key cost more than the round
+        trip (docs/benchmarks.md, session 15)."""
+        if size + _STATUS_BYTES > _CHUNK:
+            crcs: list[int | None] = [None]
+            into = None if view is None else [view]
+            return self.read_keyed([(offset, size, name)], into, crcs, caps=(expiry_ms, [tag]))[0], crcs[0]
+        names = frames.NAME_LENGTH.pack(len(name)) + name
+        status = bytearray(_STATUS_BYTES)
+        data = memoryview(bytearray(size) if view is None else view)[:size]
+        parts = [memoryview(status), data] if size else [memoryview(status)]
+        header = bytearray(frames.RESPONSE.size)
+        try:
+            with self._pool.socket() as sock:
+                request_id = next(self._request_ids)
+                table = [(offset, size)]
+                request = frames.pack_request(
+                    Op.READ_KEYED, request_id, table, len(names), current_request_id.get(), (expiry_ms, tag)
+                )
+                sock.sendall(request + names)
+                answer, payload_len, got = self._read_response(sock, request_id, header, parts)
+                if answer != _OK:
+                    message = self._error_message(sock, payload_len, parts, got)
+                    logger.warning(
+                        "segment %s refused READ_KEYED: %s: %s", self.endpoint, to_status(answer).name, message
+                    )
+                    return answer, None
+                if payload_len != _STATUS_BYTES + size:
+                    raise ProtocolError(f"{self.endpoint} sent {payload_len} bytes for {_STATUS_BYTES + size}")
+                _fill(sock, parts, got)
+        except (ConnectError, ReadError, ProtocolError, OSError) as exc:
+            self._failed(Op.READ_KEYED.name, exc)
+            return _FAILED, None
+        (item_status,) = frames.DISK_STATUS.unpack(status)
+        if item_status != _OK:
+            return item_status, None
+        return (_OK if view is not None else bytes(data)), crc32c.crc32c(data)
 
     def _read_named(
         self,

@@ -13,6 +13,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import Status
 
 KiB = 1 << 10
 
@@ -144,3 +145,53 @@ def test_a_call_with_a_key_not_remembered_looks_every_key_up_once(cluster):
     assert after.get("direct_reads", 0) == stats.get("direct_reads", 0)
     assert client.batch_get(keys) == values  # now all four are: one direct read each
     assert client.stats()["direct_reads"] == after.get("direct_reads", 0) + 4
+
+
+def test_a_single_get_counts_and_answers_what_a_one_key_batch_get_does(cluster):
+    """`get` and `get_into` take a one-key path of their own (Reads._get_one): each outcome (served,
+    a stale location, a removed key, a buffer too small) must answer and count as the batch path."""
+    writer = cluster.client(transport="tcp")
+    single, batch = cluster.client(transport="tcp"), cluster.client(transport="tcp")
+
+    def both(read_single, read_batch):
+        before = (single.stats(), batch.stats())
+        answers = (read_single(), read_batch())
+        after = (single.stats(), batch.stats())
+        deltas = [
+            {k: v - b.get(k, 0) for k, v in a.items() if v != b.get(k, 0)} for a, b in zip(after, before, strict=True)
+        ]
+        return answers, deltas
+
+    value = secrets.token_bytes(4 * KiB)
+    writer.put("k", value)
+    (one, many), (counted_one, counted_many) = both(lambda: single.get("k"), lambda: batch.batch_get(["k"])[0])
+    assert one == many == value and counted_one == counted_many and "direct_reads" not in counted_one  # looked up
+
+    (one, many), (counted_one, counted_many) = both(lambda: single.get("k"), lambda: batch.batch_get(["k"])[0])
+    assert one == many == value and counted_one == counted_many and counted_one["direct_reads"] == 1
+
+    newer = secrets.token_bytes(4 * KiB)
+    writer.upsert("k", newer)  # both remember the old copy's place: the segment refuses it, one lookup
+    (one, many), (counted_one, counted_many) = both(
+        lambda: single.get("k", with_source=True), lambda: batch.batch_get(["k"], with_source=True)[0]
+    )
+    assert one == many == (newer, "dram/tcp") and counted_one == counted_many
+    assert counted_one["direct_read_misses"] == 1 and "direct_reads" not in counted_one
+
+    small = bytearray(KiB)  # remembered, but too small a buffer: the lookup says so
+    (one, many), (counted_one, counted_many) = both(
+        lambda: single.get_into("k", small), lambda: batch.batch_get_into(["k"], [small])[0]
+    )
+    assert one == many == Status.BUFFER_TOO_SMALL
+    assert counted_one == counted_many
+
+    buffer = bytearray(8 * KiB)
+    (one, many), (counted_one, counted_many) = both(
+        lambda: single.get_into("k", buffer), lambda: batch.batch_get_into(["k"], [buffer])[0]
+    )
+    assert one == many == len(newer) and bytes(buffer[: len(newer)]) == newer and counted_one == counted_many
+    assert counted_one["direct_reads"] == 1
+
+    assert writer.remove("k")
+    (one, many), (counted_one, counted_many) = both(lambda: single.get("k"), lambda: batch.batch_get(["k"])[0])
+    assert one is None and many is None and counted_one == counted_many and counted_one["misses"] == 1
