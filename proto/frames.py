@@ -167,6 +167,27 @@ def pack_request(
     )
 
 
+# One traced range with its grant (a get's direct read): the header and three table entries, packed
+# at once; with a capability tag, its 16 bytes follow.
+_ONE_RANGE = struct.Struct("<HBBIIIQ6Q")
+
+
+def pack_one_range(
+    op: Op, request_id: int, offset: int, size: int, payload_len: int, trace: int, grant: tuple[int, bytes]
+) -> bytes:
+    """`pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)`, in one pack when
+    traced and granted (what a single get sends per call)."""
+    expiry, tag = grant
+    if not trace or not expiry:
+        return pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)
+    flags = FLAG_TRACED | (FLAG_CAPS if tag else FLAG_DEADLINE)
+    nranges = 3 + len(tag) // 16
+    return (
+        _ONE_RANGE.pack(MAGIC, VERSION, op, request_id, nranges, flags, payload_len, trace, 0, expiry, 0, offset, size)
+        + tag
+    )
+
+
 def pack_response(op: int, request_id: int, status: int, payload_len: int = 0) -> bytes:
     return RESPONSE.pack(MAGIC, VERSION, op, request_id, status, 0, payload_len)
 

@@ -448,9 +448,8 @@ class TcpConnector:
         try:
             with self._pool.socket() as sock:
                 request_id = next(self._request_ids)
-                table = [(offset, size)]
-                request = frames.pack_request(
-                    Op.READ_KEYED, request_id, table, len(names), current_request_id.get(), (expiry_ms, tag)
+                request = frames.pack_one_range(
+                    Op.READ_KEYED, request_id, offset, size, len(names), current_request_id.get(), (expiry_ms, tag)
                 )
                 sock.sendall(request + names)
                 answer, payload_len, got = self._read_response(sock, request_id, header, parts)

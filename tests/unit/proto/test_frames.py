@@ -117,3 +117,20 @@ def test_disk_names_round_trip_and_refuse_malformed_payloads():
         unpack_disk_names(payload[:-1], 3)
     with pytest.raises(ValueError, match="separator"):
         unpack_disk_names(pack_disk_names([b"no-separator"]), 1)
+
+
+@given(
+    op=st.sampled_from(list(Op)),
+    request_id=u32,
+    offset=u64,
+    size=u64,
+    payload_len=u64,
+    trace=st.one_of(st.just(0), u64),
+    expiry=st.one_of(st.just(0), u64),
+    tag=st.one_of(st.just(b""), st.binary(min_size=16, max_size=16)),
+)
+def test_one_range_packs_what_pack_request_packs(op, request_id, offset, size, payload_len, trace, expiry, tag):
+    """A single get's frame, packed at once, is byte for byte the general packer's."""
+    grant = (expiry, tag)
+    expected = pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)
+    assert frames.pack_one_range(op, request_id, offset, size, payload_len, trace, grant) == expected
