@@ -40,6 +40,7 @@ from kvtier.bench.limits import (
     wire_target,
 )
 from kvtier.bench.master_bench import add_arguments as add_master_arguments
+from kvtier.bench.op_cpu import OpCpu, measure_op_cpu, print_op_cpu
 from kvtier.bench.placement_bench import add_arguments as add_placement_arguments
 from kvtier.bench.recovery_bench import add_arguments as add_recovery_arguments
 from kvtier.bench.scan_bench import add_arguments as add_scan_arguments
@@ -545,6 +546,7 @@ def run(opts: argparse.Namespace) -> int:
     by_transport: dict[str, list[Result]] = {}
     small: list[Result] = []
     peer_small: list[Result] = []
+    op_cpu: list[OpCpu] = []
     peer_results: list[Result] = []
     peer_name = ""
     peer = None
@@ -573,6 +575,9 @@ def run(opts: argparse.Namespace) -> int:
                 small = run_driver(
                     client, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("kvtier tcp")
                 )
+                if local is not None:  # its processes' CPU is ours to read (/proc)
+                    _progress("kvtier tcp")("CPU per small operation, each process")
+                    op_cpu = measure_op_cpu(client, local.children[0].pid, [child.pid for child in local.children[1:]])
             peer_small = run_driver(peer, [SMALL], SMALL_WORKLOADS, 32, SMALL_BYTES, opts.repeat, 1, _progress("redis"))
             _progress("limits")("a 64-byte echo round trip to a uvloop server")
             echo_ms = echo_round_trip_ms()
@@ -596,6 +601,7 @@ def run(opts: argparse.Namespace) -> int:
             doc["peer"] = {"name": peer_name, "results": [asdict(r) for r in peer_results]}
             doc["small_ops"] = [asdict(r) for r in latency_ratios(small, peer_small, echo_ms)]
             doc["echo_round_trip_ms"] = echo_ms
+            doc["op_cpu"] = [asdict(r) for r in op_cpu]
         print(json.dumps(doc, indent=2))
         return 0
     for transport, results in by_transport.items():
@@ -611,6 +617,9 @@ def run(opts: argparse.Namespace) -> int:
         print_comparison(by_transport[next(iter(by_transport))], peer_results, peer_name)
         print()
         print_latency_ratios(latency_ratios(small, peer_small, echo_ms), peer_name, echo_ms)
+        if op_cpu:
+            print()
+            print_op_cpu(op_cpu)
     return 0
 
 
