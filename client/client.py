@@ -514,6 +514,7 @@ class Client(
                     statuses[i] = status
             except KvtierError as exc:  # the master reclaims the pending puts after its timeout
                 logger.warning("PutEnd failed: %s", exc)
+                _put_failure.set(exc.message)  # what `put` raises with
                 for i in written:
                     statuses[i] = int(exc.status)
         if failed:

@@ -165,7 +165,7 @@ class CommitWaiter:
             for answer in fenced:
                 answer.deliver(pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY))
             for answer in refused:
-                answer.deliver(type(answer.reply)(status=Status.UNAVAILABLE, error=answer.state.unsaveable))
+                answer.deliver(type(answer.reply)(status=Status.NOT_DURABLE, error=answer.state.unsaveable))
 
     @staticmethod
     def _unsaveable(barrier: Barrier, state: MasterState) -> bool:
@@ -254,7 +254,7 @@ class CommitWaiter:
         self._wake_after_fence()
         while not barrier.done(state):
             if self._unsaveable(barrier, state):
-                return type(reply)(status=Status.UNAVAILABLE, error=state.unsaveable)
+                return type(reply)(status=Status.NOT_DURABLE, error=state.unsaveable)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return self._timed_out(reply, barrier, state)

@@ -29,6 +29,7 @@ _GRPC_BY_NAME = {
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "CANCELLED": grpc.StatusCode.CANCELLED,
     "BATCH_TOO_LARGE": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "NOT_DURABLE": grpc.StatusCode.FAILED_PRECONDITION,
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "INVALID_KEY": grpc.StatusCode.INVALID_ARGUMENT,
     "PUT_IN_PROGRESS": grpc.StatusCode.ABORTED,

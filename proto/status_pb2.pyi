@@ -13,6 +13,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAVAILABLE: _ClassVar[Status]
     CANCELLED: _ClassVar[Status]
     BATCH_TOO_LARGE: _ClassVar[Status]
+    NOT_DURABLE: _ClassVar[Status]
     NOT_FOUND: _ClassVar[Status]
     INVALID_KEY: _ClassVar[Status]
     PUT_IN_PROGRESS: _ClassVar[Status]
@@ -52,6 +53,7 @@ TIMEOUT: Status
 UNAVAILABLE: Status
 CANCELLED: Status
 BATCH_TOO_LARGE: Status
+NOT_DURABLE: Status
 NOT_FOUND: Status
 INVALID_KEY: Status
 PUT_IN_PROGRESS: Status

@@ -289,12 +289,18 @@ def test_a_master_that_cannot_read_its_state_refuses_changes_after_a_segment_lef
     bare_cluster.start_master()
     bare_cluster.start_segment("seg0")
     seg1 = bare_cluster.start_segment("seg1")
-    client = bare_cluster.client(timeout=3.0)
+    client = bare_cluster.client(timeout=30.0)
     client.put("before", b"x" * 100)
     assert client.exists("before")
     bare_cluster.kill(seg1, signal.SIGTERM)  # unmounts: its name would have to be saved as gone
     assert bare_cluster.wait_for(lambda: len(client.cluster_status().segments) == 1)
-    with pytest.raises(KvtierError) as refused:  # (the client retries UNAVAILABLE until its timeout)
+    # NOT_DURABLE, which no client retries: it fails at once, not after its 30 s of UNAVAILABLE retries
+    started = time.monotonic()
+    with pytest.raises(KvtierError) as refused:
         client.remove("before")
-    assert refused.value.status == Status.UNAVAILABLE and "saved state" in refused.value.message
+    assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
+    with pytest.raises(KvtierError) as refused:  # a put too, relayed by its segment or not
+        client.put("after", b"y" * 100)
+    assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
+    assert time.monotonic() - started < 10
     assert (state_dir / "master-state.json").read_bytes() == b"{not json"  # never overwritten

@@ -334,6 +334,6 @@ def test_a_parked_answer_waiting_for_a_save_that_never_comes_is_refused_at_once(
         await answered(client, 1.0)
         [(_, _, body)] = answers(client)
         reply = pb.KeyStatusResponse.FromString(body)
-        assert reply.status == Status.UNAVAILABLE and reply.error == "cannot save: repair the state file"
+        assert reply.status == Status.NOT_DURABLE and reply.error == "cannot save: repair the state file"
 
     asyncio.run(main())
