@@ -210,7 +210,11 @@ class Reads:
             self._count(direct_read_misses=1)
         else:  # another version of the key at the same place: ask the master
             self._count(direct_read_misses=1, bytes_read=size, bytes_read_dram=size)
-        return self._fetch([key], None if view is None else [view], sources, deadline=deadline, seen=seen)[0]
+        # Straight to the lookup: another thread may have remembered the key again meanwhile.
+        fallback = self._fetch(
+            [key], None if view is None else [view], sources, deadline=deadline, seen=seen, direct=False
+        )
+        return fallback[0]
 
     def _read_keyed_one(
         self, key: str, view: memoryview | None, location: Location, deadline: float, seen: set[str]
@@ -248,6 +252,7 @@ class Reads:
         group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
         deadline: float | None = None,  # a call's, when `_get_one` tried a direct read first
         seen: set[str] | None = None,  # and the segments whose connection failed in that try
+        direct: bool = True,  # False: look every key up (`_get_one`'s direct read did not serve it)
     ) -> list[bytes | int]:
         """Per key its verified bytes (or size, with `views`) or a negative Status; see the module.
         A group is read whole or not at all: never looked up again member by member."""
@@ -260,7 +265,9 @@ class Reads:
         token = call_failures.set(seen)
         try:
             direct = (
-                {} if group or self._locations is None else self._read_direct(keys, views, sources, deadline, tally)
+                {}
+                if group or not direct or self._locations is None
+                else self._read_direct(keys, views, sources, deadline, tally)
             )
             if direct:  # what the segments served alone; the rest is looked up as before
                 rest = [i for i in range(len(keys)) if i not in direct]

@@ -436,10 +436,13 @@ class TcpConnector:
         negative status, and the CRC32C of the bytes that came (None with a status). One send and,
         mostly, one receive: the general batch path walked for one key cost more than the round
         trip (docs/benchmarks.md, session 15)."""
-        if size + _STATUS_BYTES > _CHUNK:
+        if size + _STATUS_BYTES > _CHUNK:  # larger than a direct read (DIRECT_READ_MAX_BYTES): the general way
             crcs: list[int | None] = [None]
-            into = None if view is None else [view]
-            return self.read_keyed([(offset, size, name)], into, crcs, caps=(expiry_ms, [tag]))[0], crcs[0]
+            into = None if view is None else [memoryview(view)[:size]]
+            result = self.read_keyed([(offset, size, name)], into, crcs, caps=(expiry_ms, [tag]))[0]
+            if isinstance(result, bytes):
+                return result, crc32c.crc32c(result)
+            return result, crcs[0] if result == _OK else None
         names = frames.NAME_LENGTH.pack(len(name)) + name
         status = bytearray(_STATUS_BYTES)
         data = memoryview(bytearray(size) if view is None else view)[:size]

@@ -195,3 +195,24 @@ def test_a_single_get_counts_and_answers_what_a_one_key_batch_get_does(cluster):
     assert writer.remove("k")
     (one, many), (counted_one, counted_many) = both(lambda: single.get("k"), lambda: batch.batch_get(["k"])[0])
     assert one is None and many is None and counted_one == counted_many and counted_one["misses"] == 1
+
+
+def test_one_object_larger_than_a_direct_read_is_read_and_checksummed_whole(cluster):
+    """`TcpConnector.read_keyed_one` of an object over its one-receive size (a get never sends one:
+    DIRECT_READ_MAX_BYTES is smaller; found by review) goes the general way: bytes with their CRC,
+    and into a longer buffer only the object's size (the rest was waited for until the timeout)."""
+    client = cluster.client(transport="tcp", timeout=2.0)
+    size = 600 * KiB
+    value = secrets.token_bytes(size)
+    client.put("big", value)
+    reply = client._master.call("GetReplicas", pb.KeysRequest(namespace=client.namespace, keys=["big"]))
+    segment = next(s for s in reply.segments if s.segment_id == reply.replica_segments[0])
+    tag = reply.replica_tags[:16] if reply.replica_tags else b""
+    offset, name = reply.replica_offsets[0], b"default\0big"
+    connector = client._connector(segment)
+    assert connector.read_keyed_one(offset, size, name, None, reply.tag_expiry_ms, tag) == (value, reply.checksums[0])
+    longer = bytearray(2 * size)
+    started = time.monotonic()
+    result = connector.read_keyed_one(offset, size, name, memoryview(longer), reply.tag_expiry_ms, tag)
+    assert result == (0, reply.checksums[0]) and bytes(longer[:size]) == value
+    assert time.monotonic() - started < 1.5  # not the socket's timeout
