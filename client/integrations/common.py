@@ -45,6 +45,9 @@ class KvtierSettings:
     # Lookups (the engine's lookup-then-load) ask kvtier to prefetch what they find on SSD into DRAM,
     # so the engine's load that follows is a DRAM hit (Client.longest_prefix(prefetch=True)).
     prefetch: bool = True
+    # Threads that share a large same-host copy (Client(copy_threads=...)): the calling one and
+    # copy_threads - 1 of the client's own; 1 keeps every copy on the calling thread.
+    copy_threads: int = 2
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None) -> KvtierSettings:
@@ -71,6 +74,7 @@ class KvtierSettings:
             instance=str(pick("instance", "")),
             budget_bytes=int(pick("budget_bytes", 0)),
             prefetch=_flag(pick("prefetch", defaults.prefetch)),
+            copy_threads=int(pick("copy_threads", defaults.copy_threads)),
         )
 
     def client(self, namespace: str, rank: int = 0) -> Any:
@@ -85,6 +89,7 @@ class KvtierSettings:
             principal=self.principal,
             instance=self.instance,
             rank=rank,
+            copy_threads=self.copy_threads,
         )
 
 

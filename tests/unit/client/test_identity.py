@@ -86,6 +86,7 @@ def test_settings_from_engine_config_and_environment(monkeypatch):
     settings = KvtierSettings.from_config({"kvtier_timeout": "2.5", "replicas": 2, "other_engine_key": 1})
     assert (settings.master, settings.timeout, settings.replicas, settings.enabled) == ("10.0.0.1:50051", 2.5, 2, True)
     assert not KvtierSettings.from_config({"enabled": "false"}).enabled
+    assert settings.copy_threads == 2 and KvtierSettings.from_config({"kvtier_copy_threads": "1"}).copy_threads == 1
     monkeypatch.setenv("KVTIER_DISABLE", "1")
     assert not KvtierSettings.from_config({}).enabled
 
@@ -118,3 +119,12 @@ def test_guard_stops_calling_an_unreachable_kvtier_for_a_moment():
     other = Guard("test", cooldown_s=10)
     assert other.call("put", lambda: 1 / 0, fallback=None) is None
     assert other.call("put", lambda: 7, fallback=None) == 7
+
+
+def test_settings_make_a_client_with_their_copy_threads():
+    settings = KvtierSettings.from_config({"kvtier_copy_threads": 3, "master": "127.0.0.1:1"})
+    client = settings.client("ns", rank=2)  # connects at its first call, not here
+    try:
+        assert (client.namespace, client.rank, client.config.copy_threads) == ("ns", 2, 3)
+    finally:
+        client.close()
