@@ -12,7 +12,11 @@ registers), off the event loop:
 - `expelled`: segments the master expelled (silent past their TTL) whose DRAM
   index is stale: told to discard it when they mount again, in any later
   incarnation (saved before the calls that waited on them answer);
-- `epoch`: standalone only, so the next incarnation's epoch is larger.
+- `epoch`: standalone only, so the next incarnation's epoch is larger;
+- `direct_read_lease_ms`: the longest direct-read lease a segment may still hold from this
+  incarnation (or, until its own fence passed, from one before it): the next incarnation answers
+  no change before that long, whatever its own `heartbeat_interval_s` (docs/architecture.md,
+  "Direct reads").
 
 Standalone masters keep it in `<state_dir>/master-state.json` (written to a
 temporary file, fsynced, renamed). HA masters keep it in etcd under
@@ -41,6 +45,7 @@ class SavedState:
     segments: list[str] = field(default_factory=list)
     instances: dict[str, list[int]] = field(default_factory=dict)  # instance -> [tp, pp, budget]
     expelled: list[str] = field(default_factory=list)  # segments whose DRAM index is stale
+    direct_read_lease_ms: int = 0  # the longest lease a segment may hold from the incarnations so far
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -53,6 +58,7 @@ class SavedState:
             segments=[str(s) for s in raw.get("segments", [])],
             instances={str(k): [int(x) for x in v] for k, v in raw.get("instances", {}).items()},
             expelled=[str(s) for s in raw.get("expelled", [])],
+            direct_read_lease_ms=int(raw.get("direct_read_lease_ms", 0)),
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import resource
 import time
@@ -187,6 +188,8 @@ class Roles:
         self.servicer = servicer
         self.store: StateStore = NoStateStore()
         self._saving = asyncio.Lock()
+        self._inherited_lease_s = 0.0  # the direct-read lease the saved state says may still run
+        self._inherited_until = 0.0  # when it has run out at the latest (this epoch's state clock)
         servicer.save_state = self.save
         self.freezer = LongLivedFreezer(minimum=config.gc_freeze_min_objects)  # the ticker feeds it
 
@@ -209,12 +212,17 @@ class Roles:
                 set(saved.expelled) if saved else set(),
                 self.config.recovery_max_s,
             )
+        # The lease an earlier incarnation may have granted, as it saved it (kvtier.master.persist):
+        # longer than ours when it ran with longer heartbeats.
+        self._inherited_lease_s = saved.direct_read_lease_ms / 1000 if saved is not None else 0.0
+        self._inherited_until = 0.0
         if not loaded or isinstance(self.store, NoStateStore) or saved is not None:
             # A segment may still serve direct reads under a lease from an earlier incarnation (it
             # learns otherwise at its next heartbeat), also one that incarnation dropped just before
-            # it died: nothing that changes a key answers before that lease ran out. A first start
-            # (a state store that holds nothing) had no such incarnation.
-            state.direct_read_fence = state.clock() + self.config.direct_read_lease_s
+            # it died, or one that cannot reach us: nothing that changes a key answers before that
+            # lease ran out. A first start (a state store that holds nothing) had no such incarnation.
+            lease_s = max(self.config.direct_read_lease_s, self._inherited_lease_s)
+            state.direct_read_fence = self._inherited_until = state.clock() + lease_s
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
         if not loaded:  # saves nothing this epoch (`save`)
@@ -251,11 +259,17 @@ class Roles:
             if state.recovery.active:  # those not back yet are still expected by the next incarnation
                 segments |= state.recovery.expected
             generation = state.state_generation
+            # Ours, and until our fence passed the one we inherited: a lease granted before us may
+            # still run, and the next incarnation must wait for it too if we die before then.
+            lease_s = self.config.direct_read_lease_s
+            if state.clock() < self._inherited_until:
+                lease_s = max(lease_s, self._inherited_lease_s)
             saved = SavedState(
                 epoch=self.handlers.epoch,
                 segments=sorted(segments),
                 instances=state.quotas.registrations(),
                 expelled=sorted(state.expelled),
+                direct_read_lease_ms=math.ceil(lease_s * 1000),
             )
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)

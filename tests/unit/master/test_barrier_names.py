@@ -186,4 +186,4 @@ def test_a_master_that_saves_nothing_answers_a_wait_for_a_save_at_once_saying_wh
         return await asyncio.wait_for(waiter.finish(reply, barrier), 1.0)
 
     answered = asyncio.run(answer())
-    assert answered.status == Status.UNAVAILABLE and answered.error == "cannot save: repair the state file"
+    assert answered.status == Status.NOT_DURABLE and answered.error == "cannot save: repair the state file"

@@ -18,7 +18,9 @@ from kvtier.master.persist import (
 
 
 def saved() -> SavedState:
-    return SavedState(epoch=42, segments=["seg0", "seg1"], instances={"llama": [2, 1, 1 << 30]}, expelled=["seg-old"])
+    return SavedState(
+        epoch=42, segments=["seg0", "seg1"], instances={"llama": [2, 1, 1 << 30]}, expelled=["seg-old"], direct_read_lease_ms=8000
+    )
 
 
 def test_saved_state_round_trips_through_json():
