@@ -19,7 +19,11 @@ from kvtier.master.persist import (
 
 def saved() -> SavedState:
     return SavedState(
-        epoch=42, segments=["seg0", "seg1"], instances={"llama": [2, 1, 1 << 30]}, expelled=["seg-old"], direct_read_lease_ms=8000
+        epoch=42,
+        segments=["seg0", "seg1"],
+        instances={"llama": [2, 1, 1 << 30]},
+        expelled=["seg-old"],
+        direct_read_lease_ms=8000,
     )
 
 
