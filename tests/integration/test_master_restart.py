@@ -299,8 +299,12 @@ def test_a_master_that_cannot_read_its_state_refuses_changes_after_a_segment_lef
     with pytest.raises(KvtierError) as refused:
         client.remove("before")
     assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
-    with pytest.raises(KvtierError) as refused:  # a put too, relayed by its segment or not
-        client.put("after", b"y" * 100)
-    assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
+    for transport in ("tcp", "shm"):  # a put too, its PutEnd relayed by its segment (tcp) or not
+        writer = bare_cluster.client(timeout=30.0, transport=transport)
+        with pytest.raises(KvtierError) as refused:
+            writer.put(f"after-{transport}", b"y" * 100)
+        assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
     assert time.monotonic() - started < 10
+    # Refused before anything changed: the key is still there, the new ones never became visible.
+    assert client.exists("before") and not any(client.batch_exists(["after-tcp", "after-shm"]))
     assert (state_dir / "master-state.json").read_bytes() == b"{not json"  # never overwritten
