@@ -222,6 +222,8 @@ class Roles:
             # it died, or one that cannot reach us: nothing that changes a key answers before that
             # lease ran out. A first start (a state store that holds nothing) had no such incarnation.
             lease_s = max(self.config.direct_read_lease_s, self._inherited_lease_s)
+            if not loaded:  # its lease unknown: a lease is at most its master's segment_ttl_s (MasterConfig)
+                lease_s = max(lease_s, self.config.segment_ttl_s)
             state.direct_read_fence = self._inherited_until = state.clock() + lease_s
         state.saved_state_stale = loaded  # save this epoch at once
         state.save_mounts = loaded and not isinstance(self.store, NoStateStore)
@@ -247,13 +249,18 @@ class Roles:
         self.handlers.state = state
         self.freezer.reset()  # the old tables were frozen: unfrozen, they can be collected
 
-    async def save(self) -> None:
-        """Save what changed, off the event loop; returns once it is durable (or failed).
-        RegisterInstance awaits it: a registration acknowledged is a registration kept."""
+    async def save(self) -> bool:
+        """Save what changed, off the event loop; returns once it is durable (True; also with no
+        state store, where nothing can be) or failed (False: not leading, a master that saves
+        nothing this epoch, an error). RegisterInstance awaits it: a registration acknowledged is a
+        registration kept; ReportDramObjects too: a direct-read lease granted is one the saved state
+        holds."""
         async with self._saving:  # one save at a time: a later snapshot is never overwritten by an earlier
             state = self.handlers.state
-            if not state.saved_state_stale or not self.handlers.leadership.is_leader() or state.unsaveable:
-                return
+            if not self.handlers.leadership.is_leader() or state.unsaveable:
+                return False
+            if not state.saved_state_stale:  # the last save holds everything (a failed one leaves it stale)
+                return True
             state.saved_state_stale = False
             segments = {s.name for s in state.segments.values()}
             if state.recovery.active:  # those not back yet are still expected by the next incarnation
@@ -280,9 +287,11 @@ class Roles:
                 if self.handlers.state is state:
                     self.servicer.waiter.wake()
                 logger.info("saved master state segments=%d instances=%d", len(saved.segments), len(saved.instances))
+                return True
             except Exception as exc:  # retried at the next tick; a restart meanwhile waits for fewer
                 logger.error("saving master state failed: %s", exc)
                 state.saved_state_stale = True
+                return False
 
 
 def _authenticator(config: MasterConfig) -> Authenticator:

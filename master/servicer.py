@@ -30,7 +30,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.handlers = handlers
         self.waiter = waiter
         self._task_events: dict[int, asyncio.Event] = {}
-        self.save_state: Callable[[], Awaitable[None]] | None = None  # saves what changed, durably
+        self.save_state: Callable[[], Awaitable[bool]] | None = None  # saves what changed: True once durable
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
@@ -94,10 +94,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def ReportDramObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The last chunk answers once the segment's name is saved: from then on it takes
-        allocations, and a restart waits for it."""
+        allocations, and a restart waits for it. It grants the segment's direct-read lease only when
+        that save held (the saved state then names a lease at least as long, which the next
+        incarnation waits out): a save that failed, or a master that saves nothing, grants none."""
         reply = self.handlers.ReportDramObjects(request)
         if request.done and reply.status == Status.OK and self.save_state is not None:
-            await self.save_state()
+            durable = await self.save_state()
+            reply.direct_read_lease_ms = int(self.handlers.state.config.direct_read_lease_s * 1000) if durable else 0
         return reply
 
     async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

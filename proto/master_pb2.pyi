@@ -356,14 +356,16 @@ class KeysRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., releasable: _Optional[bool] = ..., released_leases: _Optional[_Iterable[int]] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ..., group: _Optional[bool] = ..., with_chunk_checksums: _Optional[bool] = ...) -> None: ...
 
 class KeyStatusResponse(_message.Message):
-    __slots__ = ("status", "error", "statuses")
+    __slots__ = ("status", "error", "statuses", "direct_read_lease_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_READ_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     statuses: _containers.RepeatedScalarFieldContainer[_status_pb2.Status]
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ...) -> None: ...
+    direct_read_lease_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., direct_read_lease_ms: _Optional[int] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
     __slots__ = ("status", "error", "statuses", "sizes", "checksums", "replica_counts", "replica_segments", "replica_offsets", "replica_tiers", "segments", "lease_ms", "replica_tags", "tag_expiry_ms", "lease_id", "chunk_checksums")

@@ -267,7 +267,10 @@ class MasterLink:
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
         self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
-        self._lease.start(reply.direct_read_lease_ms / 1000, lease_sent)
+        lease_ms = reply.direct_read_lease_ms
+        if done.HasField("direct_read_lease_ms"):  # granted once the master's saved state holds it (0: none)
+            lease_ms = min(lease_ms, done.direct_read_lease_ms)
+        self._lease.start(lease_ms / 1000, lease_sent)
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,
