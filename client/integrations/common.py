@@ -59,6 +59,9 @@ class KvtierSettings:
         def pick(name: str, default: Any) -> Any:
             return config.get(f"kvtier_{name}", config.get(name, default))
 
+        copy_threads = int(pick("copy_threads", defaults.copy_threads))
+        if copy_threads < 1:  # at start, in the engine's own words, not on every call after
+            raise ValueError(f"kvtier_copy_threads must be at least 1, got {copy_threads}")
         enabled = _flag(pick("enabled", True))
         if env("KVTIER_DISABLE", "").strip().lower() in _TRUE:
             enabled = False
@@ -74,7 +77,7 @@ class KvtierSettings:
             instance=str(pick("instance", "")),
             budget_bytes=int(pick("budget_bytes", 0)),
             prefetch=_flag(pick("prefetch", defaults.prefetch)),
-            copy_threads=int(pick("copy_threads", defaults.copy_threads)),
+            copy_threads=copy_threads,
         )
 
     def client(self, namespace: str, rank: int = 0) -> Any:

@@ -87,6 +87,8 @@ def test_settings_from_engine_config_and_environment(monkeypatch):
     assert (settings.master, settings.timeout, settings.replicas, settings.enabled) == ("10.0.0.1:50051", 2.5, 2, True)
     assert not KvtierSettings.from_config({"enabled": "false"}).enabled
     assert settings.copy_threads == 2 and KvtierSettings.from_config({"kvtier_copy_threads": "1"}).copy_threads == 1
+    with pytest.raises(ValueError, match="kvtier_copy_threads must be at least 1"):
+        KvtierSettings.from_config({"copy_threads": 0})
     monkeypatch.setenv("KVTIER_DISABLE", "1")
     assert not KvtierSettings.from_config({}).enabled
 
