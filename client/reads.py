@@ -212,7 +212,7 @@ class Reads:
             self._count(direct_read_misses=1, bytes_read=size, bytes_read_dram=size)
         # Straight to the lookup: another thread may have remembered the key again meanwhile.
         fallback = self._fetch(
-            [key], None if view is None else [view], sources, deadline=deadline, seen=seen, direct=False
+            [key], None if view is None else [view], sources, deadline=deadline, seen=seen, read_directly=False
         )
         return fallback[0]
 
@@ -252,7 +252,7 @@ class Reads:
         group: bool = False,  # the keys are one group: the master answers all or none (kvtier.client.groups)
         deadline: float | None = None,  # a call's, when `_get_one` tried a direct read first
         seen: set[str] | None = None,  # and the segments whose connection failed in that try
-        direct: bool = True,  # False: look every key up (`_get_one`'s direct read did not serve it)
+        read_directly: bool = True,  # False: look every key up (`_get_one`'s direct read did not serve it)
     ) -> list[bytes | int]:
         """Per key its verified bytes (or size, with `views`) or a negative Status; see the module.
         A group is read whole or not at all: never looked up again member by member."""
@@ -266,7 +266,7 @@ class Reads:
         try:
             direct = (
                 {}
-                if group or not direct or self._locations is None
+                if group or not read_directly or self._locations is None
                 else self._read_direct(keys, views, sources, deadline, tally)
             )
             if direct:  # what the segments served alone; the rest is looked up as before
