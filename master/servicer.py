@@ -86,10 +86,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return await self._answer_when_acknowledged("RemoveReplicas", request)
 
     async def RegisterInstance(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Answers once the registration is saved: one acknowledged is one a restart keeps."""
+        """Answers once the registration is saved: one acknowledged is one a restart keeps. A save
+        that failed answers UNAVAILABLE (registering again is harmless; the save is retried), one
+        this master never makes NOT_DURABLE with the cause."""
         reply = self.handlers.RegisterInstance(request)
-        if reply.status == Status.OK and self.save_state is not None:
-            await self.save_state()
+        if reply.status == Status.OK and self.save_state is not None and not await self.save_state():
+            state = self.handlers.state
+            if state.unsaveable:
+                return type(reply)(status=Status.NOT_DURABLE, error=state.unsaveable)
+            return type(reply)(status=Status.UNAVAILABLE, error="the registration could not be saved yet: retry")
         return reply
 
     async def ReportDramObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -307,4 +307,7 @@ def test_a_master_that_cannot_read_its_state_refuses_changes_after_a_segment_lef
     assert time.monotonic() - started < 10
     # Refused before anything changed: the key is still there, the new ones never became visible.
     assert client.exists("before") and not any(client.batch_exists(["after-tcp", "after-shm"]))
+    with pytest.raises(KvtierError) as refused:  # a registration is acknowledged only once saved
+        bare_cluster.client(instance="llm", rank=0).register_instance(tp_size=1, pp_size=1, budget=1 << 20)
+    assert refused.value.status == Status.NOT_DURABLE and "saved state" in refused.value.message
     assert (state_dir / "master-state.json").read_bytes() == b"{not json"  # never overwritten
