@@ -302,9 +302,11 @@ class Client(
     @traced
     def upsert(self, key: str, value: Any, *, replicas: int = 1, **placement: Any) -> None:
         """Store `value` under `key`, replacing the object it holds, atomically: a concurrent reader
-        gets the old value or the new one, never a mix and never a miss. Raises KvtierError
-        (the old value stays) on failure; PUT_IN_PROGRESS while another put or upsert of the key
-        is in flight. `placement` as for `batch_put`. docs/architecture.md, "Atomic overwrite"."""
+        gets the old value or the new one, never a mix and never a miss. Raises KvtierError on
+        failure: refused before its end (PUT_IN_PROGRESS while another put or upsert of the key is
+        in flight, NO_SPACE, ...) the old value stays; failed once its end was sent (UNAVAILABLE,
+        TIMEOUT: the answer was lost) the key holds either value, never a mix. `placement` as for
+        `batch_put`. docs/architecture.md, "Atomic overwrite"."""
         self._raise_put(key, self.batch_upsert([key], [value], replicas=replicas, **placement)[0], "upsert")
 
     upsert_from = upsert
