@@ -80,9 +80,12 @@ class SegmentCalls:
             tolerance_s = self.state.config.clock_skew_tolerance_s
             reading = read_skew(request.wall_clock_ms, received_ms, request.rtt_ms, tolerance_s)
             self.state.note_clock_skew(request.segment_id, reading)
-        return pb.HeartbeatResponse(
+        reply = pb.HeartbeatResponse(
             status=status, master_epoch=str(self.epoch), epoch=self.epoch, wall_clock_ms=wall_ms()
         )
+        if status == Status.OK:  # grows from 0 once a save held (kvtier.segment_server.keyed_reads)
+            reply.direct_read_lease_ms = self.state.granted_lease_ms
+        return reply
 
     # -------------------------------------------------------------- tiering
 

@@ -104,8 +104,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         incarnation waits out): a save that failed, or a master that saves nothing, grants none."""
         reply = self.handlers.ReportDramObjects(request)
         if request.done and reply.status == Status.OK and self.save_state is not None:
-            durable = await self.save_state()
-            reply.direct_read_lease_ms = int(self.handlers.state.config.direct_read_lease_s * 1000) if durable else 0
+            await self.save_state()
+            reply.direct_read_lease_ms = self.handlers.state.granted_lease_ms
         return reply
 
     async def PollCommits(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

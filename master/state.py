@@ -180,6 +180,9 @@ class MasterState(SegmentTable, RangeBook):
         # one dropped meanwhile, or one under an earlier incarnation (set by the server). Calls that
         # change what a key reads answer only after it (kvtier.master.commit_wait, Barrier).
         self.direct_read_fence = 0.0
+        # The direct-read lease this master grants (ReportDramObjects(done), heartbeats): none until a
+        # save of this epoch held, whose saved state then names at least as long (set by the server).
+        self.granted_lease_ms = 0
         # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
         self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)

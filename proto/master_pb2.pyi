@@ -204,18 +204,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms")
+    __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms", "direct_read_lease_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_READ_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     master_epoch: str
     error: str
     epoch: int
     wall_clock_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ...) -> None: ...
+    direct_read_lease_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., master_epoch: _Optional[str] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., direct_read_lease_ms: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("namespace", "keys", "sizes", "replicas", "instance", "rank", "pin", "pin_ttl_ms", "preferred_segment", "client_host", "wait_ms", "released_leases", "request_id", "avoid_segments", "overwrite", "lease_ms")

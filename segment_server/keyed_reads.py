@@ -59,28 +59,36 @@ class DirectReadLease:
 
     def __init__(self, clock: Callable[[], float] = _boot_clock) -> None:
         self._clock = clock
-        self._length_s = 0.0  # the master's MountSegmentResponse.direct_read_lease_ms (0: none)
+        self._cap_s = 0.0  # the master's MountSegmentResponse.direct_read_lease_ms (0: none)
+        self._length_s = 0.0  # what it granted (at most the cap): once its saved state holds the lease
         self._until = 0.0
         self._lock = threading.Lock()  # renew and end from the link's thread; end also from stop()
 
     def now(self) -> float:
         return self._clock()
 
-    def start(self, length_s: float, sent: float) -> None:
-        """A mount the master acknowledged: serve for `length_s` after `sent` (0: not at all)."""
+    def start(self, cap_s: float, sent: float, granted_s: float | None = None) -> None:
+        """A mount the master acknowledged: serve for the lease granted (`granted_s`, None: an older
+        master, which grants the cap at once), at most `cap_s`, after `sent` (0: not at all)."""
         with self._lock:
-            self._length_s = length_s
-            self._until = sent + length_s if length_s > 0 else 0.0
+            self._cap_s = cap_s
+            self._length_s = cap_s if granted_s is None else min(cap_s, granted_s)
+            self._until = sent + self._length_s if self._length_s > 0 else 0.0
 
-    def renew(self, sent: float) -> None:
-        """A heartbeat sent at `sent` (this lease's clock, `now()`) was acknowledged under the current mount."""
+    def renew(self, sent: float, granted_s: float | None = None) -> None:
+        """A heartbeat sent at `sent` (this lease's clock, `now()`) was acknowledged under the current
+        mount; `granted_s`, the lease its answer grants now (it grows from 0 once the master's save
+        held), never past the mount's cap: nothing revives a lease after `end`."""
         with self._lock:
+            if granted_s is not None:
+                self._length_s = min(self._cap_s, granted_s)
             if self._length_s > 0:
                 self._until = max(self._until, sent + self._length_s)
 
     def end(self) -> None:
         """The mount ends (the master dropped us, we mount again, or we unmount): stop at once."""
         with self._lock:
+            self._cap_s = 0.0
             self._length_s = 0.0
             self._until = 0.0
 

@@ -208,7 +208,9 @@ class MasterLink:
                     )
                     self._end_session()
                     return 0.0
-                self._lease.renew(lease_sent)  # the master had us mounted when it got this heartbeat
+                # The master had us mounted when it got this heartbeat; its answer says the lease it grants.
+                granted = reply.direct_read_lease_ms / 1000 if reply.HasField("direct_read_lease_ms") else None
+                self._lease.renew(lease_sent, granted)
         except _Fatal as exc:
             self._on_fatal(str(exc), exc.exit_code)
             raise StopPolling from exc
@@ -267,10 +269,9 @@ class MasterLink:
         self._interval_s = max(reply.heartbeat_interval_ms / 1000, 0.05)
         self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
-        lease_ms = reply.direct_read_lease_ms
-        if done.HasField("direct_read_lease_ms"):  # granted once the master's saved state holds it (0: none)
-            lease_ms = min(lease_ms, done.direct_read_lease_ms)
-        self._lease.start(lease_ms / 1000, lease_sent)
+        # Granted once the master's saved state holds it (0 until then; its heartbeat answers say when).
+        granted = done.direct_read_lease_ms / 1000 if done.HasField("direct_read_lease_ms") else None
+        self._lease.start(reply.direct_read_lease_ms / 1000, lease_sent, granted)
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,

@@ -101,3 +101,22 @@ def test_a_master_whose_saves_fail_grants_no_direct_read_lease(bare_cluster):
     (state_dir / "master-state.tmp").rmdir()
     _overwrite_from_a_master_elsewhere(cluster)
     assert _get_or_error(reader, "k") != OLD
+
+
+def test_a_segment_mounted_while_the_masters_saves_failed_serves_direct_reads_once_one_holds(bare_cluster):
+    """Granted none at its mount (the save failed), a segment is granted its lease by the first
+    heartbeat answer after a save held, without mounting again."""
+    cluster = bare_cluster
+    cluster.start_master()
+    cluster.start_segment("seg0")
+    writer = cluster.client(transport="tcp")
+    writer.put("k", OLD)
+    state_dir = cluster.state_dir()
+    assert cluster.wait_for(lambda: _saved_lease_ms(state_dir / "master-state.json") == 400)
+    (state_dir / "master-state.tmp").mkdir()  # every save fails while it is there
+    cluster.restart_master()  # same address: seg0 mounts again, granted nothing
+    reader = cluster.client(transport="tcp", timeout=2.0)
+    assert cluster.wait_for(lambda: _get_or_error(reader, "k") == OLD, timeout=15)
+    assert reader.get("k") == OLD and reader.stats().get("direct_reads", 0) == 0
+    (state_dir / "master-state.tmp").rmdir()  # the master's next tick saves
+    assert cluster.wait_for(lambda: reader.get("k") == OLD and reader.stats().get("direct_reads", 0) > 0)

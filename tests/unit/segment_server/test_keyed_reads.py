@@ -124,6 +124,25 @@ def test_a_lease_ends_with_its_mount_and_a_master_without_direct_reads_grants_no
     assert not lease.valid() and lease.left_s == 0.0
 
 
+def test_a_lease_granted_only_once_the_masters_save_held_grows_at_a_heartbeat_never_after_the_mount():
+    clock = Clock()
+    lease = DirectReadLease(clock)
+    lease.start(2.0, clock.now, granted_s=0.0)  # mounted, but the master's saved state holds no lease yet
+    assert not lease.valid()
+    lease.renew(clock.now, granted_s=0.0)
+    assert not lease.valid()
+    lease.renew(clock.now, granted_s=5.0)  # its save held: granted, at most the mount's 2 s
+    assert lease.valid() and abs(lease.left_s - 2.0) < 1e-9
+    lease.renew(clock.now)  # an older master's answer (no grant): renewed as granted before
+    clock.now += 1.5
+    assert lease.valid() and abs(lease.left_s - 0.5) < 1e-9
+    lease.end()
+    lease.renew(clock.now, granted_s=2.0)  # a heartbeat answered after the mount ended revives nothing
+    assert not lease.valid()
+    lease.start(2.0, clock.now)  # an older master grants at the mount
+    assert lease.valid()
+
+
 # ---------------------------------------------------------------- the frame (DataProtocol driven directly)
 
 
