@@ -84,8 +84,12 @@ class EtcdStateStore:
             raise StateUnreadable(f"etcd key {self._key}: {exc}") from None
 
     def save(self, saved: SavedState) -> None:
-        epoch = self._leadership.active_epoch
-        if not epoch or not self._etcd.put_if_created_at(self._leader_key, epoch, self._key, saved.to_json()):
+        # The snapshot's own epoch: one taken before this process lost and won leadership again must
+        # not overwrite what the leader in between saved (its longer lease, say).
+        epoch = saved.epoch
+        if epoch != self._leadership.active_epoch or not self._etcd.put_if_created_at(
+            self._leader_key, epoch, self._key, saved.to_json()
+        ):
             raise EtcdError(f"not saved: epoch {saved.epoch} no longer leads")
 
 

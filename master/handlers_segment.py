@@ -64,8 +64,14 @@ class SegmentCalls:
             epoch=self.epoch,
             discard_index=result.discard_index,
             wall_clock_ms=wall_ms(),
-            direct_read_lease_ms=int(config.direct_read_lease_s * 1000) if direct else 0,
+            direct_read_lease_ms=self._mount_lease_ms(request) if direct else 0,
         )
+
+    def _mount_lease_ms(self, request) -> int:
+        """The direct-read lease a mount names: the cap of what later answers grant, or, to a segment
+        that takes no grants (an older one serves under it at once), what is granted already."""
+        own = int(self.state.config.direct_read_lease_s * 1000)
+        return own if request.lease_grants else min(own, self.state.granted_lease_ms)
 
     @rpc(pb.UnmountSegmentResponse)
     def UnmountSegment(self, request):

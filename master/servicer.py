@@ -99,9 +99,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def ReportDramObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The last chunk answers once the segment's name is saved: from then on it takes
-        allocations, and a restart waits for it. It grants the segment's direct-read lease only when
-        that save held (the saved state then names a lease at least as long, which the next
-        incarnation waits out): a save that failed, or a master that saves nothing, grants none."""
+        allocations, and a restart waits for it. It grants the segment's direct-read lease once a
+        save of this epoch held (`MasterState.granted_lease_ms`: the saved state then names a lease
+        at least as long, which the next incarnation waits out); before, and from a master that
+        saves nothing, none (heartbeat answers grant it later)."""
         reply = self.handlers.ReportDramObjects(request)
         if request.done and reply.status == Status.OK and self.save_state is not None:
             await self.save_state()

@@ -106,7 +106,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ..., direct_reads: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class MountSegmentRequest(_message.Message):
     PREVIOUS_APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KEYED_READS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_GRANTS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -139,7 +140,8 @@ class MountSegmentRequest(_message.Message):
     previous_applied_seq: int
     previous_epoch: int
     keyed_reads: bool
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ...) -> None: ...
+    lease_grants: bool
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms")

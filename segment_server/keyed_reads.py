@@ -62,6 +62,7 @@ class DirectReadLease:
         self._cap_s = 0.0  # the master's MountSegmentResponse.direct_read_lease_ms (0: none)
         self._length_s = 0.0  # what it granted (at most the cap): once its saved state holds the lease
         self._until = 0.0
+        self._closed = False  # the server stops: no mount starts a lease again
         self._lock = threading.Lock()  # renew and end from the link's thread; end also from stop()
 
     def now(self) -> float:
@@ -71,6 +72,8 @@ class DirectReadLease:
         """A mount the master acknowledged: serve for the lease granted (`granted_s`, None: an older
         master, which grants the cap at once), at most `cap_s`, after `sent` (0: not at all)."""
         with self._lock:
+            if self._closed:
+                return
             self._cap_s = cap_s
             self._length_s = cap_s if granted_s is None else min(cap_s, granted_s)
             self._until = sent + self._length_s if self._length_s > 0 else 0.0
@@ -91,6 +94,13 @@ class DirectReadLease:
             self._cap_s = 0.0
             self._length_s = 0.0
             self._until = 0.0
+
+    def close(self) -> None:
+        """The server stops: end, for good. A mount the link was still finishing (its stop waits
+        only so long) must not start a lease after the commit feed stopped following the master."""
+        with self._lock:
+            self._closed = True
+        self.end()
 
     def valid(self) -> bool:
         return self._clock() < self._until

@@ -167,7 +167,7 @@ class MasterLink:
 
     def stop(self, unmount: bool = True) -> None:
         self._poller.stop(timeout=5)
-        self._lease.end()  # before the unmount: the master does not wait for our lease after one
+        self._lease.close()  # before the unmount: the master does not wait for our lease after one
         segment_id, epoch = self._index.session
         if unmount and segment_id:
             try:

@@ -134,6 +134,7 @@ async def serve(config: SegmentConfig) -> int:
                 # a record is read whole into one read buffer: larger objects could not be served
                 ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
                 keyed_reads=True,  # READ_KEYED on the tcp listener (kvtier.segment_server.keyed_reads)
+                lease_grants=True,  # serves under the lease granted once the master saved it
             ),
             index=index,
             lease=keyed.lease,

@@ -363,10 +363,36 @@ def test_a_leader_whose_renewals_always_land_too_late_steps_down_for_a_standby(c
         return time.monotonic() + slow_clock[0]
 
     (slow_one,) = candidates(1, clock=slow)
+    taken: list[bytes] = []  # the key as first seen: the slow one may give it up again right after
+
+    def took(client: EtcdClient) -> bool:
+        if (value := client.get(leader_key("c"))) is not None:
+            taken.append(value.value)
+        return bool(taken)
+
     with EtcdClient(etcd.endpoint) as client:
-        wait_for(lambda: client.get(leader_key("c")) is not None, 3.0, "the slow candidate to take the key")
-        assert json.loads(client.get(leader_key("c")).value)["address"] == slow_one.address
+        wait_for(lambda: took(client), 10.0, "the slow candidate to take the key")
+    assert json.loads(taken[0])["address"] == slow_one.address
     (healthy,) = candidates(1)
     wait_for(healthy.election.is_leader, 6 * TTL_S, "the healthy standby to lead")
     assert any("too late" in reason for reason in slow_one.deposed)
     assert not slow_one.election.is_leader()
+
+
+def test_a_state_snapshot_of_an_earlier_leadership_is_never_saved(candidates):
+    """EtcdStateStore.save checks the snapshot's own epoch, not only that this process leads now:
+    one taken before it lost and won leadership again must not overwrite what the leader in
+    between saved (found by review: a shorter direct-read lease could replace a longer one)."""
+    from kvtier.master.ha import EtcdLeadership, EtcdStateStore
+    from kvtier.master.persist import SavedState
+
+    (candidate,) = candidates(1, cluster="snap")
+    leader = the_leader([candidate])
+    epoch = leader.elected[-1]
+    leadership = EtcdLeadership(leader.election)
+    leadership.active_epoch = epoch
+    store = EtcdStateStore(leader.client, "snap", leadership)
+    store.save(SavedState(epoch=epoch, direct_read_lease_ms=8000))
+    with pytest.raises(EtcdError, match="no longer leads"):
+        store.save(SavedState(epoch=epoch - 1, direct_read_lease_ms=400))  # a snapshot of an older epoch
+    assert store.load() == SavedState(epoch=epoch, direct_read_lease_ms=8000)

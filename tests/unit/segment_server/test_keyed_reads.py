@@ -141,6 +141,10 @@ def test_a_lease_granted_only_once_the_masters_save_held_grows_at_a_heartbeat_ne
     assert not lease.valid()
     lease.start(2.0, clock.now)  # an older master grants at the mount
     assert lease.valid()
+    lease.close()  # the server stops (found by review): a mount it was still finishing starts nothing
+    lease.start(2.0, clock.now)
+    lease.renew(clock.now, granted_s=2.0)
+    assert not lease.valid()
 
 
 # ---------------------------------------------------------------- the frame (DataProtocol driven directly)
