@@ -55,34 +55,32 @@ class LocationCache:
     def find(self, keys: Iterable[str], now: float) -> dict[int, Location]:
         """The live entries of `keys`, by position; expired ones are dropped."""
         found: dict[int, Location] = {}
-        entries = self._entries
-        if not entries:
+        if not self._entries:
             return found
         with self._lock:
             for i, key in enumerate(keys):
-                location = entries.get(key)
-                if location is None:
-                    continue
-                if location.until <= now:
-                    del entries[key]
-                    continue
-                entries.move_to_end(key)
-                found[i] = location
+                location = self._live(key, now)
+                if location is not None:
+                    found[i] = location
         return found
 
     def get(self, key: str, now: float) -> Location | None:
         """`find` of one key (a get's): its live entry, or None."""
-        entries = self._entries
-        if not entries:
+        if not self._entries:
             return None
         with self._lock:
-            location = entries.get(key)
-            if location is None:
-                return None
-            if location.until <= now:
-                del entries[key]
-                return None
-            entries.move_to_end(key)
+            return self._live(key, now)
+
+    def _live(self, key: str, now: float) -> Location | None:
+        """`key`'s entry, most recently used now, unless absent or expired (then dropped); under `_lock`."""
+        entries = self._entries
+        location = entries.get(key)
+        if location is None:
+            return None
+        if location.until <= now:
+            del entries[key]
+            return None
+        entries.move_to_end(key)
         return location
 
     def remember(self, key: str, location: Location) -> None:

@@ -149,7 +149,7 @@ class CommitWaiter:
         for answer in parked:
             if answer.barrier.done(answer.state):
                 done.append(answer)
-            elif self._unsaveable(answer.barrier, answer.state):
+            elif answer.state.never_saved(answer.barrier.generation):
                 refused.append(answer)
             elif fence_ahead and isinstance(answer.reply, pb.RelayPutEndResponse):
                 # A segment dropped while this relayed PutEnd waited: the fence may outlast the relay's
@@ -166,11 +166,6 @@ class CommitWaiter:
                 answer.deliver(pb.RelayPutEndResponse(status=Status.UNAVAILABLE, error=FENCED_RELAY))
             for answer in refused:
                 answer.deliver(type(answer.reply)(status=Status.NOT_DURABLE, error=answer.state.unsaveable))
-
-    @staticmethod
-    def _unsaveable(barrier: Barrier, state: MasterState) -> bool:
-        """The barrier waits for a save this master will never make (`MasterState.unsaveable`)."""
-        return bool(state.unsaveable) and state.durable_generation < barrier.generation
 
     def _wake_after_fence(self) -> None:
         """Nothing else happens when the direct-read fence passes: one timer wakes every wait then,
@@ -253,7 +248,7 @@ class CommitWaiter:
         deadline = loop.time() + self._timeout_s
         self._wake_after_fence()
         while not barrier.done(state):
-            if self._unsaveable(barrier, state):
+            if state.never_saved(barrier.generation):
                 return type(reply)(status=Status.NOT_DURABLE, error=state.unsaveable)
             remaining = deadline - loop.time()
             if remaining <= 0:

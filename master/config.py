@@ -199,6 +199,11 @@ class MasterConfig:
         return 2 * self.heartbeat_interval_s if self.direct_reads else 0.0
 
     @property
+    def direct_read_lease_ms(self) -> int:
+        """`direct_read_lease_s` as the wire names it (whole ms, rounded down: never longer)."""
+        return int(self.direct_read_lease_s * 1000)
+
+    @property
     def segment_suspect_s(self) -> float:
         """A segment silent this long ranks last in placement (kvtier.master.placement.static_rank):
         three missed heartbeats, at least 1 s (a busy host is late now and then), at most the TTL."""

@@ -91,11 +91,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
                 if gate is not INFO and (refusal := self.refusal(gate)):
                     self.refused[name] += 1
                     return response_type(status=Status.UNAVAILABLE, error=refusal)
-                if (
-                    after_barrier
-                    and (state := self.state).unsaveable
-                    and state.state_generation > state.durable_generation
-                ):
+                if after_barrier and (state := self.state).never_saved(state.state_generation):
                     # Its answer would wait for a save this master never makes (kvtier.master.commit_wait):
                     # refused before anything changes, rather than applied and then refused.
                     return response_type(status=Status.NOT_DURABLE, error=state.unsaveable)

@@ -70,7 +70,7 @@ class SegmentCalls:
     def _mount_lease_ms(self, request) -> int:
         """The direct-read lease a mount names: the cap of what later answers grant, or, to a segment
         that takes no grants (an older one serves under it at once), what is granted already."""
-        own = int(self.state.config.direct_read_lease_s * 1000)
+        own = self.state.config.direct_read_lease_ms
         return own if request.lease_grants else min(own, self.state.granted_lease_ms)
 
     @rpc(pb.UnmountSegmentResponse)

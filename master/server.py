@@ -281,7 +281,7 @@ class Roles:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)
                 state.durable_generation = max(state.durable_generation, generation)
-                state.granted_lease_ms = int(self.config.direct_read_lease_s * 1000)  # the store holds as long
+                state.granted_lease_ms = self.config.direct_read_lease_ms  # the store holds as long
                 for segment in state.segments.values():
                     if segment.name in segments:
                         segment.saved = True

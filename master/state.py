@@ -163,7 +163,7 @@ class MasterState(SegmentTable, RangeBook):
         self.state_generation = 0
         self.durable_generation = 0
         # Why this master saves nothing this epoch (its state store could not be read at start), or
-        # "": a call waiting for a save it will never make is answered UNAVAILABLE with it at once.
+        # "": a call waiting for a save it will never make is answered NOT_DURABLE with it at once.
         self.unsaveable = ""
         # With a state store, a new segment takes allocations only once its name is saved.
         self.save_mounts = False
@@ -665,6 +665,11 @@ class MasterState(SegmentTable, RangeBook):
         return quota
 
     # ------------------------------------------------------------------ time
+
+    def never_saved(self, generation: int) -> bool:
+        """Whether a wait for the save of `generation` (kvtier.master.commit_wait) would never end:
+        this master saves nothing this epoch and has not saved that far."""
+        return bool(self.unsaveable) and self.durable_generation < generation
 
     def direct_reads_fenced(self) -> bool:
         """Whether a segment the master can no longer stop may still serve direct reads (before

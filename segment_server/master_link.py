@@ -209,8 +209,7 @@ class MasterLink:
                     self._end_session()
                     return 0.0
                 # The master had us mounted when it got this heartbeat; its answer says the lease it grants.
-                granted = reply.direct_read_lease_ms / 1000 if reply.HasField("direct_read_lease_ms") else None
-                self._lease.renew(lease_sent, granted)
+                self._lease.renew(lease_sent, _granted_s(reply))
         except _Fatal as exc:
             self._on_fatal(str(exc), exc.exit_code)
             raise StopPolling from exc
@@ -270,8 +269,7 @@ class MasterLink:
         self._last_heartbeat = time.monotonic()
         self._index.set_session((segment_id, epoch))
         # Granted once the master's saved state holds it (0 until then; its heartbeat answers say when).
-        granted = done.direct_read_lease_ms / 1000 if done.HasField("direct_read_lease_ms") else None
-        self._lease.start(reply.direct_read_lease_ms / 1000, lease_sent, granted)
+        self._lease.start(reply.direct_read_lease_ms / 1000, lease_sent, _granted_s(done))
         logger.info(
             "mounted segment_id=%d name=%s epoch=%d heartbeat_s=%.2f dram_objects=%d refused=%d",
             segment_id,
@@ -294,3 +292,9 @@ class _Fatal(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def _granted_s(reply: Any) -> float | None:
+    """The direct-read lease a ReportDramObjects(done) or Heartbeat answer grants, in seconds; None
+    from an older master, which names none there (the mount's lease is granted at once)."""
+    return reply.direct_read_lease_ms / 1000 if reply.HasField("direct_read_lease_ms") else None
