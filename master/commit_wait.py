@@ -60,7 +60,13 @@ class Barrier:
             # later one for another segment's drop.
             self.gone_seen = True
             self.generation = max(self.generation, state.state_generation)
-        return state.durable_generation >= self.generation and all(state.tiering.forgotten(t) for t in self.forgets)
+        for task in self.forgets:
+            if not state.tiering.forgotten(task):
+                return False
+            # Not acknowledged but no longer waited for (its segment stalled or left): owed, and saved
+            # before the answer, so the next incarnation refuses that copy (kvtier.master.tiering).
+            self.generation = max(self.generation, task.owed_generation)
+        return state.durable_generation >= self.generation
 
 
 Deliver = Callable[[Any], None]  # writes one parked answer (the fast path's connection)
@@ -75,6 +81,7 @@ class _ParkedAnswer:
     state: MasterState  # the tables it was made in: another state by the end means UNAVAILABLE
     deadline: float  # loop time
     deliver: Deliver
+    stalled_seen: bool = False  # its wait ran out once, and it waits for the save of owed FORGETs now
 
 
 class CommitWaiter:
@@ -191,7 +198,16 @@ class CommitWaiter:
         loop = asyncio.get_running_loop()
         now = loop.time()
         while self._parked and self._parked[0].deadline <= now:
-            self._deliver(self._parked.popleft(), self._timed_out)
+            answer = self._parked.popleft()
+            if not answer.stalled_seen and answer.state.tiering.forgets_stalled(answer.barrier.forgets):
+                # Its FORGETs are owed now: one more wait, for the save that holds them (the latest
+                # deadline: the queue stays in deadline order).
+                answer.stalled_seen = True
+                answer.deadline = now + self._timeout_s
+                self._parked.append(answer)
+                self.wake()
+                continue
+            self._deliver(answer, self._timed_out)
         if self._parked:
             self._timer = loop.call_at(self._parked[0].deadline, self._expire, context=_neutral())
 
@@ -246,13 +262,19 @@ class CommitWaiter:
         state = handlers.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
+        stalled_seen = False
         self._wake_after_fence()
         while not barrier.done(state):
             if state.never_saved(barrier.generation):
                 return type(reply)(status=Status.NOT_DURABLE, error=state.unsaveable)
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return self._timed_out(reply, barrier, state)
+                if stalled_seen or not state.tiering.forgets_stalled(barrier.forgets):
+                    return self._timed_out(reply, barrier, state)
+                # Its FORGETs are owed now: one more wait, for the save that holds them.
+                stalled_seen = True
+                deadline = loop.time() + self._timeout_s
+                continue
             await _woken(self._wakeups, remaining)
         return self._settled(reply, barrier, state)
 

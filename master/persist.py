@@ -17,6 +17,12 @@ registers), off the event loop:
   incarnation (or, until its own fence passed, from one before it): the next incarnation answers
   no change before that long, whatever its own `heartbeat_interval_s` (docs/architecture.md,
   "Direct reads").
+- `owed_forgets`: segment name -> [disk location, object name] of FORGETs a
+  change was answered without (their segment's tier worker stalled past the
+  wait, or it was away; kvtier.master.tiering): the next incarnation refuses
+  those copies when the segment reports them, and hands the FORGETs out
+  again. At most `OWED_SAVED_MAX` in all; a segment with more is saved as
+  `expelled` instead (all its copies refused: misses, never stale bytes).
 
 Standalone masters keep it in `<state_dir>/master-state.json` (written to a
 temporary file, fsynced, renamed). HA masters keep it in etcd under
@@ -46,6 +52,7 @@ class SavedState:
     instances: dict[str, list[int]] = field(default_factory=dict)  # instance -> [tp, pp, budget]
     expelled: list[str] = field(default_factory=list)  # segments whose DRAM index is stale
     direct_read_lease_ms: int = 0  # the longest lease a segment may hold from the incarnations so far
+    owed_forgets: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # segment -> (location, name)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -59,6 +66,10 @@ class SavedState:
             instances={str(k): [int(x) for x in v] for k, v in raw.get("instances", {}).items()},
             expelled=[str(s) for s in raw.get("expelled", [])],
             direct_read_lease_ms=int(raw.get("direct_read_lease_ms", 0)),
+            owed_forgets={
+                str(segment): [(int(location), str(name)) for location, name in pairs]
+                for segment, pairs in raw.get("owed_forgets", {}).items()
+            },
         )
 
 

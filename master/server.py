@@ -205,6 +205,8 @@ class Roles:
                     state.quotas.register(instance, tp, pp, budget)
                 except ValueError as exc:
                     logger.error("saved registration of instance %s is invalid: %s", instance, exc)
+        if saved is not None:
+            state.tiering.restore_owed(saved.owed_forgets)
         if loaded and not isinstance(self.store, NoStateStore):
             state.begin_recovery(
                 set(saved.segments) if saved else set(),
@@ -271,12 +273,14 @@ class Roles:
             lease_s = self.config.direct_read_lease_s
             if state.clock() < self._inherited_until:
                 lease_s = max(lease_s, self._inherited_lease_s)
+            owed, overflowed = state.tiering.owed_forgets()
             saved = SavedState(
                 epoch=self.handlers.epoch,
                 segments=sorted(segments),
                 instances=state.quotas.registrations(),
-                expelled=sorted(state.expelled),
+                expelled=sorted(state.expelled | overflowed),
                 direct_read_lease_ms=math.ceil(lease_s * 1000),
+                owed_forgets=owed,
             )
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)

@@ -21,6 +21,10 @@ on that segment's own bytes, which the segment fetches with a long poll
   copy it reports that is still to be forgotten is refused, never registered.
   Otherwise a removed object could come back with its old bytes and a valid
   checksum after a re-put of its key had been answered "already stored".
+  A change waits for its FORGETs (kvtier.master.commit_wait), but not for a
+  segment whose tier worker stalled past that wait: such a FORGET is *owed*
+  and saved with the master's state (kvtier.master.persist) before the change
+  is answered, so the next incarnation refuses that copy too.
 
 A segment reports its disk copies after every mount (`ReportDiskObjects`,
 its recovered inventory) and before it deletes buckets (`DropDiskReplicas`).
@@ -66,6 +70,9 @@ _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
 _REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
 FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
+# Owed FORGETs (see `owe`) the saved state lists, all segments together: past that, the segments with the
+# most are saved as expelled instead (the next incarnation refuses all their copies: misses, not stale bytes).
+OWED_SAVED_MAX = 10_000
 
 
 class TaskKind(enum.IntEnum):
@@ -90,6 +97,8 @@ class TierTask:
     queued_at: float = 0.0  # OFFLOAD: when queued (the offload lag, kvtier.master.backpressure)
     # OFFLOAD: copied ahead of need (the DRAM copy stays when done) rather than to free room (it goes)
     ahead: bool = False
+    owed: bool = False  # FORGET: a change was answered without it: saved until acknowledged (`_owe`)
+    owed_generation: int = 0  # the state generation whose save holds it: that answer waits for it
 
 
 def dram_key(segment_id: int) -> int:
@@ -326,6 +335,46 @@ class Tiering:
         self._unacked_forgets.setdefault(segment_name, {})[location] = task
         if segment_id in self.state.segments:
             self._enqueue(task)
+        if segment_id not in self.state.segments or segment_name in self._forgets_stalled:
+            self._owe(task)  # nothing waits for it: the saved state holds it
+
+    def _owe(self, task: TierTask) -> bool:
+        """A change is answered without `task`'s acknowledgement: saved (`owed_forgets`) before that
+        answer (the save's generation), and given to the next incarnation, which refuses the copy
+        when the segment reports it and hands the FORGET out again. True if newly owed."""
+        if task.owed:
+            return False
+        self.state.state_generation += 1
+        self.state.saved_state_stale = True
+        task.owed, task.owed_generation = True, self.state.state_generation
+        return True
+
+    def owed_forgets(self) -> tuple[dict[str, list[tuple[int, str]]], set[str]]:
+        """What the saved state lists: segment name -> (location, object name) of its owed FORGETs,
+        and the names of segments with too many to list (OWED_SAVED_MAX), saved as expelled instead."""
+        owed = {
+            segment: [(location, task.name) for location, task in tasks.items() if task.owed]
+            for segment, tasks in self._unacked_forgets.items()
+        }
+        owed = {segment: pairs for segment, pairs in owed.items() if pairs}
+        overflowed = set()
+        total = sum(len(pairs) for pairs in owed.values())
+        for segment in sorted(owed, key=lambda name: len(owed[name]), reverse=True):
+            if total <= OWED_SAVED_MAX:
+                break
+            total -= len(owed.pop(segment))
+            overflowed.add(segment)
+        return owed, overflowed
+
+    def restore_owed(self, owed: dict[str, list[tuple[int, str]]]) -> None:
+        """A new incarnation takes the owed FORGETs its predecessor saved: handed out when their segment
+        mounts (`mounted`), and a copy it reports at such a location is refused."""
+        for segment, pairs in owed.items():
+            tasks = self._unacked_forgets.setdefault(segment, {})
+            for location, name in pairs:
+                # Owed, and held by the save it came from (generation 0): nothing waits for a save.
+                task = TierTask(next(self._ids), TaskKind.FORGET, 0, None, name, 0, 0, 0, location, owed=True)
+                tasks[location] = task
 
     def unacked_forget_names(self, segment_name: str) -> set[str]:
         """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
@@ -351,20 +400,29 @@ class Tiering:
         ]
 
     def forgotten(self, task: TierTask) -> bool:
-        """Acknowledged, or no longer waited for (its segment left or stalled)."""
+        """Acknowledged, or no longer waited for: its segment left or stalled, and then the FORGET is
+        owed (`_owe`): the answer waiting for it waits for the save of `task.owed_generation` instead."""
         name = self._names.get(task.segment_id, "")
-        return (
-            self._unacked_forgets.get(name, {}).get(task.disk_location) is not task
-            or name in self._forgets_stalled
-            or task.segment_id not in self.state.segments
-        )
+        if self._unacked_forgets.get(name, {}).get(task.disk_location) is not task:
+            return True
+        if name in self._forgets_stalled or task.segment_id not in self.state.segments:
+            self._owe(task)
+            return True
+        return False
 
-    def forgets_stalled(self, tasks: list[TierTask]) -> None:
-        """A Remove timed out waiting for these: stop waiting for their segments until they answer."""
+    def forgets_stalled(self, tasks: list[TierTask]) -> bool:
+        """A change timed out waiting for these: stop waiting for their segments until they answer
+        (their FORGETs are owed from now on). True if one of `tasks` was still waited for."""
+        stalled = False
         for task in tasks:
             if not self.forgotten(task):
-                self._forgets_stalled.add(self._names.get(task.segment_id, ""))
+                name = self._names.get(task.segment_id, "")
+                self._forgets_stalled.add(name)
                 self.counters["forget_waits_timed_out"] += 1
+                stalled = True
+                for other in self._unacked_forgets.get(name, {}).values():  # none is waited for from now on
+                    self._owe(other)
+        return stalled
 
     # ------------------------------------------------------------------ outcomes
 
@@ -390,20 +448,21 @@ class Tiering:
                 out.append(_OK if again else int(Status.NOT_PENDING))
                 continue
             del self._in_flight[task_id]
-            if task.kind is TaskKind.OFFLOAD and not expired:
-                self._reported[task_id] = (segment_id, location)
-                if len(self._reported) > _REPORTED_KEPT:
-                    self._reported.popitem(last=False)
             if status != _OK:
                 self.failures[task.kind.name.lower(), status_name(status)] += 1
+            answer = _OK
             if task.kind is TaskKind.OFFLOAD:
-                self._offload_done(task, status, location)
+                answer = self._offload_done(task, status, location)
                 offloaded = True
+                if answer == _OK and not expired:
+                    self._reported[task_id] = (segment_id, location)
+                    if len(self._reported) > _REPORTED_KEPT:
+                        self._reported.popitem(last=False)
             elif task.kind is TaskKind.PROMOTE:
                 self._promote_done(task, status)
             else:
                 self._forget_done(task, status)
-            out.append(_OK)
+            out.append(answer)
         if offloaded:
             self.state.pressure.progress({segment_id})  # refill its pipeline at once, wake waiting puts
         if self.on_ack is not None:
@@ -415,6 +474,8 @@ class Tiering:
         if status == _OK:
             if unacked.get(task.disk_location) is task:
                 del unacked[task.disk_location]
+                if task.owed:  # the saved state need not list it any more (no answer waits for that)
+                    self.state.saved_state_stale = True
         elif task.segment_id in self.state.segments:
             self.counters["forget_failures"] += 1
             # The tombstone must happen: try again, after a pause (a full or failing disk would
@@ -425,7 +486,10 @@ class Tiering:
         record = task.record
         return record is not None and self.state.visible(task.name) is record and record.state is ObjectState.COMPLETE
 
-    def _offload_done(self, task: TierTask, status: int, location: int) -> None:
+    def _offload_done(self, task: TierTask, status: int, location: int) -> int:
+        """The answer to the segment's report: OK, or NOT_PENDING for a copy of an object removed or
+        replaced while it was written (the segment tombstones it itself, before anything else of it
+        is answered: a FORGET from here would leave a master restart in between to bring it back)."""
         self._end_offload(task)
         state = self.state
         if status != _OK:
@@ -441,12 +505,18 @@ class Tiering:
             self._offload_paused_until[task.segment_id] = state.clock() + OFFLOAD_BACKOFF_S
             if status == Status.CHECKSUM_MISMATCH and self._alive(task):
                 self._drop_corrupt_dram_copy(task)
-            return
+            return _OK
         record = task.record
-        if not self._alive(task) or task.segment_id not in state.segments:
-            self.forget(task.segment_id, task.name, location)  # removed while it was being written
-            return
+        if task.segment_id not in state.segments:
+            self.forget(task.segment_id, task.name, location)  # owed: it mounts again to learn it
+            return _OK
+        if not self._alive(task):  # removed or replaced while it was being written
+            self.counters["offloads_of_removed_objects"] += 1
+            return int(Status.NOT_PENDING)
         assert record is not None
+        # A FORGET still owed at this location is about a record the segment no longer has (it wrote
+        # this one there: a bucket deleted, its id taken again after a restart): it must not go on.
+        self._unacked_forgets.get(self._names.get(task.segment_id, ""), {}).pop(location, None)
         record.replicas = (*record.replicas, replica(task.segment_id, location, TIER_SSD))
         state.segments[task.segment_id].ssd_objects += 1
         self.counters["offloaded_objects"] += 1
@@ -462,6 +532,7 @@ class Tiering:
         if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
             state.drop_dram_replica(record, task.segment_id)
         state.events.changed(record, "offloaded")
+        return _OK
 
     def _drop_corrupt_dram_copy(self, task: TierTask) -> None:
         """The segment found the DRAM bytes do not match the object's checksum: that copy can only

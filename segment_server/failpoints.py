@@ -10,7 +10,8 @@ where `hit()` is one dict lookup that finds nothing. Actions:
 Each hit is logged first (`failpoint NAME reached`), so a test waits for the log line, not a sleep.
 Names in use: `tier.offload_sync` (an OFFLOAD batch is about to be fdatasync'ed), `tier.offload_synced`
 (the batch is durable, not yet reported to the master),
-`tier.promote_read` (a PROMOTE read and verified its record, before writing DRAM).
+`tier.promote_read` (a PROMOTE read and verified its record, before writing DRAM), `tier.forget` (a
+poll batch's FORGETs are about to be tombstoned).
 """
 
 from __future__ import annotations

@@ -226,7 +226,8 @@ class SegmentCollector(Collector):
             "kvtier_segment_tier_write_failures",
             "Tier tasks that failed here and left no copy the master hands out, by op (offload, promote, "
             "forget) and reason (no_space, io_error, checksum, deadline, missing, invalid_range, abandoned: "
-            "copies written for offloads the master had given up on, or whose report no master took).",
+            "copies written for offloads the master had given up on or no longer wants (their object was "
+            "removed or replaced meanwhile), or whose report no master took).",
             labels=["segment", "op", "reason"],
         )
         for (op, reason), count in sorted(

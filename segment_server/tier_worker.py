@@ -215,6 +215,7 @@ class TierWorker:
             statuses.append(status)
             locations.append(location)
         if forgets:
+            failpoints.hit("tier.forget")
             try:
                 with self._store_lock:
                     self.store.tombstone_many(reply.disk_locations[i] for i in forgets)

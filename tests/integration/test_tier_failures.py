@@ -265,6 +265,37 @@ def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluste
         assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
 
 
+def test_a_remove_answered_while_its_forget_waits_never_comes_back_after_a_master_restart(
+    bare_cluster, tmp_path, monkeypatch
+):
+    """The segment's tier worker stalls on the FORGETs past the master's wait for them (segment_ttl_s
+    + about a second): the removes are answered all the same (a stalled disk must not hold every remove
+    of the cluster). The master then dies before the tombstones are written; its successor rebuilds
+    from the segment's inventory, which still lists the copies: they must not come back."""
+    ssd_dir = tmp_path / "ssd"
+    bare_cluster.start_master("--promote-after-reads", "0")
+    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.forget=stall:20")
+    proc = start_segment(bare_cluster, ssd_dir)
+    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    keys = [f"owed/{i:03d}" for i in range(24)]
+    with bare_cluster.client() as client:
+        put_paced(bare_cluster, client, keys)
+        on_disk = disk_copies(client, keys)
+        assert len(on_disk) >= 4, on_disk
+        removed = sorted(on_disk)[:4]
+        assert [client.remove(k) for k in removed] == [True] * 4
+        assert "failpoint tier.forget reached" in proc.tail(400)
+    bare_cluster.restart_master("--promote-after-reads", "0")
+    inventories = lambda: proc.tail(2000).count("reported disk inventory")  # noqa: E731
+    assert bare_cluster.wait_for(lambda: inventories() >= 2, timeout=15), "the segment mounted on the new master"
+    with bare_cluster.client() as client:
+        assert client.batch_get(removed) == [None] * len(removed), "a removed key came back after a master restart"
+        assert not [k for k in removed if client.locate(k)], "a removed key's disk copy was registered again"
+        kept = [k for k in on_disk if k not in removed]
+        assert_no_wrong_copy(bare_cluster, client, ssd_dir, kept)
+    bare_cluster.kill(proc)  # its tier worker still sleeps in the failpoint: no clean stop
+
+
 @pytest.mark.parametrize("moment", ["tier.offload_sync", "tier.offload_synced"])
 def test_sigkill_at_a_chosen_moment_of_offload_then_restart(bare_cluster, tmp_path, monkeypatch, moment):
     """The segment dies just before its batch's fdatasync, or just after it (not yet reported)."""

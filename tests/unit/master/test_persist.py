@@ -24,6 +24,7 @@ def saved() -> SavedState:
         instances={"llama": [2, 1, 1 << 30]},
         expelled=["seg-old"],
         direct_read_lease_ms=8000,
+        owed_forgets={"seg1": [(1 << 20 | 5, "default\x00k")]},
     )
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_segment, replica_tier
+from kvtier.master.records import TIER_DRAM, TIER_SSD, object_name, replica_offset, replica_segment, replica_tier
 from kvtier.master.state import MasterState
-from kvtier.master.tiering import TaskKind
+from kvtier.master.tiering import OWED_SAVED_MAX, TaskKind
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, put_status, read, stored
@@ -172,17 +172,20 @@ def test_failed_offload_keeps_the_dram_copy_and_disk_full_pauses_offload(state, 
     assert_consistent(state)
 
 
-def test_object_removed_while_offloading_gets_its_disk_copy_forgotten(state):
+def test_a_copy_of_an_object_removed_while_offloading_is_refused_for_the_segment_to_tombstone(state):
+    """Answered NOT_PENDING (the segment tombstones it before anything else of it is answered), not
+    registered and forgotten later: a master restart between the two would bring it back."""
     seg = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, seg)
     fill_past_watermark(state)
     state.tick()
     tasks = disk.poll()
     assert state.remove(NS, ["k0"]) == [OK]
-    disk.complete(tasks)
-    assert disk.poll() == []  # the FORGET is recorded by poll()
-    assert disk.forgotten == [1]
+    answers = disk.complete(tasks)
+    assert answers[[t.name for t in tasks].index(object_name(NS, "k0"))] == Status.NOT_PENDING
+    assert disk.poll() == [] and disk.forgotten == []
     assert state.record(NS, "k0") is None
+    assert state.segments[seg].ssd_objects == sum(a == OK for a in answers)
     assert_consistent(state)
 
 
@@ -510,8 +513,12 @@ def test_a_segment_that_does_not_acknowledge_forgets_is_not_waited_for_until_it_
     assert state.remove(NS, ["k0"]) == [OK]
     stuck = Barrier({}, state.tiering.pending_forgets(), 0)
     assert stuck.forgets and not stuck.done(state)
-    state.tiering.forgets_stalled(stuck.forgets)  # what a timed-out wait does
-    assert stuck.done(state) and state.tiering.pending_forgets() == []
+    assert state.tiering.forgets_stalled(stuck.forgets)  # what a timed-out wait does
+    assert state.tiering.pending_forgets() == []
+    assert not stuck.done(state), "answered before the saved state holds the FORGET it owes"
+    assert state.tiering.owed_forgets() == ({"a": [(1, object_name(NS, "k0"))]}, set())
+    state.durable_generation = state.state_generation  # what the server's save does
+    assert stuck.done(state)
     assert state.tiering.counters["forget_waits_timed_out"] == 1
     disk.poll(ack_forgets=False)
     state.tiering.done(seg, [], [], [])  # it answers again (any report)
@@ -596,4 +603,69 @@ def test_a_repeated_offload_report_is_answered_alike_not_as_expired(state):
     # ... and a report that differs, or comes from another segment, is still refused
     assert state.tiering.done(seg, [task.task_id], [int(OK)], [43]) == [Status.NOT_PENDING]
     assert state.tiering.done(seg + 1, [task.task_id], [int(OK)], [42]) == [Status.NOT_PENDING]
+    assert_consistent(state)
+
+
+def test_forgets_no_answer_waits_for_are_owed_saved_and_given_to_the_next_incarnation(state, clock):
+    """A segment whose tier worker stalled is not waited for: its FORGETs are owed (saved before the
+    change is answered), and the next incarnation hands them out again and refuses those copies."""
+    from kvtier.master.commit_wait import Barrier
+
+    seg, disk = offloaded_k0(state)
+    for i in (1, 2):  # two more disk copies
+        state.tiering.report_disk_objects(seg, [NS], [f"d{i}"], [KiB], [7], [100 + i])
+    assert state.remove(NS, ["k0"]) == [OK]
+    state.tiering.forgets_stalled(state.tiering.pending_forgets())
+    state.durable_generation = state.state_generation
+    # when a later removal's FORGET goes to the stalled segment: owed at once, and its answer waits
+    # for the save (a barrier made after the handler carries the generation)
+    assert state.remove(NS, ["d1"]) == [OK]
+    assert state.state_generation > state.durable_generation and state.saved_state_stale
+    waits = Barrier({}, state.tiering.pending_forgets(), state.state_generation)
+    assert not waits.done(state)
+    owed, overflowed = state.tiering.owed_forgets()
+    assert owed == {"a": [(1, object_name(NS, "k0")), (101, object_name(NS, "d1"))]} and not overflowed
+    # then the next incarnation takes them: the segment's copies there are refused, the rest come back
+    successor = make_state(clock, promote_after_reads=2)
+    successor.tiering.restore_owed(owed)
+    again = mount_ssd(successor, "a", 8 * KiB)
+    statuses = successor.tiering.report_disk_objects(
+        again, [NS] * 3, ["k0", "d1", "d2"], [KiB] * 3, [7] * 3, [1, 101, 102]
+    )
+    assert statuses == [Status.CHECKSUM_MISMATCH, Status.CHECKSUM_MISMATCH, OK]
+    handed = successor.tiering.poll(again, 10)
+    assert sorted(t.disk_location for t in handed if t.kind is TaskKind.FORGET) == [1, 101]
+    # and once acknowledged, no longer saved
+    successor.saved_state_stale = False
+    successor.tiering.done(again, [t.task_id for t in handed], [int(OK)] * len(handed), [0] * len(handed))
+    assert successor.tiering.owed_forgets() == ({}, set()) and successor.saved_state_stale
+    assert_consistent(successor)
+
+
+def test_owed_forgets_past_the_bound_save_their_segment_as_expelled(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    few = mount_ssd(state, "b", 4 * KiB)
+    state.tiering.forgets_stalled([])  # nothing: no segment is stalled by an empty wait
+    assert state.tiering.owed_forgets() == ({}, set())
+    state.unmount_segment(seg)
+    state.unmount_segment(few)
+    for location in range(1, OWED_SAVED_MAX + 2):  # FORGETs for segments that are away are owed
+        state.tiering.forget(seg, f"n{location}", location)
+    state.tiering.forget(few, "m", 1)
+    owed, overflowed = state.tiering.owed_forgets()
+    assert overflowed == {"a"} and owed == {"b": [(1, "m")]}
+
+
+def test_an_offload_reported_where_a_forget_is_owed_ends_that_forget(state):
+    """The segment wrote a new record at that location: the old one is gone (its bucket deleted and its
+    id taken again after a restart), and the FORGET must not tombstone the new copy."""
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    state.tiering.forget(seg, object_name(NS, "old"), 1)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = [t for t in state.tiering.poll(seg, 100) if t.kind is TaskKind.OFFLOAD]
+    assert tasks
+    disk.complete(tasks)  # the first is written at location 1
+    assert all(t.disk_location != 1 for t in state.tiering.pending_forgets())
     assert_consistent(state)
