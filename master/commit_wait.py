@@ -50,6 +50,14 @@ class Barrier:
     gone_seen: bool = False  # a segment of `notices` left: `generation` includes the save of that
 
     def done(self, state: MasterState) -> bool:
+        return self.acknowledged(state) and state.durable_generation >= self.generation
+
+    def saving(self, state: MasterState) -> bool:
+        """Waiting for a save only (everything else acknowledged or owed)."""
+        return self.acknowledged(state) and state.durable_generation < self.generation
+
+    def acknowledged(self, state: MasterState) -> bool:
+        """Everything but the save of `generation` (which this may raise)."""
         # The fence as it is now, not as it was when the wait began: a segment dropped during the
         # wait (its notices then count as acknowledged) may serve direct reads until then.
         if state.direct_reads_fenced() or not state.commits.acked(self.notices):
@@ -66,7 +74,7 @@ class Barrier:
             # Not acknowledged but no longer waited for (its segment stalled or left): owed, and saved
             # before the answer, so the next incarnation refuses that copy (kvtier.master.tiering).
             self.generation = max(self.generation, task.owed_generation)
-        return state.durable_generation >= self.generation
+        return True
 
 
 Deliver = Callable[[Any], None]  # writes one parked answer (the fast path's connection)
@@ -81,7 +89,7 @@ class _ParkedAnswer:
     state: MasterState  # the tables it was made in: another state by the end means UNAVAILABLE
     deadline: float  # loop time
     deliver: Deliver
-    stalled_seen: bool = False  # its wait ran out once, and it waits for the save of owed FORGETs now
+    extended: bool = False  # its wait ran out once, and it waits for a save only now (`_one_more_wait`)
 
 
 class CommitWaiter:
@@ -199,13 +207,11 @@ class CommitWaiter:
         now = loop.time()
         while self._parked and self._parked[0].deadline <= now:
             answer = self._parked.popleft()
-            if not answer.stalled_seen and answer.state.tiering.forgets_stalled(answer.barrier.forgets):
-                # Its FORGETs are owed now: one more wait, for the save that holds them (the latest
-                # deadline: the queue stays in deadline order).
-                answer.stalled_seen = True
-                answer.deadline = now + self._timeout_s
+            if not answer.extended and self._one_more_wait(answer.barrier, answer.state):
+                answer.extended = True
+                answer.deadline = now + self._timeout_s  # the latest: the queue stays in deadline order
                 self._parked.append(answer)
-                self.wake()
+                self.wake()  # others' FORGETs on that segment are owed now too
                 continue
             self._deliver(answer, self._timed_out)
         if self._parked:
@@ -218,6 +224,14 @@ class CommitWaiter:
             logger.exception("waiting for acknowledgements failed")
             reply = type(answer.reply)(status=-1, error="internal error while waiting for acknowledgements")
         answer.deliver(reply)
+
+    @staticmethod
+    def _one_more_wait(barrier: Barrier, state: MasterState) -> bool:
+        """At an answer's deadline: its FORGETs still unacknowledged are no longer waited for (their
+        segment's tier worker stalled: owed from now on, kvtier.master.tiering); whether what is left
+        is the save that holds them (or another save): then the answer waits once more, for it."""
+        state.tiering.forgets_stalled(barrier.forgets)
+        return barrier.saving(state) and not state.unsaveable
 
     def _timed_out(self, reply: Any, barrier: Barrier, state: MasterState) -> Any:
         state.tiering.forgets_stalled(barrier.forgets)
@@ -262,18 +276,18 @@ class CommitWaiter:
         state = handlers.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        stalled_seen = False
+        extended = False
         self._wake_after_fence()
         while not barrier.done(state):
             if state.never_saved(barrier.generation):
                 return type(reply)(status=Status.NOT_DURABLE, error=state.unsaveable)
             remaining = deadline - loop.time()
             if remaining <= 0:
-                if stalled_seen or not state.tiering.forgets_stalled(barrier.forgets):
+                if extended or not self._one_more_wait(barrier, state):
                     return self._timed_out(reply, barrier, state)
-                # Its FORGETs are owed now: one more wait, for the save that holds them.
-                stalled_seen = True
+                extended = True
                 deadline = loop.time() + self._timeout_s
+                self.wake()  # others' FORGETs on that segment are owed now too
                 continue
             await _woken(self._wakeups, remaining)
         return self._settled(reply, barrier, state)

@@ -21,8 +21,9 @@ registers), off the event loop:
   change was answered without (their segment's tier worker stalled past the
   wait, or it was away; kvtier.master.tiering): the next incarnation refuses
   those copies when the segment reports them, and hands the FORGETs out
-  again. At most `OWED_SAVED_MAX` in all; a segment with more is saved as
-  `expelled` instead (all its copies refused: misses, never stale bytes).
+  again. At most `OWED_SAVED_MAX_BYTES` (1 MiB) of them; past that the segments
+  with the most are saved as `expelled` instead (all their copies refused:
+  misses, never stale bytes).
 
 Standalone masters keep it in `<state_dir>/master-state.json` (written to a
 temporary file, fsynced, renamed). HA masters keep it in etcd under

@@ -31,6 +31,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.waiter = waiter
         self._task_events: dict[int, asyncio.Event] = {}
         self.save_state: Callable[[], Awaitable[bool]] | None = None  # saves what changed: True once durable
+        self._save_soon: asyncio.Handle | asyncio.Task | None = None
         self.attach(handlers.state)
 
     def attach(self, state: MasterState) -> None:
@@ -39,11 +40,32 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             event.set()  # long polls of the old state's segments answer now (their ids mean nothing here)
         self._task_events.clear()
         state.tiering.notify = self._wake
+        state.tiering.on_owed = self._save_now
         old = self.handlers.state
         if old is not state:  # a new epoch, or standing by: the old tables' watchers must resync
             old.events.close("the master's tables were replaced (a new epoch, or it no longer leads): resync")
             state.events.published, state.events.cuts = old.events.published, old.events.cuts  # totals go on
         self.waiter.attach(state)  # commit notices wake the commit long polls (CommitPolls)
+
+    def _save_now(self) -> None:
+        """Save at the next turn of the loop rather than the next tick: answers wait for it (FORGETs
+        owed, kvtier.master.tiering). One save at a time; what changes meanwhile, the next covers."""
+        if self.save_state is None or self._save_soon is not None:
+            return
+        self._save_soon = asyncio.get_running_loop().call_soon(self._start_save)
+
+    def _start_save(self) -> None:
+        assert self.save_state is not None
+        self._save_soon = asyncio.ensure_future(self.save_state())
+        self._save_soon.add_done_callback(self._saved)
+
+    def _saved(self, task: asyncio.Future) -> None:
+        self._save_soon = None
+        state = self.handlers.state
+        # Owed meanwhile, what this save did not cover: again (a failed save is the ticker's to retry).
+        if not task.cancelled() and task.exception() is None and task.result():
+            if state.saved_state_stale and state.state_generation > state.durable_generation:
+                self._save_now()
 
     def _wake(self, segment_id: int) -> None:
         event = self._task_events.get(segment_id)

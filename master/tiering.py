@@ -70,9 +70,12 @@ _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
 _REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
 FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
-# Owed FORGETs (see `owe`) the saved state lists, all segments together: past that, the segments with the
-# most are saved as expelled instead (the next incarnation refuses all their copies: misses, not stale bytes).
-OWED_SAVED_MAX = 10_000
+# Owed FORGETs (see `_owe`) the saved state lists, all segments together, in bytes of JSON (about 24 +
+# the object name each; etcd takes 1.5 MiB a request by default): past that, the segments with the most
+# are saved as expelled instead (the next incarnation refuses their copies, DRAM and SSD: misses, never
+# stale bytes).
+OWED_SAVED_MAX_BYTES = 1 << 20
+_OWED_ENTRY_BYTES = 24  # JSON's brackets, quotes, commas and a location, beside the name
 
 
 class TaskKind(enum.IntEnum):
@@ -146,6 +149,9 @@ class Tiering:
         self._reported: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes Removes waiting for their forgets
+        self.on_owed: Callable[[], None] | None = None  # saves the state soon: an answer waits for that
+        # segment name -> location -> owed FORGET (`_owe`; acknowledged ones leave it): what is saved
+        self._owed: dict[str, dict[int, TierTask]] = {}
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
         self._forget_retries: deque[tuple[float, TierTask]] = deque()  # (when, task): failed, sent again by tick
 
@@ -179,8 +185,11 @@ class Tiering:
         if not queue:
             return out
         deadline = self.state.clock() + self.task_ttl_s
+        forgets = self._unacked_forgets.get(self._names.get(segment_id, ""), {})
         while queue and len(out) < max_tasks:
             task = queue.popleft()
+            if task.kind is TaskKind.FORGET and forgets.get(task.disk_location) is not task:
+                continue  # moot: the location holds a newer record (`_offload_done`)
             task.deadline = deadline
             self._in_flight[task.task_id] = task
             if task.kind is TaskKind.OFFLOAD:
@@ -336,33 +345,41 @@ class Tiering:
         if segment_id in self.state.segments:
             self._enqueue(task)
         if segment_id not in self.state.segments or segment_name in self._forgets_stalled:
-            self._owe(task)  # nothing waits for it: the saved state holds it
+            self._owe(segment_name, task)  # nothing waits for it: the saved state holds it
 
-    def _owe(self, task: TierTask) -> bool:
+    def _owe(self, segment_name: str, task: TierTask) -> None:
         """A change is answered without `task`'s acknowledgement: saved (`owed_forgets`) before that
         answer (the save's generation), and given to the next incarnation, which refuses the copy
-        when the segment reports it and hands the FORGET out again. True if newly owed."""
+        when the segment reports it and hands the FORGET out again."""
         if task.owed:
-            return False
+            return
         self.state.state_generation += 1
         self.state.saved_state_stale = True
         task.owed, task.owed_generation = True, self.state.state_generation
-        return True
+        self._owed.setdefault(segment_name, {})[task.disk_location] = task
+        if self.on_owed is not None:
+            self.on_owed()
+
+    def _settle_owed(self, segment_name: str, location: int) -> None:
+        """The owed FORGET at `location` is acknowledged or moot: the next save lists it no more."""
+        owed = self._owed.get(segment_name)
+        if owed is not None and owed.pop(location, None) is not None:
+            self.state.saved_state_stale = True
+            if not owed:
+                del self._owed[segment_name]
 
     def owed_forgets(self) -> tuple[dict[str, list[tuple[int, str]]], set[str]]:
         """What the saved state lists: segment name -> (location, object name) of its owed FORGETs,
-        and the names of segments with too many to list (OWED_SAVED_MAX), saved as expelled instead."""
-        owed = {
-            segment: [(location, task.name) for location, task in tasks.items() if task.owed]
-            for segment, tasks in self._unacked_forgets.items()
-        }
-        owed = {segment: pairs for segment, pairs in owed.items() if pairs}
+        and the names of segments with too many to list (OWED_SAVED_MAX_BYTES), saved as expelled."""
+        owed = {segment: [(at, task.name) for at, task in tasks.items()] for segment, tasks in self._owed.items()}
+        sizes = {segment: sum(_OWED_ENTRY_BYTES + len(name) for _, name in pairs) for segment, pairs in owed.items()}
+        total = sum(sizes.values())
         overflowed = set()
-        total = sum(len(pairs) for pairs in owed.values())
-        for segment in sorted(owed, key=lambda name: len(owed[name]), reverse=True):
-            if total <= OWED_SAVED_MAX:
+        for segment in sorted(owed, key=sizes.__getitem__, reverse=True):
+            if total <= OWED_SAVED_MAX_BYTES:
                 break
-            total -= len(owed.pop(segment))
+            total -= sizes[segment]
+            del owed[segment]
             overflowed.add(segment)
         return owed, overflowed
 
@@ -375,6 +392,7 @@ class Tiering:
                 # Owed, and held by the save it came from (generation 0): nothing waits for a save.
                 task = TierTask(next(self._ids), TaskKind.FORGET, 0, None, name, 0, 0, 0, location, owed=True)
                 tasks[location] = task
+                self._owed.setdefault(segment, {})[location] = task
 
     def unacked_forget_names(self, segment_name: str) -> set[str]:
         """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
@@ -406,7 +424,7 @@ class Tiering:
         if self._unacked_forgets.get(name, {}).get(task.disk_location) is not task:
             return True
         if name in self._forgets_stalled or task.segment_id not in self.state.segments:
-            self._owe(task)
+            self._owe(name, task)
             return True
         return False
 
@@ -417,11 +435,16 @@ class Tiering:
         for task in tasks:
             if not self.forgotten(task):
                 name = self._names.get(task.segment_id, "")
+                if name not in self._forgets_stalled:
+                    logger.warning(
+                        "segment %s did not acknowledge FORGETs in time: not waited for, owed (saved) until it does",
+                        name,
+                    )
                 self._forgets_stalled.add(name)
                 self.counters["forget_waits_timed_out"] += 1
                 stalled = True
                 for other in self._unacked_forgets.get(name, {}).values():  # none is waited for from now on
-                    self._owe(other)
+                    self._owe(name, other)
         return stalled
 
     # ------------------------------------------------------------------ outcomes
@@ -470,12 +493,13 @@ class Tiering:
         return out
 
     def _forget_done(self, task: TierTask, status: int) -> None:
-        unacked = self._unacked_forgets.get(self._names.get(task.segment_id, ""), {})
+        segment_name = self._names.get(task.segment_id, "")
+        unacked = self._unacked_forgets.get(segment_name, {})
         if status == _OK:
             if unacked.get(task.disk_location) is task:
                 del unacked[task.disk_location]
-                if task.owed:  # the saved state need not list it any more (no answer waits for that)
-                    self.state.saved_state_stale = True
+                if task.owed:
+                    self._settle_owed(segment_name, task.disk_location)
         elif task.segment_id in self.state.segments:
             self.counters["forget_failures"] += 1
             # The tombstone must happen: try again, after a pause (a full or failing disk would
@@ -512,11 +536,17 @@ class Tiering:
             return _OK
         if not self._alive(task):  # removed or replaced while it was being written
             self.counters["offloads_of_removed_objects"] += 1
+            # The FORGET too: if the segment's own tombstone is lost (killed before it is durable), its
+            # next mount's report of the copy is refused (the offload is settled: no fence names it).
+            self.forget(task.segment_id, task.name, location)
             return int(Status.NOT_PENDING)
         assert record is not None
         # A FORGET still owed at this location is about a record the segment no longer has (it wrote
-        # this one there: a bucket deleted, its id taken again after a restart): it must not go on.
-        self._unacked_forgets.get(self._names.get(task.segment_id, ""), {}).pop(location, None)
+        # this one there: a bucket deleted, its id taken again after a restart): it must not go on
+        # (not handed out again; one handed out already names the old key, which the segment checks).
+        segment_name = self._names.get(task.segment_id, "")
+        if self._unacked_forgets.get(segment_name, {}).pop(location, None) is not None:
+            self._settle_owed(segment_name, location)
         record.replicas = (*record.replicas, replica(task.segment_id, location, TIER_SSD))
         state.segments[task.segment_id].ssd_objects += 1
         self.counters["offloaded_objects"] += 1
@@ -729,7 +759,12 @@ class Tiering:
                 self._enqueue(task)
 
     def segment_dropped(self, segment_id: int) -> None:
-        """Forget every task of a segment that is gone (its ranges went with its allocator)."""
+        """Forget every task of a segment that is gone (its ranges went with its allocator). Its FORGETs
+        not acknowledged yet are owed: no answer waits for them any more (one whose barrier was not
+        made yet, a prefix removal's, would not see them at all)."""
+        segment_name = self._names.get(segment_id, "")
+        for task in self._unacked_forgets.get(segment_name, {}).values():
+            self._owe(segment_name, task)
         unsettled = self._unsettled.pop(segment_id, {})
         changed = {task.name for task in unsettled.values() if not self._alive(task)}
         if changed and segment_id in self._names:

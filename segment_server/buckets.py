@@ -191,6 +191,24 @@ class BucketStore(BucketRecovery):
         """Declare one live record dead: `tombstone_many((location,))`."""
         self.tombstone_many((location,))
 
+    def tombstone_named(self, items: Iterable[tuple[int, str, str]]) -> int:
+        """FORGETs: `tombstone_many` of each (location, namespace, key) whose live record is that object.
+        A location holding another object's record is left alone: the FORGET was for its previous life
+        (its bucket deleted, the id taken again after a restart). Returns how many were left so."""
+        targets: list[int] = []
+        other = 0
+        for location, namespace, key in items:
+            bucket = self._buckets.get(location >> 20)
+            record = bucket.live.get(location) if bucket is not None else None
+            if record is None:
+                continue
+            if record.namespace != namespace or record.key != key:
+                other += 1
+                continue
+            targets.append(location)
+        self.tombstone_many(targets)
+        return other
+
     def tombstone_many(self, locations: Iterable[int]) -> None:
         """Declare live records dead with one tombstone record per 8192 of them; durable only after `sync()`.
 

@@ -218,7 +218,11 @@ class TierWorker:
             failpoints.hit("tier.forget")
             try:
                 with self._store_lock:
-                    self.store.tombstone_many(reply.disk_locations[i] for i in forgets)
+                    moot = self.store.tombstone_named(
+                        (reply.disk_locations[i], reply.namespaces[i], reply.keys[i]) for i in forgets
+                    )
+                if moot:
+                    logger.warning("%d FORGETs named another object than the copy at their location: left it", moot)
                 appended = True
                 self.forgotten += len(forgets)
             except OSError as exc:  # the master sends them again (after a pause)

@@ -92,6 +92,10 @@ class ChaosConfig:
     # Segment seg0 also gets an SSD tier (kept across its restarts): offload, disk reads, disk
     # copies reported again by a restarted segment.
     ssd: bool = False
+    # seg0's tier worker sleeps this long before each batch of FORGETs (a stalled disk, the
+    # `tier.forget` failpoint): past the master's wait for them, removes are answered with their
+    # FORGETs owed (saved), and a master killed meanwhile must not bring those copies back.
+    tier_stall_s: float = 0.0
     # The master keeps --state-dir across its restarts. Without one a restarted master cannot
     # recover (it does not know whom to expect): every kill_master loses everything, silently.
     master_state_dir: bool = True
@@ -161,10 +165,13 @@ class Harness:
 
     def start_segment(self, name: str) -> None:
         extra: list[str] = []
+        prefix: list[str] = []
         if self.config.ssd and name == "seg0":
             ssd = self.run_dir / f"ssd-{name}"
             extra = ["--ssd-dir", str(ssd), "--ssd-size", "48MiB", "--ssd-bucket-size", "8MiB"]
-        self.cluster.start_segment(name, self.config.dram, *extra)
+            if self.config.tier_stall_s:
+                prefix = ["env", f"KVTIER_FAILPOINTS=tier.forget=stall:{self.config.tier_stall_s}"]
+        self.cluster.start_segment(name, self.config.dram, *extra, prefix=prefix or None)
 
     def start_worker(self, name: str, incarnation: int) -> None:
         self.incarnations[name] = incarnation
@@ -312,6 +319,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--faults", default=",".join(faults_from_env()), help=f"subset of {','.join(ALL_FAULTS)}")
     parser.add_argument("--ssd", action="store_true", help="give seg0 an SSD tier")
+    parser.add_argument("--dram", default=ChaosConfig.dram, help="DRAM per segment (less: more offload)")
+    parser.add_argument("--tier-stall-s", type=float, default=0.0, help="with --ssd: seg0's FORGETs stall this long")
     parser.add_argument("--no-master-state-dir", action="store_true", help="run the master without --state-dir")
     parser.add_argument("--keep", action="store_true", help="keep the run directory after a clean run too")
     args = parser.parse_args(argv)
@@ -322,6 +331,8 @@ def main(argv: list[str]) -> int:
         faults=tuple(f for f in args.faults.split(",") if f and f != "none"),
         fault_gap_s=(0.2, 1.0),
         ssd=args.ssd,
+        dram=args.dram,
+        tier_stall_s=args.tier_stall_s,
         master_state_dir=not args.no_master_state_dir,
         **({"seed": args.seed} if args.seed is not None else {}),
     )

@@ -11,6 +11,7 @@ KVTIER_ARTIFACTS (where runs are kept).
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -29,6 +30,33 @@ def test_short_history_under_faults_has_no_violation():
     result = run_chaos(config)
     assert result.report.counts["values"] > 0, "no read returned a value: the run tested nothing\n" + result.message()
     assert result.ok, result.message()
+
+
+@pytest.mark.slow  # ~35 s: make test-slow
+def test_history_with_a_stalled_ssd_tier_under_master_kills_has_no_violation():
+    """seg0's tier worker stalls on every batch of FORGETs past the master's wait for them, so removes
+    are answered with their FORGETs owed (saved), and the master is killed meanwhile: no removed object
+    may come back from the disk copies its successor rebuilds from (docs/architecture.md, SSD tier).
+    The tree before the fix gave STALE reads here with seed 7."""
+    config = ChaosConfig(
+        seconds=20,
+        workers=4,
+        segments=2,
+        dram="4MiB",  # small: values go to seg0's SSD tier
+        ssd=True,
+        tier_stall_s=4.0,
+        faults=("kill_master", "stop_client"),
+        **seed(),
+    )
+    result = run_chaos(config, keep=True)
+    try:
+        assert result.ok, result.message()
+        assert result.report.counts["values"] > 0, "no read returned a value\n" + result.message()
+        logs = "".join(p.read_text(errors="replace") for p in result.run_dir.glob("master*.log"))
+        assert "owed (saved)" in logs, "no wait for a FORGET ran out: the run did not test the stall"
+    finally:
+        if result.ok:
+            shutil.rmtree(result.run_dir, ignore_errors=True)
 
 
 @pytest.mark.chaos

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.master.records import TIER_DRAM, TIER_SSD, object_name, replica_offset, replica_segment, replica_tier
 from kvtier.master.state import MasterState
-from kvtier.master.tiering import OWED_SAVED_MAX, TaskKind
+from kvtier.master.tiering import OWED_SAVED_MAX_BYTES, TaskKind
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, put_status, read, stored
@@ -173,8 +173,9 @@ def test_failed_offload_keeps_the_dram_copy_and_disk_full_pauses_offload(state, 
 
 
 def test_a_copy_of_an_object_removed_while_offloading_is_refused_for_the_segment_to_tombstone(state):
-    """Answered NOT_PENDING (the segment tombstones it before anything else of it is answered), not
-    registered and forgotten later: a master restart between the two would bring it back."""
+    """Answered NOT_PENDING (the segment tombstones it before anything else of it is answered), never
+    registered: a master restart before a FORGET alone was acknowledged would bring it back. (The
+    FORGET goes all the same: see the next test.)"""
     seg = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, seg)
     fill_past_watermark(state)
@@ -183,7 +184,7 @@ def test_a_copy_of_an_object_removed_while_offloading_is_refused_for_the_segment
     assert state.remove(NS, ["k0"]) == [OK]
     answers = disk.complete(tasks)
     assert answers[[t.name for t in tasks].index(object_name(NS, "k0"))] == Status.NOT_PENDING
-    assert disk.poll() == [] and disk.forgotten == []
+    assert disk.poll() == [] and disk.forgotten == [1]
     assert state.record(NS, "k0") is None
     assert state.segments[seg].ssd_objects == sum(a == OK for a in answers)
     assert_consistent(state)
@@ -645,12 +646,13 @@ def test_forgets_no_answer_waits_for_are_owed_saved_and_given_to_the_next_incarn
 def test_owed_forgets_past_the_bound_save_their_segment_as_expelled(state):
     seg = mount_ssd(state, "a", 4 * KiB)
     few = mount_ssd(state, "b", 4 * KiB)
-    state.tiering.forgets_stalled([])  # nothing: no segment is stalled by an empty wait
+    assert not state.tiering.forgets_stalled([])  # an empty wait stalls nothing
     assert state.tiering.owed_forgets() == ({}, set())
     state.unmount_segment(seg)
     state.unmount_segment(few)
-    for location in range(1, OWED_SAVED_MAX + 2):  # FORGETs for segments that are away are owed
-        state.tiering.forget(seg, f"n{location}", location)
+    long_name = "x" * 1000  # names count, not only entries: the saved state has a size limit (etcd's)
+    for location in range(1, OWED_SAVED_MAX_BYTES // 1000 + 2):  # FORGETs for segments that are away: owed
+        state.tiering.forget(seg, f"{long_name}{location}", location)
     state.tiering.forget(few, "m", 1)
     owed, overflowed = state.tiering.owed_forgets()
     assert overflowed == {"a"} and owed == {"b": [(1, "m")]}
@@ -658,14 +660,45 @@ def test_owed_forgets_past_the_bound_save_their_segment_as_expelled(state):
 
 def test_an_offload_reported_where_a_forget_is_owed_ends_that_forget(state):
     """The segment wrote a new record at that location: the old one is gone (its bucket deleted and its
-    id taken again after a restart), and the FORGET must not tombstone the new copy."""
+    id taken again after a restart). The FORGET is not handed out, and the saved state lists it no more."""
     seg = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, seg)
-    state.tiering.forget(seg, object_name(NS, "old"), 1)
     fill_past_watermark(state)
     state.tick()
-    tasks = [t for t in state.tiering.poll(seg, 100) if t.kind is TaskKind.OFFLOAD]
-    assert tasks
-    disk.complete(tasks)  # the first is written at location 1
-    assert all(t.disk_location != 1 for t in state.tiering.pending_forgets())
+    offloads = disk.poll()
+    state.tiering.forget(seg, object_name(NS, "old"), 1)  # a FORGET of the location's previous life
+    assert state.tiering.forgets_stalled(state.tiering.pending_forgets())  # and owed
+    assert state.tiering.owed_forgets() == ({"a": [(1, object_name(NS, "old"))]}, set())
+    state.saved_state_stale = False
+    disk.complete(offloads)  # the first written at location 1
+    assert state.tiering.owed_forgets() == ({}, set()) and state.saved_state_stale
+    assert [t for t in state.tiering.poll(seg, 100) if t.kind is TaskKind.FORGET] == []
     assert_consistent(state)
+
+
+def test_a_copy_refused_as_removed_meanwhile_is_forgotten_too(state):
+    """Answered NOT_PENDING, the segment tombstones the copy itself; if that tombstone is lost (the
+    segment killed before it was durable), its next mount's report of the copy is refused all the same."""
+    seg = mount_ssd(state, "a", 4 * KiB)
+    disk = FakeDisk(state, seg)
+    fill_past_watermark(state)
+    state.tick()
+    tasks = disk.poll()
+    assert state.remove(NS, ["k0"]) == [OK]
+    answers = disk.complete(tasks)
+    assert Status.NOT_PENDING in answers
+    state.unmount_segment(seg)  # killed before its tombstone was durable, and back
+    again = mount_ssd(state, "a", 4 * KiB)
+    assert state.tiering.report_disk_objects(again, [NS], ["k0"], [KiB], [7], [1]) == [Status.CHECKSUM_MISMATCH]
+    assert state.record(NS, "k0") is None
+
+
+def test_forgets_of_a_segment_that_leaves_are_owed(state):
+    """A prefix removal's barrier is made after its sweep: a segment that left meanwhile is in no
+    barrier, and its FORGETs would be in no save either."""
+    seg, disk = offloaded_k0(state)
+    assert state.remove_prefix(NS, "k0") == 1
+    assert [t.disk_location for t in state.tiering.pending_forgets()] == [1]
+    state.unmount_segment(seg)
+    assert state.tiering.owed_forgets() == ({"a": [(1, object_name(NS, "k0"))]}, set())
+    assert state.state_generation > state.durable_generation

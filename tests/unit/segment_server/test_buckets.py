@@ -873,6 +873,20 @@ def test_tombstone_many_ignores_unknown_and_dead_locations(stores, ssd):
     assert {r.location for r in records} == set(written) - {first, second}
 
 
+def test_a_forget_tombstones_only_the_object_it_names(stores, ssd):
+    """A FORGET for a location's previous life (its bucket deleted, the id taken again after a
+    restart) must not kill the record written there since."""
+    store = stores(ssd, **SMALL)
+    store.recover()
+    written = fill(store, 3)
+    first, second, third = list(written)
+    ns = store.records()[0].namespace
+    other = store.tombstone_named([(first, ns, "k0"), (second, ns, "someone-else"), (third, "other-ns", "k2")])
+    assert other == 2
+    assert {r.location for r in store.records()} == {second, third}
+    assert store.tombstone_named([(first, ns, "k0"), (12345 << 20, ns, "k9")]) == 0  # dead, unknown: ignored
+
+
 def test_tombstone_many_past_the_per_record_cap_writes_several_records(stores, ssd, monkeypatch):
     assert bucket_format._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
     monkeypatch.setattr(buckets, "_MAX_TOMBSTONE_TARGETS", 3)
