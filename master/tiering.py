@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -70,12 +71,15 @@ _OK = int(Status.OK)
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
 _REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
 FORGET_RETRY_S = 1.0  # a FORGET the segment could not write (disk full, I/O error) is sent again after this
-# Owed FORGETs (see `_owe`) the saved state lists, all segments together, in bytes of JSON (about 24 +
-# the object name each; etcd takes 1.5 MiB a request by default): past that, the segments with the most
-# are saved as expelled instead (the next incarnation refuses their copies, DRAM and SSD: misses, never
-# stale bytes).
+# Owed FORGETs (see `_owe`) the saved state lists, all segments together, in bytes of JSON (etcd takes
+# 1.5 MiB a request by default): past that, the segments with the most are saved as expelled instead (the
+# next incarnation refuses their copies, DRAM and SSD: misses, never stale bytes).
 OWED_SAVED_MAX_BYTES = 1 << 20
-_OWED_ENTRY_BYTES = 24  # JSON's brackets, quotes, commas and a location, beside the name
+
+
+def _json_bytes(location: int, name: str) -> int:
+    """What one owed FORGET adds to the saved state's JSON (names escaped as `json.dumps` does)."""
+    return len(json.dumps([location, name])) + 2
 
 
 class TaskKind(enum.IntEnum):
@@ -152,6 +156,7 @@ class Tiering:
         self.on_owed: Callable[[], None] | None = None  # saves the state soon: an answer waits for that
         # segment name -> location -> owed FORGET (`_owe`; acknowledged ones leave it): what is saved
         self._owed: dict[str, dict[int, TierTask]] = {}
+        self._owed_bytes: Counter[str] = Counter()  # segment name -> their size in the saved JSON
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
         self._forget_retries: deque[tuple[float, TierTask]] = deque()  # (when, task): failed, sent again by tick
 
@@ -341,7 +346,10 @@ class Tiering:
         if segment_name is None:
             return
         task = TierTask(next(self._ids), TaskKind.FORGET, segment_id, None, name, 0, 0, 0, location)
-        self._unacked_forgets.setdefault(segment_name, {})[location] = task
+        unacked = self._unacked_forgets.setdefault(segment_name, {})
+        if location in unacked:  # a FORGET of an earlier record there: this one supersedes it
+            self._settle_owed(segment_name, location)
+        unacked[location] = task
         if segment_id in self.state.segments:
             self._enqueue(task)
         if segment_id not in self.state.segments or segment_name in self._forgets_stalled:
@@ -356,31 +364,42 @@ class Tiering:
         self.state.state_generation += 1
         self.state.saved_state_stale = True
         task.owed, task.owed_generation = True, self.state.state_generation
-        self._owed.setdefault(segment_name, {})[task.disk_location] = task
+        self._hold_owed(segment_name, task)
         if self.on_owed is not None:
             self.on_owed()
+
+    def _hold_owed(self, segment_name: str, task: TierTask) -> None:
+        self._settle_owed(segment_name, task.disk_location)
+        self._owed.setdefault(segment_name, {})[task.disk_location] = task
+        self._owed_bytes[segment_name] += _json_bytes(task.disk_location, task.name)
 
     def _settle_owed(self, segment_name: str, location: int) -> None:
         """The owed FORGET at `location` is acknowledged or moot: the next save lists it no more."""
         owed = self._owed.get(segment_name)
-        if owed is not None and owed.pop(location, None) is not None:
+        task = owed.pop(location, None) if owed is not None else None
+        if task is not None:
             self.state.saved_state_stale = True
+            self._owed_bytes[segment_name] -= _json_bytes(location, task.name)
             if not owed:
                 del self._owed[segment_name]
+                del self._owed_bytes[segment_name]
 
     def owed_forgets(self) -> tuple[dict[str, list[tuple[int, str]]], set[str]]:
         """What the saved state lists: segment name -> (location, object name) of its owed FORGETs,
         and the names of segments with too many to list (OWED_SAVED_MAX_BYTES), saved as expelled."""
-        owed = {segment: [(at, task.name) for at, task in tasks.items()] for segment, tasks in self._owed.items()}
-        sizes = {segment: sum(_OWED_ENTRY_BYTES + len(name) for _, name in pairs) for segment, pairs in owed.items()}
+        sizes = {segment: size + len(json.dumps(segment)) + 4 for segment, size in self._owed_bytes.items()}
         total = sum(sizes.values())
         overflowed = set()
-        for segment in sorted(owed, key=sizes.__getitem__, reverse=True):
+        for segment in sorted(sizes, key=sizes.__getitem__, reverse=True):
             if total <= OWED_SAVED_MAX_BYTES:
                 break
             total -= sizes[segment]
-            del owed[segment]
             overflowed.add(segment)
+        owed = {
+            segment: [(at, task.name) for at, task in tasks.items()]
+            for segment, tasks in self._owed.items()
+            if segment not in overflowed
+        }
         return owed, overflowed
 
     def restore_owed(self, owed: dict[str, list[tuple[int, str]]]) -> None:
@@ -392,7 +411,7 @@ class Tiering:
                 # Owed, and held by the save it came from (generation 0): nothing waits for a save.
                 task = TierTask(next(self._ids), TaskKind.FORGET, 0, None, name, 0, 0, 0, location, owed=True)
                 tasks[location] = task
-                self._owed.setdefault(segment, {})[location] = task
+                self._hold_owed(segment, task)
 
     def unacked_forget_names(self, segment_name: str) -> set[str]:
         """Object names of the segment's FORGETs not acknowledged yet (the seed of its fence)."""
@@ -677,10 +696,15 @@ class Tiering:
             if size > MAX_SEGMENT_CAPACITY:  # no segment could hold it: garbage, not a copy
                 out.append(int(Status.INVALID_ARGUMENT))
                 continue
-            if location in forgotten:  # removed while the segment was away: never registered again
-                out.append(refused)
-                continue
             name = object_name(namespace, key)
+            if location in forgotten:
+                if forgotten[location].name == name:  # removed while the segment was away: never back
+                    out.append(refused)
+                    continue
+                # Another object's record there now (the FORGET was for the location's previous life:
+                # a bucket id taken again after a restart): that FORGET is moot.
+                del forgotten[location]
+                self._settle_owed(segment.name, location)
             if segment.disk_refused or (fence is not None and not fence.admits(name)):
                 # Changed while the segment was away, or nothing can be proven about its previous
                 # life (a master restart since, or an overflowed fence): kvtier.master.fences.

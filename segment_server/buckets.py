@@ -153,6 +153,9 @@ class BucketStore(BucketRecovery):
         self._dirty: set[_Bucket] = set()
         self._dir_dirty = False  # a bucket file was created since the last sync
         self._sync_failed: OSError | None = None  # an fdatasync outside sync() failed since the last one
+        # Records withdrawn without a tombstone (`withdraw`): not served, not reported, but on disk and
+        # recovered at the next mount; a later tombstone of the location is still written.
+        self._withdrawn: dict[int, DiskRecord] = {}
         self._next_id = 0
         self._used = 0
         # Live records found at mount whose payload is not verified yet, in verification order (see
@@ -200,6 +203,7 @@ class BucketStore(BucketRecovery):
         for location, namespace, key in items:
             bucket = self._buckets.get(location >> 20)
             record = bucket.live.get(location) if bucket is not None else None
+            record = record or self._withdrawn.get(location)
             if record is None:
                 continue
             if record.namespace != namespace or record.key != key:
@@ -220,7 +224,7 @@ class BucketStore(BucketRecovery):
         targets = []
         for location in dict.fromkeys(locations):
             bucket = self._buckets.get(location >> 20)
-            if bucket is not None and location in bucket.live:
+            if bucket is not None and (location in bucket.live or location in self._withdrawn):
                 targets.append(location)
         for lo in range(0, len(targets), _MAX_TOMBSTONE_TARGETS):
             chunk = targets[lo : lo + _MAX_TOMBSTONE_TARGETS]
@@ -230,6 +234,7 @@ class BucketStore(BucketRecovery):
                     bucket = self._buckets.get(location >> 20)
                     if bucket is not None:
                         bucket.live.pop(location, None)
+                    self._withdrawn.pop(location, None)
                     self._drop_unverified(location)
 
     def withdraw(self, locations: Iterable[int]) -> None:
@@ -239,8 +244,8 @@ class BucketStore(BucketRecovery):
         with self._lock:
             for location in locations:
                 bucket = self._buckets.get(location >> 20)
-                if bucket is not None:
-                    bucket.live.pop(location, None)
+                if bucket is not None and (record := bucket.live.pop(location, None)) is not None:
+                    self._withdrawn[location] = record  # a FORGET of it still writes its tombstone
                 self._drop_unverified(location)
 
     def _append_tombstones(self, targets: Sequence[int]) -> None:
@@ -713,6 +718,8 @@ class BucketStore(BucketRecovery):
                 bucket = self._buckets.pop(bucket_id)
                 for location in bucket.live:
                     self._drop_unverified(location)
+                for location in [at for at in self._withdrawn if at >> 20 == bucket_id]:
+                    del self._withdrawn[location]  # gone with its file
                 self._dirty.discard(bucket)
                 if bucket.pins:
                     bucket.doomed = True

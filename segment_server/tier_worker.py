@@ -217,9 +217,14 @@ class TierWorker:
         if forgets:
             failpoints.hit("tier.forget")
             try:
+                # A location this batch's own offloads just wrote holds the new copy, whichever FORGET
+                # of its previous life came with them (a bucket id taken again after a restart).
+                written = {at for at in offloads.values() if isinstance(at, int)}
                 with self._store_lock:
                     moot = self.store.tombstone_named(
-                        (reply.disk_locations[i], reply.namespaces[i], reply.keys[i]) for i in forgets
+                        (reply.disk_locations[i], reply.namespaces[i], reply.keys[i])
+                        for i in forgets
+                        if reply.disk_locations[i] not in written
                     )
                 if moot:
                     logger.warning("%d FORGETs named another object than the copy at their location: left it", moot)

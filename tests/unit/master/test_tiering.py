@@ -643,19 +643,55 @@ def test_forgets_no_answer_waits_for_are_owed_saved_and_given_to_the_next_incarn
     assert_consistent(successor)
 
 
-def test_owed_forgets_past_the_bound_save_their_segment_as_expelled(state):
+@pytest.mark.parametrize("char", ["x", "\x00", "\u6f22", "\U0001f600"])  # JSON: 1, 6, 6, 12 bytes
+def test_owed_forgets_past_the_bound_save_their_segment_as_expelled(state, char):
+    from kvtier.master.persist import SavedState
+
     seg = mount_ssd(state, "a", 4 * KiB)
     few = mount_ssd(state, "b", 4 * KiB)
     assert not state.tiering.forgets_stalled([])  # an empty wait stalls nothing
     assert state.tiering.owed_forgets() == ({}, set())
     state.unmount_segment(seg)
     state.unmount_segment(few)
-    long_name = "x" * 1000  # names count, not only entries: the saved state has a size limit (etcd's)
-    for location in range(1, OWED_SAVED_MAX_BYTES // 1000 + 2):  # FORGETs for segments that are away: owed
+    long_name = char * 200  # names count as JSON writes them: the saved state has a size limit (etcd's)
+    pairs = [(100_000, long_name + "100000"), (100_001, long_name + "100001")]
+    entry = len(SavedState(owed_forgets={"a": pairs}).to_json()) - len(
+        SavedState(owed_forgets={"a": pairs[:1]}).to_json()
+    )
+    fits = OWED_SAVED_MAX_BYTES // entry - 20
+    for location in range(1, fits + 1):  # FORGETs for segments that are away: owed
         state.tiering.forget(seg, f"{long_name}{location}", location)
-    state.tiering.forget(few, "m", 1)
     owed, overflowed = state.tiering.owed_forgets()
-    assert overflowed == {"a"} and owed == {"b": [(1, "m")]}
+    assert not overflowed and 0.9 * OWED_SAVED_MAX_BYTES < len(SavedState(owed_forgets=owed).to_json())
+    added = fits
+    while not state.tiering.owed_forgets()[1] and added < fits * 1.2:
+        for location in range(added + 1, added + 21):
+            state.tiering.forget(seg, f"{long_name}{location}", location)
+        added += 20
+    assert state.tiering.owed_forgets() == ({}, {"a"})
+    state.tiering.forget(few, "m", 1)
+    assert state.tiering.owed_forgets() == ({"b": [(1, "m")]}, {"a"})
+
+
+def test_a_forget_that_supersedes_an_owed_one_at_its_location_ends_it(state):
+    seg = mount_ssd(state, "a", 4 * KiB)
+    state.unmount_segment(seg)
+    state.tiering.forget(seg, "old", 1)  # away: owed
+    seg = mount_ssd(state, "a", 4 * KiB)
+    state.tiering.forget(seg, "new", 1)  # mounted, waited for: not owed
+    assert state.tiering.owed_forgets() == ({}, set())
+
+
+def test_a_restored_owed_forget_refuses_only_the_object_it_names(state):
+    """A copy of another object at an owed location is that location's next life: registered, and the
+    FORGET is moot (not handed out, not saved again)."""
+    state.tiering.restore_owed({"a": [(1, object_name(NS, "gone")), (2, object_name(NS, "removed"))]})
+    seg = mount_ssd(state, "a", 4 * KiB)
+    statuses = state.tiering.report_disk_objects(seg, [NS, NS], ["new", "removed"], [KiB, KiB], [7, 7], [1, 2])
+    assert statuses == [OK, Status.CHECKSUM_MISMATCH]
+    assert tiers(state, "new") == [(seg, TIER_SSD)]
+    assert state.tiering.owed_forgets() == ({"a": [(2, object_name(NS, "removed"))]}, set())
+    assert [t.disk_location for t in state.tiering.poll(seg, 10) if t.kind is TaskKind.FORGET] == [2]
 
 
 def test_an_offload_reported_where_a_forget_is_owed_ends_that_forget(state):

@@ -887,6 +887,21 @@ def test_a_forget_tombstones_only_the_object_it_names(stores, ssd):
     assert store.tombstone_named([(first, ns, "k0"), (12345 << 20, ns, "k9")]) == 0  # dead, unknown: ignored
 
 
+def test_a_record_withdrawn_without_its_tombstone_is_still_tombstoned_by_a_forget(stores, ssd):
+    """`withdraw` after a tombstone that failed (a disk error): the record is on disk and a restart
+    would recover it, so a later FORGET of it still writes its tombstone."""
+    store = stores(ssd, **SMALL)
+    store.recover()
+    first, second = list(fill(store, 2))
+    ns = store.records()[0].namespace
+    store.withdraw([first])
+    assert {r.location for r in store.records()} == {second}
+    assert store.tombstone_named([(first, ns, "k0")]) == 0
+    store.sync()
+    store, records = reopen(stores, store, ssd, **SMALL)
+    assert {r.location for r in records} == {second}
+
+
 def test_tombstone_many_past_the_per_record_cap_writes_several_records(stores, ssd, monkeypatch):
     assert bucket_format._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
     monkeypatch.setattr(buckets, "_MAX_TOMBSTONE_TARGETS", 3)

@@ -222,6 +222,29 @@ def test_forgets_are_tombstoned_durably_and_do_not_come_back(worker, store, ssd,
     assert restarted(worker, store, ssd) == {keep_at: "kept"}
 
 
+def test_a_forget_of_a_locations_previous_life_spares_the_copy_its_batch_writes_there(
+    worker, store, ssd, region, master, tmp_path
+):
+    """After a restart a bucket id is taken again: a FORGET of an earlier copy of the same key at a
+    location can come in the batch whose OFFLOAD writes the key's new copy there (offloads are
+    written first). The new copy stays."""
+    payload = blob(8, 4000)
+    region[:4000] = payload
+    scratch = BucketStore(tmp_path / "scratch", 64 << 20, CLUSTER, bucket_size=1 << 20)
+    scratch.recover()
+    there = scratch.append("ns", "k", payload, crc32c.crc32c(payload))  # where the offload will land
+    scratch.close()
+    master.batches.put(
+        tasks(
+            (1, pb.OFFLOAD, "k", 4000, crc32c.crc32c(payload), 0, 0),
+            (2, pb.FORGET, "k", 0, 0, 0, there),
+        )
+    )
+    report = master.report()
+    assert list(report.statuses) == [OK, OK] and report.disk_locations[0] == there
+    assert restarted(worker, store, ssd) == {there: "k"}
+
+
 def test_a_copy_written_for_an_offload_the_master_gave_up_on_is_tombstoned(worker, store, ssd, region, master):
     payload = blob(7, 4000)
     region[:4000] = payload
