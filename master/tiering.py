@@ -347,12 +347,17 @@ class Tiering:
             return
         task = TierTask(next(self._ids), TaskKind.FORGET, segment_id, None, name, 0, 0, 0, location)
         unacked = self._unacked_forgets.setdefault(segment_name, {})
-        if location in unacked:  # a FORGET of an earlier record there: this one supersedes it
+        old = unacked.get(location)
+        if old is not None:  # a FORGET of the same copy again, or of an earlier record there
             self._settle_owed(segment_name, location)
         unacked[location] = task
         if segment_id in self.state.segments:
             self._enqueue(task)
-        if segment_id not in self.state.segments or segment_name in self._forgets_stalled:
+        if (
+            segment_id not in self.state.segments
+            or segment_name in self._forgets_stalled
+            or (old is not None and old.owed and old.name == name)  # it takes the owed one's place
+        ):
             self._owe(segment_name, task)  # nothing waits for it: the saved state holds it
 
     def _owe(self, segment_name: str, task: TierTask) -> None:
@@ -383,6 +388,8 @@ class Tiering:
             if not owed:
                 del self._owed[segment_name]
                 del self._owed_bytes[segment_name]
+            if self.on_owed is not None:  # soon: a successor would refuse a new copy at `location`
+                self.on_owed()
 
     def owed_forgets(self) -> tuple[dict[str, list[tuple[int, str]]], set[str]]:
         """What the saved state lists: segment name -> (location, object name) of its owed FORGETs,

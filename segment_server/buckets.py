@@ -156,6 +156,9 @@ class BucketStore(BucketRecovery):
         # Records withdrawn without a tombstone (`withdraw`): not served, not reported, but on disk and
         # recovered at the next mount; a later tombstone of the location is still written.
         self._withdrawn: dict[int, DiskRecord] = {}
+        # Records tombstoned since the last successful `sync`: withdrawn again if it fails (the
+        # tombstone may be lost with the failed pages), so a retried FORGET writes another.
+        self._tombstoned: dict[int, DiskRecord] = {}
         self._next_id = 0
         self._used = 0
         # Live records found at mount whose payload is not verified yet, in verification order (see
@@ -232,9 +235,10 @@ class BucketStore(BucketRecovery):
             with self._lock:
                 for location in chunk:
                     bucket = self._buckets.get(location >> 20)
-                    if bucket is not None:
-                        bucket.live.pop(location, None)
-                    self._withdrawn.pop(location, None)
+                    record = bucket.live.pop(location, None) if bucket is not None else None
+                    record = self._withdrawn.pop(location, None) or record
+                    if record is not None:
+                        self._tombstoned[location] = record
                     self._drop_unverified(location)
 
     def withdraw(self, locations: Iterable[int]) -> None:
@@ -447,14 +451,21 @@ class BucketStore(BucketRecovery):
         deferred seal), for the same reason.
         """
         failed, self._sync_failed = self._sync_failed, None
-        for bucket in list(self._dirty):
-            os.fdatasync(bucket.write_fd)
-            self._dirty.discard(bucket)
-        if self._dir_dirty:
-            self._fsync_dir()
-            self._dir_dirty = False
-        if failed is not None:
-            raise OSError(failed.errno, f"an earlier fdatasync failed: {failed.strerror}")
+        try:
+            for bucket in list(self._dirty):
+                os.fdatasync(bucket.write_fd)
+                self._dirty.discard(bucket)
+            if self._dir_dirty:
+                self._fsync_dir()
+                self._dir_dirty = False
+            if failed is not None:
+                raise OSError(failed.errno, f"an earlier fdatasync failed: {failed.strerror}")
+        except OSError:
+            with self._lock:  # their tombstones may be lost: a later tombstone of them is written again
+                self._withdrawn.update(self._tombstoned)
+                self._tombstoned.clear()
+            raise
+        self._tombstoned.clear()
 
     def _fsync_dir(self) -> None:
         fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -718,8 +729,9 @@ class BucketStore(BucketRecovery):
                 bucket = self._buckets.pop(bucket_id)
                 for location in bucket.live:
                     self._drop_unverified(location)
-                for location in [at for at in self._withdrawn if at >> 20 == bucket_id]:
-                    del self._withdrawn[location]  # gone with its file
+                for held in (self._withdrawn, self._tombstoned):
+                    for location in [at for at in held if at >> 20 == bucket_id]:
+                        del held[location]  # gone with its file
                 self._dirty.discard(bucket)
                 if bucket.pins:
                     bucket.doomed = True
@@ -815,6 +827,8 @@ class BucketStore(BucketRecovery):
                     _close_fds(bucket)
             self._buckets.clear()
             self._by_fd.clear()
+            self._withdrawn.clear()
+            self._tombstoned.clear()
             self._dirty.clear()
             self._unverified.clear()
             self._unverified_bytes = 0

@@ -678,8 +678,16 @@ def test_a_forget_that_supersedes_an_owed_one_at_its_location_ends_it(state):
     state.unmount_segment(seg)
     state.tiering.forget(seg, "old", 1)  # away: owed
     seg = mount_ssd(state, "a", 4 * KiB)
-    state.tiering.forget(seg, "new", 1)  # mounted, waited for: not owed
+    state.tiering.forget(seg, "new", 1)  # another object's record there now, waited for: not owed
     assert state.tiering.owed_forgets() == ({}, set())
+    state.tiering.forget(seg, "new", 1)  # the same copy again: takes its predecessor's place
+    assert state.tiering.owed_forgets() == ({}, set())
+    state.unmount_segment(seg)
+    state.tiering.forget(seg, "new", 1)
+    assert state.tiering.owed_forgets() == ({"a": [(1, "new")]}, set())
+    seg = mount_ssd(state, "a", 4 * KiB)
+    state.tiering.forget(seg, "new", 1)  # owed stays owed (its answer was given without it)
+    assert state.tiering.owed_forgets() == ({"a": [(1, "new")]}, set())
 
 
 def test_a_restored_owed_forget_refuses_only_the_object_it_names(state):

@@ -902,6 +902,35 @@ def test_a_record_withdrawn_without_its_tombstone_is_still_tombstoned_by_a_forge
     assert {r.location for r in records} == {second}
 
 
+def test_a_tombstone_whose_sync_failed_is_written_again_by_a_retried_forget(stores, ssd, monkeypatch):
+    """The failed pages may hold the tombstone, and a later fdatasync that succeeds proves nothing
+    (the kernel reports a writeback error once): the retried FORGET must append another."""
+    store = stores(ssd, **SMALL)
+    store.recover()
+    (first,) = fill(store, 1)
+    ns = store.records()[0].namespace
+    store.sync()
+    real = os.fdatasync
+    fail = [True]
+
+    def fdatasync(fd: int) -> None:
+        if fail.pop() if fail else False:
+            raise OSError(errno.EIO, "failed writeback")
+        real(fd)
+
+    monkeypatch.setattr(buckets.os, "fdatasync", fdatasync)
+    assert store.tombstone_named([(first, ns, "k0")]) == 0
+    with pytest.raises(OSError):
+        store.sync()
+    used = store.used
+    assert store.tombstone_named([(first, ns, "k0")]) == 0
+    assert store.used > used, "the retry wrote no tombstone"
+    store.sync()
+    used = store.used
+    store.tombstone_named([(first, ns, "k0")])  # durable now: nothing more to write
+    assert store.used == used
+
+
 def test_tombstone_many_past_the_per_record_cap_writes_several_records(stores, ssd, monkeypatch):
     assert bucket_format._MAX_TOMBSTONE_TARGETS * 8 == 64 << 10
     monkeypatch.setattr(buckets, "_MAX_TOMBSTONE_TARGETS", 3)
