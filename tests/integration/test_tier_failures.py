@@ -38,7 +38,10 @@ from tests.integration.test_ssd_tier import (
 )
 
 
-def start_segment(cluster: Cluster, ssd_dir: Path, *extra: str, ssd_size: str = "256MiB", bucket: str = "4MiB"):
+def start_segment(
+    cluster: Cluster, ssd_dir: Path, *extra: str, ssd_size: str = "256MiB", bucket: str = "4MiB", failpoints: str = ""
+):
+    """`failpoints`: the segment's KVTIER_FAILPOINTS (kvtier.segment_server.failpoints)."""
     return cluster.start_segment(
         "ssd0",
         "16MiB",
@@ -47,6 +50,7 @@ def start_segment(cluster: Cluster, ssd_dir: Path, *extra: str, ssd_size: str = 
         "--ssd-bucket-size", bucket,
         "--metrics", "127.0.0.1:0",
         *extra,
+        prefix=["env", f"KVTIER_FAILPOINTS={failpoints}"] if failpoints else None,
     )  # fmt: skip
 
 
@@ -210,14 +214,12 @@ def put_until(client: Client, keys: list[str], reached: Callable[[], bool]) -> l
     return acknowledged
 
 
-def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_cluster, tmp_path, monkeypatch):
+def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_cluster, tmp_path):
     """The window between fdatasync and TierTasksDone: the copies are on disk, the master never heard
     of them. Keys removed meanwhile must never come back from them; the rest may (right bytes)."""
     ssd_dir = tmp_path / "ssd"
     bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "0", "--put-timeout-s", "3")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.offload_synced=stall:30")
-    proc = start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    proc = start_segment(bare_cluster, ssd_dir, failpoints="tier.offload_synced=stall:30")
     keys = [f"window/{i:03d}" for i in range(20)]
     with bare_cluster.client() as client:
         # fill past the offload watermark without waiting for the stalled tier
@@ -235,7 +237,7 @@ def test_sigkill_after_an_offload_is_durable_but_before_it_is_reported(bare_clus
         assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
 
 
-def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluster, tmp_path, monkeypatch):
+def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluster, tmp_path):
     """The report of durable copies reaches no master that asked for them (the master restarted).
     The new master rebuilds from the segments' inventories: copies of keys removed meanwhile must
     not be among them."""
@@ -245,9 +247,7 @@ def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluste
     # issue 19: a restart then brings the copy back; CI drew it once under load with the 2 s default).
     bare_cluster.segment_ttl_s = 10.0
     bare_cluster.start_master("--promote-after-reads", "0")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.offload_synced=stall:4")
-    proc = start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    proc = start_segment(bare_cluster, ssd_dir, failpoints="tier.offload_synced=stall:4")
     keys = [f"mr/{i:03d}" for i in range(20)]
     reached = "failpoint tier.offload_synced reached"
     with bare_cluster.client() as client:
@@ -265,18 +265,14 @@ def test_master_restart_between_an_offloads_fdatasync_and_its_report(bare_cluste
         assert client.batch_get(removed) == [None] * len(removed), "a removed key came back from an unreported copy"
 
 
-def test_a_remove_answered_while_its_forget_waits_never_comes_back_after_a_master_restart(
-    bare_cluster, tmp_path, monkeypatch
-):
+def test_a_remove_answered_while_its_forget_waits_never_comes_back_after_a_master_restart(bare_cluster, tmp_path):
     """The segment's tier worker stalls on the FORGETs past the master's wait for them (segment_ttl_s
     + about a second): the removes are answered all the same (a stalled disk must not hold every remove
     of the cluster). The master then dies before the tombstones are written; its successor rebuilds
     from the segment's inventory, which still lists the copies: they must not come back."""
     ssd_dir = tmp_path / "ssd"
     bare_cluster.start_master("--promote-after-reads", "0")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.forget=stall:20")
-    proc = start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    proc = start_segment(bare_cluster, ssd_dir, failpoints="tier.forget=stall:20")
     keys = [f"owed/{i:03d}" for i in range(24)]
     with bare_cluster.client() as client:
         put_paced(bare_cluster, client, keys)
@@ -297,13 +293,11 @@ def test_a_remove_answered_while_its_forget_waits_never_comes_back_after_a_maste
 
 
 @pytest.mark.parametrize("moment", ["tier.offload_sync", "tier.offload_synced"])
-def test_sigkill_at_a_chosen_moment_of_offload_then_restart(bare_cluster, tmp_path, monkeypatch, moment):
+def test_sigkill_at_a_chosen_moment_of_offload_then_restart(bare_cluster, tmp_path, moment):
     """The segment dies just before its batch's fdatasync, or just after it (not yet reported)."""
     ssd_dir = tmp_path / "ssd"
     bare_cluster.start_master("--promote-after-reads", "0")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", f"{moment}=kill")
-    proc = start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    proc = start_segment(bare_cluster, ssd_dir, failpoints=f"{moment}=kill")
     keys = [f"at/{i:03d}" for i in range(24)]
     put: list[str] = []
     with bare_cluster.client(timeout=2.0) as client:
@@ -355,14 +349,12 @@ def test_sigkill_at_a_random_moment_of_offload_then_restart(bare_cluster, tmp_pa
         assert not set(misses) - explained, f"misses with no history: {sorted(set(misses) - explained)}"
 
 
-def test_failed_fdatasync_of_an_offload_leaves_no_copy_that_could_come_back(bare_cluster, tmp_path, monkeypatch):
+def test_failed_fdatasync_of_an_offload_leaves_no_copy_that_could_come_back(bare_cluster, tmp_path):
     """fdatasync says EIO: the batch's records may or may not be on disk. None is reported, none is
     served, and none comes back after a restart (their keys are removed meanwhile here)."""
     ssd_dir = tmp_path / "ssd"
     bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "0")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.offload_sync=eio")
-    start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    start_segment(bare_cluster, ssd_dir, failpoints="tier.offload_sync=eio")
     keys = [f"eio/{i:02d}" for i in range(24)]
     with bare_cluster.client() as client:
         put_paced(bare_cluster, client, keys)
@@ -412,12 +404,10 @@ def test_promotion_of_a_disk_copy_corrupted_on_disk_registers_nothing(bare_clust
         assert_no_wrong_copy(bare_cluster, client, ssd_dir, [k for k in keys[:-6] if k != victim])
 
 
-def test_promotion_past_its_deadline_writes_no_dram_and_frees_the_range(bare_cluster, tmp_path, monkeypatch):
+def test_promotion_past_its_deadline_writes_no_dram_and_frees_the_range(bare_cluster, tmp_path):
     ssd_dir = tmp_path / "ssd"
     bare_cluster.start_master("--metrics", "127.0.0.1:0", "--promote-after-reads", "1", "--put-timeout-s", "2")
-    monkeypatch.setenv("KVTIER_FAILPOINTS", "tier.promote_read=stall:1.5")
-    proc = start_segment(bare_cluster, ssd_dir)
-    monkeypatch.delenv("KVTIER_FAILPOINTS")
+    proc = start_segment(bare_cluster, ssd_dir, failpoints="tier.promote_read=stall:1.5")
     keys = [f"late/{i:02d}" for i in range(24)]
     with bare_cluster.client() as client:
         put_paced(bare_cluster, client, keys)
