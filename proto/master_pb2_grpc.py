@@ -336,7 +336,10 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TierTasksDone(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per task OK, or NOT_PENDING: the master does not take that outcome (the task expired, or an
+        OFFLOAD's object was removed or replaced while it was written): the segment withdraws the copy
+        and tombstones it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
