@@ -52,7 +52,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         owed, kvtier.master.tiering). One save at a time; what changes meanwhile, the next covers."""
         if self.save_state is None or self._save_soon is not None:
             return
-        self._save_soon = asyncio.get_running_loop().call_soon(self._start_save)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (the state is owned by it: a test's direct call)
+            return  # the ticker saves what is stale
+        self._save_soon = loop.call_soon(self._start_save)
 
     def _start_save(self) -> None:
         assert self.save_state is not None
