@@ -378,6 +378,14 @@ class Tiering:
         self._owed.setdefault(segment_name, {})[task.disk_location] = task
         self._owed_bytes[segment_name] += _json_bytes(task.disk_location, task.name)
 
+    def _newer_record_at(self, segment_name: str, location: int) -> None:
+        """The segment holds a record at `location` newer than any FORGET of it (its bucket deleted,
+        the id taken again after a restart): such a FORGET is about the location's previous life and
+        must not go on (not handed out again, not saved; one handed out already names the old
+        object, which the segment checks)."""
+        if self._unacked_forgets.get(segment_name, {}).pop(location, None) is not None:
+            self._settle_owed(segment_name, location)
+
     def _settle_owed(self, segment_name: str, location: int) -> None:
         """The owed FORGET at `location` is acknowledged or moot: the next save lists it no more."""
         owed = self._owed.get(segment_name)
@@ -567,12 +575,7 @@ class Tiering:
             self.forget(task.segment_id, task.name, location)
             return int(Status.NOT_PENDING)
         assert record is not None
-        # A FORGET still owed at this location is about a record the segment no longer has (it wrote
-        # this one there: a bucket deleted, its id taken again after a restart): it must not go on
-        # (not handed out again; one handed out already names the old key, which the segment checks).
-        segment_name = self._names.get(task.segment_id, "")
-        if self._unacked_forgets.get(segment_name, {}).pop(location, None) is not None:
-            self._settle_owed(segment_name, location)
+        self._newer_record_at(self._names.get(task.segment_id, ""), location)
         record.replicas = (*record.replicas, replica(task.segment_id, location, TIER_SSD))
         state.segments[task.segment_id].ssd_objects += 1
         self.counters["offloaded_objects"] += 1
@@ -708,10 +711,7 @@ class Tiering:
                 if forgotten[location].name == name:  # removed while the segment was away: never back
                     out.append(refused)
                     continue
-                # Another object's record there now (the FORGET was for the location's previous life:
-                # a bucket id taken again after a restart): that FORGET is moot.
-                del forgotten[location]
-                self._settle_owed(segment.name, location)
+                self._newer_record_at(segment.name, location)  # another object's record there now
             if segment.disk_refused or (fence is not None and not fence.admits(name)):
                 # Changed while the segment was away, or nothing can be proven about its previous
                 # life (a master restart since, or an overflowed fence): kvtier.master.fences.
