@@ -43,12 +43,16 @@ class Cluster:
 
     # ------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> Proc:
-        """Start `python <args>` (after `prefix`) with its log in the workdir; wait for its ready file."""
+    def _spawn(
+        self, name: str, args: list[str], prefix: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> Proc:
+        """Start `python <args>` (after `prefix`, with `env` added to ours) with its log in the workdir;
+        wait for its ready file."""
         ready = self.workdir / f"{name}.ready"
         return self.supervisor.start(
             name,
             [*(prefix or []), sys.executable, *args, "--ready-file", str(ready)],
+            env=env,
             ready_file=ready,
             timeout=READY_TIMEOUT_S,
         )
@@ -97,8 +101,16 @@ class Cluster:
         assert self.master is not None, "start_master() first"
         return self.master.info["address"]
 
-    def start_segment(self, name: str = "", dram: str = "64MiB", *extra: str, prefix: list[str] | None = None) -> Proc:
-        """`prefix`: a command that runs the segment elsewhere (e.g. in a network namespace, tests/netns.py)."""
+    def start_segment(
+        self,
+        name: str = "",
+        dram: str = "64MiB",
+        *extra: str,
+        prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        """`prefix`: a command that runs the segment elsewhere (e.g. in a network namespace, tests/netns.py);
+        `env`: added to its environment (e.g. KVTIER_FAILPOINTS, kvtier.segment_server.failpoints)."""
         name = name or f"seg{len(self.segments)}"
         proc = self._spawn(
             f"segment-{name}",
@@ -113,6 +125,7 @@ class Cluster:
                 *extra,
             ],
             prefix,
+            env,
         )  # fmt: skip
         self.segments[name] = proc
         return proc

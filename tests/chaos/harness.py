@@ -165,13 +165,13 @@ class Harness:
 
     def start_segment(self, name: str) -> None:
         extra: list[str] = []
-        prefix: list[str] = []
+        env: dict[str, str] = {}
         if self.config.ssd and name == "seg0":
             ssd = self.run_dir / f"ssd-{name}"
             extra = ["--ssd-dir", str(ssd), "--ssd-size", "48MiB", "--ssd-bucket-size", "8MiB"]
             if self.config.tier_stall_s:
-                prefix = ["env", f"KVTIER_FAILPOINTS=tier.forget=stall:{self.config.tier_stall_s}"]
-        self.cluster.start_segment(name, self.config.dram, *extra, prefix=prefix or None)
+                env = {"KVTIER_FAILPOINTS": f"tier.forget=stall:{self.config.tier_stall_s}"}
+        self.cluster.start_segment(name, self.config.dram, *extra, env=env)
 
     def start_worker(self, name: str, incarnation: int) -> None:
         self.incarnations[name] = incarnation

@@ -50,7 +50,7 @@ def start_segment(
         "--ssd-bucket-size", bucket,
         "--metrics", "127.0.0.1:0",
         *extra,
-        prefix=["env", f"KVTIER_FAILPOINTS={failpoints}"] if failpoints else None,
+        env={"KVTIER_FAILPOINTS": failpoints} if failpoints else None,
     )  # fmt: skip
 
 
