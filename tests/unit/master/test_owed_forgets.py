@@ -45,7 +45,7 @@ def removes_behind_a_stalled_tier() -> tuple[MasterState, CommitWaiter, list[Bar
         if barrier is not None and barrier.forgets:
             barriers.append(barrier)
     assert len(barriers) >= 2, "two removes with disk copies"
-    state.commits.poll(seg, state.commits._feeds[seg].last_seq, 1000)  # its index applied every notice
+    state.commits.ack(seg, state.commits.next_seq(seg) - 1)  # its index applied every notice
     state.durable_generation = state.state_generation
     return state, waiter, barriers
 
