@@ -460,7 +460,12 @@ class Client(
                 self._write_segment,
                 segments.get(segment_id),
                 [(off, views[i]) for i, off, _ in items],
-                _caps(reply.replica_tags, reply.tag_expiry_ms, [j for _, _, j in items]),
+                _caps(
+                    reply.replica_tags,
+                    reply.tag_expiry_ms,
+                    [j for _, _, j in items],
+                    getattr(segments.get(segment_id), "session", 0),
+                ),
                 commit,
             )
             for segment_id, items in parts

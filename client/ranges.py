@@ -192,7 +192,7 @@ class RangedReads:
         runs = [(first * CHUNK_BYTES, min(size, end * CHUNK_BYTES)) for first, end in covering(spans)]
         buffers = [bytearray(end - start) for start, end in runs]
         windows = [(start, memoryview(buf)) for (start, _), buf in zip(runs, buffers, strict=True)]
-        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, [position])
+        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, [position], segment.session)
         try:
             connector = self._connector(segment)
             results = connector.read_windows((reply.replica_offsets[position], size), windows, caps)

@@ -69,13 +69,14 @@ LEASE_SAFETY = 0.9
 RETRY_MIN_LEFT = 0.1
 
 
-def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int]) -> Caps:
-    """The grant of the replicas at `positions` of a reply: (expiry, their capability tags), or
-    (expiry, []) where the cluster mints no tags: frames then carry the expiry as their deadline
-    (kvtier.proto.frames FLAG_DEADLINE). None only from a master that names no expiry."""
+def _caps(tags: bytes, expiry_ms: int, positions: Sequence[int], session: int) -> Caps:
+    """The grant of the replicas at `positions` of a reply, all on the segment whose mount is
+    `session`: (expiry, their capability tags, session), or (expiry, [], session) where the cluster
+    mints no tags: frames then carry the expiry as their deadline (kvtier.proto.frames
+    FLAG_DEADLINE). None only from a master that names no expiry."""
     if not tags:
-        return (expiry_ms, []) if expiry_ms else None
-    return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions]
+        return (expiry_ms, [], session) if expiry_ms else None
+    return expiry_ms, [tags[16 * j : 16 * j + 16] for j in positions], session
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:
@@ -406,7 +407,7 @@ class Reads:
         prefix = name_prefix_bytes(self.namespace)
         items = [(found[i].offset, found[i].size, prefix + keys[i].encode()) for i in indices]
         tags = [found[i].tag for i in indices]
-        caps: Caps = (found[indices[0]].expiry_ms, tags if all(tags) else [])
+        caps: Caps = (found[indices[0]].expiry_ms, tags if all(tags) else [], segment.session)
         into = None if views is None else [views[i][: found[i].size] for i in indices]
         known = self._connectors.get(segment.name)
         if known is None or known[0] != tuple(segment.endpoints):
@@ -697,7 +698,7 @@ class Reads:
         positions = [replicas[i][attempt] for i in indices]
         column, sizes = reply.replica_offsets, reply.sizes  # each attribute access builds a wrapper: once
         offsets = [column[j] for j in positions]
-        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions)
+        caps = _caps(reply.replica_tags, reply.tag_expiry_ms, positions, segment.session)
         try:
             if tier == pb.SSD:  # the segment reads its own files: a connector that reads disk serves them
                 disk = self._disk_connector(segment)

@@ -60,11 +60,12 @@ def copy_batch(client: Client, start: pb.MigrateStartResponse) -> list[int]:
     buffers = {i: bytearray(start.sizes[i]) for i in todo}
     rank = {i: n for n, i in enumerate(todo)}  # capabilities come for the movable objects, in order
 
-    def caps(tags: bytes, indices: list[int]) -> Caps:
-        """The migration's grant: its tags, or without a secret only its expiry (the frames' deadline)."""
+    def caps(tags: bytes, indices: list[int], segment: pb.SegmentEndpoint) -> Caps:
+        """The migration's grant on `segment`: its tags, or without a secret only its expiry (the
+        frames' deadline), and the segment's mount it belongs to."""
         if not tags:
-            return (start.tag_expiry_ms, []) if start.tag_expiry_ms else None
-        return start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices]
+            return (start.tag_expiry_ms, [], segment.session) if start.tag_expiry_ms else None
+        return start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices], segment.session
 
     def source_of(i: int) -> int:
         return start.source_segments[i] if start.source_segments else start.source_segment
@@ -79,7 +80,7 @@ def copy_batch(client: Client, start: pb.MigrateStartResponse) -> list[int]:
         reads = client._connector(source).read_into(
             [(start.source_offsets[i], memoryview(buffers[i])) for i in indices],
             None,
-            caps=caps(start.source_tags, indices),
+            caps=caps(start.source_tags, indices, source),
         )
         for i, status in zip(indices, reads, strict=True):
             if status != _OK:
@@ -97,7 +98,7 @@ def copy_batch(client: Client, start: pb.MigrateStartResponse) -> list[int]:
         results = client._connector(target).write(
             [(start.target_offsets[i], memoryview(buffers[i])) for i in indices],
             None,
-            caps=caps(start.target_tags, indices),
+            caps=caps(start.target_tags, indices, target),
         )
         for i, status in zip(indices, results, strict=True):
             out[i] = int(status)

@@ -7,8 +7,9 @@ read lease's end for reads, the put deadline for writes (kvtier.proto.auth). A
 segment server performs nothing without one. Without a secret nothing is minted
 and segments check nothing (a loopback-only or explicitly insecure cluster).
 
-Keys are per segment name, master epoch and segment incarnation, derived, never
-sent: a new master incarnation or a restarted segment voids every earlier tag.
+Keys are per segment name, master epoch, segment incarnation and mount session,
+derived, never sent: a new master incarnation, a restarted segment or a segment
+mounted again voids every earlier tag.
 Tags live no longer than their ranges stay reserved: read tags until the read
 lease ends, write tags `ttl_s` after their PutStart, and the master frees no
 range before that plus CLOCK_SKEW_MS (MasterState._reuse_at). The same expiry
@@ -26,24 +27,27 @@ from kvtier.master.config import MasterConfig
 from kvtier.master.records import TIER_SSD
 from kvtier.master.state_types import SegmentRecord
 from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
-from kvtier.proto.frames import Op
+from kvtier.proto.frames import Op, mount_session
 
 
 class Minter:
     def __init__(self, secret: bytes | None) -> None:
         self.enabled = secret is not None
         self._secret = secret
-        self._keys: dict[tuple[str, str, int], CapabilityKey] = {}
+        self._keys: dict[tuple[int, str, int], CapabilityKey] = {}  # (segment id, incarnation, epoch)
 
     def key(self, segment: SegmentRecord | None, epoch: int) -> CapabilityKey:
-        """The key of a mounted segment (a segment gone since gets a key nothing verifies)."""
-        name, incarnation = (segment.name, segment.incarnation) if segment is not None else ("", "gone")
-        found = self._keys.get((name, incarnation, epoch))
+        """The key of a mounted segment's current mount (a segment gone since gets a key nothing verifies)."""
+        if segment is None:
+            name, incarnation, segment_id = "", "gone", 0
+        else:
+            name, incarnation, segment_id = segment.name, segment.incarnation, segment.segment_id
+        found = self._keys.get((segment_id, incarnation, epoch))
         if found is None:
             if len(self._keys) > 4096:  # segments long gone, or older epochs
                 self._keys.clear()
-            found = self._keys[(name, incarnation, epoch)] = CapabilityKey(
-                capability_key(self._secret, name, epoch, incarnation)
+            found = self._keys[(segment_id, incarnation, epoch)] = CapabilityKey(
+                capability_key(self._secret, name, epoch, incarnation, mount_session(segment_id, epoch))
             )
         return found
 

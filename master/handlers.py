@@ -34,6 +34,7 @@ from kvtier.master.handlers_segment import SegmentCalls
 from kvtier.master.state import MasterState
 from kvtier.master.sweeps import Removal
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.frames import mount_session
 from kvtier.proto.status import Status
 
 
@@ -78,8 +79,8 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.puts_lost = 0  # keys a PutEnd committed whose segment was lost before the answer
         self.put_held: HeldPut | None = None  # of the PutStart just handled, when keys wait for offload
         self.put_waiter = PutWaiter(self)  # both doors await it for a held PutStart
-        # segment id -> (its record, quarantined, its SegmentEndpoint), for answers (`_endpoints`)
-        self._endpoint_cache: dict[int, tuple[Any, bool, pb.SegmentEndpoint]] = {}
+        # segment id -> (its record, quarantined, its SegmentEndpoint, epoch), for answers (`_endpoints`)
+        self._endpoint_cache: dict[int, tuple[Any, bool, pb.SegmentEndpoint, int]] = {}
 
     def take_put_hold(self) -> HeldPut | None:
         """After PutStart: the put whose answer must wait for offload (kvtier.master.backpressure)."""
@@ -144,7 +145,8 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
                 continue
             shunned = segment_id in quarantined
             cached = cache.get(segment_id)
-            if cached is None or cached[0] is not segment or cached[1] != shunned:
+            # A new epoch (this process leading again) gives the same record a new mount session.
+            if cached is None or cached[0] is not segment or cached[1] != shunned or cached[3] != self.epoch:
                 message = pb.SegmentEndpoint(
                     segment_id=segment_id,
                     name=segment.name,
@@ -152,11 +154,12 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
                     endpoints=segment.endpoints,
                     quarantined=shunned,
                     direct_reads=segment.direct_reads,
+                    session=mount_session(segment_id, self.epoch),  # the mount its grants belong to
                 )
                 if len(cache) > 2 * len(segments) + 64:  # segments that left: forget them
-                    for gone in [i for i, (record, _, _) in cache.items() if segments.get(i) is not record]:
+                    for gone in [i for i, (record, _, _, _) in cache.items() if segments.get(i) is not record]:
                         del cache[gone]
-                cache[segment_id] = cached = (segment, shunned, message)
+                cache[segment_id] = cached = (segment, shunned, message, self.epoch)
             out.append(cached[2])
         return out
 

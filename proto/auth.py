@@ -116,11 +116,14 @@ def verify_token(token: str, secrets_by_principal: dict[str, bytes]) -> str:
 # ------------------------------------------------------------------ capabilities
 
 
-def capability_key(secret: bytes, segment_name: str, epoch: int, incarnation: str = "") -> bytes:
-    """The key of a segment's data-plane capability tags: per segment name, master epoch and segment
-    incarnation (its region's nonce), so neither a new master nor a restarted segment under the same
-    name accepts a tag minted before."""
-    return hmac.new(secret, f"kvtier-cap|{segment_name}|{epoch}|{incarnation}".encode(), hashlib.sha256).digest()
+def capability_key(secret: bytes, segment_name: str, epoch: int, incarnation: str = "", session: int = 0) -> bytes:
+    """The key of a segment's data-plane capability tags: per segment name, master epoch, segment
+    incarnation (its region's nonce) and mount session (kvtier.proto.frames.mount_session), so
+    neither a new master, nor a restarted segment under the same name, nor a segment mounted again
+    accepts a tag minted before."""
+    return hmac.new(
+        secret, f"kvtier-cap|{segment_name}|{epoch}|{incarnation}|{session}".encode(), hashlib.sha256
+    ).digest()
 
 
 class CapabilityKey:

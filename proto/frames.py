@@ -15,14 +15,23 @@ the ranges follow it. The server logs it with anything it reports about the
 request.
 
 A request whose flags have FLAG_CAPS set carries a capability for each of its
-ranges (kvtier.proto.auth): after the trace entry (if any) comes (expiry_ms, 0),
+ranges (kvtier.proto.auth): after the trace entry (if any) comes (expiry_ms, session),
 then the n ranges, then n 16-byte tags, one per range in order, all counted in
 `nranges` (1 + 2n entries). A segment server with a cluster secret serves READ,
 WRITE and READ_DISK only with valid capabilities (CAPABILITY_DENIED otherwise).
 
+Every grant names the segment mount it was issued under: the second word of the (expiry_ms, ...)
+and (deadline_ms, ...) entries below is the mount session (`mount_session`: the master's epoch and
+its id for the segment's mount, which SegmentEndpoint.session names). A segment refuses a READ or
+WRITE whose session is not its current mount's (LEASE_EXPIRED; 0, from clients older than sessions,
+is taken as the current one), refuses both while it is not mounted, and cuts the frames admitted
+under a mount that has ended (as below for a grant's end): a segment dropped and mounted again, or
+whose master restarted, has its ranges handed out afresh while grants of its previous mount may
+still run. With a cluster secret the mount session is also part of the capability key.
+
 Every READ and WRITE is bounded by its grant's deadline. With FLAG_CAPS the
 capability's expiry_ms is it; without a secret a request whose flags have
-FLAG_DEADLINE set carries (deadline_ms, 0) after the trace entry (if any),
+FLAG_DEADLINE set carries (deadline_ms, session) after the trace entry (if any),
 before any capability block, counted in `nranges`. Both values are what the
 master's reply named (`tag_expiry_ms`, master wall clock, milliseconds): the
 grant ends at deadline_ms + CLOCK_SKEW_MS (kvtier.proto.auth) on the segment's
@@ -87,6 +96,7 @@ closed (the stream cannot be re-synchronised).
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 from collections.abc import Sequence
 
@@ -111,8 +121,8 @@ MAX_COMMIT_BYTES = 16 << 20  # a COMMIT's payload (larger PutEnds go to the mast
 MAX_KEYED_FRAME_BYTES = 4 << 20  # object bytes in one READ_KEYED request (each one is copied)
 
 FLAG_TRACED = 1  # the range table starts with (request id, 0)
-FLAG_CAPS = 2  # (expiry_ms, 0), the ranges, then one 16-byte capability tag per range
-FLAG_DEADLINE = 4  # (deadline_ms, 0) after the trace entry: when the grant of the ranges ends (no secret)
+FLAG_CAPS = 2  # (expiry_ms, session), the ranges, then one 16-byte capability tag per range
+FLAG_DEADLINE = 4  # (deadline_ms, session) after the trace entry: when the grant of the ranges ends (no secret)
 FLAG_WINDOW = 8  # READ: the table ends with one (skip, take) per range: only those bytes are sent
 FLAG_COMMIT_FOLLOWS = 16  # WRITE: a COMMIT comes right behind; its answer and this one's go out together
 
@@ -126,31 +136,45 @@ class Op(enum.IntEnum):
     READ_KEYED = 6  # (offset, size) DRAM ranges + object names -> per range: status, size bytes
 
 
+def mount_session(segment_id: int, epoch: int) -> int:
+    """The identity of a segment's mount in grants and frames: nonzero for a mounted segment (0 for
+    none), and different for every mount a grant could outlive (a re-mount gets a new id from its
+    master, a restarted or newly elected master a new epoch)."""
+    if not segment_id:
+        return 0
+    digest = hashlib.blake2b(f"{epoch}:{segment_id}".encode(), digest_size=8, person=b"kvtier-mount").digest()
+    return int.from_bytes(digest, "little") | 1
+
+
 def pack_request(
     op: Op,
     request_id: int,
     ranges: list[tuple[int, int]],
     payload_len: int = 0,
     trace: int = 0,
-    caps: tuple[int, bytes] | None = None,
+    caps: tuple[int, bytes] | tuple[int, bytes, int] | None = None,
     deadline: int = 0,
     windows: Sequence[tuple[int, int]] = (),
     flags: int = 0,
+    session: int = 0,
 ) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
     client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
-    the ranges' tags concatenated), it carries their capabilities; caps without tags (a cluster
-    without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE); `windows`,
-    one (skip, take) per range, make a READ send only those bytes of each (FLAG_WINDOW); `flags`
-    adds others (FLAG_COMMIT_FOLLOWS)."""
+    the ranges' tags concatenated[, mount session]), it carries their capabilities; caps without
+    tags (a cluster without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE);
+    either names the grant's mount `session` (or caps' third item); `windows`, one (skip, take) per
+    range, make a READ send only those bytes of each (FLAG_WINDOW); `flags` adds others
+    (FLAG_COMMIT_FOLLOWS)."""
     flat = [v for pair in ranges for v in pair]
+    if caps is not None and len(caps) > 2:
+        session = caps[2]  # type: ignore[misc]
     if caps is not None and not caps[1]:
         deadline, caps = caps[0], None
     if caps is not None:
-        flat[:0] = (caps[0], 0)
+        flat[:0] = (caps[0], session)
         flags |= FLAG_CAPS
     if deadline:
-        flat[:0] = (deadline, 0)
+        flat[:0] = (deadline, session)
         flags |= FLAG_DEADLINE
     if trace:
         flat[:0] = (trace, 0)
@@ -173,17 +197,19 @@ _ONE_RANGE = struct.Struct("<HBBIIIQ6Q")
 
 
 def pack_one_range(
-    op: Op, request_id: int, offset: int, size: int, payload_len: int, trace: int, grant: tuple[int, bytes]
+    op: Op, request_id: int, offset: int, size: int, payload_len: int, trace: int, grant: tuple[int, bytes, int]
 ) -> bytes:
     """`pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)`, in one pack when
-    traced and granted (what a single get sends per call)."""
-    expiry, tag = grant
+    traced and granted (what a single get sends per call); `grant`: (expiry, tag, mount session)."""
+    expiry, tag, session = grant
     if not trace or not expiry:
         return pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)
     flags = FLAG_TRACED | (FLAG_CAPS if tag else FLAG_DEADLINE)
     nranges = 3 + len(tag) // 16
     return (
-        _ONE_RANGE.pack(MAGIC, VERSION, op, request_id, nranges, flags, payload_len, trace, 0, expiry, 0, offset, size)
+        _ONE_RANGE.pack(
+            MAGIC, VERSION, op, request_id, nranges, flags, payload_len, trace, 0, expiry, session, offset, size
+        )
         + tag
     )
 

@@ -90,20 +90,22 @@ class HelloResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., cluster_id: _Optional[str] = ..., master_epoch: _Optional[str] = ..., fast_endpoint: _Optional[str] = ..., max_batch_keys: _Optional[int] = ..., lease_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class SegmentEndpoint(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "quarantined", "direct_reads")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "quarantined", "direct_reads", "session")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     name: str
     host_id: str
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     quarantined: bool
     direct_reads: bool
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ..., direct_reads: _Optional[bool] = ...) -> None: ...
+    session: int
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ..., direct_reads: _Optional[bool] = ..., session: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
     __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants")

@@ -7,6 +7,12 @@ sides import it from here so they cannot drift apart.
 
     header  magic "KVTREGN1" | format:u32 | data_offset:u64 | capacity:u64 |
             nonce:16 bytes | cluster id:64, segment name:128, boot id:64 (NUL-padded)
+    at SESSION_OFFSET: the segment's current mount session, u64 (0 while unmounted)
+
+The mount session (kvtier.proto.frames.mount_session) is rewritten by the
+segment at each mount and cleared when a mount ends; a same-host client
+starts a copy only while it is the session its grant names, as the segment
+checks a frame's (kvtier.segment_server.mount_session).
 
 The data area the master allocates from starts at `data_offset` (HEADER_SIZE).
 """
@@ -20,6 +26,9 @@ MAGIC = b"KVTREGN1"
 FORMAT = 1
 HEADER_SIZE = 4096  # the data area starts here: page-aligned
 HEADER = struct.Struct("<8sIQQ16s64s128s64s")
+SESSION_OFFSET = 512  # past HEADER, 8-byte aligned: one aligned store rewrites it
+SESSION = struct.Struct("<Q")
+assert HEADER.size <= SESSION_OFFSET and SESSION_OFFSET + SESSION.size <= HEADER_SIZE
 # The grant socket's request word and version (segment_server/shm_grant.py, client/transport/shm.py).
 GRANT_REQUEST = b"KVTSHM1"
 

@@ -17,16 +17,12 @@ from urllib.parse import quote, urlencode
 from kvtier.common.framed_listener import serve
 from kvtier.common.units import parse_hostport
 from kvtier.segment_server.commit_relay import CommitRelay
+from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
-from kvtier.segment_server.protocol import (
-    CapabilityCheck,
-    ConnectionLimits,
-    Connections,
-    DataPlaneStats,
-    DataProtocol,
-)
+from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
+from kvtier.segment_server.protocol import Connections, DataProtocol
 from kvtier.segment_server.shm_grant import MAX_CONNECTIONS, TIMEOUT_S, GrantServer, GrantStats, reopen
 
 logger = logging.getLogger(__name__)
@@ -58,8 +54,10 @@ class TcpListener:
         clock: MasterClock | None = None,
         relay: CommitRelay | None = None,
         keyed: KeyedReads | None = None,
+        mount: MountSession | None = None,
     ) -> None:
         self._host, self._port = parse_hostport(listen)
+        self._mount = mount
         self._caps = caps
         self._clock = clock
         self._relay = relay
@@ -83,12 +81,17 @@ class TcpListener:
                 self._clock,
                 self._relay,
                 self._keyed,
+                self._mount,
             ),
             self._connections,
             self._advertise,
         )
         logger.info("listening endpoint=%s", endpoint)
         return endpoint
+
+    def mount_ended(self) -> None:
+        """The segment's mount ended: READ responses of it still queued are cut (event loop)."""
+        self._connections.mount_ended()
 
     async def stop(self) -> None:
         self._connections.stop()

@@ -45,6 +45,7 @@ from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 from kvtier.segment_server.keyed_reads import DirectReadLease
 from kvtier.segment_server.master_clock import MasterClock
+from kvtier.segment_server.mount_session import MountSession
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +115,15 @@ class MasterLink:
         report_disk: Callable[[Any, int, int], None] | None = None,
         clock: MasterClock | None = None,
         lease: DirectReadLease | None = None,
+        mount: MountSession | None = None,
     ) -> None:
         """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each
         heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory; `lease` is
-        started by each mount and renewed by each acknowledged heartbeat (direct reads)."""
+        started by each mount and renewed by each acknowledged heartbeat (direct reads); `mount`
+        is the data plane's view of the mount: ended before the next mount is asked for, set as
+        soon as the master answers it (kvtier.segment_server.mount_session)."""
         self._channels = channels
+        self._mount_session = mount or MountSession()
         self._lease = lease or DirectReadLease()
         self._request = mount_request
         self._request.inventory = True
@@ -218,6 +223,7 @@ class MasterLink:
 
     def _end_session(self) -> None:
         self._lease.end()  # first: no direct read is served from an index that stopped following
+        self._mount_session.set(0, 0)  # no grant of the ended mount acts on the region from here on
         self._index.set_session((0, 0))  # no notice of an earlier mount lands from here on
 
     def _failed(self, exc: BaseException) -> str:
@@ -252,6 +258,8 @@ class MasterLink:
         if reply.status != Status.OK:
             raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch
+        # The master hands out grants of this mount from its answer on (the inventory concerns the index).
+        self._mount_session.set(segment_id, epoch)
         if reply.discard_index:
             if len(self._index):
                 logger.warning("master does not take our DRAM index (%d objects): discarding it", len(self._index))

@@ -18,7 +18,11 @@ LEASE_EXPIRED. A READ's response is tracked by stream position (bytes queued
 on this connection, less what the transport still holds); one timer per
 connection, at the earliest grant end of the responses still queued, aborts
 the connection if any of their bytes are still there (abort() drops queued
-views unsent). Both are logged ("frame cut") and counted per op.
+views unsent). Both are logged ("frame cut") and counted per op. A grant also
+names the segment's mount it was issued under (kvtier.segment_server.mount_session):
+a READ or WRITE of another mount is refused, and the frames admitted under a mount
+are cut the same way once it ends (a WRITE at its next receive, queued READ
+responses with their connection).
 
 Invariants that keep the stream in sync:
 - `get_buffer` never returns an empty buffer (uvloop closes the connection on
@@ -45,23 +49,22 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
 from kvtier.common.framed_listener import ConnectionSet, FramedConnection
-from kvtier.common.latency import LatencyHistogram
 from kvtier.common.logs import LogBudget, format_request_id
 from kvtier.proto import frames
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.auth import CLOCK_SKEW_MS, CapabilityKey, capability_key, wall_ms
+from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.commit_relay import CommitRelay
+from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
+from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
 
 logger = logging.getLogger(__name__)
 _log = LogBudget(logger, "data plane")  # refusals and cuts: a flood of bad peers is no flood of lines
@@ -78,65 +81,6 @@ _OPS = {int(op) for op in Op}
 _SPECIAL = frames.FLAG_TRACED | frames.FLAG_DEADLINE | frames.FLAG_CAPS  # flags with a leading table entry
 
 
-@dataclass(slots=True)
-class DataPlaneStats:
-    """Counters shared by every connection of one segment server (single thread)."""
-
-    connections: int = 0
-    requests: int = 0
-    bytes_written: int = 0  # payload bytes received into the region
-    bytes_read: int = 0  # payload bytes queued to clients from the region (the DRAM tier)
-    ssd_bytes_served: int = 0  # verified object bytes queued to clients from the SSD tier
-    ssd_bytes_read: int = 0  # bytes this server's disk reads returned (records, headers, padding)
-    ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
-    range_errors: int = 0
-    protocol_errors: int = 0
-    capability_denials: int = 0  # requests without valid capabilities (CAPABILITY_DENIED)
-    refused_connections: int = 0  # over max_connections
-    timed_out_connections: int = 0  # idle, or a request (or its response) stalled past the limit
-    # READ/WRITE frames cut because their grant ended while they were served, by op name.
-    frames_cut: dict[str, int] = field(default_factory=lambda: {"READ": 0, "WRITE": 0})
-    # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
-    # the region; READ_DISK: the last record queued). Completed requests only.
-    latency: dict[str, LatencyHistogram] = field(
-        default_factory=lambda: {
-            op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK", "COMMIT", "READ_KEYED")
-        }
-    )
-    commits_refused: int = 0  # COMMIT frames not right behind a completed WRITE, or undecodable
-
-
-class CapabilityCheck:
-    """This segment's capability key: from the cluster secret, its name, its incarnation and the epoch
-    of the master it is mounted on (kvtier.proto.auth); None while it is not mounted."""
-
-    def __init__(self, secret: bytes, name: str, epoch: Callable[[], int], incarnation: str = "") -> None:
-        self._secret = secret
-        self._name = name
-        self._epoch = epoch
-        self._incarnation = incarnation  # the region's nonce, as the mount request names it
-        self._key: CapabilityKey | None = None
-        self._key_epoch = 0
-
-    def key(self) -> CapabilityKey | None:
-        epoch = self._epoch()
-        if not epoch:
-            return None
-        if epoch != self._key_epoch:
-            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch, self._incarnation))
-            self._key_epoch = epoch
-        return self._key
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """What one client connection may hold (kvtier.segment_server.config)."""
-
-    max_connections: int = 4096
-    idle_timeout_s: float = 600.0  # between requests
-    request_timeout_s: float = 60.0  # from a request's first byte to its response handed to the kernel
-
-
 class Connections(ConnectionSet["DataProtocol"]):
     """The live connections of one listener, their limit, and a sweep that closes stalled ones
     (kvtier.common.framed_listener).
@@ -150,6 +94,12 @@ class Connections(ConnectionSet["DataProtocol"]):
 
     def __init__(self, limits: ConnectionLimits, stats: DataPlaneStats) -> None:
         super().__init__(limits, stats)
+
+    def mount_ended(self) -> None:
+        """The segment's mount ended (kvtier.segment_server.mount_session): cut the READ responses of
+        that mount still queued (a WRITE in progress stops at its next receive by itself)."""
+        for connection in list(self.live):
+            connection.cut_reads_of_ended_mounts()
 
 
 class DataProtocol(FramedConnection):
@@ -167,6 +117,7 @@ class DataProtocol(FramedConnection):
         clock: MasterClock | None = None,
         relay: CommitRelay | None = None,
         keyed: KeyedReads | None = None,
+        mount: MountSession | None = None,
     ) -> None:
         # The largest frame is a WRITE of the whole region.
         super().__init__(connections, stats, len(region))
@@ -178,12 +129,18 @@ class DataProtocol(FramedConnection):
         self._cap_expiry = 0
         self._windows: tuple[int, ...] = ()  # FLAG_WINDOW: (skip, take) per range of the current READ
         self._deadline_ms = 0  # of the current request: its grant's deadline (0: it carries none)
+        # The segment's mount (None: not checked, a connection driven by a test); the mount sessions
+        # the current request's grant names (its deadline's and its capability's: 0 = none named),
+        # and the one it was admitted under.
+        self._mount = mount
+        self._grant_sessions = (0, 0)
+        self._frame_session = 0
         self._cut_at = 0.0  # the current WRITE's grant end, monotonic
         self._write_done = 0  # payload bytes of the current WRITE's completed ranges
         # Stream position: bytes this connection has queued on its transport. A READ response still
-        # queued is (its end position, its grant end (monotonic), request id, trace).
+        # queued is (its end position, its grant end (monotonic), request id, trace, mount session).
         self._queued = 0
-        self._reads: deque[tuple[int, float, int, int]] = deque()
+        self._reads: deque[tuple[int, float, int, int, int]] = deque()
         self._read_timer: asyncio.TimerHandle | None = None
         self._read_timer_at = 0.0
         self._request_start = time.monotonic()  # first byte of the current (or last) request
@@ -273,7 +230,9 @@ class DataProtocol(FramedConnection):
         state = self._state
         if state == _PAYLOAD:
             if time.monotonic() > self._cut_at:  # the grant ended: not one more byte into the region
-                return self._cut_write()
+                return self._cut_write("the grant of these ranges ended")
+            if self._mount is not None and self._mount.current[0] != self._frame_session:
+                return self._cut_write("the segment's mount this grant belongs to ended")
             base = self._run_base
             return self._region[base + self._filled : base + self._need]
         if state == _HEADER:
@@ -314,7 +273,7 @@ class DataProtocol(FramedConnection):
             self._deadline_ms = 0
             leading = 1 if traced else 0  # table entries before the capability block
             if self._flags & frames.FLAG_DEADLINE:
-                self._deadline_ms, ranges = ranges[0], ranges[2:]
+                self._deadline_ms, self._grant_sessions, ranges = ranges[0], (ranges[1], 0), ranges[2:]
                 self._nranges -= 1
                 leading += 1
             if self._flags & frames.FLAG_WINDOW:  # one (skip, take) per range ends the table
@@ -330,6 +289,7 @@ class DataProtocol(FramedConnection):
                 count = self._nranges // 2
                 first_tag = leading + 1 + count  # table entry where the tags start
                 self._cap_expiry = ranges[0]
+                self._grant_sessions = (self._grant_sessions[0], ranges[1])
                 # The capability's expiry bounds the frame; a deadline entry can only shorten it.
                 self._deadline_ms = min(self._deadline_ms or ranges[0], ranges[0])
                 self._cap_tags = bytes(self._table[16 * first_tag : 16 * (first_tag + count)])
@@ -363,6 +323,7 @@ class DataProtocol(FramedConnection):
         self._after_write, self._wrote = self._wrote, False
         self._cap_tags = None
         self._deadline_ms = 0
+        self._grant_sessions = (0, 0)
         self._windows = ()
         self._started = time.perf_counter()
         if magic != frames.MAGIC or version != frames.VERSION:
@@ -411,6 +372,8 @@ class DataProtocol(FramedConnection):
 
     def _on_request(self) -> None:
         op, ranges, capacity = self._op, self._ranges, self._capacity
+        if self._mount is not None and op in (Op.READ, Op.WRITE) and (refused := self._other_mount()):
+            return self._refuse(Status.LEASE_EXPIRED, refused)
         if self._caps is not None and op in (Op.READ, Op.WRITE) and (denied := self._capability_problem(op)):
             self._stats.capability_denials += 1
             if op == Op.WRITE:
@@ -594,22 +557,37 @@ class DataProtocol(FramedConnection):
             },
         )
 
-    def _cut_write(self) -> memoryview:
-        """The current WRITE outlived its grant: the rest of its payload goes to scratch, then
-        LEASE_EXPIRED (the connection stays in sync). Returns the buffer for the bytes arriving now."""
+    def _other_mount(self) -> str:
+        """Why this READ or WRITE's grant is not of the segment's current mount ("" = it is; a grant
+        naming none, from a client older than mount sessions, is taken as the current mount's)."""
+        current = self._mount.current[0]  # type: ignore[union-attr]
+        if not current:
+            return "this segment is not mounted on a master: no grant is valid now"
+        if any(session and session != current for session in self._grant_sessions):
+            return (
+                "granted under an earlier mount of this segment (it was dropped and mounted again, or its "
+                "master restarted): ask the master again"
+            )
+        self._frame_session = current
+        return ""
+
+    def _cut_write(self, reason: str) -> memoryview:
+        """The current WRITE outlived its grant (or the mount the grant belongs to): the rest of its
+        payload goes to scratch, then LEASE_EXPIRED (the connection stays in sync). Returns the buffer
+        for the bytes arriving now."""
         left = self._payload_len - self._write_done - self._filled
-        detail = f"{left} of {self._payload_len} payload bytes not written"
+        detail = f"{reason}: {left} of {self._payload_len} payload bytes not written"
         self._log_cut("WRITE", self._request_id, self._trace, detail)
         self._state = _DRAIN
         self._drain_left = left
         self._drain_status = Status.LEASE_EXPIRED
-        self._drain_message = "the grant of these ranges ended before the payload arrived: nothing more was written"
+        self._drain_message = f"{reason} before the payload arrived: nothing more was written"
         return _SCRATCH[: min(left, _SCRATCH_SIZE)]
 
     def _track_read(self, cut_at: float) -> None:
         """A READ response (ending at the current stream position) is still queued: make sure a timer
         looks at it when its grant ends."""
-        self._reads.append((self._queued, cut_at, self._request_id, self._trace))
+        self._reads.append((self._queued, cut_at, self._request_id, self._trace, self._frame_session))
         if self._read_timer is None or cut_at < self._read_timer_at:
             self._arm_read_timer(cut_at)
 
@@ -634,10 +612,28 @@ class DataProtocol(FramedConnection):
         first = min(entry[1] for entry in reads)
         if first > time.monotonic():
             return self._arm_read_timer(first)
-        end, _cut_at, request_id, trace = next(entry for entry in reads if entry[1] == first)
+        end, _cut_at, request_id, trace, _session = next(entry for entry in reads if entry[1] == first)
         self._log_cut("READ", request_id, trace, f"{end - sent} bytes up to its end unsent; the connection is aborted")
         reads.clear()
         self.abort("a READ response outlived its grant")
+
+    def cut_reads_of_ended_mounts(self) -> None:
+        """Abort the connection if a READ response admitted under an ended mount is still queued."""
+        transport, reads = self._transport, self._reads
+        if transport is None or self._state == _CLOSED or not reads or self._mount is None:
+            return
+        sent = self._queued - transport.get_write_buffer_size()
+        while reads and reads[0][0] <= sent:
+            reads.popleft()
+        current = self._mount.current[0]
+        stale = next((entry for entry in reads if entry[4] != current), None)
+        if stale is None:
+            return
+        end, _cut_at, request_id, trace, _session = stale
+        detail = f"the segment's mount ended: {end - sent} bytes up to its end unsent; the connection is aborted"
+        self._log_cut("READ", request_id, trace, detail)
+        reads.clear()
+        self.abort("a READ response outlived its segment's mount")
 
     def _capability_problem(self, op: int) -> str:
         """Why this request's ranges may not be served ("" = every range has its valid capability)."""

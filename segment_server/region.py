@@ -83,6 +83,7 @@ class DramRegion:
         self._lock = -1  # the lock file, flocked
         self._map: mmap.mmap | None = None
         self.view: memoryview  # the data area, writable
+        self.header: memoryview  # the header page, writable (kvtier.proto.region)
 
     def open(self) -> DramRegion:
         remove_if_orphaned(self.path)
@@ -120,6 +121,7 @@ class DramRegion:
         self._fd = memfd
         self._map[: HEADER.size] = header
         self.view = memoryview(self._map)[HEADER_SIZE:]
+        self.header = memoryview(self._map)[:HEADER_SIZE]  # the mount session is rewritten there
         logger.info("region created path=%s capacity=%d", self.path, self.capacity)
         return self
 
@@ -136,6 +138,7 @@ class DramRegion:
         assert self._map is not None
         try:
             self.view.release()
+            self.header.release()
             self._map.close()
         except BufferError:  # a transport still holds a slice; the mapping dies with the process
             logger.warning("region still referenced at close path=%s", self.path)

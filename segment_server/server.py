@@ -20,6 +20,7 @@ from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.config import SegmentConfig
+from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio_probe import open_engine
 from kvtier.segment_server.dram_index import CommitFeed, DramIndex
@@ -28,7 +29,7 @@ from kvtier.segment_server.keyed_reads import DirectReadLease, KeyedReads
 from kvtier.segment_server.listeners import ShmListener, TcpListener
 from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.master_link import MasterChannels, MasterLink
-from kvtier.segment_server.protocol import CapabilityCheck, ConnectionLimits, DataPlaneStats
+from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
 from kvtier.segment_server.region import (
     HEADER_SIZE,
     DramRegion,
@@ -75,7 +76,8 @@ async def serve(config: SegmentConfig) -> int:
         secret = config.secret()
         # With a cluster secret the data plane serves only ranges the master granted (capabilities),
         # keyed by the epoch of the current mount (the index's session).
-        caps = CapabilityCheck(secret, config.name, lambda: index.session[1], region.nonce.hex()) if secret else None
+        mount = MountSession(region.header)  # the master link's mount, as grants name it
+        caps = CapabilityCheck(secret, config.name, mount, region.nonce.hex()) if secret else None
         clock = MasterClock()  # grants are judged on the master's clock (kvtier.segment_server.master_clock)
         credentials = config.credentials()
         # COMMIT frames go to the master's fast path the commit feed found (none with TLS: it has none).
@@ -93,6 +95,7 @@ async def serve(config: SegmentConfig) -> int:
                 clock,
                 relay,
                 keyed,
+                mount,
             ),
             ShmListener(
                 grant_socket_path(config.shm_dir, config.cluster_id, config.name),
@@ -145,7 +148,9 @@ async def serve(config: SegmentConfig) -> int:
                 worker.report_inventory(stub, segment_id, epoch) if worker is not None else None
             ),
             clock=clock,
+            mount=mount,
         )
+        mount.attach(loop, listeners[0].mount_ended)
         if store is not None:
             # Mounting read record headers only: payloads are verified in the background.
             verifier = Verifier(store, parse_size(config.ssd_verify_rate))

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 Buffer = memoryview  # a flat, byte-formatted view ("B", contiguous)
-# Capabilities for a call's ranges, from the master (kvtier.proto.auth): (expiry_ms, one 16-byte tag
-# per range, in order), or None when the cluster has no secret. Connectors that go through the
-# segment server (tcp) send them; those that map the region (shm) have no use for them.
-Caps = tuple[int, Sequence[bytes]] | None
+# The grant of a call's ranges, from the master (kvtier.proto.auth): (expiry_ms, one 16-byte tag per
+# range in order (none when the cluster has no secret), the segment's mount session it belongs to
+# (SegmentEndpoint.session, kvtier.proto.frames)); None from a master that names no expiry.
+# Connectors that go through the segment server (tcp) send it in every frame; those that map the
+# region (shm) copy nothing after its expiry, nor while the region names another mount.
+Caps = tuple[int, Sequence[bytes], int] | None
 # One object of a segment's SSD tier: (disk location, size, b"namespace\0key").
 DiskItem = tuple[int, int, bytes]
 

@@ -54,7 +54,7 @@ from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.chunks import CHUNK_BYTES
 from kvtier.proto.errors import ConnectError
-from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC
+from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC, SESSION, SESSION_OFFSET
 from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
@@ -310,9 +310,11 @@ class ShmConnector:
         chunks: list[bytes | None] | None = None,
     ) -> list[int]:
         """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes. A range
-        whose grant (caps' expiry + CLOCK_SKEW_MS) has ended is not copied: LEASE_EXPIRED."""
+        whose grant (caps' expiry + CLOCK_SKEW_MS) has ended, or whose grant belongs to a mount of
+        the segment other than the one the region's header names now, is not copied: LEASE_EXPIRED."""
         region, capacity = self._view, self._capacity
         grant_end = caps[0] + CLOCK_SKEW_MS if caps is not None else 0
+        session = caps[2] if caps is not None else 0
         out = []
         for index, (offset, buf) in enumerate(ranges):
             end = offset + len(buf)
@@ -321,6 +323,9 @@ class ShmConnector:
                 continue
             if grant_end and wall_ms() > grant_end:
                 out.append(_EXPIRED)
+                continue
+            if session and SESSION.unpack_from(self._map, SESSION_OFFSET)[0] != session:
+                out.append(_EXPIRED)  # the segment was dropped and mounted again since the grant
                 continue
             stored = region[offset:end]
             if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass

@@ -201,7 +201,7 @@ class TcpConnector:
                     request_id = next(self._request_ids)
                     table = [(ranges[i][0], sizes[i]) for i in range(start, end)]
                     payload_len = sum(sizes[start:end]) if op == Op.WRITE else 0
-                    frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
+                    frame_caps = (caps[0], b"".join(caps[1][start:end]), caps[2]) if caps is not None else None
                     buffers: list = [
                         frames.pack_request(op, request_id, table, payload_len, trace, frame_caps, flags=flags)
                     ]
@@ -375,7 +375,7 @@ class TcpConnector:
             return [int(Status.INVALID_ARGUMENT)] * count
         frame_caps = None
         if caps is not None:  # the grant's tag once per window (the frame carries one per range)
-            frame_caps = (caps[0], bytes(caps[1][0]) * count if caps[1] else b"")
+            frame_caps = (caps[0], bytes(caps[1][0]) * count if caps[1] else b"", caps[2])
         try:
             with self._pool.socket() as sock:
                 request_id = next(self._request_ids)
@@ -439,7 +439,7 @@ class TcpConnector:
         if size + _STATUS_BYTES > _CHUNK:  # larger than a direct read (DIRECT_READ_MAX_BYTES): the general way
             crcs: list[int | None] = [None]
             into = None if view is None else [memoryview(view)[:size]]
-            result = self.read_keyed([(offset, size, name)], into, crcs, caps=(expiry_ms, [tag]))[0]
+            result = self.read_keyed([(offset, size, name)], into, crcs, caps=(expiry_ms, [tag], 0))[0]
             if isinstance(result, bytes):
                 return result, crc32c.crc32c(result)
             return result, crcs[0] if result == _OK else None
@@ -452,7 +452,7 @@ class TcpConnector:
             with self._pool.socket() as sock:
                 request_id = next(self._request_ids)
                 request = frames.pack_one_range(
-                    Op.READ_KEYED, request_id, offset, size, len(names), current_request_id.get(), (expiry_ms, tag)
+                    Op.READ_KEYED, request_id, offset, size, len(names), current_request_id.get(), (expiry_ms, tag, 0)
                 )
                 sock.sendall(request + names)
                 answer, payload_len, got = self._read_response(sock, request_id, header, parts)
@@ -498,7 +498,7 @@ class TcpConnector:
                     request_id = next(self._request_ids)
                     names = frames.pack_disk_names([items[i][2] for i in range(start, end)])
                     table = [(items[i][0], sizes[i]) for i in range(start, end)]
-                    frame_caps = (caps[0], b"".join(caps[1][start:end])) if caps is not None else None
+                    frame_caps = (caps[0], b"".join(caps[1][start:end]), caps[2]) if caps is not None else None
                     request = frames.pack_request(op, request_id, table, len(names), trace, frame_caps)
                     send_all(sock, [request, names])
                     expected = 4 * (end - start) + sum(sizes[start:end])

@@ -101,7 +101,7 @@ def raw_put(client: Client, key: str, value: bytes, chunks: list[bytes] | None =
     start = master.call("PutStart", pb.PutStartRequest(namespace="default", keys=[key], sizes=[len(value)], replicas=1))
     assert start.statuses == [0]
     connector = client._connector(start.segments[0])
-    caps = (start.tag_expiry_ms, [start.replica_tags[:16]] if start.replica_tags else [])
+    caps = (start.tag_expiry_ms, [start.replica_tags[:16]] if start.replica_tags else [], start.segments[0].session)
     assert connector.write([(start.replica_offsets[0], memoryview(value))], caps=caps) == [0]
     request = pb.PutEndRequest(
         namespace="default", keys=[key], checksums=[crc32c.crc32c(value)], put_id=start.put_id, chunk_checksums=chunks
@@ -191,7 +191,7 @@ def test_ranged_reads_under_capabilities(secure):  # noqa: F811
     (replica,) = client.locate("big")
     reply = client._master.call("GetReplicas", pb.KeysRequest(namespace="default", keys=["big"]))
     connector = client._connector(reply.segments[0])
-    caps = (reply.tag_expiry_ms, [reply.replica_tags[:16]])
+    caps = (reply.tag_expiry_ms, [reply.replica_tags[:16]], reply.segments[0].session)
     grant = (replica["offset"], SIZE)
     inside, outside = bytearray(8), bytearray(8)
     assert connector.read_windows(grant, [(SIZE - 8, memoryview(inside))], caps) == [0]

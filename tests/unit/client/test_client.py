@@ -167,9 +167,9 @@ def test_any_contiguous_buffer_is_sent_as_its_bytes_without_a_copy():
 
 def test_capability_tags_are_handed_to_each_replica_by_position():
     tags = bytes(range(48))  # three 16-byte tags
-    assert _caps(tags, 1234, [2, 0]) == (1234, [tags[32:48], tags[0:16]])
-    assert _caps(b"", 1234, [0]) == (1234, []), "no tags: the expiry still bounds the frames"
-    assert _caps(b"", 0, [0]) is None
+    assert _caps(tags, 1234, [2, 0], 77) == (1234, [tags[32:48], tags[0:16]], 77)
+    assert _caps(b"", 1234, [0], 77) == (1234, [], 77), "no tags: the expiry still bounds the frames"
+    assert _caps(b"", 0, [0], 77) is None
 
 
 # ------------------------------------------------------------------ same-host copies shared by io threads

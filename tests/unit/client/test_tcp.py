@@ -163,8 +163,8 @@ def test_dram_ranges_round_trip_through_the_same_connector(segment):
     deadline = int(time.time() * 1000) + 60_000
     try:
         # Without a cluster secret a READ or WRITE carries its grant's deadline (FLAG_DEADLINE).
-        assert connector.write([(4096, memoryview(payload))], caps=(deadline, [])) == [OK]
-        assert connector.read([(4096, len(payload))], caps=(deadline, [])) == [payload]
+        assert connector.write([(4096, memoryview(payload))], caps=(deadline, [], 0)) == [OK]
+        assert connector.read([(4096, len(payload))], caps=(deadline, [], 0)) == [payload]
     finally:
         connector.close()
     assert bytes(segment.region[4096 : 4096 + len(payload)]) == payload
@@ -188,11 +188,11 @@ def test_mixed_sizes_round_trip_with_the_checksums_of_what_moved(segment, sizes)
     try:
         written: list[int | None] = [None] * len(sizes)
         ranges = [(o, memoryview(p)) for o, p in zip(offsets, payloads, strict=True)]
-        assert connector.write(ranges, written, caps=(deadline, [])) == [OK] * len(sizes)
+        assert connector.write(ranges, written, caps=(deadline, [], 0)) == [OK] * len(sizes)
         buffers = [bytearray(n) for n in sizes]
         read: list[int | None] = [None] * len(sizes)
         ranges = [(o, memoryview(b)) for o, b in zip(offsets, buffers, strict=True)]
-        assert connector.read_into(ranges, read, caps=(deadline, [])) == [OK] * len(sizes)
+        assert connector.read_into(ranges, read, caps=(deadline, [], 0)) == [OK] * len(sizes)
     finally:
         connector.close()
     assert [bytes(b) for b in buffers] == payloads
@@ -223,13 +223,13 @@ def test_small_objects_share_socket_calls_both_ways(segment, monkeypatch):
     connector = TcpConnector(segment.endpoint, config())
     try:
         crcs: list[int | None] = [None] * 32
-        assert connector.write(ranges, crcs, caps=(deadline, [])) == [OK] * 32
+        assert connector.write(ranges, crcs, caps=(deadline, [], 0)) == [OK] * 32
         assert calls["send"] == 1
         buffers = [bytearray(8 << 10) for _ in range(32)]
         calls.update(recv_into=0)
         read: list[int | None] = [None] * 32
         into = [(o, memoryview(b)) for (o, _), b in zip(ranges, buffers, strict=True)]
-        assert connector.read_into(into, read, caps=(deadline, [])) == [OK] * 32
+        assert connector.read_into(into, read, caps=(deadline, [], 0)) == [OK] * 32
         # Session 9: the header comes with the payloads' scatter receive (it is the last response in
         # flight); what had not arrived by then takes one more.
         assert calls["recv_into"] == 0 and calls["recv_into_all"] <= 1
@@ -282,15 +282,15 @@ def test_a_small_read_gets_header_and_payload_in_one_receive(segment, counted_so
     deadline = int(time.time() * 1000) + 60_000
     connector = TcpConnector(segment.endpoint, config())
     try:
-        assert connector.write([(8192, memoryview(payload))], [None], caps=(deadline, [])) == [OK]
+        assert connector.write([(8192, memoryview(payload))], [None], caps=(deadline, [], 0)) == [OK]
         (sock,) = counted_sockets
         sock.receives = 0
         if into:
             buffer, crcs = bytearray(4096), [None]
-            assert connector.read_into([(8192, memoryview(buffer))], crcs, caps=(deadline, [])) == [OK]
+            assert connector.read_into([(8192, memoryview(buffer))], crcs, caps=(deadline, [], 0)) == [OK]
             assert bytes(buffer) == payload and crcs == [crc32c.crc32c(payload)]
         else:
-            assert connector.read([(8192, 4096)], caps=(deadline, [])) == [payload]
+            assert connector.read([(8192, 4096)], caps=(deadline, [], 0)) == [payload]
         assert sock.receives == 1
     finally:
         connector.close()
@@ -305,15 +305,15 @@ def test_a_refused_small_read_reports_its_message_and_the_connection_stays_in_st
     deadline = int(time.time() * 1000) + 60_000
     connector = TcpConnector(segment.endpoint, ClientConfig(master="127.0.0.1:1", connections_per_segment=1))
     try:
-        assert connector.write([(0, memoryview(payload))], [None], caps=(deadline, [])) == [OK]
+        assert connector.write([(0, memoryview(payload))], [None], caps=(deadline, [], 0)) == [OK]
         outside = REGION - 100  # runs past the region: INVALID_RANGE, with a message
         if into:
-            result = connector.read_into([(outside, memoryview(bytearray(4096)))], [None], caps=(deadline, []))
+            result = connector.read_into([(outside, memoryview(bytearray(4096)))], [None], caps=(deadline, [], 0))
         else:
-            result = connector.read([(outside, 4096)], caps=(deadline, []))
+            result = connector.read([(outside, 4096)], caps=(deadline, [], 0))
         assert result == [int(Status.INVALID_RANGE)]
         assert f"range offset={outside} length=4096 outside region of {REGION}" in caplog.text
-        assert connector.read([(0, 4096)], caps=(deadline, [])) == [payload]
+        assert connector.read([(0, 4096)], caps=(deadline, [], 0)) == [payload]
         assert connector._pool._open == 1  # the same socket: the refusal left it in step
     finally:
         connector.close()

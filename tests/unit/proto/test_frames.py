@@ -128,9 +128,12 @@ def test_disk_names_round_trip_and_refuse_malformed_payloads():
     trace=st.one_of(st.just(0), u64),
     expiry=st.one_of(st.just(0), u64),
     tag=st.one_of(st.just(b""), st.binary(min_size=16, max_size=16)),
+    session=st.one_of(st.just(0), u64),
 )
-def test_one_range_packs_what_pack_request_packs(op, request_id, offset, size, payload_len, trace, expiry, tag):
+def test_one_range_packs_what_pack_request_packs(
+    op, request_id, offset, size, payload_len, trace, expiry, tag, session
+):
     """A single get's frame, packed at once, is byte for byte the general packer's."""
-    grant = (expiry, tag)
+    grant = (expiry, tag, session)
     expected = pack_request(op, request_id, [(offset, size)], payload_len, trace, grant)
     assert frames.pack_one_range(op, request_id, offset, size, payload_len, trace, grant) == expected

@@ -1,0 +1,48 @@
+"""What the data plane counts and what one client connection may hold (kvtier.segment_server.protocol).
+
+Shared by every connection of one segment server (its event loop's thread); read by the
+metrics (kvtier.segment_server.metrics) and the disk reads (kvtier.segment_server.disk_reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.common.latency import LatencyHistogram
+
+
+@dataclass(slots=True)
+class DataPlaneStats:
+    """Counters shared by every connection of one segment server (single thread)."""
+
+    connections: int = 0
+    requests: int = 0
+    bytes_written: int = 0  # payload bytes received into the region
+    bytes_read: int = 0  # payload bytes queued to clients from the region (the DRAM tier)
+    ssd_bytes_served: int = 0  # verified object bytes queued to clients from the SSD tier
+    ssd_bytes_read: int = 0  # bytes this server's disk reads returned (records, headers, padding)
+    ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
+    range_errors: int = 0
+    protocol_errors: int = 0
+    capability_denials: int = 0  # requests without valid capabilities (CAPABILITY_DENIED)
+    refused_connections: int = 0  # over max_connections
+    timed_out_connections: int = 0  # idle, or a request (or its response) stalled past the limit
+    # READ/WRITE frames cut because their grant ended while they were served, by op name.
+    frames_cut: dict[str, int] = field(default_factory=lambda: {"READ": 0, "WRITE": 0})
+    # Data-path latency per op name, header received -> response queued (WRITE: all bytes in
+    # the region; READ_DISK: the last record queued). Completed requests only.
+    latency: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {
+            op: LatencyHistogram() for op in ("READ", "WRITE", "READ_DISK", "COMMIT", "READ_KEYED")
+        }
+    )
+    commits_refused: int = 0  # COMMIT frames not right behind a completed WRITE, or undecodable
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one client connection may hold (kvtier.segment_server.config)."""
+
+    max_connections: int = 4096
+    idle_timeout_s: float = 600.0  # between requests
+    request_timeout_s: float = 60.0  # from a request's first byte to its response handed to the kernel

@@ -1,0 +1,191 @@
+"""Grants from a segment's previous mount never act on its next one (real processes, raw frames).
+
+A segment that is dropped and mounts again (stopped past `segment_ttl_s`, or its master restarted)
+gets a new allocator on the master: every range is free at once, while a grant handed out before
+still has most of its life. Every grant therefore names the mount it was issued under (its
+frame's deadline or capability entry carries the mount session, kvtier.proto.frames), the segment
+refuses one from another mount, and a frame admitted under a mount that has ended is cut: a WRITE
+stops writing into the region, a READ still queued has its connection aborted.
+
+Grants here are long (`--lease-s 30 --put-timeout-s 30`) so that the only thing between writer A's
+late bytes and the next owner is the mount they belong to. Segments are exactly one object large, so
+B's put lands on A's range (hard-pinned: a full segment would otherwise evict it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from kvtier.proto import frames
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.frames import Op
+from kvtier.proto.status import Status
+from tests.integration.rawframes import IO_TIMEOUT_S, connect, recv_exact, recv_response
+from tests.integration.test_stalled_peers import SECRET, Master, frames_cut, start_segment
+
+LONG_GRANTS = ("--lease-s", "30", "--put-timeout-s", "30")
+REMOUNT_WAIT_S = 20.0
+
+
+@pytest.fixture(params=["no-secret", "secret"])
+def long_grants(bare_cluster, tmp_path, request):
+    if request.param == "secret":
+        path = tmp_path / "cluster.secret"
+        path.write_bytes(SECRET)
+        os.chmod(path, 0o600)
+        bare_cluster.secret_file = str(path)
+    bare_cluster.start_master(*LONG_GRANTS)
+    return bare_cluster
+
+
+def away_past_ttl(cluster, segment) -> None:
+    """Stop the segment until the master dropped it, then let it mount again."""
+    segment.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(cluster.segment_ttl_s + 2.0)
+    finally:
+        segment.popen.send_signal(signal.SIGCONT)
+
+
+def put_on_range(cluster, offset: int, size: int) -> tuple[object, bytes]:
+    """B's acknowledged object, on `offset` (the segment holds one object of `size`)."""
+    b = cluster.client(transport="tcp")
+    value = os.urandom(size)
+    assert cluster.wait_for(lambda: b.batch_put(["b"], [value], pin="hard") == [Status.OK], REMOUNT_WAIT_S, 0.2)
+    assert b.locate("b")[0]["offset"] == offset, "B's object must be on A's range for this test to mean anything"
+    assert b.get("b") == value
+    return b, value
+
+
+def pending_write(cluster, size: int):
+    """Writer A's PutStart of `size` bytes: its offset, the grant as a client would send it, and the
+    segment's endpoint as the answer named it."""
+    master = Master(cluster)
+    start = master.PutStart(pb.PutStartRequest(namespace="default", keys=["a"], sizes=[size], replicas=1))
+    assert list(start.statuses) == [Status.OK] and start.tag_expiry_ms
+    grant = (start.tag_expiry_ms, start.replica_tags, start.segments[0].session)
+    return start.replica_offsets[0], grant, start.segments[0]
+
+
+def test_a_write_in_flight_across_its_segments_remount_never_lands_in_the_next_owners_object(long_grants):
+    # given A's pending put of 1 MiB on a segment of 1 MiB, its frame sent as far as 1 byte
+    size = 1 << 20
+    segment, endpoint = start_segment(long_grants, "1MiB")
+    offset, grant, _ = pending_write(long_grants, size)
+    a = connect(endpoint)
+    a.sendall(frames.pack_request(Op.WRITE, 1, [(offset, size)], size, caps=grant) + b"A")
+    # when the segment is away past its ttl, mounts again, and B's put lands on A's range
+    away_past_ttl(long_grants, segment)
+    b, value = put_on_range(long_grants, offset, size)
+    # and A sends the rest of its payload, with most of its grant left
+    a.sendall(b"A" * (size - 1))
+    # then A's frame was cut (the connection stays in sync) and B reads back exactly its bytes
+    _op, request_id, status, message = recv_response(a)
+    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
+    a.sendall(frames.pack_request(Op.PING, 2, []))
+    assert recv_response(a)[:3] == (Op.PING, 2, 0)
+    a.close()
+    assert b.get("b") == value
+    assert frames_cut(segment, "WRITE") == 1
+
+
+def test_a_grant_from_before_a_remount_is_refused_after_it(long_grants):
+    # given A's grant for the whole segment, unused
+    size = 1 << 20
+    segment, endpoint = start_segment(long_grants, "1MiB")
+    offset, grant, _ = pending_write(long_grants, size)
+    # when the segment is away past its ttl, mounts again, and B's put lands on A's range
+    away_past_ttl(long_grants, segment)
+    b, value = put_on_range(long_grants, offset, size)
+    # and A then writes and reads with its old grant, as a client would send it
+    with connect(endpoint) as a:
+        a.sendall(frames.pack_request(Op.WRITE, 1, [(offset, size)], size, caps=grant) + b"A" * size)
+        write = recv_response(a)
+        a.sendall(frames.pack_request(Op.READ, 2, [(offset, size)], caps=grant))
+        read = recv_response(a)
+    # then both are refused, and B's bytes are untouched
+    assert write[2] == Status.LEASE_EXPIRED and b"earlier mount" in write[3], write
+    assert read[2] == Status.LEASE_EXPIRED and b"earlier mount" in read[3], read
+    assert b.get("b") == value
+
+
+def test_a_write_in_flight_across_a_master_restart_never_lands_in_the_next_owners_object(bare_cluster):
+    # given A's pending put of 1 MiB on a segment of 1 MiB under a master started with its defaults
+    # (write grants of 10 s), its frame sent as far as 1 byte
+    bare_cluster.start_master()
+    size = 1 << 20
+    segment, endpoint = start_segment(bare_cluster, "1MiB")
+    offset, grant, _ = pending_write(bare_cluster, size)
+    a = connect(endpoint)
+    a.sendall(frames.pack_request(Op.WRITE, 1, [(offset, size)], size, caps=grant) + b"A")
+    # when the master is killed and restarted, and B's put lands on A's range
+    bare_cluster.restart_master()
+    b, value = put_on_range(bare_cluster, offset, size)
+    # and A sends the rest of its payload
+    a.sendall(b"A" * (size - 1))
+    # then A's frame was cut, and B reads back exactly its bytes
+    _op, request_id, status, message = recv_response(a)
+    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
+    a.close()
+    assert b.get("b") == value
+
+
+def test_a_read_queued_across_its_segments_remount_never_sends_the_next_owners_bytes(long_grants):
+    # given A's object of 8 MiB on a segment of 8 MiB, and A's READ of it, of which A takes 1 KiB
+    size = 8 << 20
+    segment, endpoint = start_segment(long_grants, "8MiB")
+    b = long_grants.client(transport="tcp")
+    b.put("a", b"a" * size, pin="hard")
+    reply = Master(long_grants).GetReplicas(pb.KeysRequest(namespace="default", keys=["a"]))
+    assert list(reply.statuses) == [Status.OK]
+    offset = reply.replica_offsets[0]
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    a = socket.socket()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # most of the response stays on the segment
+    a.settimeout(IO_TIMEOUT_S)
+    a.connect((host, int(port)))
+    grant = (reply.tag_expiry_ms, reply.replica_tags, reply.segments[0].session)
+    a.sendall(frames.pack_request(Op.READ, 1, [(offset, size)], caps=grant))
+    head = recv_exact(a, frames.RESPONSE.size + 1024)
+    assert frames.RESPONSE.unpack_from(head)[4] == Status.OK
+    # when the segment is away past its ttl and mounts again, "a" is removed, and B's secret lands there
+    away_past_ttl(long_grants, segment)
+    assert long_grants.wait_for(lambda: b.remove("a", force=True), REMOUNT_WAIT_S, 0.2) or not b.exists("a")
+    b2, secret = put_on_range(long_grants, offset, size)
+    # and A reads all it still can
+    rest = bytearray()
+    try:
+        while chunk := a.recv(1 << 20):
+            rest += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    finally:
+        a.close()
+    # then none of it is B's
+    assert set(rest) <= {ord("a")}, f"A received {len(rest) - rest.count(b'a')} bytes of the next owner's object"
+    assert 1024 + len(rest) < size, "the whole response arrived: nothing was cut"
+    assert b2.get("b") == secret
+    assert frames_cut(segment, "READ") == 1
+
+
+def test_a_same_host_copy_with_a_grant_from_before_a_remount_is_refused(bare_cluster):
+    # given A's grant for the whole segment, and A's mapping of the region (same host)
+    bare_cluster.start_master(*LONG_GRANTS)
+    size = 1 << 20
+    segment, _endpoint = start_segment(bare_cluster, "1MiB")
+    offset, grant, endpoint = pending_write(bare_cluster, size)
+    connector = bare_cluster.client(transport="shm")._connector(endpoint)
+    assert connector.scheme == "shm"
+    # when the segment is away past its ttl, mounts again, and B's put lands on A's range
+    away_past_ttl(bare_cluster, segment)
+    b, value = put_on_range(bare_cluster, offset, size)
+    # and A copies into the region with its old grant
+    result = connector.write([(offset, memoryview(b"A" * size))], [None], caps=(grant[0], [], grant[2]))
+    # then the copy is refused, and B's bytes are untouched
+    assert result == [Status.LEASE_EXPIRED]
+    assert b.get("b") == value
