@@ -24,11 +24,15 @@ LOAD = 512
 def prefix_end(prefix: str) -> str:
     """The least string greater than every string starting with `prefix` ("" = no bound).
 
-    Names are `namespace NUL key` (kvtier.proto.keys), so every prefix searched has a NUL at least
-    and its last code point is never the largest one."""
-    if not prefix:
+    A prefix ending in the largest code point (U+10FFFF, a valid key character) is bounded by its
+    shorter prefix's end: nothing sorts between its extensions and that one's."""
+    stem = prefix.rstrip(_LARGEST)
+    if not stem:
         return ""
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return stem[:-1] + chr(ord(stem[-1]) + 1)
+
+
+_LARGEST = chr(0x10FFFF)
 
 
 class NameIndex:

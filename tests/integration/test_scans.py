@@ -130,3 +130,17 @@ def test_a_dead_segments_copies_are_never_handed_out_while_its_cleanup_runs(bare
     assert not load.errors, load.errors[:5]
     assert all(client.batch_exists(on_seg1 + load.put_done))
     assert not [k.key for k in client.iter_keys("d/")]
+
+
+def test_a_prefix_ending_in_the_largest_code_point_lists_and_removes_its_keys(cluster):
+    # given keys under a prefix that ends in U+10FFFF (a valid key character), and one outside it
+    largest = chr(0x10FFFF)
+    client = cluster.client()
+    for key in ("a" + largest, "a" + largest + "x", "b"):
+        client.put(key, key.encode())
+    # when they are listed and removed by that prefix
+    listed = sorted(info.key for info in client.list_keys(prefix="a" + largest).keys)
+    removed = client.remove_prefix("a" + largest)
+    # then exactly its keys were listed and removed, and the master still serves
+    assert listed == ["a" + largest, "a" + largest + "x"] and removed == 2
+    assert client.get("b") == b"b" and not client.exists("a" + largest)

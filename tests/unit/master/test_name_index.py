@@ -46,6 +46,16 @@ def test_prefix_end_bounds_exactly_the_names_with_the_prefix():
     assert "ns\x00ab\uffff" < prefix_end("ns\x00ab") <= "ns\x00ac"
 
 
+def test_prefix_end_of_a_prefix_ending_in_the_largest_code_point():
+    largest = chr(0x10FFFF)
+    assert prefix_end("ns\x00a" + largest) == "ns\x00b"
+    assert prefix_end("ns\x00a" + largest * 3) == "ns\x00b"
+    assert prefix_end(largest * 2) == "", "nothing is greater: no bound"
+    names = ["ns\x00a", "ns\x00a" + largest, "ns\x00a" + largest + "x", "ns\x00a" + largest * 2, "ns\x00b"]
+    end = prefix_end("ns\x00a" + largest)
+    assert [n for n in names if "ns\x00a" + largest <= n < end] == names[1:4]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.text("abc", max_size=4)), max_size=300), st.text("abc", max_size=3))
 def test_the_index_agrees_with_a_sorted_set(ops, start):
