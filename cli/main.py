@@ -36,7 +36,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from kvtier.common.units import parse_hostport, parse_size
+from kvtier.common.units import check_master_spec, parse_hostport, parse_size
 from kvtier.proto.errors import KvtierError
 
 DEFAULT_MASTER = "127.0.0.1:50051"
@@ -53,6 +53,14 @@ def _address(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _master_spec(text: str) -> str:
+    """`--master`: HOST:PORT, a comma list of them, or etcd://HOST:PORT[,...]/CLUSTER (HA)."""
+    try:
+        return check_master_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str) -> str:
@@ -96,7 +104,7 @@ def _count(text: str) -> int:
 def _add_master(parser: argparse.ArgumentParser, json_help: str = "machine-readable output") -> None:
     parser.add_argument(
         "--master",
-        type=_address,
+        type=_master_spec,
         default=os.environ.get("KVTIER_MASTER", DEFAULT_MASTER),
         help=f"master address (default: $KVTIER_MASTER or {DEFAULT_MASTER})",
     )

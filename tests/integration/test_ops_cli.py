@@ -385,3 +385,19 @@ def test_ops_commands_reject_bad_arguments_with_one_line(args):
     assert result.returncode == 2
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "error" in lines[0], lines
+
+
+def test_every_command_finds_an_ha_master_through_etcd(bare_cluster, etcd):
+    # given a master leading through etcd and a key stored, as the README's HA section sets it up
+    bare_cluster.start_ha_masters(etcd.endpoint, 1, "--recovery-timeout-s", "1")
+    bare_cluster.start_segment("seg0")
+    client = bare_cluster.client()
+    assert bare_cluster.wait_for(lambda: client.batch_put(["k"], [b"v"]) == [0], 20.0, 0.2)
+    # when the CLI is pointed at etcd://HOST:PORT/CLUSTER, by flag and by KVTIER_MASTER
+    status = as_json(bare_cluster, "status")
+    env = {**os.environ, "KVTIER_MASTER": bare_cluster.master_address}
+    keys = subprocess.run([*KVTIER, "keys", "--json"], capture_output=True, timeout=120, env=env)
+    # then both reach the leader
+    assert bare_cluster.master_address.startswith("etcd://")
+    assert status["segments"] and keys.returncode == 0, keys.stderr.decode()
+    assert [k["key"] for k in json.loads(keys.stdout)["keys"]] == ["k"]
