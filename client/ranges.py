@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -41,6 +41,10 @@ _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _TIERS = {pb.DRAM: "dram", pb.SSD: "ssd"}
 
 
+# The buffers a ranged read fills, or (get_ranges) what allocates them once the object's size is known.
+Views = list[memoryview] | Callable[[], list[memoryview]]
+
+
 def check_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """(offset, length) pairs of non-negative ints; ValueError otherwise (before anything is sent)."""
     out = []
@@ -61,8 +65,13 @@ class RangedReads:
         unreachable, or failing verification). Raises KvtierError(INVALID_ARGUMENT) when a range
         ends past the object, ValueError for a malformed range."""
         spans = check_ranges(ranges)
-        buffers = [bytearray(length) for _, length in spans]
-        result, message = self._read_ranges(key, spans, [memoryview(b) for b in buffers])
+        buffers: list[bytearray] = []
+
+        def allocate() -> list[memoryview]:  # once the ranges are known to lie inside the object
+            buffers[:] = [bytearray(length) for _, length in spans]
+            return [memoryview(b) for b in buffers]
+
+        result, message = self._read_ranges(key, spans, allocate)
         if result == Status.INVALID_ARGUMENT:
             raise KvtierError(Status.INVALID_ARGUMENT, message)
         return [bytes(b) for b in buffers] if result >= 0 else None
@@ -83,7 +92,7 @@ class RangedReads:
             return int(Status.BUFFER_TOO_SMALL)
         return self._read_ranges(key, spans, [v[:length] for v, (_, length) in zip(views, spans, strict=True)])[0]
 
-    def _read_ranges(self: Client, key: str, spans: list[tuple[int, int]], views: list[memoryview]) -> tuple[int, str]:
+    def _read_ranges(self: Client, key: str, spans: list[tuple[int, int]], views: Views) -> tuple[int, str]:
         """(bytes written in all, "") or (negative status, why)."""
         from kvtier.client.reads import LEASE_SAFETY
 
@@ -116,7 +125,7 @@ class RangedReads:
         key: str,
         reply: pb.GetReplicasResponse,
         spans: list[tuple[int, int]],
-        views: list[memoryview],
+        views: Views,
         lease_deadline: float,
     ) -> tuple[int, str]:
         status = reply.statuses[0]
@@ -128,6 +137,8 @@ class RangedReads:
                 return int(Status.INVALID_ARGUMENT), (
                     f"range offset={offset} length={length} ends past {key!r:.80}'s {size} bytes"
                 )
+        if callable(views):  # get_ranges allocates only what an existing object can fill
+            views = views()
         if not any(length for _, length in spans):
             return 0, ""  # nothing to return, so nothing to read or verify
         blob = reply.chunk_checksums[0] if reply.chunk_checksums else b""

@@ -177,6 +177,12 @@ def test_bad_ranges_get_a_clear_error(cluster, transport):
     assert client.get_ranges("absent", [(0, 1)]) is None
     assert client.get_into_ranges("absent", [(0, 1)], [bytearray(1)]) == Status.NOT_FOUND
     assert client.get_ranges("k", [(5, 3)]) == [value[5:8]]  # and the client and cluster keep serving
+    # lengths no object can have are refused as ending past it, before anything is allocated for them
+    for huge in [(1, 2**64 - 1), (0, 2**63), (0, 1 << 50)]:
+        with pytest.raises(KvtierError) as caught:
+            client.get_ranges("k", [(0, 1), huge])
+        assert caught.value.status == Status.INVALID_ARGUMENT and "ends past" in caught.value.message
+    assert client.get_ranges("k", [(0, 0), (3, 0)]) == [b"", b""]
 
 
 def test_ranged_reads_under_capabilities(secure):  # noqa: F811
