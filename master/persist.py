@@ -33,6 +33,7 @@ master starts with nothing to wait for and takes no DRAM inventories.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -41,9 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from kvtier.common.startup import StartupError
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "master-state.json"
+LOCK_FILE = "master.lock"  # flocked by the master that uses the directory (FileStateStore.lock)
 
 
 @dataclass(slots=True)
@@ -96,6 +100,27 @@ class FileStateStore:
     def __init__(self, state_dir: str) -> None:
         self.path = Path(state_dir) / STATE_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = -1
+
+    def lock(self) -> None:
+        """Hold the directory for this process's life (an exclusive flock on LOCK_FILE, released by the
+        kernel when the process ends, kill -9 included). Each master rewrites the whole state file
+        from its own view, so two sharing a directory would erase each other's record of the
+        segments they expelled (and a removed object could come back from one): StartupError, one
+        line, when another process holds it."""
+        path = self.path.parent / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StartupError(
+                f"state directory {self.path.parent} is in use by another master (pid {holder}): change --state-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
 
     def load(self) -> SavedState | None:
         """The saved state; None on a first start; StateUnreadable when it exists but cannot be read."""

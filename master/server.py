@@ -336,21 +336,25 @@ def _readiness(handlers: MasterHandlers) -> str:
     return _leader_readiness(handlers)
 
 
-def check_startup(config: MasterConfig) -> None:
+def check_startup(config: MasterConfig) -> FileStateStore | None:
     """What would stop this start half-way, checked before anything is bound or saved: the addresses
     to listen on, then the state directory (StartupError, one line naming the option). Logs which
-    directory keeps the state, or warns that none does (state_dir = "none")."""
+    directory keeps the state, or warns that none does (state_dir = "none"). Returns the directory's
+    store, held for this process (FileStateStore.lock), when it saves to one."""
     check_bindable(config.listen, "--listen")
     if config.fast_path_listen not in ("auto", "off"):
         check_bindable(config.fast_path_listen, "--fast-listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
     if config.etcd:
-        return
+        return None
     if config.saves_state_to:  # last: a start that fails leaves no directory behind, and logs nothing else
         check_writable_dir(config.saves_state_to, "--state-dir")
+        store = FileStateStore(config.saves_state_to)
+        store.lock()  # one master per directory
         logger.info("master state directory state_dir=%s", config.saves_state_to)
-    elif config.state_dir:  # "none": an explicit opt-out
+        return store
+    if config.state_dir:  # "none": an explicit opt-out
         logger.warning(
             "master state not saved, a restart loses every object in DRAM (set --state-dir DIR, or drop the "
             "opt-out for the default directory) state_dir=none"
@@ -361,7 +365,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
     """Serve until `stop` (or SIGINT/SIGTERM); StartupError when the start fails for a reason the
     user fixes (the caller prints it as one line)."""
     loop = asyncio.get_running_loop()
-    check_startup(config)
+    state_store = check_startup(config)
     raise_fd_limit(config)
     auth = _authenticator(config)
     minter = Minter(auth.cluster_secret)
@@ -403,7 +407,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event | None = None) -> None
             await server.stop(grace=None)
             raise StartupError(str(exc)) from None
     else:
-        roles.store = FileStateStore(config.saves_state_to) if config.saves_state_to else NoStateStore()
+        roles.store = state_store or NoStateStore()
         try:
             saved, loaded = roles.store.load(), True
         except StateUnreadable as exc:

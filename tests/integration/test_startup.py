@@ -125,6 +125,22 @@ def test_master_unwritable_state_dir_is_one_line(tmp_path: Path):
     _one_line_failure(args, "--state-dir")
 
 
+def test_a_second_master_on_a_state_dir_in_use_is_one_line(bare_cluster, tmp_path: Path):
+    # given a master serving with its state directory (each master rewrites the whole state file from
+    # its own view: two would erase each other's record of the segments they expelled)
+    first = bare_cluster.start_master("--state-dir", str(tmp_path / "state"))
+    # when a second master starts on the same directory, at another address
+    line = _one_line_failure(_master(tmp_path, "--listen", "127.0.0.1:0"), "--state-dir")
+    # then it refuses, naming the holder, and the first keeps serving
+    assert "in use by another master" in line and f"pid {first.popen.pid}" in line
+    client = bare_cluster.client()
+    bare_cluster.start_segment("seg0")
+    assert bare_cluster.wait_for(lambda: client.batch_put(["k"], [b"v"]) == [0], 10.0, 0.1)
+    # and once the first is killed, the directory is free again
+    bare_cluster.restart_master("--state-dir", str(tmp_path / "state"))
+    assert bare_cluster.wait_for(lambda: client.get("k") == b"v", 20.0, 0.2)
+
+
 def test_master_secret_file_open_to_everyone_is_one_line(tmp_path: Path):
     secret = tmp_path / "secret"
     secret.write_text("x" * 32)
