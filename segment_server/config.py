@@ -29,6 +29,7 @@ from kvtier.segment_server.shm_grant import parse_uids
 
 MIN_DRAM = 1 << 20
 MIN_SSD = 16 << 20
+MIN_SSD_BUCKETS = 4  # a tier holds at least this many buckets (SegmentConfig.ssd_bucket_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,18 @@ class SegmentConfig:
     @property
     def ssd_bytes(self) -> int:
         return parse_size(self.ssd_size) if self.ssd_dir else 0
+
+    @property
+    def ssd_bucket_bytes(self) -> int:
+        """The bucket size the SSD tier uses: `ssd_bucket_size`, lowered (to a power of two, at least
+        4 MiB) for a tier that would hold fewer than MIN_SSD_BUCKETS of them. The open bucket is never
+        evicted, so a tier of one or two buckets fills once and then takes no offload, and every DRAM
+        eviction after it drops an object it could have kept."""
+        bucket = parse_size(self.ssd_bucket_size)
+        if not self.ssd_bytes:
+            return bucket
+        fits = 1 << max((self.ssd_bytes // MIN_SSD_BUCKETS).bit_length() - 1, 0)
+        return min(bucket, max(fits, MIN_SSD // 4))
 
     @property
     def ssd_write_limit_bytes(self) -> int:

@@ -19,7 +19,7 @@ from kvtier.segment_server.bucket_format import ALIGN
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.commit_relay import CommitRelay
-from kvtier.segment_server.config import SegmentConfig
+from kvtier.segment_server.config import MIN_SSD_BUCKETS, SegmentConfig
 from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.diskio_probe import open_engine
@@ -261,12 +261,24 @@ def check_startup(config: SegmentConfig) -> None:
         remove_stale_socket(grant_socket_path(config.shm_dir, config.cluster_id, config.name))
     except FileExistsError as exc:
         raise StartupError(f"{exc}: change --name (or --shm-dir)") from None
+    buckets = 0
     if config.ssd_dir:
         check_writable_dir(config.ssd_dir, "--ssd-dir")
-        try:  # last (it logs the limit it set): raise the open file limit for the bucket files
-            _raise_fd_limit(config.ssd_bytes, parse_size(config.ssd_bucket_size), config.ssd_bucket_keys)
+        if config.ssd_bucket_bytes < parse_size(config.ssd_bucket_size):
+            logger.warning(
+                "ssd bucket size lowered so the tier holds at least %d buckets (the open one is never "
+                "evicted) ssd_size=%s ssd_bucket_size=%s used=%s",
+                MIN_SSD_BUCKETS,
+                config.ssd_size,
+                config.ssd_bucket_size,
+                format_size(config.ssd_bucket_bytes),
+            )
+        try:  # (it logs the limit it set): raise the open file limit for the bucket files
+            _raise_fd_limit(config.ssd_bytes, config.ssd_bucket_bytes, config.ssd_bucket_keys)
         except FdLimitError as exc:
             raise StartupError(str(exc)) from None
+        buckets = max_buckets(config.ssd_bytes, config.ssd_bucket_bytes, config.ssd_bucket_keys)
+    _raise_for_connections(config.max_connections, buckets)
 
 
 def available_memory() -> int:
@@ -309,7 +321,7 @@ def _open_region(config: SegmentConfig) -> DramRegion:
 
 def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskReader]:
     """Recover the bucket files, choose the disk engine, and build the READ_DISK server."""
-    bucket_size = parse_size(config.ssd_bucket_size)  # the open file limit: raised in check_startup
+    bucket_size = config.ssd_bucket_bytes  # the open file limit: raised in check_startup
     store = BucketStore(
         config.ssd_dir,
         config.ssd_bytes,
@@ -397,6 +409,26 @@ def _raise_fd_limit(capacity: int, bucket_size: int, bucket_keys: int) -> None:
         max_buckets(capacity, bucket_size, bucket_keys),
         FD_RESERVE,
     )
+
+
+def _raise_for_connections(max_connections: int, buckets: int) -> None:
+    """Raise the soft RLIMIT_NOFILE to cover `max_connections` client connections too, where the hard
+    limit allows (as the master does), so the data plane refuses a connection past its limit with
+    TOO_MANY_CONNECTIONS, not a reset at EMFILE; a warning when the hard limit is short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + buckets + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning(
+            "open file limit below max_connections soft=%d needed=%d: raise the hard limit (ulimit -Hn, "
+            "systemd LimitNOFILE=) or lower --max-connections",
+            target,
+            needed,
+        )
 
 
 def _disk_bytes_read() -> int:

@@ -131,3 +131,28 @@ def test_a_peer_that_reads_no_responses_is_cut_and_frees_its_slot(limited):
     finally:
         sock.close()
     assert ping(endpoint)
+
+
+def test_a_segment_started_under_a_low_open_file_limit_raises_it_for_its_connections(bare_cluster):
+    # given a segment started with a soft open file limit of 256 (a shell's default is often 1024)
+    # and room for 600 connections
+    bare_cluster.start_master()
+    segment = bare_cluster.start_segment(
+        "seg0", "16MiB", "--max-connections", "600", prefix=["prlimit", "--nofile=256:8192"]
+    )
+    endpoint = tcp_endpoint(segment)
+    # when 400 clients connect and each pings
+    sockets = [connect(endpoint) for _ in range(400)]
+    try:
+        answers = []
+        for i, sock in enumerate(sockets):
+            send_request(sock, Op.PING, i + 1, [])
+            answers.append(recv_response(sock)[2])
+        # then every one is served (not reset at EMFILE), and a client's put still works
+        assert answers == [0] * 400
+        client = bare_cluster.client(transport="tcp")
+        client.put("k", b"v")
+        assert client.get("k") == b"v"
+    finally:
+        for sock in sockets:
+            sock.close()

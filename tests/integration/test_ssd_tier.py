@@ -389,3 +389,23 @@ def test_a_client_that_stops_reading_a_disk_response_is_cut_off(bare_cluster, ss
             assert client.batch_get(on_disk) == [value_for(k) for k in on_disk]
         finally:
             stalled.close()
+
+
+def test_a_small_ssd_tier_with_the_default_bucket_size_keeps_taking_offloads(bare_cluster, ssd_dir):
+    # given a 64 MiB SSD tier under the default 256 MiB bucket size (the README allows any tier of at
+    # least 16 MiB): the segment lowers its bucket size so the tier holds several buckets
+    bare_cluster.start_master()
+    segment = bare_cluster.start_segment("ssd0", "16MiB", "--ssd-dir", str(ssd_dir), "--ssd-size", "64MiB")
+    client = bare_cluster.client()
+    assert bare_cluster.wait_for(lambda: "ssd bucket size lowered" in segment.log.read_text(), 5.0)
+    # when more than the tier holds is put and offloaded, all of it removed, then new objects put
+    first = [f"a{i:03d}" for i in range(70)]
+    put_and_offload(bare_cluster, client, first)
+    assert set(client.batch_remove(first)) <= {Status.OK, Status.NOT_FOUND}  # the oldest may have left the tier
+    second = [f"b{i:03d}" for i in range(40)]
+    put_and_offload(bare_cluster, client, second)
+    # then every acknowledged new object reads back (the tier had room: the removed ones' buckets are
+    # reclaimed), and none was dropped for want of an SSD copy
+    assert all(source is not None for source in sources(client, second).values())
+    dropped = client.cluster_status().tiering.get("dropped_without_ssd_copy.offload_failed", 0)
+    assert dropped == 0
