@@ -159,6 +159,8 @@ class CapabilityKey:
         if expiry_ms + CLOCK_SKEW_MS < now_ms:
             return f"capability expired {now_ms - expiry_ms} ms ago"
         count = len(flat_ranges) // 2
+        if count == 0:  # nothing granted: a block without ranges proves nothing (it would open a COMMIT)
+            return "a capability block that names no range"
         if len(tags) != count * TAG_BYTES:
             return f"{len(tags)} bytes of tags for {count} ranges"
         if not hmac.compare_digest(self.tags(op, expiry_ms, flat_ranges), bytes(tags)):

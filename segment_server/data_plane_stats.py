@@ -1,4 +1,5 @@
-"""What the data plane counts and what one client connection may hold (kvtier.segment_server.protocol).
+"""What the data plane counts, what one client connection may hold, and the live connections
+(kvtier.segment_server.protocol's DataProtocol is one).
 
 Shared by every connection of one segment server (its event loop's thread); read by the
 metrics (kvtier.segment_server.metrics) and the disk reads (kvtier.segment_server.disk_reads).
@@ -7,8 +8,13 @@ metrics (kvtier.segment_server.metrics) and the disk reads (kvtier.segment_serve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kvtier.common.framed_listener import ConnectionSet
 from kvtier.common.latency import LatencyHistogram
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(slots=True)
@@ -46,3 +52,24 @@ class ConnectionLimits:
     max_connections: int = 4096
     idle_timeout_s: float = 600.0  # between requests
     request_timeout_s: float = 60.0  # from a request's first byte to its response handed to the kernel
+
+
+class Connections(ConnectionSet["DataProtocol"]):
+    """The live connections of one listener, their limit, and a sweep that closes stalled ones
+    (kvtier.common.framed_listener).
+
+    A sweep every second (one timer per listener, none per connection) aborts a
+    connection idle past `idle_timeout_s`, one whose request has been arriving
+    for longer than `request_timeout_s` (a slow sender holds no more than that),
+    and one whose responses the peer has not read for as long (backpressure
+    keeps what is queued bounded; this bounds how long).
+    """
+
+    def __init__(self, limits: ConnectionLimits, stats: DataPlaneStats) -> None:
+        super().__init__(limits, stats)
+
+    def mount_ended(self) -> None:
+        """The segment's mount ended (kvtier.segment_server.mount_session): cut the READ responses of
+        that mount still queued (a WRITE in progress stops at its next receive by itself)."""
+        for connection in list(self.live):
+            connection.cut_reads_of_ended_mounts()

@@ -17,12 +17,12 @@ from urllib.parse import quote, urlencode
 from kvtier.common.framed_listener import serve
 from kvtier.common.units import parse_hostport
 from kvtier.segment_server.commit_relay import CommitRelay
-from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
+from kvtier.segment_server.data_plane_stats import ConnectionLimits, Connections, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
-from kvtier.segment_server.protocol import Connections, DataProtocol
+from kvtier.segment_server.protocol import DataProtocol
 from kvtier.segment_server.shm_grant import MAX_CONNECTIONS, TIMEOUT_S, GrantServer, GrantStats, reopen
 
 logger = logging.getLogger(__name__)

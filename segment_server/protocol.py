@@ -52,7 +52,7 @@ from collections import deque
 
 from google.protobuf.message import DecodeError
 
-from kvtier.common.framed_listener import ConnectionSet, FramedConnection
+from kvtier.common.framed_listener import FramedConnection
 from kvtier.common.logs import LogBudget, format_request_id
 from kvtier.proto import frames
 from kvtier.proto import master_pb2 as pb
@@ -60,7 +60,7 @@ from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.commit_relay import CommitRelay
-from kvtier.segment_server.data_plane_stats import ConnectionLimits, DataPlaneStats
+from kvtier.segment_server.data_plane_stats import Connections, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.keyed_reads import KeyedReads
 from kvtier.segment_server.master_clock import MasterClock
@@ -78,28 +78,20 @@ _SCRATCH = memoryview(bytearray(_SCRATCH_SIZE))
 # A range table larger than this is dropped after its request instead of kept for the next one.
 _TABLE_KEEP = 64 << 10
 _OPS = {int(op) for op in Op}
+# A range table or a payload of names is received into a buffer that starts this small and doubles
+# as the bytes arrive: a header announcing megabytes costs the segment only what the peer sends.
+_FIRST_ROOM = 4096
+
+
+def _larger(buffer: bytearray, filled: int, need: int) -> bytearray:
+    """A new buffer twice as large (at most `need`) holding `buffer`'s first `filled` bytes (a new one,
+    not a resize: the event loop may still hold a view of the old)."""
+    larger = bytearray(min(need, max(2 * len(buffer), _FIRST_ROOM)))
+    larger[:filled] = buffer[:filled]
+    return larger
+
+
 _SPECIAL = frames.FLAG_TRACED | frames.FLAG_DEADLINE | frames.FLAG_CAPS  # flags with a leading table entry
-
-
-class Connections(ConnectionSet["DataProtocol"]):
-    """The live connections of one listener, their limit, and a sweep that closes stalled ones
-    (kvtier.common.framed_listener).
-
-    A sweep every second (one timer per listener, none per connection) aborts a
-    connection idle past `idle_timeout_s`, one whose request has been arriving
-    for longer than `request_timeout_s` (a slow sender holds no more than that),
-    and one whose responses the peer has not read for as long (backpressure
-    keeps what is queued bounded; this bounds how long).
-    """
-
-    def __init__(self, limits: ConnectionLimits, stats: DataPlaneStats) -> None:
-        super().__init__(limits, stats)
-
-    def mount_ended(self) -> None:
-        """The segment's mount ended (kvtier.segment_server.mount_session): cut the READ responses of
-        that mount still queued (a WRITE in progress stops at its next receive by itself)."""
-        for connection in list(self.live):
-            connection.cut_reads_of_ended_mounts()
 
 
 class DataProtocol(FramedConnection):
@@ -238,10 +230,14 @@ class DataProtocol(FramedConnection):
         if state == _HEADER:
             return self._header_view[self._filled :]
         if state == _RANGES:
+            if self._filled == len(self._table):  # all the room given is filled: room for more
+                self._table = _larger(self._table, self._filled, self._need)
             return memoryview(self._table)[self._filled : self._need]
         if state == _DRAIN:
             return _SCRATCH[: min(self._drain_left, _SCRATCH_SIZE)]
         if state == _NAMES:
+            if self._filled == len(self._names):
+                self._names = _larger(self._names, self._filled, self._need)
             return memoryview(self._names)[self._filled : self._need]
         return _SCRATCH  # closed: swallow whatever is still in flight
 
@@ -307,7 +303,7 @@ class DataProtocol(FramedConnection):
     def _receive_names(self) -> None:
         """The request's payload next, into its own buffer: READ_DISK's and READ_KEYED's object names,
         a COMMIT's message (handled once all of it is in: the _NAMES state)."""
-        self._names = bytearray(self._payload_len)
+        self._names = bytearray(min(self._payload_len, _FIRST_ROOM))  # grown as bytes arrive (_larger)
         self._state = _NAMES
         self._filled = 0
         self._need = self._payload_len
@@ -365,7 +361,7 @@ class DataProtocol(FramedConnection):
             return self._on_request()
         need = 16 * nranges
         if len(self._table) < need:
-            self._table = bytearray(need)
+            self._table = bytearray(min(need, _FIRST_ROOM))  # grown as the table arrives (_larger)
         self._state = _RANGES
         self._filled = 0
         self._need = need

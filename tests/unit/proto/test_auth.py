@@ -132,6 +132,7 @@ def test_capability_tags_bind_segment_epoch_range_operation_and_expiry():
     late = now + 5000 + auth.CLOCK_SKEW_MS + 1
     assert "expired" in key.check(Op.READ, now + 5000, flat, tags, late)
     assert "bytes of tags" in key.check(Op.READ, now + 5000, flat, tags[:16], now)
+    assert "names no range" in key.check(Op.WRITE, now + 5000, (), b"", now)  # proves nothing
 
 
 def test_credentials_never_show_their_secrets_in_a_repr():

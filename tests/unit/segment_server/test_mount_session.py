@@ -11,8 +11,9 @@ from kvtier.proto import region as region_format
 from kvtier.proto.auth import CapabilityKey, capability_key
 from kvtier.proto.frames import Op, mount_session
 from kvtier.proto.status import Status
+from kvtier.segment_server.data_plane_stats import ConnectionLimits, Connections, DataPlaneStats
 from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
-from kvtier.segment_server.protocol import ConnectionLimits, Connections, DataPlaneStats, DataProtocol
+from kvtier.segment_server.protocol import DataProtocol
 from tests.unit.segment_server.test_protocol import FAR, SENTINEL, Conn, FakeTransport
 
 CAPACITY = 4096

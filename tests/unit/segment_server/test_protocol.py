@@ -752,3 +752,49 @@ def test_fewer_table_entries_than_the_flags_announce_is_a_protocol_error(flags, 
     assert response.status == Status.PROTOCOL_ERROR
     assert f"{nranges} table entries for {nranges + 1} flagged entries" in response.payload.decode()
     assert conn.transport.closed
+
+
+# ---------------------------------------------------------------- what a header alone may cost
+
+
+def _held_bytes(conn: Conn, data: bytes) -> int:
+    """Memory the segment allocated while receiving `data` (tracemalloc, this thread)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        conn.feed(data)
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("op", [Op.READ_KEYED, Op.READ])
+def test_a_header_announcing_a_huge_range_table_costs_only_what_arrives(op):
+    # given a header announcing the largest range table (65,536 ranges: 1 MiB) and the most names
+    conn = make_conn()
+    nranges = frames.MAX_RANGES_PER_FRAME
+    payload = nranges * frames.MAX_DISK_NAME if op == Op.READ_KEYED else 0
+    header = raw_header(op=op, nranges=nranges, payload_len=payload)
+    # when the peer sends the header and 1 KiB of the table, then stalls
+    held = _held_bytes(conn, header + bytes(1024))
+    # then the segment holds a few KiB for it, not the megabyte announced
+    assert held < 64 << 10, held
+    assert not conn.transport.closed
+
+
+def test_a_commit_announcing_megabytes_costs_only_what_arrives():
+    # given a connection whose WRITE completed, and a relay to take its COMMIT
+    class Relay:
+        def commit(self, payload, done):  # never answers: the test looks at the receive only
+            pass
+
+    conn = make_conn()
+    conn.protocol._relay = Relay()
+    conn.feed(write_frame(1, [(0, b"x")]))
+    # when a COMMIT announces the largest message (16 MiB) and 1 KiB of it arrives
+    header = frames.pack_request(Op.COMMIT, 2, [], frames.MAX_COMMIT_BYTES)
+    held = _held_bytes(conn, header + bytes(1024))
+    # then the segment holds a few KiB for it
+    assert held < 64 << 10, held
