@@ -196,7 +196,14 @@ class TierWorker:
                     offloaded_bytes += size
                 elif kind == pb.PROMOTE:
                     status, error = self._promote(
-                        reply.disk_locations[i], reply.dram_offsets[i], namespace, key, size, checksum, promote_deadline
+                        reply.disk_locations[i],
+                        reply.dram_offsets[i],
+                        namespace,
+                        key,
+                        size,
+                        checksum,
+                        promote_deadline,
+                        (segment_id, self._epoch),
                     )
                 elif kind == pb.FORGET:
                     forgets.append(i)
@@ -358,8 +365,19 @@ class TierWorker:
         return out
 
     def _promote(
-        self, location: int, dram_offset: int, namespace: str, key: str, size: int, checksum: int, deadline: float
+        self,
+        location: int,
+        dram_offset: int,
+        namespace: str,
+        key: str,
+        size: int,
+        checksum: int,
+        deadline: float,
+        mount: tuple[int, int],
     ) -> tuple[int, str]:
+        """Copy a disk record into the DRAM range the master granted under `mount` (segment id, epoch):
+        only well within the task's time, and only while that mount lasts (a segment dropped and
+        mounted again, or whose master restarted, has its ranges handed out afresh)."""
         if dram_offset + size > len(self._region):
             return int(Status.INVALID_RANGE), f"promote range {dram_offset}+{size} outside the region"
         try:
@@ -379,6 +397,8 @@ class TierWorker:
             failpoints.hit("tier.promote_read")
             if time.monotonic() > deadline:
                 return int(Status.TIMEOUT), "promotion came too late: its DRAM range may be reused"
+            if self._session() != mount:
+                return int(Status.LEASE_EXPIRED), "the mount this promotion was granted under ended"
             self._region[dram_offset : dram_offset + size] = payload
             self.promoted += 1
             return _OK, ""

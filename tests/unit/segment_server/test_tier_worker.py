@@ -22,6 +22,7 @@ import pytest
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
+from kvtier.segment_server import tier_worker as tw
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.tier_worker import TierWorker
 from tests.grants import wait_until
@@ -385,3 +386,29 @@ def test_a_report_no_master_took_before_a_remount_is_abandoned_and_its_copy_tomb
     finally:
         worker.stop()
     assert restarted(worker, store, ssd) == {}
+
+
+def test_a_promotion_polled_under_an_ended_mount_does_not_write_dram(store, region, master, monkeypatch):
+    # given a PROMOTE polled under the current mount, and a mount that ends while its record is read
+    session = [(SEGMENT_ID, EPOCH)]
+    worker = TierWorker(lambda: master, store, region, lambda: session[0])
+    payload = blob(2, 7000)
+    location = store.append("ns", "p", payload, crc32c.crc32c(payload))
+    store.sync()
+    real_hit = tw.failpoints.hit
+
+    def remount_meanwhile(name):
+        if name == "tier.promote_read":  # the record is read; DRAM not written yet
+            session[0] = (0, 0)  # the link ends the mount ...
+            session[0] = (SEGMENT_ID + 1, EPOCH)  # ... and mounts again: every range free
+            region[4096 : 4096 + 7000] = b"B" * 7000  # B's acknowledged object on that range
+        real_hit(name)
+
+    monkeypatch.setattr(tw.failpoints, "hit", remount_meanwhile)
+    master.batches.put(tasks((5, pb.PROMOTE, "p", 7000, crc32c.crc32c(payload), 4096, location)))
+    worker.start()
+    try:
+        master.report()
+    finally:
+        worker.stop()
+    assert bytes(region[4096 : 4096 + 7000]) == b"B" * 7000, "the previous mount's PROMOTE overwrote B's object"
