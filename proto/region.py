@@ -7,7 +7,7 @@ sides import it from here so they cannot drift apart.
 
     header  magic "KVTREGN1" | format:u32 | data_offset:u64 | capacity:u64 |
             nonce:16 bytes | cluster id:64, segment name:128, boot id:64 (NUL-padded)
-    at SESSION_OFFSET: the segment's current mount session, u64 (0 while unmounted)
+    at SESSION_OFFSET (format 2 on): the segment's current mount session, u64 (0 while unmounted)
 
 The mount session (kvtier.proto.frames.mount_session) is rewritten by the
 segment at each mount and cleared when a mount ends; a same-host client
@@ -23,7 +23,8 @@ import functools
 import struct
 
 MAGIC = b"KVTREGN1"
-FORMAT = 1
+FORMAT = 2
+SESSIONS_FORMAT = 2  # from this format on the header publishes the mount session (older: none)
 HEADER_SIZE = 4096  # the data area starts here: page-aligned
 HEADER = struct.Struct("<8sIQQ16s64s128s64s")
 SESSION_OFFSET = 512  # past HEADER, 8-byte aligned: one aligned store rewrites it

@@ -43,7 +43,7 @@ import socket
 import stat
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import crc32c
@@ -54,7 +54,7 @@ from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.chunks import CHUNK_BYTES
 from kvtier.proto.errors import ConnectError
-from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC, SESSION, SESSION_OFFSET
+from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC, SESSION, SESSION_OFFSET, SESSIONS_FORMAT
 from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
@@ -96,9 +96,11 @@ def _copy(
     src_addr: int | None,
     check: memoryview,
     sums: ChunkSums | None = None,
-) -> int:
+    granted: Callable[[], bool] | None = None,
+) -> int | None:
     """Copy `src` into `dst` (same length); return the CRC32C of `check` (one of the two) after the copy.
-    With `sums`, its chunk CRCs are fed in the same pass (_CHUNK is a multiple of their chunk size)."""
+    With `sums`, its chunk CRCs are fed in the same pass (_CHUNK is a multiple of their chunk size).
+    With `granted`, a large copy asks it before each chunk and stops (None) once it says no."""
     size = len(src)
     if size < _MEMMOVE_MIN:
         dst[:] = src
@@ -112,6 +114,8 @@ def _copy(
         src_addr = _address(src)
     crc = 0
     for start in range(0, size, _CHUNK):
+        if granted is not None and not granted():
+            return None
         end = min(start + _CHUNK, size)
         if dst_addr is not None and src_addr is not None:
             ctypes.memmove(dst_addr + start, src_addr + start, end - start)
@@ -122,6 +126,10 @@ def _copy(
         else:
             crc = crc32c.crc32c(check[start:end], crc)
     return sums.whole if sums is not None else crc
+
+
+def _always() -> bool:
+    return True
 
 
 def _peer_uid(sock: socket.socket) -> int:
@@ -229,12 +237,13 @@ class ShmConnector:
                 raise ConnectError(f"cannot map the region granted by {path}: {exc.strerror}") from None
         finally:
             os.close(fd)
-        magic, _fmt, data_offset, capacity, file_nonce, *_ = HEADER.unpack_from(self._map)
+        magic, fmt, data_offset, capacity, file_nonce, *_ = HEADER.unpack_from(self._map)
         if magic != MAGIC or file_nonce != nonce or data_offset + capacity > size:
             self._map.close()
             raise ConnectError(f"{path} granted a file that is not the advertised region (nonce mismatch)")
         self._view = memoryview(self._map)[data_offset : data_offset + capacity]
         self._capacity = capacity
+        self._sessions = fmt >= SESSIONS_FORMAT  # the segment publishes its mount session (older ones: no)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self._lock = threading.Lock()
         self._users = 0
@@ -294,12 +303,38 @@ class ShmConnector:
         return self.read_into([(offset + skip, view) for skip, view in windows], caps=caps)
 
     def read(self, ranges: Sequence[tuple[int, int]], caps: Caps = None) -> list[bytes | int]:
+        """Each range's bytes, copied while its grant holds (as `read_into`: LEASE_EXPIRED otherwise)."""
         self._enter()
         try:
             region, capacity = self._view, self._capacity
-            return [bytes(region[o : o + n]) if o + n <= capacity else _BAD_RANGE for o, n in ranges]
+            granted = self._grant_check(caps)
+            out: list[bytes | int] = []
+            for offset, size in ranges:
+                if offset + size > capacity:
+                    out.append(_BAD_RANGE)
+                elif not granted():
+                    out.append(_EXPIRED)
+                else:
+                    data = bytes(region[offset : offset + size])
+                    out.append(data if granted() else _EXPIRED)  # the mount may have ended meanwhile
+            return out
         finally:
             self._leave()
+
+    def _grant_check(self, caps: Caps) -> Callable[[], bool]:
+        """Whether a copy under `caps` may go on now: before its expiry + CLOCK_SKEW_MS, and (where
+        the region publishes it, FORMAT 2) while the segment's mount is the one the grant names."""
+        if caps is None:
+            return _always
+        grant_end, session = caps[0] + CLOCK_SKEW_MS, caps[2] if self._sessions else 0
+        header, unpack = self._map, SESSION.unpack_from
+
+        def granted() -> bool:
+            if wall_ms() > grant_end:
+                return False
+            return not session or unpack(header, SESSION_OFFSET)[0] == session
+
+        return granted
 
     def _transfer(
         self,
@@ -311,31 +346,34 @@ class ShmConnector:
     ) -> list[int]:
         """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes. A range
         whose grant (caps' expiry + CLOCK_SKEW_MS) has ended, or whose grant belongs to a mount of
-        the segment other than the one the region's header names now, is not copied: LEASE_EXPIRED."""
+        the segment other than the one the region's header names now (it was dropped and mounted
+        again, or its master restarted: the range may be another object's), is not copied, or not
+        copied further, or (read) not taken if the mount ended during the copy: LEASE_EXPIRED."""
         region, capacity = self._view, self._capacity
-        grant_end = caps[0] + CLOCK_SKEW_MS if caps is not None else 0
-        session = caps[2] if caps is not None else 0
+        granted = self._grant_check(caps)
         out = []
         for index, (offset, buf) in enumerate(ranges):
             end = offset + len(buf)
             if end > capacity:
                 out.append(_BAD_RANGE)
                 continue
-            if grant_end and wall_ms() > grant_end:
+            if not granted():
                 out.append(_EXPIRED)
-                continue
-            if session and SESSION.unpack_from(self._map, SESSION_OFFSET)[0] != session:
-                out.append(_EXPIRED)  # the segment was dropped and mounted again since the grant
                 continue
             stored = region[offset:end]
             if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
                 sums = ChunkSums()
-                crc = _copy(stored, self._base + offset, buf, None, stored, sums)
+                crc = _copy(stored, self._base + offset, buf, None, stored, sums, granted)
                 chunks[index] = sums.blob()
             elif into_region:
-                crc = _copy(stored, self._base + offset, buf, None, stored)
+                crc = _copy(stored, self._base + offset, buf, None, stored, granted=granted)
             else:
-                crc = _copy(buf, None, stored, self._base + offset, buf)
+                crc = _copy(buf, None, stored, self._base + offset, buf, granted=granted)
+                if crc is not None and not granted():  # the bytes read may be the next mount's
+                    crc = None
+            if crc is None:
+                out.append(_EXPIRED)
+                continue
             if checksums is not None:
                 checksums[index] = crc
             out.append(_OK)

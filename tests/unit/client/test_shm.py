@@ -421,10 +421,10 @@ def paused_copy(monkeypatch):
     entered, release = threading.Event(), threading.Event()
     real = shm._copy
 
-    def copy(*args):
+    def copy(*args, **kwargs):
         entered.set()
         assert release.wait(TIMEOUT_S), "the test never released the copy"
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(shm, "_copy", copy)
     yield entered, release
@@ -481,3 +481,81 @@ def test_raw_bytearrays_work_as_sources_and_targets(connectors):
     target = bytearray(len(data))
     assert connector.read_into([(4096, target)]) == [0]
     assert target == data
+
+
+# ---------------------------------------------------------------- grants of the segment's mount
+
+
+def _mount(region: DramRegion, segment_id: int):
+    """The region's segment mounted as `segment_id`: the session it publishes, and a grant of it."""
+    from kvtier.proto.auth import wall_ms
+    from kvtier.proto.frames import mount_session
+    from kvtier.segment_server.mount_session import MountSession
+
+    mount = MountSession(region.header)
+    mount.set(segment_id, 11)
+    return mount, (wall_ms() + 60_000, [], mount_session(segment_id, 11))
+
+
+def test_no_copy_either_way_with_a_grant_of_an_earlier_mount(region, connectors):
+    # given A's grant under mount 1, then the segment mounted again and B's object on A's range
+    mount, old = _mount(region, 3)
+    connector = connectors()
+    mount.set(0, 0)
+    mount.set(4, 11)
+    region.view[0:5] = b"BBBBB"
+    # when A reads (into a buffer and as bytes) and writes with its old grant
+    into = memoryview(bytearray(5))
+    reads = connector.read_into([(0, into)], [None], caps=old), connector.read([(0, 5)], caps=old)
+    write = connector.write([(0, memoryview(b"AAAAA"))], [None], caps=old)
+    # then each is refused, and B's bytes are untouched
+    assert reads == ([Status.LEASE_EXPIRED], [Status.LEASE_EXPIRED]) and write == [Status.LEASE_EXPIRED]
+    assert bytes(region.view[0:5]) == b"BBBBB" and bytes(into) == bytes(5)
+
+
+def test_a_read_as_bytes_is_bounded_by_its_grants_expiry(region, connectors):
+    from kvtier.proto.auth import wall_ms
+
+    _, grant = _mount(region, 3)
+    expired = (wall_ms() - 60_000, [], grant[2])
+    assert connectors().read([(0, 5)], caps=expired) == [Status.LEASE_EXPIRED]
+    assert connectors().read([(0, 5)], caps=grant) == [bytes(region.view[0:5])]
+
+
+def test_a_large_write_stops_once_its_mount_ends(region, connectors, monkeypatch):
+    # given a grant of the current mount and a value of eight copy chunks
+    mount, grant = _mount(region, 3)
+    connector = connectors()
+    value = bytearray(b"A" * (8 * shm._CHUNK))
+    real_memmove = ctypes.memmove
+    copied = []
+
+    def memmove_then_remount(dst, src, n):  # the mount ends after the first chunk is copied
+        copied.append(n)
+        if len(copied) == 1:
+            mount.set(0, 0)
+            mount.set(4, 11)
+        return real_memmove(dst, src, n)
+
+    monkeypatch.setattr(shm.ctypes, "memmove", memmove_then_remount)
+    result = connector.write([(0, as_bytes_view(value))], [None], caps=grant)
+    monkeypatch.undo()
+    # then the copy stopped at that chunk: LEASE_EXPIRED, nothing of A past it in the region
+    assert result == [Status.LEASE_EXPIRED] and len(copied) == 1
+    assert bytes(region.view[shm._CHUNK : 2 * shm._CHUNK]) != b"A" * shm._CHUNK
+
+
+def test_a_region_of_an_older_segment_that_publishes_no_session_is_copied_as_before(region, region_url):
+    import struct
+
+    # given a region whose header says format 1 (a segment from before mount sessions: none published)
+    struct.pack_into("<I", region.header, 8, 1)
+    connector = ShmConnector(region_url, CONFIG)
+    try:
+        from kvtier.proto.auth import wall_ms
+
+        grant = (wall_ms() + 60_000, [], 12345)  # a new master names a session all the same
+        # when a client copies with it, then the copy is served
+        assert connector.write([(0, memoryview(b"x" * 5))], [None], caps=grant) == [Status.OK]
+    finally:
+        connector.close()
