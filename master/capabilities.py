@@ -39,15 +39,17 @@ class Minter:
     def key(self, segment: SegmentRecord | None, epoch: int) -> CapabilityKey:
         """The key of a mounted segment's current mount (a segment gone since gets a key nothing verifies)."""
         if segment is None:
-            name, incarnation, segment_id = "", "gone", 0
+            name, incarnation, segment_id, session = "", "gone", 0, 0
         else:
             name, incarnation, segment_id = segment.name, segment.incarnation, segment.segment_id
+            # an older segment keys its tags as before mount sessions
+            session = mount_session(segment_id, epoch) if segment.mount_sessions else 0
         found = self._keys.get((segment_id, incarnation, epoch))
         if found is None:
             if len(self._keys) > 4096:  # segments long gone, or older epochs
                 self._keys.clear()
             found = self._keys[(segment_id, incarnation, epoch)] = CapabilityKey(
-                capability_key(self._secret, name, epoch, incarnation, mount_session(segment_id, epoch))
+                capability_key(self._secret, name, epoch, incarnation, session)
             )
         return found
 

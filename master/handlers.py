@@ -154,7 +154,8 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
                     endpoints=segment.endpoints,
                     quarantined=shunned,
                     direct_reads=segment.direct_reads,
-                    session=mount_session(segment_id, self.epoch),  # the mount its grants belong to
+                    # the mount its grants belong to (none for an older segment, which checks none)
+                    session=mount_session(segment_id, self.epoch) if segment.mount_sessions else 0,
                 )
                 if len(cache) > 2 * len(segments) + 64:  # segments that left: forget them
                     for gone in [i for i, (record, _, _, _) in cache.items() if segments.get(i) is not record]:

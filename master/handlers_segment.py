@@ -52,6 +52,7 @@ class SegmentCalls:
         # one who knows the old bytes) would then tell that tenant's bytes from the old object.
         direct = request.keyed_reads and config.direct_reads and not self.auth.tenants
         result.segment.direct_reads = direct
+        result.segment.mount_sessions = request.mount_sessions
         self.state.note_clock_skew(
             result.segment.segment_id, read_skew(request.wall_clock_ms, received_ms, 0, config.clock_skew_tolerance_s)
         )
@@ -65,6 +66,7 @@ class SegmentCalls:
             discard_index=result.discard_index,
             wall_clock_ms=wall_ms(),
             direct_read_lease_ms=self._mount_lease_ms(request) if direct else 0,
+            mount_sessions=True,
         )
 
     def _mount_lease_ms(self, request) -> int:

@@ -50,6 +50,9 @@ class SegmentRecord:
     clock_skewed: bool = False
     # It serves direct reads (MountSegmentRequest.keyed_reads, with this master's direct_reads on).
     direct_reads: bool = False
+    # It judges grants by their mount session (MountSegmentRequest.mount_sessions): answers name the
+    # session for it and its tags are keyed with it; an older segment gets neither.
+    mount_sessions: bool = False
 
     @property
     def placeable(self) -> bool:

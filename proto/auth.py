@@ -121,8 +121,10 @@ def capability_key(secret: bytes, segment_name: str, epoch: int, incarnation: st
     incarnation (its region's nonce) and mount session (kvtier.proto.frames.mount_session), so
     neither a new master, nor a restarted segment under the same name, nor a segment mounted again
     accepts a tag minted before."""
+    # session 0 (a segment or master from before mount sessions): the key as it was derived then
+    suffix = f"|{session}" if session else ""
     return hmac.new(
-        secret, f"kvtier-cap|{segment_name}|{epoch}|{incarnation}|{session}".encode(), hashlib.sha256
+        secret, f"kvtier-cap|{segment_name}|{epoch}|{incarnation}{suffix}".encode(), hashlib.sha256
     ).digest()
 
 

@@ -108,7 +108,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ..., direct_reads: _Optional[bool] = ..., session: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants", "mount_sessions")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class MountSegmentRequest(_message.Message):
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KEYED_READS_FIELD_NUMBER: _ClassVar[int]
     LEASE_GRANTS_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -143,10 +144,11 @@ class MountSegmentRequest(_message.Message):
     previous_epoch: int
     keyed_reads: bool
     lease_grants: bool
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ...) -> None: ...
+    mount_sessions: bool
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ..., mount_sessions: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms")
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms", "mount_sessions")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class MountSegmentResponse(_message.Message):
     DISCARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READ_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     segment_id: int
@@ -167,7 +170,8 @@ class MountSegmentResponse(_message.Message):
     discard_index: bool
     wall_clock_ms: int
     direct_read_lease_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., direct_read_lease_ms: _Optional[int] = ...) -> None: ...
+    mount_sessions: bool
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., direct_read_lease_ms: _Optional[int] = ..., mount_sessions: _Optional[bool] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id", "epoch")

@@ -259,7 +259,7 @@ class MasterLink:
             raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch
         # The master hands out grants of this mount from its answer on (the inventory concerns the index).
-        self._mount_session.set(segment_id, epoch)
+        self._mount_session.set(segment_id, epoch, keyed=reply.mount_sessions)
         if reply.discard_index:
             if len(self._index):
                 logger.warning("master does not take our DRAM index (%d objects): discarding it", len(self._index))

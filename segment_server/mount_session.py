@@ -14,7 +14,10 @@ Same-host clients read the session from the region's header
 (kvtier.proto.region SESSION_OFFSET) before each copy.
 
 With a cluster secret the session is also part of the capability key
-(`CapabilityCheck`), so a tag minted for an earlier mount fails its MAC.
+(`CapabilityCheck`), so a tag minted for an earlier mount fails its MAC. A
+master from before mount sessions names none (MountSegmentResponse's
+`mount_sessions` unset): its clients' frames carry 0, the key is the one of
+before sessions, and the segment still cuts its own frames when a mount ends.
 
 Set by the master link's thread, read on the event loop: `current` is one
 tuple, replaced whole.
@@ -31,10 +34,11 @@ from kvtier.proto.frames import mount_session
 
 
 class MountSession:
-    """(session, segment id, master epoch) of the mount the data plane serves; zeros while unmounted."""
+    """(session, segment id, master epoch, session in the capability key) of the mount the data plane
+    serves; zeros while unmounted."""
 
     def __init__(self, header: memoryview | None = None) -> None:
-        self.current: tuple[int, int, int] = (0, 0, 0)
+        self.current: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._header = header  # the region's header: same-host clients check the session there
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_ended: Callable[[], None] | None = None
@@ -48,13 +52,14 @@ class MountSession:
         """`on_ended` runs on `loop` after each mount ends (it cuts READ responses still queued)."""
         self._loop, self._on_ended = loop, on_ended
 
-    def set(self, segment_id: int, epoch: int) -> None:
-        """The link's mount changed: (0, 0) when it ended, else the new mount's id and epoch."""
+    def set(self, segment_id: int, epoch: int, keyed: bool = True) -> None:
+        """The link's mount changed: (0, 0) when it ended, else the new mount's id and epoch; `keyed`:
+        its master names sessions (and keys capabilities with them)."""
         session = mount_session(segment_id, epoch)
         previous = self.current[0]
         if session == previous:
             return
-        self.current = (session, segment_id, epoch) if session else (0, 0, 0)
+        self.current = (session, segment_id, epoch, session if keyed else 0) if session else (0, 0, 0, 0)
         self._publish(session)
         if previous and self._loop is not None and self._on_ended is not None:
             try:
@@ -80,10 +85,10 @@ class CapabilityCheck:
         self._key_session = 0
 
     def key(self) -> CapabilityKey | None:
-        session, _segment_id, epoch = self._mount.current
+        session, _segment_id, epoch, keyed = self._mount.current
         if not session:
             return None
         if session != self._key_session:
-            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch, self._incarnation, session))
+            self._key = CapabilityKey(capability_key(self._secret, self._name, epoch, self._incarnation, keyed))
             self._key_session = session
         return self._key

@@ -138,6 +138,7 @@ async def serve(config: SegmentConfig) -> int:
                 ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
                 keyed_reads=True,  # READ_KEYED on the tcp listener (kvtier.segment_server.keyed_reads)
                 lease_grants=True,  # serves under the lease granted once the master saved it
+                mount_sessions=True,  # judges grants by their mount (kvtier.segment_server.mount_session)
             ),
             index=index,
             lease=keyed.lease,

@@ -55,3 +55,35 @@ def test_the_cache_forgets_segments_that_left():
         assert [e.name for e in endpoints(handlers, segment_id)] == [f"s{i}"]
         state.unmount_segment(segment_id)
     assert len(handlers._endpoint_cache) <= 2 * len(state.segments) + 65
+
+
+def test_a_segment_that_judges_mounts_gets_its_session_named_and_keyed_and_an_older_one_gets_neither():
+    from kvtier.master.capabilities import Minter
+    from kvtier.proto.auth import CapabilityKey, capability_key
+    from kvtier.proto.frames import Op, mount_session
+    from kvtier.proto.status import Status
+
+    # given a master with a secret, and a new and an older segment mounting on it
+    secret = b"s" * 32
+    handlers = MasterHandlers(MasterState(MasterConfig(cluster_id="unit").validate()), 7)
+    handlers.minter = Minter(secret)
+    replies = {}
+    for name, sessions in (("new", True), ("old", False)):
+        request = pb.MountSegmentRequest(
+            name=name, cluster_id="unit", endpoints=[f"tcp://{name}:1"], dram_capacity=MiB, mount_sessions=sessions
+        )
+        replies[name] = handlers.MountSegment(request)
+        assert replies[name].status == Status.OK and replies[name].mount_sessions
+    new, old = (replies[n].segment_id for n in ("new", "old"))
+    # then answers name the new one's session and no session for the older one
+    [e_new, e_old] = endpoints(handlers, new, old)
+    assert e_new.session == mount_session(new, 7) and e_old.session == 0
+    # and their tags are keyed with the session, or as before sessions (what an older segment checks)
+    keys = {
+        name: handlers.minter.key(handlers.state.segments[segment_id], 7)
+        for name, segment_id in (("new", new), ("old", old))
+    }
+    before_sessions = CapabilityKey(capability_key(secret, "old", 7, ""))
+    assert keys["old"].tag(Op.READ, 1, 0, 64) == before_sessions.tag(Op.READ, 1, 0, 64)
+    with_session = CapabilityKey(capability_key(secret, "new", 7, "", mount_session(new, 7)))
+    assert keys["new"].tag(Op.READ, 1, 0, 64) == with_session.tag(Op.READ, 1, 0, 64)

@@ -135,6 +135,17 @@ def test_capability_tags_bind_segment_epoch_range_operation_and_expiry():
     assert "names no range" in key.check(Op.WRITE, now + 5000, (), b"", now)  # proves nothing
 
 
+def test_a_capability_key_without_a_session_is_the_key_of_before_sessions():
+    import hashlib
+    import hmac
+
+    # what segments and masters from before mount sessions derive: they still agree with session 0
+    before = hmac.new(SECRET, b"kvtier-cap|seg0|7|nonce", hashlib.sha256).digest()
+    assert auth.capability_key(SECRET, "seg0", 7, "nonce") == before
+    assert auth.capability_key(SECRET, "seg0", 7, "nonce", 0) == before
+    assert auth.capability_key(SECRET, "seg0", 7, "nonce", 12345) != before
+
+
 def test_credentials_never_show_their_secrets_in_a_repr():
     from kvtier.common.channels import Credentials
 

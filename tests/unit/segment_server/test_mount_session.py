@@ -162,3 +162,17 @@ def test_capability_keys_are_per_mount(other):
     assert check.key().check(Op.WRITE, FAR, (0, 64), minted) == ""  # type: ignore[union-attr]
     mount.set(*other)
     assert check.key().check(Op.WRITE, FAR, (0, 64), minted) != ""  # type: ignore[union-attr]
+
+
+def test_under_a_master_from_before_sessions_tags_are_keyed_as_before_and_frames_naming_none_are_served():
+    # given a segment mounted on a master that names no sessions
+    secret = b"s" * 32
+    mount = MountSession()
+    mount.set(SEGMENT_ID, EPOCH, keyed=False)
+    check = CapabilityCheck(secret, "seg0", mount, "nonce")
+    minted = CapabilityKey(capability_key(secret, "seg0", EPOCH, "nonce")).tag(Op.WRITE, FAR, 0, 64)
+    # then that master's tags check, and its clients' frames (session 0) are served
+    assert check.key().check(Op.WRITE, FAR, (0, 64), minted) == ""  # type: ignore[union-attr]
+    conn = mounted_conn(mount)
+    conn.feed(write(1, 0, b"plain", 0))
+    assert [(a.request_id, a.status) for a in conn.responses()] == [(1, 0)]
