@@ -9,9 +9,11 @@ Per key, until a copy's bytes verify against the checksum recorded at PutEnd:
    still left: once more after a fresh GetReplicas (the lease may have lapsed, the replica set
    may have changed), its replicas in the same order. One such lookup per call, for all its keys.
 
-A segment's answer is final for that copy and never causes the lookup of step 2 on its own:
-NOT_FOUND, an expired lease or grant, a range refused, a checksum mismatch (the copy is reported to
-the master, kvtier.client.failures, before the fresh lookup, so that lookup no longer lists it).
+A segment's answer is final for that copy: a range refused, a checksum mismatch (the copy is
+reported to the master, kvtier.client.failures, before the fresh lookup, so that lookup no longer
+lists it); NOT_FOUND (a disk copy tombstoned since the lookup) and LEASE_EXPIRED (a grant that ended,
+or that belongs to a mount the segment has left since: kvtier.proto.frames) take step 2's lookup
+too, which answers what the key holds now.
 
 Bounded by the caller's timeout: every wait of the call's exchanges (free socket, connect, the
 socket timeouts) ends at its deadline (kvtier.client.sockpool.call_deadline, set around the data
@@ -57,6 +59,7 @@ _OK = 0
 _STAMP_EVERY_S = 1.0
 _MISMATCH = int(Status.CHECKSUM_MISMATCH)
 _NOT_FOUND = int(Status.NOT_FOUND)
+_LEASE_EXPIRED = int(Status.LEASE_EXPIRED)
 # What a transfer whose connection failed answers (TcpConnector's results, or a connector that could
 # not be made); a segment could answer TRANSFER_FAILED itself (a disk I/O error), so a key counts as
 # cut off only when its segment's connection failed in this call too (`call_failures`).
@@ -568,6 +571,11 @@ class Reads:
                             # tombstoned since the lookup (an upsert swapped in a new version,
                             # kvtier.master.upsert, or a removal). Asked again, the master answers
                             # the key's current state: the new version, or a miss.
+                            cut.add(i)
+                        elif status == _LEASE_EXPIRED:
+                            # The grant ended, or belongs to a mount the segment left (it was dropped
+                            # and mounted again, or its master restarted): the copy may well still be
+                            # there, under a grant a fresh lookup gets.
                             cut.add(i)
                     elif expired:  # the bytes may have been reused after the lease: never trust them
                         status = int(Status.LEASE_EXPIRED)

@@ -279,7 +279,7 @@ class DataProtocol(FramedConnection):
                     return self._fatal(f"{self._nranges} table entries do not hold a window per range")
                 self._windows, ranges = ranges[-2 * count :], ranges[: -2 * count]
                 self._nranges -= count
-            if self._flags & frames.FLAG_CAPS:  # (expiry, 0), n ranges, n tags: 1 + 2n entries
+            if self._flags & frames.FLAG_CAPS:  # (expiry, session), n ranges, n tags: 1 + 2n entries
                 if self._nranges % 2 == 0:
                     return self._fatal(f"capability block of {self._nranges} entries (expected 1 + 2 per range)")
                 count = self._nranges // 2
@@ -559,7 +559,8 @@ class DataProtocol(FramedConnection):
         current = self._mount.current[0]  # type: ignore[union-attr]
         if not current:
             return "this segment is not mounted on a master: no grant is valid now"
-        if any(session and session != current for session in self._grant_sessions):
+        deadline_session, cap_session = self._grant_sessions  # unpacked: this runs per frame
+        if (deadline_session and deadline_session != current) or (cap_session and cap_session != current):
             return (
                 "granted under an earlier mount of this segment (it was dropped and mounted again, or its "
                 "master restarted): ask the master again"

@@ -189,3 +189,34 @@ def test_a_same_host_copy_with_a_grant_from_before_a_remount_is_refused(bare_clu
     # then the copy is refused, and B's bytes are untouched
     assert result == [Status.LEASE_EXPIRED]
     assert b.get("b") == value
+
+
+def test_a_read_whose_lookup_predates_a_remount_is_served_after_a_fresh_lookup(long_grants):
+    # given an object on a segment, and a reader whose lookup of it is answered just before the
+    # segment is away past its ttl and mounts again (the master re-adopts the untouched object)
+    segment, _endpoint = start_segment(long_grants, "8MiB")
+    writer = long_grants.client(transport="tcp")
+    value = os.urandom(64 << 10)
+    writer.put("k", value)
+    reader = long_grants.client(transport="tcp")
+    real_call = reader._master.call
+    lookups = []
+
+    def call(method, request, *args, **kwargs):
+        reply = real_call(method, request, *args, **kwargs)
+        if method == "GetReplicas":
+            lookups.append(reply.segments[0].segment_id)
+            if len(lookups) == 1:
+                away_past_ttl(long_grants, segment)
+                assert long_grants.wait_for(
+                    lambda: writer.locate("k") and writer.locate("k")[0]["segment_id"] != lookups[0],
+                    REMOUNT_WAIT_S,
+                    0.2,
+                )
+        return reply
+
+    reader._master.call = call
+    # when it reads with that answer's grant, then its copy is refused as another mount's, and a
+    # fresh lookup serves the object
+    assert reader.get("k") == value
+    assert len(lookups) == 2 and lookups[1] != lookups[0]
