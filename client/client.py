@@ -64,6 +64,7 @@ C = TypeVar("C", bound=Connector)  # a connector kind: one cache per kind (_cach
 
 _OK = 0
 _SEGMENT_FAILED = (int(Status.TRANSFER_FAILED), int(Status.UNAVAILABLE))  # a write's connection failed
+_PUT_RETRIED = (*_SEGMENT_FAILED, int(Status.LEASE_EXPIRED))  # + a grant ended, or of an earlier mount
 _PINS = {None: pb.PIN_NONE, "soft": pb.PIN_SOFT, "hard": pb.PIN_HARD}
 _MAX_PIN_TTL_MS = (1 << 32) - 1  # PutStartRequest.pin_ttl_ms is a uint32
 
@@ -232,9 +233,7 @@ class Client(
 
     def _observe_latency(self, method: str, seconds: float) -> None:
         with self._lock:
-            histogram = self._latency.get(method)
-            if histogram is None:
-                histogram = self._latency[method] = LatencyHistogram()
+            histogram = self._latency.get(method) or self._latency.setdefault(method, LatencyHistogram())
             histogram.observe(seconds)
 
     def latency(self) -> dict[str, LatencyHistogram]:
@@ -370,10 +369,10 @@ class Client(
         started = time.monotonic()
         placement = (replicas, _PINS[pin], pin_ttl_ms, preferred_segment, _overwrite, lease_ms)
         statuses, retry, written = self._put_once(keys, views, *placement)
-        # A write that failed on its segment (no connection, cut mid-frame) is retried once on another
-        # placement: the failed keys were revoked first (a late byte there lands in a range the master
-        # does not reuse before the grant ends), and the segment is in this client's avoid list. Only
-        # when the failure came in the first half of the timeout, so the retry has time of its own.
+        # A write that failed on its segment (no connection, cut mid-frame, a grant refused as ended or
+        # of an earlier mount) is retried once, placed anew: the failed keys were revoked first, a failed
+        # connection's segment is in this client's avoid list. Only when the failure came in the first
+        # half of the timeout, so the retry has time of its own.
         if retry and time.monotonic() - started < self.config.timeout / 2:
             again = self._put_once([keys[i] for i in retry], [views[i] for i in retry], *placement)
             for i, status in zip(retry, again[0], strict=True):
@@ -526,7 +525,7 @@ class Client(
                     statuses[i] = int(exc.status)
         if failed:
             self._revoke([keys[i] for i in failed], reply.put_id)
-        retry = [i for i in failed if statuses[i] in _SEGMENT_FAILED]
+        retry = [i for i in failed if statuses[i] in _PUT_RETRIED]
         return statuses, retry, sum(sizes[i] * counts[i] for i in written)
 
     batch_put_from = batch_put

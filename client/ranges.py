@@ -93,7 +93,20 @@ class RangedReads:
         return self._read_ranges(key, spans, [v[:length] for v, (_, length) in zip(views, spans, strict=True)])[0]
 
     def _read_ranges(self: Client, key: str, spans: list[tuple[int, int]], views: Views) -> tuple[int, str]:
-        """(bytes written in all, "") or (negative status, why)."""
+        """(bytes written in all, "") or (negative status, why). A copy refused LEASE_EXPIRED (its grant
+        ended, or belongs to a mount its segment has left) is read once more after a fresh lookup, as
+        kvtier.client.reads does, while a tenth of the timeout is left."""
+        from kvtier.client.reads import RETRY_MIN_LEFT
+
+        started = time.monotonic()
+        status, message = self._read_ranges_once(key, spans, views)
+        if status == Status.LEASE_EXPIRED and time.monotonic() - started < self.config.timeout * (1 - RETRY_MIN_LEFT):
+            self._count(read_retries=1)
+            status, message = self._read_ranges_once(key, spans, views)
+        self._count(ranged_gets=1, ranged_hits=int(status >= 0), ranged_misses=int(status < 0))
+        return status, message
+
+    def _read_ranges_once(self: Client, key: str, spans: list[tuple[int, int]], views: Views) -> tuple[int, str]:
         from kvtier.client.reads import LEASE_SAFETY
 
         key = check_key(key)
@@ -109,7 +122,7 @@ class RangedReads:
             reply = self._master.call("GetReplicas", request)
         except KvtierError as exc:
             logger.warning("GetReplicas failed, ranged read of %.80s is a miss: %s", key, exc)
-            self._count(ranged_gets=1, ranged_misses=1, master_failures=1)
+            self._count(master_failures=1)
             return int(exc.status), exc.message
         lease_deadline = requested_at + reply.lease_ms / 1000 * LEASE_SAFETY
         try:
@@ -117,7 +130,6 @@ class RangedReads:
         finally:
             self._done_leases.add(reply.lease_id)  # every transfer of this lease is over
             self._report_failures()
-        self._count(ranged_gets=1, ranged_hits=int(status >= 0), ranged_misses=int(status < 0))
         return status, message
 
     def _ranges_of(

@@ -5,9 +5,10 @@ Per key, until a copy's bytes verify against the checksum recorded at PutEnd:
 1. The replicas of one GetReplicas answer, one after another: segments that just failed this
    client or are quarantined last, DRAM before SSD, same-host first, then the master's order.
 2. When they all failed and at least one failed on its connection (no connection, refused or
-   timed out; cut mid-frame; stopped answering), and `RETRY_MIN_LEFT` of the caller's timeout is
-   still left: once more after a fresh GetReplicas (the lease may have lapsed, the replica set
-   may have changed), its replicas in the same order. One such lookup per call, for all its keys.
+   timed out; cut mid-frame; stopped answering) or was answered NOT_FOUND or LEASE_EXPIRED (below),
+   and `RETRY_MIN_LEFT` of the caller's timeout is still left: once more after a fresh GetReplicas
+   (the lease may have lapsed, the replica set may have changed), its replicas in the same order.
+   One such lookup per call, for all its keys.
 
 A segment's answer is final for that copy: a range refused, a checksum mismatch (the copy is
 reported to the master, kvtier.client.failures, before the fresh lookup, so that lookup no longer
@@ -443,8 +444,8 @@ class Reads:
     ) -> tuple[list[Any], list[int]]:
         """One GetReplicas (within `timeout`, else the client's) and the reads of its replicas:
         per key a result (None for every key of a retry's failed lookup) and the keys (indices)
-        worth a fresh lookup: missed after a transfer failed on its connection, or after the
-        segment no longer held the copy the master named."""
+        worth a fresh lookup: missed after a transfer failed on its connection, after the segment
+        no longer held the copy the master named, or refused its grant as ended or of another mount."""
         # The master starts the lease when it handles the request, which is after
         # this moment: measuring from here can only under-estimate what is left.
         requested_at = time.monotonic()

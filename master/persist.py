@@ -109,7 +109,10 @@ class FileStateStore:
         segments they expelled (and a removed object could come back from one): StartupError, one
         line, when another process holds it."""
         path = self.path.parent / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # e.g. left by another user's master
+            raise StartupError(f"cannot open {path}: {exc.strerror or exc}: change --state-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

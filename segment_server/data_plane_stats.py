@@ -8,13 +8,9 @@ metrics (kvtier.segment_server.metrics) and the disk reads (kvtier.segment_serve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvtier.common.framed_listener import ConnectionSet
 from kvtier.common.latency import LatencyHistogram
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(slots=True)

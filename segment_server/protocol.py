@@ -78,6 +78,8 @@ _SCRATCH = memoryview(bytearray(_SCRATCH_SIZE))
 # A range table larger than this is dropped after its request instead of kept for the next one.
 _TABLE_KEEP = 64 << 10
 _OPS = {int(op) for op in Op}
+_GRANTED = (Op.READ, Op.WRITE, Op.READ_DISK, Op.READ_KEYED)  # ops whose table may name a grant's mount
+_REGION = (Op.READ, Op.WRITE)
 # A range table or a payload of names is received into a buffer that starts this small and doubles
 # as the bytes arrive: a header announcing megabytes costs the segment only what the peer sends.
 _FIRST_ROOM = 4096
@@ -368,8 +370,8 @@ class DataProtocol(FramedConnection):
 
     def _on_request(self) -> None:
         op, ranges, capacity = self._op, self._ranges, self._capacity
-        if self._mount is not None and op in (Op.READ, Op.WRITE) and (refused := self._other_mount()):
-            return self._refuse(Status.LEASE_EXPIRED, refused)
+        if self._mount is not None and op in _GRANTED and (refused := self._other_mount(op in _REGION)):
+            return self._drain(Status.LEASE_EXPIRED, refused)  # asked again, the master names this mount
         if self._caps is not None and op in (Op.READ, Op.WRITE) and (denied := self._capability_problem(op)):
             self._stats.capability_denials += 1
             if op == Op.WRITE:
@@ -553,11 +555,14 @@ class DataProtocol(FramedConnection):
             },
         )
 
-    def _other_mount(self) -> str:
-        """Why this READ or WRITE's grant is not of the segment's current mount ("" = it is; a grant
-        naming none, from a client older than mount sessions, is taken as the current mount's)."""
+    def _other_mount(self, region: bool) -> str:
+        """Why this request's grant is not of the segment's current mount ("" = it is; a grant naming
+        none, from a client older than mount sessions, is taken as the current mount's). `region`
+        (READ, WRITE): no grant is valid while the segment is not mounted; READ_DISK and READ_KEYED
+        check what they serve themselves, and are refused only a grant naming another mount (its
+        tags would fail under this mount's key: LEASE_EXPIRED says to look up again)."""
         current = self._mount.current[0]  # type: ignore[union-attr]
-        if not current:
+        if not current and region:
             return "this segment is not mounted on a master: no grant is valid now"
         deadline_session, cap_session = self._grant_sessions  # unpacked: this runs per frame
         if (deadline_session and deadline_session != current) or (cap_session and cap_session != current):

@@ -138,7 +138,7 @@ def test_a_segment_started_under_a_low_open_file_limit_raises_it_for_its_connect
     # and room for 600 connections
     bare_cluster.start_master()
     segment = bare_cluster.start_segment(
-        "seg0", "16MiB", "--max-connections", "600", prefix=["prlimit", "--nofile=256:8192"]
+        "seg0", "16MiB", "--max-connections", "600", prefix=["prlimit", "--nofile=256:"]
     )
     endpoint = tcp_endpoint(segment)
     # when 400 clients connect and each pings

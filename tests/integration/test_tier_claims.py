@@ -44,8 +44,13 @@ def test_bytes_that_arrive_after_the_read_lease_are_discarded(bare_cluster):
     finally:
         segment.popen.send_signal(signal.SIGCONT)
     reader.join(30)
-    assert result == [int(Status.LEASE_EXPIRED)], "bytes read after the lease may belong to another object"
-    assert client.stats()["misses"] >= 1
+    # The late bytes are never taken: the client discards them (LEASE_EXPIRED), or the segment refused
+    # the grant as ended and a fresh lookup read the object again under a lease of its own.
+    stats = client.stats()
+    if result != [int(Status.LEASE_EXPIRED)]:
+        assert result == [len(value)] and stats["read_retries"] >= 1, (result, stats)
+    else:
+        assert stats["misses"] >= 1
     assert client.get("k") == value, "a read within its lease is served again"
 
 

@@ -176,3 +176,32 @@ def test_under_a_master_from_before_sessions_tags_are_keyed_as_before_and_frames
     conn = mounted_conn(mount)
     conn.feed(write(1, 0, b"plain", 0))
     assert [(a.request_id, a.status) for a in conn.responses()] == [(1, 0)]
+
+
+def test_a_disk_or_keyed_read_granted_under_an_earlier_mount_is_told_to_look_up_again():
+    # given a segment with a secret, mounted again since the master minted a READ_DISK tag
+    secret = b"s" * 32
+    mount = MountSession()
+    mount.set(SEGMENT_ID, EPOCH)
+    old_key = CapabilityKey(capability_key(secret, "seg0", EPOCH, "nonce", SESSION))
+    disk_tag = old_key.tag(Op.READ_DISK, FAR, 4096, 16)
+    read_tag = old_key.tag(Op.READ, FAR, 0, 16)
+    mount.set(0, 0)
+    mount.set(SEGMENT_ID + 1, EPOCH)
+    region = bytearray(CAPACITY)
+    stats = DataPlaneStats()
+    check = CapabilityCheck(secret, "seg0", mount, "nonce")
+    protocol = DataProtocol(memoryview(region), stats, disk=object(), caps=check, mount=mount)  # type: ignore[arg-type]
+    conn = Conn(protocol, FakeTransport(), region, stats)
+    protocol.connection_made(conn.transport)
+    # when a READ_DISK and a READ_KEYED of that mount come (names as payload), then a PING
+    names = frames.pack_disk_names([b"default\0k"])
+    for op, request_id, tag in ((Op.READ_DISK, 1, disk_tag), (Op.READ_KEYED, 2, read_tag)):
+        offset = 4096 if op == Op.READ_DISK else 0
+        conn.feed(frames.pack_request(op, request_id, [(offset, 16)], len(names), caps=(FAR, tag, SESSION)) + names)
+    conn.feed(frames.pack_request(Op.PING, 3, []))
+    # then both are LEASE_EXPIRED (the client's fresh lookup names this mount), not a capability
+    # denial, and the connection stays in sync
+    answers = [(a.request_id, a.status) for a in conn.responses()]
+    assert answers == [(1, Status.LEASE_EXPIRED), (2, Status.LEASE_EXPIRED), (3, 0)]
+    assert stats.capability_denials == 0
