@@ -224,3 +224,31 @@ def test_a_read_whose_lookup_predates_a_remount_is_served_after_a_fresh_lookup(l
     else:
         assert reader.get_ranges("k", [(5, 100), (70_000, 10)]) == [value[5:105], value[70_000:70_010]]
     assert len(lookups) == 2 and lookups[1] != lookups[0]
+
+
+def test_a_put_whose_start_predates_a_remount_is_placed_anew(long_grants):
+    # given a writer whose PutStart is answered just before its segment is away past its ttl and
+    # mounts again (the put's grant belongs to the ended mount)
+    segment, _endpoint = start_segment(long_grants, "8MiB")
+    observer = long_grants.client(transport="tcp")
+    writer = long_grants.client(transport="tcp", timeout=60.0)  # the re-mount happens inside its put
+    real_call = writer._master.call
+    starts = []
+
+    def call(method, request, *args, **kwargs):
+        reply = real_call(method, request, *args, **kwargs)
+        if method == "PutStart":
+            starts.append(reply.segments[0].session)
+            if len(starts) == 1:
+                away_past_ttl(long_grants, segment)
+                mounted = lambda: any(s.state == "ACTIVE" for s in observer.cluster_status().segments)  # noqa: E731
+                assert long_grants.wait_for(mounted, REMOUNT_WAIT_S, 0.2)
+        return reply
+
+    writer._master.call = call
+    value = os.urandom(64 << 10)
+    # when it puts, then its write is refused as the earlier mount's, a new PutStart places it, and
+    # the object reads back
+    writer.put("k", value)
+    assert len(starts) == 2 and starts[1] != starts[0]
+    assert observer.get("k") == value
