@@ -11,7 +11,9 @@ either.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import resource
 import socket
 import sys
 import uuid
@@ -76,3 +78,23 @@ def check_writable_dir(path: str, option: str) -> None:
     except OSError as exc:
         where = exc.filename or path
         raise StartupError(f"cannot write {where}: {describe_os_error(exc)}: change {option}") from None
+
+
+def raise_open_file_limit(needed: int, option: str, logger: logging.Logger) -> None:
+    """Raise the soft RLIMIT_NOFILE to `needed` where the hard limit allows, so a server refuses
+    connections at its own limit, with a reason, not at EMFILE; a warning naming `option` (what to
+    lower) when the hard limit is short."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning(
+            "open file limit below max_connections soft=%d needed=%d: raise the hard limit (ulimit -Hn, "
+            "systemd LimitNOFILE=) or lower %s",
+            target,
+            needed,
+            option,
+        )

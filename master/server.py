@@ -21,7 +21,6 @@ import asyncio
 import logging
 import math
 import os
-import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -32,7 +31,13 @@ from google.protobuf.message import DecodeError
 from kvtier.common.channels import read_file
 from kvtier.common.config import write_ready_file
 from kvtier.common.service import stop_on_signals
-from kvtier.common.startup import StartupError, check_bindable, check_writable_dir, describe_os_error
+from kvtier.common.startup import (
+    StartupError,
+    check_bindable,
+    check_writable_dir,
+    describe_os_error,
+    raise_open_file_limit,
+)
 from kvtier.common.units import parse_hostport
 from kvtier.master.auth import Authenticator, AuthInterceptor, load_tenants
 from kvtier.master.capabilities import Minter
@@ -143,20 +148,7 @@ FD_RESERVE = 1024  # gRPC connections, the state file, etcd, metrics: besides th
 def raise_fd_limit(config: MasterConfig) -> None:
     """Raise the soft RLIMIT_NOFILE to max_connections + FD_RESERVE where the hard limit allows, so
     the fast path refuses connections at its own limit, with a reason, not at EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = config.max_connections + FD_RESERVE
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        logger.warning(
-            "open file limit below max_connections soft=%d needed=%d: raise the hard limit (ulimit -Hn, "
-            "systemd LimitNOFILE=) or lower max_connections",
-            target,
-            needed,
-        )
+    raise_open_file_limit(config.max_connections + FD_RESERVE, "max_connections", logger)
 
 
 def fast_path_limits(config: MasterConfig) -> FastPathLimits:

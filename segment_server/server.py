@@ -11,7 +11,7 @@ from kvtier.common.channels import Credentials
 from kvtier.common.config import write_ready_file
 from kvtier.common.discovery import MasterLocator
 from kvtier.common.service import stop_on_signals
-from kvtier.common.startup import StartupError, check_bindable, check_writable_dir
+from kvtier.common.startup import StartupError, check_bindable, check_writable_dir, raise_open_file_limit
 from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.region import host_id
@@ -416,20 +416,7 @@ def _raise_for_connections(max_connections: int, buckets: int) -> None:
     """Raise the soft RLIMIT_NOFILE to cover `max_connections` client connections too, where the hard
     limit allows (as the master does), so the data plane refuses a connection past its limit with
     TOO_MANY_CONNECTIONS, not a reset at EMFILE; a warning when the hard limit is short."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = max_connections + buckets + FD_RESERVE
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        logger.warning(
-            "open file limit below max_connections soft=%d needed=%d: raise the hard limit (ulimit -Hn, "
-            "systemd LimitNOFILE=) or lower --max-connections",
-            target,
-            needed,
-        )
+    raise_open_file_limit(max_connections + buckets + FD_RESERVE, "--max-connections", logger)
 
 
 def _disk_bytes_read() -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -25,8 +24,15 @@ from kvtier.proto import frames
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
 from kvtier.proto.status import Status
-from tests.integration.rawframes import IO_TIMEOUT_S, connect, recv_exact, recv_response
-from tests.integration.test_stalled_peers import SECRET, Master, frames_cut, start_segment
+from tests.integration.rawframes import connect, recv_response
+from tests.integration.test_stalled_peers import (
+    Master,
+    finish_cut_write,
+    frames_cut,
+    slow_reader,
+    start_segment,
+    with_secret,
+)
 
 LONG_GRANTS = ("--lease-s", "30", "--put-timeout-s", "30")
 REMOUNT_WAIT_S = 20.0
@@ -34,13 +40,22 @@ REMOUNT_WAIT_S = 20.0
 
 @pytest.fixture(params=["no-secret", "secret"])
 def long_grants(bare_cluster, tmp_path, request):
-    if request.param == "secret":
-        path = tmp_path / "cluster.secret"
-        path.write_bytes(SECRET)
-        os.chmod(path, 0o600)
-        bare_cluster.secret_file = str(path)
+    with_secret(bare_cluster, tmp_path, request.param)
     bare_cluster.start_master(*LONG_GRANTS)
     return bare_cluster
+
+
+@pytest.fixture
+def plain_long_grants(bare_cluster):
+    """As `long_grants`, without a secret only (what the client does about a refusal is the same)."""
+    bare_cluster.start_master(*LONG_GRANTS)
+    return bare_cluster
+
+
+def mounted(cluster, observer) -> None:
+    """Wait until the segment is mounted and has reported its inventory (it takes allocations)."""
+    active = lambda: any(s.state == "ACTIVE" for s in observer.cluster_status().segments)  # noqa: E731
+    assert cluster.wait_for(active, REMOUNT_WAIT_S, 0.2)
 
 
 def away_past_ttl(cluster, segment) -> None:
@@ -52,14 +67,33 @@ def away_past_ttl(cluster, segment) -> None:
         segment.popen.send_signal(signal.SIGCONT)
 
 
-def put_on_range(cluster, offset: int, size: int) -> tuple[object, bytes]:
+def put_on_range(cluster, offset: int, size: int, wait_s: float = REMOUNT_WAIT_S) -> tuple[object, bytes]:
     """B's acknowledged object, on `offset` (the segment holds one object of `size`)."""
     b = cluster.client(transport="tcp")
     value = os.urandom(size)
-    assert cluster.wait_for(lambda: b.batch_put(["b"], [value], pin="hard") == [Status.OK], REMOUNT_WAIT_S, 0.2)
+    assert cluster.wait_for(lambda: b.batch_put(["b"], [value], pin="hard") == [Status.OK], wait_s, 0.2)
     assert b.locate("b")[0]["offset"] == offset, "B's object must be on A's range for this test to mean anything"
     assert b.get("b") == value
     return b, value
+
+
+def remount_after_first(client, method: str, cluster, segment, observer) -> list[int]:
+    """Make `client`'s first `method` call answer, then the segment go away past its ttl and mount
+    again before the client goes on; returns the mount sessions each such answer named."""
+    real_call = client._master.call
+    sessions: list[int] = []
+
+    def call(name, request, *args, **kwargs):
+        reply = real_call(name, request, *args, **kwargs)
+        if name == method:
+            sessions.append(reply.segments[0].session)
+            if len(sessions) == 1:
+                away_past_ttl(cluster, segment)
+                mounted(cluster, observer)
+        return reply
+
+    client._master.call = call
+    return sessions
 
 
 def pending_write(cluster, size: int):
@@ -83,13 +117,8 @@ def test_a_write_in_flight_across_its_segments_remount_never_lands_in_the_next_o
     away_past_ttl(long_grants, segment)
     b, value = put_on_range(long_grants, offset, size)
     # and A sends the rest of its payload, with most of its grant left
-    a.sendall(b"A" * (size - 1))
     # then A's frame was cut (the connection stays in sync) and B reads back exactly its bytes
-    _op, request_id, status, message = recv_response(a)
-    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
-    a.sendall(frames.pack_request(Op.PING, 2, []))
-    assert recv_response(a)[:3] == (Op.PING, 2, 0)
-    a.close()
+    finish_cut_write(a, size)
     assert b.get("b") == value
     assert frames_cut(segment, "WRITE") == 1
 
@@ -127,36 +156,27 @@ def test_a_write_in_flight_across_a_master_restart_never_lands_in_the_next_owner
     bare_cluster.restart_master()
     b, value = put_on_range(bare_cluster, offset, size)
     # and A sends the rest of its payload
-    a.sendall(b"A" * (size - 1))
     # then A's frame was cut, and B reads back exactly its bytes
-    _op, request_id, status, message = recv_response(a)
-    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
-    a.close()
+    finish_cut_write(a, size)
     assert b.get("b") == value
 
 
-def test_a_read_queued_across_its_segments_remount_never_sends_the_next_owners_bytes(long_grants):
+def test_a_read_queued_across_its_segments_remount_never_sends_the_next_owners_bytes(plain_long_grants):
+    long_grants = plain_long_grants
     # given A's object of 8 MiB on a segment of 8 MiB, and A's READ of it, of which A takes 1 KiB
     size = 8 << 20
     segment, endpoint = start_segment(long_grants, "8MiB")
     b = long_grants.client(transport="tcp")
     b.put("a", b"a" * size, pin="hard")
-    reply = Master(long_grants).GetReplicas(pb.KeysRequest(namespace="default", keys=["a"]))
-    assert list(reply.statuses) == [Status.OK]
-    offset = reply.replica_offsets[0]
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    a = socket.socket()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # most of the response stays on the segment
-    a.settimeout(IO_TIMEOUT_S)
-    a.connect((host, int(port)))
-    grant = (reply.tag_expiry_ms, reply.replica_tags, reply.segments[0].session)
-    a.sendall(frames.pack_request(Op.READ, 1, [(offset, size)], caps=grant))
-    head = recv_exact(a, frames.RESPONSE.size + 1024)
-    assert frames.RESPONSE.unpack_from(head)[4] == Status.OK
+    a, offset = slow_reader(long_grants, endpoint, size)
     # when the segment is away past its ttl and mounts again, "a" is removed, and B's secret lands there
     away_past_ttl(long_grants, segment)
-    assert long_grants.wait_for(lambda: b.remove("a", force=True), REMOUNT_WAIT_S, 0.2) or not b.exists("a")
-    b2, secret = put_on_range(long_grants, offset, size)
+    mounted(long_grants, b)
+    b.remove("a", force=True)  # re-adopted with the segment's index, or gone with its mount
+    assert not b.exists("a")
+    # (the master reuses a re-adopted object's range only once a lease from its adoption could end:
+    # about 30 s here, well within A's grant, which the segment would only cut at its end)
+    b2, secret = put_on_range(long_grants, offset, size, wait_s=60.0)
     # and A reads all it still can
     rest = bytearray()
     try:
@@ -192,7 +212,8 @@ def test_a_same_host_copy_with_a_grant_from_before_a_remount_is_refused(bare_clu
 
 
 @pytest.mark.parametrize("read", ["get", "get_ranges"])
-def test_a_read_whose_lookup_predates_a_remount_is_served_after_a_fresh_lookup(long_grants, read):
+def test_a_read_whose_lookup_predates_a_remount_is_served_after_a_fresh_lookup(plain_long_grants, read):
+    long_grants = plain_long_grants
     # given an object on a segment, and a reader whose lookup of it is answered just before the
     # segment is away past its ttl and mounts again (the master re-adopts the untouched object)
     segment, _endpoint = start_segment(long_grants, "8MiB")
@@ -200,52 +221,24 @@ def test_a_read_whose_lookup_predates_a_remount_is_served_after_a_fresh_lookup(l
     value = os.urandom(256 << 10)  # several chunks: a ranged read reads only its chunks
     writer.put("k", value)
     reader = long_grants.client(transport="tcp", timeout=30.0)  # the re-mount happens inside its get
-    real_call = reader._master.call
-    lookups = []
-
-    def call(method, request, *args, **kwargs):
-        reply = real_call(method, request, *args, **kwargs)
-        if method == "GetReplicas":
-            lookups.append(reply.segments[0].segment_id)
-            if len(lookups) == 1:
-                away_past_ttl(long_grants, segment)
-                assert long_grants.wait_for(
-                    lambda: writer.locate("k") and writer.locate("k")[0]["segment_id"] != lookups[0],
-                    REMOUNT_WAIT_S,
-                    0.2,
-                )
-        return reply
-
-    reader._master.call = call
+    lookups = remount_after_first(reader, "GetReplicas", long_grants, segment, writer)
     # when it reads with that answer's grant, then its copy is refused as another mount's, and a
     # fresh lookup serves the object
     if read == "get":
         assert reader.get("k") == value
     else:
         assert reader.get_ranges("k", [(5, 100), (70_000, 10)]) == [value[5:105], value[70_000:70_010]]
-    assert len(lookups) == 2 and lookups[1] != lookups[0]
+    assert len(lookups) == 2 and lookups[1] != lookups[0]  # the fresh lookup names the new mount
 
 
-def test_a_put_whose_start_predates_a_remount_is_placed_anew(long_grants):
+def test_a_put_whose_start_predates_a_remount_is_placed_anew(plain_long_grants):
+    long_grants = plain_long_grants
     # given a writer whose PutStart is answered just before its segment is away past its ttl and
     # mounts again (the put's grant belongs to the ended mount)
     segment, _endpoint = start_segment(long_grants, "8MiB")
     observer = long_grants.client(transport="tcp")
     writer = long_grants.client(transport="tcp", timeout=60.0)  # the re-mount happens inside its put
-    real_call = writer._master.call
-    starts = []
-
-    def call(method, request, *args, **kwargs):
-        reply = real_call(method, request, *args, **kwargs)
-        if method == "PutStart":
-            starts.append(reply.segments[0].session)
-            if len(starts) == 1:
-                away_past_ttl(long_grants, segment)
-                mounted = lambda: any(s.state == "ACTIVE" for s in observer.cluster_status().segments)  # noqa: E731
-                assert long_grants.wait_for(mounted, REMOUNT_WAIT_S, 0.2)
-        return reply
-
-    writer._master.call = call
+    starts = remount_after_first(writer, "PutStart", long_grants, segment, observer)
     value = os.urandom(64 << 10)
     # when it puts, then its write is refused as the earlier mount's, a new PutStart places it, and
     # the object reads back

@@ -30,13 +30,18 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 REUSE_WAIT_S = 15.0  # generous on a loaded machine; the range is reusable ~3 s after its grant
 
 
-@pytest.fixture(params=["no-secret", "secret"])
-def stall_cluster(bare_cluster, tmp_path, request):
-    if request.param == "secret":
+def with_secret(cluster, tmp_path, secret: str) -> None:
+    """Give the cluster the test secret when `secret` is "secret" (the fixtures' param)."""
+    if secret == "secret":
         path = tmp_path / "cluster.secret"
         path.write_bytes(SECRET)
         os.chmod(path, 0o600)
-        bare_cluster.secret_file = str(path)
+        cluster.secret_file = str(path)
+
+
+@pytest.fixture(params=["no-secret", "secret"])
+def stall_cluster(bare_cluster, tmp_path, request):
+    with_secret(bare_cluster, tmp_path, request.param)
     bare_cluster.start_master("--lease-s", "1", "--put-timeout-s", "1")
     return bare_cluster
 
@@ -64,6 +69,37 @@ def frames_cut(proc, op: str) -> float:
     return value(scrape(proc.info["metrics"]), "kvtier_segment_frames_cut_total", segment="seg0", op=op)
 
 
+def slow_reader(cluster, endpoint: str, size: int) -> tuple[socket.socket, int]:
+    """Reader A of the hard-pinned object "a" (`size` bytes, B's put of it done): its READ sent, as a
+    client would send it, with the grant (and mount session) its lookup named, and the first 1 KiB
+    of the answer taken; A's receive buffer is small, so most of the response stays on the segment.
+    Returns A's socket and the object's offset."""
+    reply = Master(cluster).GetReplicas(pb.KeysRequest(namespace="default", keys=["a"]))
+    assert list(reply.statuses) == [Status.OK] and reply.tag_expiry_ms
+    offset = reply.replica_offsets[0]
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    a = socket.socket()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    a.settimeout(IO_TIMEOUT_S)
+    a.connect((host, int(port)))
+    grant = (reply.tag_expiry_ms, reply.replica_tags, reply.segments[0].session)
+    a.sendall(frames.pack_request(Op.READ, 1, [(offset, size)], caps=grant))
+    head = recv_exact(a, frames.RESPONSE.size + 1024)
+    assert frames.RESPONSE.unpack_from(head)[4] == Status.OK and set(head[frames.RESPONSE.size :]) == {ord("a")}
+    return a, offset
+
+
+def finish_cut_write(a: socket.socket, size: int) -> None:
+    """Writer A sends the rest of its WRITE (request 1, its first byte sent): it must be cut, answered
+    LEASE_EXPIRED, and the connection stay in sync (a PING is answered)."""
+    a.sendall(b"A" * (size - 1))
+    _op, request_id, status, message = recv_response(a)
+    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
+    a.sendall(frames.pack_request(Op.PING, 2, []))
+    assert recv_response(a)[:3] == (Op.PING, 2, 0)
+    a.close()
+
+
 def cut_logged(proc, op: str) -> bool:
     return any("frame cut" in line and f"op={op}" in line for line in proc.log.read_text().splitlines())
 
@@ -88,13 +124,8 @@ def test_a_stalled_writer_never_writes_into_the_next_owners_object(stall_cluster
     assert stall_cluster.wait_for(lambda: b.batch_put(["b"], [b_value], pin="hard") == [Status.OK], REUSE_WAIT_S, 0.2)
     assert b.locate("b")[0]["offset"] == offset, "B's object must be on A's range for this test to mean anything"
     # and A then sends the rest of its payload
-    a.sendall(b"A" * (size - 1))
     # then A's frame was cut: it gets LEASE_EXPIRED, and the connection is still in sync
-    _op, request_id, status, message = recv_response(a)
-    assert (request_id, status) == (1, Status.LEASE_EXPIRED), message
-    a.sendall(frames.pack_request(Op.PING, 2, []))
-    assert recv_response(a)[:3] == (Op.PING, 2, 0)
-    a.close()
+    finish_cut_write(a, size)
     # and B reads back exactly its bytes
     assert b.get("b") == b_value
     # and the cut was counted and logged
@@ -108,18 +139,7 @@ def test_a_reader_that_stops_draining_never_receives_the_next_owners_bytes(stall
     segment, endpoint = start_segment(stall_cluster, "8MiB")
     b = stall_cluster.client(transport="tcp")
     b.put("a", b"a" * size, pin="hard")
-    master = Master(stall_cluster)
-    reply = master.GetReplicas(pb.KeysRequest(namespace="default", keys=["a"]))
-    assert list(reply.statuses) == [Status.OK] and reply.tag_expiry_ms
-    offset = reply.replica_offsets[0]
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    a = socket.socket()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # most of the response stays on the segment
-    a.settimeout(IO_TIMEOUT_S)
-    a.connect((host, int(port)))
-    a.sendall(frames.pack_request(Op.READ, 1, [(offset, size)], caps=(reply.tag_expiry_ms, reply.replica_tags)))
-    head = recv_exact(a, frames.RESPONSE.size + 1024)
-    assert frames.RESPONSE.unpack_from(head)[4] == Status.OK and set(head[frames.RESPONSE.size :]) == {ord("a")}
+    a, offset = slow_reader(stall_cluster, endpoint, size)
     # when A stops reading, its object is removed and B puts a secret that lands on the same range
     assert b.remove("a")
     secret = b"B" * size
