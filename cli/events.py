@@ -53,8 +53,8 @@ def cmd_events(opts: argparse.Namespace) -> int:
     """Follow until Ctrl-C (exit 0) or until the master ends the stream (exit 1)."""
     from kvtier.client import Client
 
-    if opts.since < 0 or opts.epoch < 0 or (opts.since and not opts.epoch):
-        print("kvtier events: --since N needs --epoch E (both from an earlier event)", file=sys.stderr)
+    if opts.since < 0 or opts.epoch < 0 or bool(opts.since) != bool(opts.epoch):
+        print("kvtier events: --since N and --epoch E go together (both from an earlier event)", file=sys.stderr)
         return 2
     # As in `kvtier top`: Ctrl-C sets a flag, never raises inside a gRPC call. The stream is read on
     # a thread; the main thread waits for Ctrl-C or the stream's end, then closes it.

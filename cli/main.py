@@ -81,6 +81,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _page_size(text: str) -> int:
+    """Keys per ListKeys page: 1 to MAX_PAGE (what the master serves in one page)."""
+    from kvtier.client.keys import MAX_PAGE
+
+    value = _positive_int(text)
+    if value > MAX_PAGE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PAGE}, got {value}")
+    return value
+
+
 def _interval(text: str) -> float:
     try:
         value = float(text)
@@ -147,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--prefix", default="", help="only keys starting with this (default: every key)")
     keys.add_argument("--limit", type=_count, default=1000, help="at most this many keys, 0 = all (default: 1000)")
     keys.add_argument("--start-after", default="", help="only keys after this one: resume an earlier listing")
-    keys.add_argument("--page-size", type=_positive_int, default=1000, help="keys per request (at most 10000)")
+    keys.add_argument("--page-size", type=_page_size, default=1000, help="keys per request (at most 10000)")
     keys.add_argument("--pending", action="store_true", help="also list puts not finished yet")
 
     stat = sub.add_parser("stat", help="one object: size, checksum, replicas and tiers, lease, pin, owner")
@@ -177,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_master(evict, json_help="machine-readable summary")
     _add_namespace(evict)
     evict.add_argument("--prefix", required=True, help="keys starting with this ('' = the whole namespace)")
-    evict.add_argument("--page-size", type=_positive_int, default=10000, help="keys per page (at most 10000)")
+    evict.add_argument("--page-size", type=_page_size, default=10000, help="keys per page (at most 10000)")
     evict.add_argument("--include-pinned", action="store_true", help="remove hard- and soft-pinned objects too")
     evict.add_argument("--dry-run", action="store_true", help="count what would be removed, remove nothing")
     evict.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

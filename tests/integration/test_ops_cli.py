@@ -374,6 +374,8 @@ def test_top_exits_0_quietly_on_ctrl_c(cluster):
     [
         ["keys", "--limit", "-1"],
         ["keys", "--page-size", "0"],
+        ["keys", "--page-size", "20000"],  # more than a page holds: said, not clamped in silence
+        ["evict", "--prefix", "x/", "--page-size", "20000"],
         ["top", "--interval", "0"],
         ["top", "--iterations", "many"],
         ["evict"],
@@ -385,6 +387,12 @@ def test_ops_commands_reject_bad_arguments_with_one_line(args):
     assert result.returncode == 2
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "error" in lines[0], lines
+
+
+def test_events_refuses_an_epoch_without_the_seq_it_counts():
+    # --epoch alone would be ignored (a stream from now), not what a resuming caller asked for
+    result = subprocess.run([*KVTIER, "events", "--master", "127.0.0.1:1", "--epoch", "5"], capture_output=True)
+    assert result.returncode == 2 and "--since N and --epoch E go together" in result.stderr.decode()
 
 
 def test_every_command_finds_an_ha_master_through_etcd(bare_cluster, etcd):
