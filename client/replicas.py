@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import crc32c
 
+from kvtier.client.reads import _caps
 from kvtier.client.tracing import traced
 from kvtier.client.transport.base import Caps
 from kvtier.proto import master_pb2 as pb
@@ -61,11 +62,9 @@ def copy_batch(client: Client, start: pb.MigrateStartResponse) -> list[int]:
     rank = {i: n for n, i in enumerate(todo)}  # capabilities come for the movable objects, in order
 
     def caps(tags: bytes, indices: list[int], segment: pb.SegmentEndpoint) -> Caps:
-        """The migration's grant on `segment`: its tags, or without a secret only its expiry (the
-        frames' deadline), and the segment's mount it belongs to."""
-        if not tags:
-            return (start.tag_expiry_ms, [], segment.session) if start.tag_expiry_ms else None
-        return start.tag_expiry_ms, [tags[16 * rank[i] : 16 * rank[i] + 16] for i in indices], segment.session
+        """The migration's grant on `segment` (kvtier.client.reads._caps: its tags by the objects'
+        rank among the movable ones, or without a secret only its expiry, and the segment's mount)."""
+        return _caps(tags, start.tag_expiry_ms, [rank[i] for i in indices], segment.session)
 
     def source_of(i: int) -> int:
         return start.source_segments[i] if start.source_segments else start.source_segment
