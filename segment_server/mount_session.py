@@ -44,10 +44,6 @@ class MountSession:
         self._on_ended: Callable[[], None] | None = None
         self._publish(0)
 
-    @property
-    def value(self) -> int:
-        return self.current[0]
-
     def attach(self, loop: asyncio.AbstractEventLoop, on_ended: Callable[[], None]) -> None:
         """`on_ended` runs on `loop` after each mount ends (it cuts READ responses still queued)."""
         self._loop, self._on_ended = loop, on_ended

@@ -135,7 +135,7 @@ def test_the_end_of_a_mount_reaches_the_event_loop_and_the_region_header():
     ended = []
 
     async def scenario() -> None:
-        mount.attach(asyncio.get_running_loop(), lambda: ended.append(mount.value))
+        mount.attach(asyncio.get_running_loop(), lambda: ended.append(mount.current[0]))
         mount.set(SEGMENT_ID, EPOCH)
         published = region_format.SESSION.unpack_from(header, region_format.SESSION_OFFSET)[0]
         # when it ends
