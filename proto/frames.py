@@ -156,18 +156,16 @@ def pack_request(
     deadline: int = 0,
     windows: Sequence[tuple[int, int]] = (),
     flags: int = 0,
-    session: int = 0,
 ) -> bytes:
     """Header plus range table of one request, ready to send before any payload; with `trace` (the
     client's request id, nonzero) the table starts with its trace entry; with `caps`, (expiry_ms,
     the ranges' tags concatenated[, mount session]), it carries their capabilities; caps without
     tags (a cluster without a secret) or `deadline` carry only the grant's deadline (FLAG_DEADLINE);
-    either names the grant's mount `session` (or caps' third item); `windows`, one (skip, take) per
+    caps' mount session (0 without one) rides in either entry; `windows`, one (skip, take) per
     range, make a READ send only those bytes of each (FLAG_WINDOW); `flags` adds others
     (FLAG_COMMIT_FOLLOWS)."""
     flat = [v for pair in ranges for v in pair]
-    if caps is not None and len(caps) > 2:
-        session = caps[2]  # type: ignore[misc]
+    session = caps[2] if caps is not None and len(caps) > 2 else 0  # type: ignore[misc]
     if caps is not None and not caps[1]:
         deadline, caps = caps[0], None
     if caps is not None:

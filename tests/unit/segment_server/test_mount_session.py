@@ -48,7 +48,7 @@ def mounted_conn(mount: MountSession, transport: FakeTransport | None = None) ->
 
 def write(request_id: int, offset: int, data: bytes, session: int) -> bytes:
     table = [(offset, len(data))]
-    return frames.pack_request(Op.WRITE, request_id, table, len(data), deadline=FAR, session=session) + data
+    return frames.pack_request(Op.WRITE, request_id, table, len(data), caps=(FAR, b"", session)) + data
 
 
 def test_mount_sessions_differ_per_mount_and_are_never_zero_while_mounted():
@@ -64,7 +64,7 @@ def test_a_grant_of_another_mount_is_refused_and_its_payload_touches_nothing():
     conn = mounted_conn(mount)
     # when a WRITE and a READ name a mount of the same segment id under another epoch, and one of ours
     conn.feed(write(1, 0, b"stale", mount_session(SEGMENT_ID, EPOCH - 1)))
-    conn.feed(frames.pack_request(Op.READ, 2, [(0, 5)], deadline=FAR, session=mount_session(SEGMENT_ID + 1, EPOCH)))
+    conn.feed(frames.pack_request(Op.READ, 2, [(0, 5)], caps=(FAR, b"", mount_session(SEGMENT_ID + 1, EPOCH))))
     conn.feed(write(3, 100, b"fresh", SESSION))
     # then the other mount's are refused LEASE_EXPIRED, nothing of them is in the region, ours is
     answers = conn.responses()
@@ -114,7 +114,7 @@ def test_a_read_still_queued_when_its_mount_ends_has_its_connection_aborted():
         mount.set(SEGMENT_ID, EPOCH)
         reader = mounted_conn(mount, HoldingTransport())
         idle = mounted_conn(mount, HoldingTransport())
-        reader.feed(frames.pack_request(Op.READ, 1, [(0, 100)], deadline=FAR, session=SESSION))
+        reader.feed(frames.pack_request(Op.READ, 1, [(0, 100)], caps=(FAR, b"", SESSION)))
         assert reader.transport.held > 100 and not reader.transport.closed
         # when the mount ends and the data plane hears of it
         mount.set(0, 0)
