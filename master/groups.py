@@ -113,7 +113,13 @@ class GroupTable:
                 of[name] = (group, state.visible(name))  # type: ignore[assignment]  # complete: checked above
             self.groups_committed += 1
             return [int(Status.OK)] * n
-        state.put_revoke(namespace, keys, put_id)  # what is still pending under this put; the rest: NOT_PENDING
+        revoked = state.put_revoke(namespace, keys, put_id)  # what is still pending under this put
+        if int(Status.OK) not in revoked and (record is None or record.state is _PENDING):
+            # Nothing of this put was pending: it may have committed whole, and this member left
+            # since (a PutEnd retried after its answer was lost; kvtier.master.put_outcomes).
+            outcome = state.put_outcomes.retried(prefix + keys[i], put_id, checksums[i], None)
+            if outcome != Status.NOT_PENDING:
+                return [outcome] * n
         self.groups_revoked += 1
         return [int(Status.NOT_PENDING)] * n
 

@@ -49,7 +49,6 @@ import heapq
 import itertools
 import logging
 import math
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -68,6 +67,7 @@ from kvtier.master.leases import ReadLeases
 from kvtier.master.name_index import NameIndex, prefix_end
 from kvtier.master.placement import Ranking, full_ranking, place
 from kvtier.master.placement_order import PlacementOrder, place_on
+from kvtier.master.put_outcomes import PutOutcomes
 from kvtier.master.quarantine import Quarantine
 from kvtier.master.quotas import QuotaTable
 from kvtier.master.range_book import RangeBook
@@ -186,8 +186,8 @@ class MasterState(SegmentTable, RangeBook):
         # Leases that ran out: "put" (a PutStart never ended), "segment" (expelled for silence).
         self.lease_expiries: dict[str, int] = dict.fromkeys(("put", "segment"), 0)
         self._segment_ids = itertools.count(1)
-        # Random start per incarnation: a late PutEnd or PutRevoke of the previous one never matches.
-        self._put_ids = itertools.count(random.getrandbits(62) + 1)
+        # Put ids, and the committed versions that left, for PutEnds retried after a lost answer.
+        self.put_outcomes = PutOutcomes()
         self._seq = itertools.count()
         self.object_count = 0
         # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
@@ -221,7 +221,7 @@ class MasterState(SegmentTable, RangeBook):
         with the same `put_id`). Evicts (in `eviction_policy` order) to make room.
         """
         now = self.clock()
-        put_id = put_id or next(self._put_ids)
+        put_id = put_id or self.put_outcomes.next_id()
         self.pressure.blocked.clear()
         result = PutStartResult(put_id, [], [], [], [])
 
@@ -380,7 +380,11 @@ class MasterState(SegmentTable, RangeBook):
                     done.append(new)
                     if committed is not None:
                         committed.append((len(out), new, new.replicas))
-                out.append(not_pending if new is None else _OK)
+                if new is not None:
+                    out.append(_OK)
+                else:  # no pending put of it: was it committed, and gone since?
+                    complete = record is not None and record.state is _COMPLETE
+                    out.append(self.put_outcomes.retried(name, put_id, checksum, record.checksum if complete else None))
             elif record.state is _COMPLETE:
                 out.append(_OK if record.checksum == checksum else not_pending)
             else:
@@ -584,6 +588,7 @@ class MasterState(SegmentTable, RangeBook):
                 if is_dram(packed):
                     self.commits.dropped(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
             self.commits.record_gone(record)
+            self.put_outcomes.left(record.name, record.put_id, record.checksum)
         disk = [r for r in record.replicas if not is_dram(r)]
         if disk:
             record.replicas = tuple(r for r in record.replicas if is_dram(r))

@@ -25,9 +25,10 @@ When the index has not applied every notice before the call's yet (its feed is
 one poll behind), the answer's notices cannot be applied out of order: the
 relay waits for the feed to bring them, up to `timeout_s`, and otherwise
 answers UNAVAILABLE (the put may be committed: a PutEnd retried by the client is
-answered OK then). Anything that is not the master's answer (no fast path
-known, a broken connection, a timeout) is UNAVAILABLE too: the client falls
-back to its own PutEnd, which is safe to repeat.
+answered OK then, even once the key was removed or replaced since:
+kvtier.master.put_outcomes). Anything that is not the master's answer (no
+fast path known, a broken connection, a timeout) is UNAVAILABLE too: the
+client falls back to its own PutEnd, which is safe to repeat.
 
 One framed connection per segment on the event loop, callbacks only (no task
 or future per call: this is on every put's path), opened on first use to the

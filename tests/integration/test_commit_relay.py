@@ -318,3 +318,53 @@ def test_a_stalled_master_gets_the_write_answered_at_once_the_commit_unavailable
     ended = client._master.call("PutEnd", put_end)  # what the client does when the relay fails
     assert list(ended.statuses) == [Status.OK]
     assert client.get("stalled") == value_bytes
+
+
+def test_a_put_committed_while_its_answer_waited_is_ok_though_the_key_changed_before_the_clients_put_end(
+    bare_cluster,
+):
+    """A relayed PutEnd commits at once but answers only once the segments acknowledged it; with
+    another segment stalled (an earlier drop of the key waits there), the relay gives up and the
+    client sends its own PutEnd. A reader read the value and removed the key meanwhile: the writer
+    must hear OK (its put was stored, then removed), never NOT_PENDING ("stores nothing")."""
+    bare_cluster.segment_ttl_s = 10.0  # the stall must not expel the segment
+    bare_cluster.start_master()
+    bare_cluster.start_segment("seg0", "16MiB")
+    bare_cluster.start_segment("seg1", "16MiB")
+    writer = bare_cluster.client(transport="tcp", timeout=8.0)
+    reader = bare_cluster.client(transport="tcp", timeout=8.0)
+    _relay_ready(bare_cluster, writer)
+    old, new = b"1" * 4096, b"2" * 4096
+    writer.put("k", old, preferred_segment="seg1")
+    stalled = bare_cluster.segments["seg1"].popen
+    outcome: dict[str, object] = {}
+
+    def put_new() -> None:
+        try:
+            writer.put("k", new, preferred_segment="seg0")
+            outcome["writer"] = "OK"
+        except Exception as exc:  # noqa: BLE001 - the status is what the test checks
+            outcome["writer"] = exc
+
+    removals = []
+    stalled.send_signal(signal.SIGSTOP)
+    try:
+        # The removal is applied at once; its answer (and the next PutEnd of "k") waits for seg1.
+        removals.append(threading.Thread(target=reader.remove, args=("k",), daemon=True))
+        removals[-1].start()
+        assert bare_cluster.wait_for(lambda: not reader.exists("k"), 5)
+        put_thread = threading.Thread(target=put_new)
+        put_thread.start()
+        assert bare_cluster.wait_for(lambda: reader.get("k") == new, 1.2), "the put never became visible"
+        removals.append(threading.Thread(target=reader.remove, args=("k",), daemon=True))
+        removals[-1].start()
+        assert bare_cluster.wait_for(lambda: not reader.exists("k"), 1)
+        put_thread.join(2.5)  # the relay's bound passes, the client's own PutEnd is answered
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    put_thread.join(15)
+    for removal in removals:
+        removal.join(15)
+    assert outcome["writer"] == "OK"
+    assert writer.stats()["commits_relayed"] >= 1
+    assert reader.get("k") is None
