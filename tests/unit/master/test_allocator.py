@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import pytest
@@ -191,13 +192,14 @@ def test_random_fill_and_free_rounds_return_to_one_extent():
     operations = 0
     for _ in range(12):
         live: dict[int, int] = {}
+        starts: list[int] = []  # the live offsets, sorted: each new one is checked against its neighbours
         max_size = rng.choice([100, 4096, 40_000, capacity // 8])
         # Fill phase: mostly allocations, some frees, until several allocations are refused.
         refusals = 0
         while refusals < 5:
             operations += 1
             if live and rng.random() < 0.3:
-                offset = rng.choice(list(live))
+                offset = starts.pop(rng.randrange(len(starts)))
                 alloc.release(offset, live.pop(offset))
                 continue
             size = rng.randint(1, max_size)  # rarely a multiple of 64: exercises rounding
@@ -208,9 +210,11 @@ def test_random_fill_and_free_rounds_return_to_one_extent():
             assert offset % 64 == 0
             assert offset + alloc.aligned(size) <= capacity
             assert offset not in live
+            at = bisect.bisect_left(starts, offset)
+            assert at == 0 or starts[at - 1] + alloc.aligned(live[starts[at - 1]]) <= offset, "overlaps the one before"
+            assert at == len(starts) or offset + alloc.aligned(size) <= starts[at], "overlaps the one after"
+            starts.insert(at, offset)
             live[offset] = size
-            if operations % 50 == 0:
-                assert_live_disjoint(live, alloc)
         assert_live_disjoint(live, alloc)
         assert_consistent(alloc, live)
         # Free phase: everything, in random order.
