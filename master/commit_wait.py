@@ -306,6 +306,13 @@ class CommitWaiter:
             # Acknowledged means stored: a segment expelled or replaced during the wait took them.
             handlers.puts_lost += lost
             logger.warning("put not acknowledged: %d keys lost with their segment during PutEnd", lost)
+            # And told "not stored" means it stays so: the segment may have applied the commit
+            # before it was expelled and prove so when it returns (master/fences.py, invariant 4);
+            # a changed name is never released from a fence.
+            lost_status = int(Status.SEGMENT_NOT_FOUND)
+            state.fences.touch_many(
+                record.name for i, record, _ in put_ack.committed if reply.statuses[i] == lost_status
+            )
         return reply
 
 

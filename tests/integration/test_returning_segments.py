@@ -256,6 +256,31 @@ def test_puts_into_a_dead_segments_mapped_region_are_failures_not_ok(bare_cluste
         assert client.cluster_status().tiering["put_keys_lost_with_segment"] == len(keys)
 
 
+@pytest.mark.parametrize("how", ["put", "upsert"])
+def test_a_put_answered_segment_not_found_does_not_come_back_with_its_segment(bare_cluster, how):
+    """A same-host put into a stopped segment's region commits on the master and waits for the
+    segment's acknowledgement; the segment is expelled instead, so the writer hears SEGMENT_NOT_FOUND
+    ("lost with its segment"). When the segment resumes, the commit notice it finds waiting is
+    applied, and the index proves it: the master must still not bring back a version whose writer
+    was told it was not stored."""
+    cluster = bare_cluster
+    cluster.start_master()
+    cluster.start_segment("s0")
+    with cluster.client(transport="shm", timeout=cluster.segment_ttl_s * 5) as client:
+        client.put("k", value_for("k"))
+        segment = cluster.segments["s0"]
+        segment.popen.send_signal(signal.SIGSTOP)
+        try:
+            write = client.batch_upsert if how == "upsert" else client.batch_put
+            key = "k" if how == "upsert" else "fresh"
+            assert write([key], [value_for(key, version=2)]) == [Status.SEGMENT_NOT_FOUND]
+        finally:
+            segment.popen.send_signal(signal.SIGCONT)
+        assert cluster.wait_for(lambda: mounted(client, "s0"), timeout=15)
+        assert client.get(key) is None, "a put told SEGMENT_NOT_FOUND came back with its segment"
+        assert client.exists("k") == (how == "put")  # an untouched key comes back
+
+
 def test_under_load_every_key_answered_ok_after_a_segment_kill_is_readable(bare_cluster):
     cluster = bare_cluster
     cluster.start_master()
