@@ -550,8 +550,14 @@ class Tiering:
         is answered: a FORGET from here would leave a master restart in between to bring it back)."""
         self._end_offload(task)
         state = self.state
+        if status == Status.CHECKSUM_MISMATCH and not self._alive(task):
+            # Removed or replaced while it was read: its range was freed and may hold another
+            # object's bytes now. That says nothing of the disk; a pause here would make a burst
+            # of puts drop acknowledged copies for nothing (the segment wrote no copy).
+            self.counters["offloads_of_removed_objects"] += 1
+            return _OK
         if status != _OK:
-            # Any failure pauses offload on that segment for a while (the watermark pass drops
+            # Any other failure pauses offload on that segment for a while (the watermark pass drops
             # instead): retrying the same victim every tick would stop eviction there.
             self.counters["offload_failures"] += 1
             logger.warning(
