@@ -148,15 +148,26 @@ class CommitLog:
             return set()
         return {record.name for _, record, _ in feed.notices}
 
-    def unacked_seqs(self, segment_id: int) -> dict[str, int]:
+    def unacked_seqs(
+        self, segment_id: int, current: Callable[[str], ObjectRecord | None] | None = None
+    ) -> dict[str, int]:
         """`unacked_names` with, for each name, the sequence number of its last unacknowledged notice
         (a name can have a commit and a drop pending): a segment whose index applied up to it under
-        this mount reflects every notice about the name (kvtier.master.fences `release`)."""
+        this mount reflects every notice about the name (kvtier.master.fences `release`).
+
+        With `current` (name -> the key's record now), only the names of which some unacknowledged
+        notice names another version than the current one (removed, replaced, evicted): a notice
+        about the current version (its commit, a copy of it moved between tiers or segments) changed
+        nothing a returning copy of that version could contradict."""
         feed = self._feeds.get(segment_id)
         if feed is None:
             return {}
         seq = feed.first_seq
-        return {record.name: seq + i for i, (_, record, _) in enumerate(feed.notices)}  # later wins
+        seqs = {record.name: seq + i for i, (_, record, _) in enumerate(feed.notices)}  # later wins
+        if current is None:
+            return seqs
+        changed = {record.name for _, record, _ in feed.notices if current(record.name) is not record}
+        return {name: n for name, n in seqs.items() if name in changed}
 
     def segment_dropped(self, segment_id: int) -> None:
         feed = self._feeds.pop(segment_id, None)

@@ -14,8 +14,14 @@ A fence, opened when the segment is dropped and kept by segment name, is the
 set of object names whose state may differ from what that segment last
 acknowledged:
 - seeded with the names of its unacknowledged commit-log notices (commits and
-  drops, kvtier.master.commits) and its unacknowledged FORGETs
-  (kvtier.master.tiering);
+  drops, kvtier.master.commits) that name a version which is no longer the
+  key's when the segment is dropped (removed, replaced, evicted), and its
+  unacknowledged FORGETs (kvtier.master.tiering). A notice about the version
+  that is still the key's (its commit, its DRAM copy freed after an offload,
+  a promotion, a drain's move) changed nothing: a copy of that version the
+  segment brings back is right, and any later change touches the fence;
+  fencing those lost the verified disk copies of untouched objects to every
+  kill -9 of a busy segment;
 - grown by every key committed (PutEnd) or deleted (remove, eviction, a
   failed or reclaimed put) while it is open, and by every key a client asks to
   remove even when the master no longer knows it (it may be one of the

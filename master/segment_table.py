@@ -245,8 +245,12 @@ class SegmentTable:
             # Names of its unacknowledged notices may leave the fence again if it proves, when it
             # returns, that its index applied them (a relayed put's client heard OK before the master
             # had that acknowledgement); those about its SSD copies may not.
+            # A notice about the version that is still the key's (its commit, an offload's or a
+            # promotion's tier move) changed nothing: fencing it lost verified disk copies of
+            # untouched objects to every kill -9 of a busy segment.
             seed = self.tiering.unacked_forget_names(segment.name) | self.tiering.unsettled_offload_names(segment.name)
-            self.fences.open(segment.name, seed, self.commits.unacked_seqs(segment_id), segment_id)
+            changed = self.commits.unacked_seqs(segment_id, self.visible)
+            self.fences.open(segment.name, seed, changed, segment_id)
             self.expelled.add(segment.name)
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)

@@ -92,6 +92,29 @@ def test_a_segment_back_from_the_dead_brings_back_untouched_disk_copies_never_re
         assert not client.exists(changed)
 
 
+def test_a_segment_killed_right_after_a_burst_gets_back_every_disk_copy_it_had(bare_cluster, ssd_dir):
+    """A write-once burst into a small DRAM offloads to make room as it goes, and each offload frees
+    a DRAM copy with a drop notice the segment acknowledges a moment later. Killed right after the
+    last put, the segment leaves such notices unacknowledged; they change no key (the object stays,
+    on disk), so started again on its SSD directory it gets back every copy the master knew on disk
+    (they were fenced and tombstoned: a kill -9 of a busy segment lost acknowledged objects)."""
+    cluster = bare_cluster
+    cluster.start_master()
+    start_ssd_segment(cluster, "s0", ssd_dir)
+    keys = [f"burst/{i:03d}" for i in range(48)]
+    with cluster.client(timeout=cluster.segment_ttl_s * 5) as client:
+        for start in range(0, len(keys), 4):
+            batch = keys[start : start + 4]
+            assert client.batch_put(batch, [value_for(k, MiB) for k in batch]) == [Status.OK] * len(batch)
+        cluster.kill(cluster.segments["s0"])
+        on_disk = [k for k in keys if any(r["tier"] == "ssd" for r in client.locate(k))]  # before expulsion
+        assert len(on_disk) >= 24, len(on_disk)
+        start_ssd_segment(cluster, "s0", ssd_dir)
+        assert cluster.wait_for(lambda: mounted(client, "s0"), timeout=15)
+        assert client.cluster_status().tiering["fence_copies_refused"] == 0
+        assert client.batch_get(on_disk) == [value_for(k, MiB) for k in on_disk]
+
+
 def test_a_segment_killed_before_acknowledging_a_forget_never_brings_the_removed_key_back(bare_cluster, ssd_dir):
     """Issue 16, with a real segment: removed while its FORGET cannot be acknowledged (the segment is dead)."""
     cluster = bare_cluster

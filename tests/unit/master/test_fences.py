@@ -84,42 +84,81 @@ def test_seeded_names_stay_within_the_bound_and_an_overflow_forgets_them():
 
 
 def test_a_returning_segment_gets_back_what_its_index_applied_but_never_acknowledged():
-    """The master's books (MasterState): puts on a whose notices a never acknowledged (a relayed put's
-    client heard OK from a, which applied them from the relay's answer), a dropped, then a mounts again
-    saying how far its index got under the dropped mount. Exactly these names are admitted: those whose
-    every unacknowledged notice is at or below that point and that nothing touched while a was away."""
+    """The master's books (MasterState): puts and removals on a whose notices a never acknowledged (a
+    relayed put's client heard OK from a, which applied them from the relay's answer), a dropped, then
+    a mounts again saying how far its index got under the dropped mount. A name whose notices name a
+    version no longer the key's is fenced unless the index applied them all; a name whose notices are
+    all about the current version is not fenced at all (test below); a touch while away fences."""
     clock = FakeClock()
     state = new_state(clock)
     a = mount(state, "a", MiB, inventory=True)
     inventory_done(state, a)
-    for key, checksum in (("k1", 1), ("k2", 2), ("k3", 3)):  # notices 1, 2, 3 on a
+
+    def put(key: str, checksum: int) -> None:
         started = state.put_start(NS, [key], [100], 1)
         state.put_end(NS, [key], [checksum], started.put_id)
-    state.remove(NS, ["k3"])  # notice 4: k3's drop
-    started = state.put_start(NS, ["k4"], [100], 1)
-    state.put_end(NS, ["k4"], [4], started.put_id)  # notice 5
+
+    put("k6", 60)  # notice 1
+    state.remove(NS, ["k6"])  # 2: a drop of a version that is gone
+    put("k6", 66)  # 3
+    for key, checksum in (("k1", 1), ("k2", 2), ("k3", 3)):  # notices 4, 5, 6 on a
+        put(key, checksum)
+    state.remove(NS, ["k3"])  # notice 7: k3's drop
+    put("k4", 4)  # notice 8
     assert state.commits.unacked_seqs(a) == {
-        f"{NS}\x00{k}": seq for k, seq in (("k1", 1), ("k2", 2), ("k3", 4), ("k4", 5))
+        f"{NS}\x00{k}": seq for k, seq in (("k6", 3), ("k1", 4), ("k2", 5), ("k3", 7), ("k4", 8))
     }
+    assert state.commits.unacked_seqs(a, state.visible) == {f"{NS}\x00k6": 3, f"{NS}\x00k3": 7}
     state.unmount_segment(a)  # as an expulsion
     b = mount(state, "b", MiB, inventory=True)
     inventory_done(state, b)
-    started = state.put_start(NS, ["k2"], [100], 1)
-    state.put_end(NS, ["k2"], [22], started.put_id)  # touched while a was away (on b)
+    put("k2", 22)  # touched while a was away (on b)
     again = state.mount_segment(
         "unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True, previous_segment_id=a, previous_applied_seq=3
     )
-    assert not again.discard_index and state.fences.released == 1
+    assert not again.discard_index and state.fences.released == 1  # k6: its index applied 1-3
     statuses = report_dram_objects(
         state,
         again.segment.segment_id,
         chunk(
-            [("k1", 100, 1, 0), ("k2", 100, 2, 4096), ("k3", 100, 3, 8192), ("k4", 100, 4, 12288), ("k5", 64, 5, 16384)]
+            [
+                ("k1", 100, 1, 0),
+                ("k2", 100, 2, 4096),
+                ("k3", 100, 3, 8192),
+                ("k4", 100, 4, 12288),
+                ("k5", 64, 5, 16384),
+                ("k6", 100, 66, 20480),
+            ]
         ),
     )
     refused = Status.CHECKSUM_MISMATCH
-    assert statuses == [OK, refused, refused, refused, OK], (
-        "k1 applied and untouched; k2 put again meanwhile; k3's drop (4) and k4's commit (5) past the applied 3; "
-        "k5 never fenced"
+    assert statuses == [OK, refused, refused, OK, OK, OK], (
+        "k1 and k4 never fenced (their notices are about the version that was the key's); k2 put again "
+        "meanwhile; k3's drop (7) past the applied 3; k5 never fenced; k6 released: its index applied 1-3"
     )
     assert state.record(NS, "k1") is not None and state.record(NS, "k2").checksum == 22
+    assert state.record(NS, "k6").checksum == 66
+
+
+def test_notices_that_leave_the_key_as_it_was_do_not_fence_it():
+    """A segment killed right after a put, an offload's drop of the DRAM copy, or a promotion (their
+    notices unacknowledged) returns as a new process with the objects' verified disk copies. Those
+    notices changed no key: the version they name is still the key's when the segment is dropped, so
+    nothing it brings back of that version can be stale. Only a name whose unacknowledged notice
+    names a version no longer the key's (removed, replaced, evicted) is fenced."""
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a", MiB, inventory=True)
+    inventory_done(state, a)
+    for key, checksum in (("kept", 1), ("removed", 2), ("replaced", 3)):
+        started = state.put_start(NS, [key], [100], 1)
+        state.put_end(NS, [key], [checksum], started.put_id)
+    state.remove(NS, ["removed"])
+    state.remove(NS, ["replaced"])
+    started = state.put_start(NS, ["replaced"], [100], 1)
+    state.put_end(NS, ["replaced"], [33], started.put_id)
+    state.unmount_segment(a)  # as an expulsion, or a new process under the name
+    fence = state.fences.get("a")
+    assert fence is not None
+    assert fence.admits(f"{NS}\x00kept")
+    assert not fence.admits(f"{NS}\x00removed") and not fence.admits(f"{NS}\x00replaced")

@@ -232,13 +232,18 @@ def test_a_silent_segment_is_expelled_its_name_saved_and_fenced_when_it_mounts_a
         state.commits.poll(segment_id, 0, 100)
     started = state.put_start(NS, ["k"], [100], 2)
     state.put_end(NS, ["k"], [5], started.put_id)
+    state.remove(NS, ["k"])  # and put again with other bytes: a's drop of the first is a change
+    started = state.put_start(NS, ["k"], [100], 2)
+    state.put_end(NS, ["k"], [6], started.put_id)
+    started = state.put_start(NS, ["kept"], [64], 2)
+    state.put_end(NS, ["kept"], [8], started.put_id)  # its commit is about the version that stays
     barrier = state.commits.barrier()
-    state.commits.poll(b, 1, 100)  # b acknowledges; a never polls again but keeps heartbeating
+    state.commits.poll(b, 4, 100)  # b acknowledges; a never polls again but keeps heartbeating
     for _ in range(11):
         clock.advance(1.0)
         state.heartbeat(a)
         state.heartbeat(b)
-        state.commits.poll(b, 1, 100)
+        state.commits.poll(b, 4, 100)
         state.tick()
     assert a not in state.segments, "expelled: silent feed with notices waiting"
     assert state.commits.acked(barrier), "the wait for it ends..."
@@ -253,11 +258,15 @@ def test_a_silent_segment_is_expelled_its_name_saved_and_fenced_when_it_mounts_a
     assert not again.discard_index, "this master fenced it: it re-adopts what its fence admits"
     segment_id = again.segment.segment_id
     statuses = report_dram_objects(
-        state, segment_id, chunk([("k", 100, 5, 0), ("changed", 64, 7, 128), ("untouched", 64, 9, 256)])
+        state,
+        segment_id,
+        chunk([("k", 100, 5, 0), ("changed", 64, 7, 128), ("untouched", 64, 9, 256), ("kept", 64, 8, 384)]),
     )
-    assert statuses == [Status.CHECKSUM_MISMATCH, Status.CHECKSUM_MISMATCH, OK], (
-        "k's commit was never acknowledged and 'changed' was put and removed meanwhile: refused"
+    assert statuses == [Status.CHECKSUM_MISMATCH, Status.CHECKSUM_MISMATCH, OK, OK], (
+        "the drop of k's first version was never acknowledged and 'changed' was put and removed "
+        "meanwhile: refused; 'kept' is the version its unacknowledged commit named: one more replica"
     )
+    assert state.record(NS, "k").checksum == 6 and len(state.record(NS, "kept").replicas) == 2
     assert state.record(NS, "untouched") is not None and state.record(NS, "changed") is None
     inventory_done(state, segment_id)
     assert state.expelled == set() and state.saved_state_stale and state.fences.get("a") is None
