@@ -9,8 +9,10 @@ replaced by others, so the record that committed is gone, and "no pending put of
 them.
 
 So the master keeps, for the last `KEPT` committed versions that left the tables (removed, replaced
-by an upsert, evicted, lost with a segment), (name, put id) -> checksum. A retried PutEnd of one of
-them is answered OK (the put was stored; a later change superseded it). Put ids of this
+by an upsert, evicted, lost with a segment), (name, put id) -> (checksum, lost). A retried PutEnd
+of one of them is answered OK (the put was stored; a later change superseded it), or
+SEGMENT_NOT_FOUND when it left because its last segment was lost (what the first answer would have
+said: acknowledged means stored), unless a copy with its checksum came back since. Put ids of this
 incarnation are issued in increasing order from a random start, so the bound is exact: every put
 id above the highest one forgotten was remembered if it committed and left, and NOT_PENDING for it
 is the truth; at or below it, a put that left no trace may have committed, and the answer is
@@ -34,6 +36,7 @@ KEPT = 65_536  # committed versions remembered after they left; a retry comes wi
 _OK = int(Status.OK)
 _NOT_PENDING = int(Status.NOT_PENDING)
 _UNKNOWN = int(Status.TIMEOUT)
+_LOST = int(Status.SEGMENT_NOT_FOUND)
 
 
 class PutOutcomes:
@@ -46,7 +49,7 @@ class PutOutcomes:
         self.first_id = random.getrandbits(62) + 1
         self._ids = itertools.count(self.first_id)
         self._issued = self.first_id  # ids below this one were issued by this incarnation
-        self._left: dict[tuple[str, int], int] = {}  # (name, put id) -> checksum, oldest first
+        self._left: dict[tuple[str, int], tuple[int, bool]] = {}  # (name, put id) -> (checksum, lost), oldest first
         self._kept = kept
         self._forgotten_upto = 0  # the highest put id forgotten (0: none)
 
@@ -58,12 +61,12 @@ class PutOutcomes:
         self._issued = put_id + 1
         return put_id
 
-    def left(self, name: str, put_id: int, checksum: int) -> None:
-        """A committed version of this incarnation left the tables."""
+    def left(self, name: str, put_id: int, checksum: int, lost: bool = False) -> None:
+        """A committed version of this incarnation left the tables (`lost`: with its last segment)."""
         if not self.first_id <= put_id < self._issued:
             return  # recovered (put id 0) or of an earlier incarnation: nothing a retry could ask here
         left = self._left
-        left[(name, put_id)] = checksum
+        left[(name, put_id)] = (checksum, lost)
         if len(left) > self._kept:
             oldest = next(iter(left))
             del left[oldest]
@@ -75,7 +78,10 @@ class PutOutcomes:
         key's record (complete: `visible_checksum`, else None) is not this put's."""
         if not self.first_id <= put_id < self._issued:  # another incarnation's put
             return _OK if visible_checksum == checksum else _NOT_PENDING
-        stored = self._left.get((name, put_id))
-        if stored is not None:
-            return _OK if stored == checksum else _NOT_PENDING
+        outcome = self._left.get((name, put_id))
+        if outcome is not None:
+            stored, lost = outcome
+            if stored != checksum:
+                return _NOT_PENDING  # not this put's bytes
+            return _LOST if lost and visible_checksum != checksum else _OK
         return _UNKNOWN if put_id <= self._forgotten_upto else _NOT_PENDING

@@ -104,3 +104,14 @@ def test_a_group_that_never_committed_stays_not_pending(state: MasterState) -> N
     assert state.put_revoke(NS, ["side"], started.put_id) == [OK]
     assert state.groups.put_end(NS, keys, [7, 8], started.put_id) == [Status.NOT_PENDING] * 2
     assert state.groups.put_end(NS, keys, [7, 8], started.put_id) == [Status.NOT_PENDING] * 2
+
+
+def test_a_retried_put_end_of_a_put_lost_with_its_segment_is_segment_not_found(state: MasterState) -> None:
+    started = put(state, "k", checksum=5)
+    state.unmount_segment(next(iter(state.segments)))  # its only copy goes with it
+    assert state.get_replicas(NS, ["k"]).statuses == [Status.NOT_FOUND]
+    assert state.put_end(NS, ["k"], [5], started.put_id) == [Status.SEGMENT_NOT_FOUND]  # never OK
+    mount(state, "s1", 1 << 20)
+    again = put(state, "k", checksum=5)  # the same bytes stored again: the key holds them
+    assert state.put_end(NS, ["k"], [5], started.put_id) == [OK]
+    assert again.put_id != started.put_id
