@@ -20,8 +20,8 @@ TIMEOUT ("its outcome is no longer known"), never NOT_PENDING. A put id of anoth
 restart or failover came between the attempts) is OK when the key holds a complete object with the
 put's checksum (recovered from a segment's inventory), NOT_PENDING otherwise, as before.
 
-Memory: at most KEPT entries of a tuple and a dict slot each (the name is the record's own string),
-about 12 MB at the default, whatever the object count or the rate.
+Memory: at most KEPT entries (183 B each measured, plus the name, the gone record's own string):
+about 12 MB and the names at the default, whatever the object count or the rate.
 """
 
 from __future__ import annotations
