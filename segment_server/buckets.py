@@ -681,20 +681,26 @@ class BucketStore(BucketRecovery):
     # --- capacity ---------------------------------------------------------------------------
 
     def eviction_candidates(self) -> list[tuple[int, list[int]]]:
-        """Above the high watermark: the oldest sealed buckets whose deletion gets `used` down to the low
-        watermark (or all sealed ones if that is not enough), as (bucket_id, live object locations).
-        [] otherwise. Deletes nothing: the caller tells the master first, then calls `delete_buckets`.
-        """
+        """Above the high watermark: the sealed buckets whose deletion gets `used` down to the low
+        watermark (or all sealed ones if that is not enough), as (bucket_id, live object locations);
+        those holding the least live data first, in sixteenths of a bucket, the oldest among equals.
+        Records are never rewritten, so overwrites and removals leave buckets of dead records behind:
+        deleting those first loses nothing, where oldest first lost the live records of old buckets
+        with the tier half empty of live data. [] below the watermark. Deletes nothing: the caller
+        tells the master first, then calls `delete_buckets` (which carries tombstones forward, so any
+        order is safe)."""
         if self._used <= self._high * self._capacity:
             return []
+        band = max(1, self._bucket_size // 16)
+        sealed = [b for b in self._buckets.values() if b.sealed]  # oldest first: the sort is stable
+        sealed.sort(key=lambda b: sum(r.size for r in b.live.values()) // band)
         used = self._used
         candidates = []
-        for bucket in self._buckets.values():  # oldest first
+        for bucket in sealed:
             if used <= self._low * self._capacity:
                 break
-            if bucket.sealed:
-                candidates.append((bucket.bucket_id, list(bucket.live)))
-                used -= bucket.allocated
+            candidates.append((bucket.bucket_id, list(bucket.live)))
+            used -= bucket.allocated
         return candidates
 
     def delete_buckets(self, bucket_ids: list[int]) -> None:

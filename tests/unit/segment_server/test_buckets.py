@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import fcntl
@@ -1007,6 +1008,37 @@ def test_deleting_buckets_carries_their_tombstones_in_one_record(stores, ssd):
 
 
 # --- capacity, eviction, deletion, pins ------------------------------------------------------
+
+
+def test_eviction_takes_the_buckets_with_the_least_live_data_first_and_the_oldest_among_equals(stores, ssd):
+    """Append-only buckets fill with dead records under overwrites and removals. Deleting the oldest
+    bucket first threw away the live records in it while newer buckets held only dead ones (an
+    adversarial overwrite burst lost 174-267 disk copies with the tier under half full of live data):
+    a bucket whose records are all dead costs nothing to delete. Equally live buckets (within a
+    sixteenth of a bucket) still go oldest first."""
+    capacity = 10 * 5 * ALIGN
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    written = {}
+    while store.used <= 0.95 * capacity:
+        written.update(fill(store, 1, size=3000))
+    sealed = [b for b in bucket_ids(ssd) if b != store.open_bucket_id]
+    assert len(sealed) >= 4
+    dead = sealed[2]  # a newer bucket than the two oldest: everything in it removed since
+    store.tombstone_many(loc for loc in written if loc >> 20 == dead)
+    store.sync()
+    live = collections.Counter(r.location >> 20 for r in store.records())
+    candidates = store.eviction_candidates()
+    assert candidates[0] == (dead, []), candidates  # nothing live goes with it
+    chosen = {bucket_id for bucket_id, _ in candidates}
+    kept = [b for b in bucket_ids(ssd) if b not in chosen and b != store.open_bucket_id]
+    assert max(live[b] for b in chosen) <= min(live[b] for b in kept), (candidates, live)
+    store.delete_buckets([bucket_id for bucket_id, _ in candidates])
+    assert store.used <= 0.85 * capacity
+    assert {r.location for r in store.records()} == {
+        loc for loc in written if (loc >> 20) not in {bucket_id for bucket_id, _ in candidates}
+    } - {loc for loc in written if loc >> 20 == dead}
+    # (equally live buckets go oldest first: the test below)
 
 
 def test_eviction_candidates_are_oldest_sealed_buckets_down_to_low_watermark(stores, ssd):
