@@ -50,9 +50,16 @@ TENANT_RPCS = frozenset(
 class Tenant:
     name: str
     namespaces: tuple[str, ...]  # fnmatch patterns
+    # Engine instances whose quota accounts its puts may be charged to (fnmatch patterns); empty: the
+    # namespace patterns. Without it a tenant naming another's registered instance was charged to
+    # that quota and evicted the other's objects to make room.
+    instances: tuple[str, ...] = ()
 
     def allows(self, namespace: str) -> bool:
         return any(fnmatch.fnmatchcase(namespace, pattern) for pattern in self.namespaces)
+
+    def allows_instance(self, instance: str) -> bool:
+        return any(fnmatch.fnmatchcase(instance, pattern) for pattern in self.instances or self.namespaces)
 
 
 class Authenticator:
@@ -91,6 +98,12 @@ class Authenticator:
         namespace = getattr(request, "namespace", None)
         if namespace is not None and not tenant.allows(namespace):
             return f"tenant {principal!r} may not use namespace {namespace!r}"
+        instance = getattr(request, "instance", "") if rpc == "PutStart" else ""
+        if instance and not tenant.allows_instance(instance):
+            return (
+                f"tenant {principal!r} may not be charged to instance {instance!r:.80} "
+                "(its instances patterns in the tenants file, by default its namespace patterns)"
+            )
         return ""
 
 
@@ -107,17 +120,20 @@ def load_tenants(path: str) -> dict[str, tuple[bytes, Tenant]]:
             raise ValueError(f"{where}: the name is reserved for the cluster secret")
         if problem := principal_problem(name):
             raise ValueError(f"{where}: {problem}")
-        if not isinstance(entry, dict) or set(entry) - {"secret_file", "namespaces"}:
-            raise ValueError(f"{where}: takes exactly secret_file and namespaces")
+        if not isinstance(entry, dict) or set(entry) - {"secret_file", "namespaces", "instances"}:
+            raise ValueError(f"{where}: takes exactly secret_file, namespaces and (optional) instances")
         patterns = entry.get("namespaces")
         if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
             raise ValueError(f"{where}: namespaces must be a non-empty list of patterns")
+        instances = entry.get("instances", [])
+        if not isinstance(instances, list) or not all(isinstance(p, str) and p for p in instances):
+            raise ValueError(f"{where}: instances must be a list of patterns")
         secret_file = entry.get("secret_file")
         if not isinstance(secret_file, str) or not secret_file:
             raise ValueError(f"{where}: secret_file is required")
         secret = read_secret(secret_file, env="")
         assert secret is not None
-        out[name] = (secret, Tenant(name, tuple(patterns)))
+        out[name] = (secret, Tenant(name, tuple(patterns), tuple(instances)))
     return out
 
 

@@ -187,6 +187,9 @@ class MasterConfig:
     events_buffer: int = 65536
     events_watcher_queue: int = 8192
     events_max_watchers: int = 64
+    # Streams of one tenant at once; they do not count in events_max_watchers (the cluster
+    # credentials' streams), so no tenant can leave another, or the operator, without one.
+    events_max_watchers_per_tenant: int = 8
 
     @property
     def history_log_max_bytes(self) -> int:
@@ -325,6 +328,10 @@ class MasterConfig:
             )
         check_log_level(self.log_level)
         check_field("history_log_max_size", parse_size, self.history_log_max_size)
+        if self.events_max_watchers_per_tenant < 1:
+            raise ValueError(
+                f"events_max_watchers_per_tenant must be at least 1, got {self.events_max_watchers_per_tenant}"
+            )
         if self.events_buffer < 0 or self.events_max_watchers < 1:
             raise ValueError(
                 f"events_buffer must be >= 0 and events_max_watchers at least 1, got {self.events_buffer} "

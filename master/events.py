@@ -82,6 +82,7 @@ class Watcher:
     waiting: bool = False  # parked until the next publish (set by the servicer before it waits)
     end: tuple[Status, str] | None = None
     handed: int = 0  # the last seq handed to it (0 = none yet)
+    tenant: str = ""  # the tenant whose stream it is ("": the cluster credentials)
 
     def wants(self, kind: int, name: str) -> bool:
         if self.kinds and kind not in self.kinds:
@@ -97,7 +98,8 @@ class EventLog:
 
     capacity: int  # events held for resuming (config events_buffer); 0 = off
     watcher_queue: int  # events a watcher may be behind before it is cut (events_watcher_queue)
-    max_watchers: int  # streams at once (events_max_watchers)
+    max_watchers: int  # streams of the cluster credentials at once (events_max_watchers)
+    max_per_tenant: int = 8  # streams of one tenant at once (events_max_watchers_per_tenant)
     clock: Callable[[], float] = time.time
     next_seq: int = 1
     published: Counter[str] = field(default_factory=Counter)  # kind name -> events
@@ -112,6 +114,7 @@ class EventLog:
     # Streams open, `max_watchers` at most. A cut stream whose reader stopped reading waits in gRPC's
     # write until the reader reads or goes (keepalive finds a dead one): it keeps its slot till then.
     _open: int = 0
+    _by_tenant: Counter[str] = field(default_factory=Counter)  # tenants' streams, outside `_open`
 
     def __post_init__(self) -> None:
         self._ring = [None] * self._ring_size() if self.capacity else []
@@ -136,7 +139,7 @@ class EventLog:
     @property
     def watchers(self) -> int:
         """Streams open: fed, or ended and still delivering their end (counted until `unwatch`)."""
-        return self._open
+        return self._open + sum(self._by_tenant.values())
 
     # ------------------------------------------------------------------ publishing (hot path)
 
@@ -199,14 +202,26 @@ class EventLog:
     # ------------------------------------------------------------------ watching
 
     def watch(
-        self, namespace: str, prefix: str, since: int, kinds: Iterable[int], wake: Callable[[], None]
+        self,
+        namespace: str,
+        prefix: str,
+        since: int,
+        kinds: Iterable[int],
+        wake: Callable[[], None],
+        tenant: str = "",
     ) -> Watcher | tuple[Status, str]:
         """A new watcher from `since` (0 = from the next event), or why not (a Status and words):
         EVENTS_DISABLED, TOO_MANY_WATCHERS, WATCH_MISSED (since is older than the oldest held: the
-        words name the oldest seq; `since` past the next seq is INVALID_ARGUMENT)."""
+        words name the oldest seq; `since` past the next seq is INVALID_ARGUMENT). `tenant`: whose
+        stream ("" = the cluster credentials'): each tenant has slots of its own."""
         if not self.capacity:
             return Status.EVENTS_DISABLED, "events are off on this master (events_buffer = 0)"
-        if self._open >= self.max_watchers:
+        if tenant and self._by_tenant[tenant] >= self.max_per_tenant:
+            self.cuts["too_many"] += 1
+            return Status.TOO_MANY_WATCHERS, (
+                f"tenant {tenant!r} has {self.max_per_tenant} event streams open (events_max_watchers_per_tenant)"
+            )
+        if not tenant and self._open >= self.max_watchers:
             self.cuts["too_many"] += 1
             return Status.TOO_MANY_WATCHERS, f"{self.max_watchers} event streams are open (events_max_watchers)"
         if since and since < self.oldest:
@@ -222,9 +237,13 @@ class EventLog:
             cursor=start,
             wake=wake,
             handed=start - 1,
+            tenant=tenant,
         )
         self._watchers.append(watcher)
-        self._open += 1
+        if tenant:
+            self._by_tenant[tenant] += 1
+        else:
+            self._open += 1
         return watcher
 
     def missed_words(self, since: int) -> str:
@@ -260,7 +279,12 @@ class EventLog:
         """The watcher's stream is over (its RPC ended): its slot is free. Once per watcher."""
         if watcher in self._watchers:
             self._watchers.remove(watcher)
-        self._open -= 1
+        if not watcher.tenant:
+            self._open -= 1
+        elif self._by_tenant[watcher.tenant] > 1:
+            self._by_tenant[watcher.tenant] -= 1
+        else:
+            del self._by_tenant[watcher.tenant]
 
     def close(self, words: str) -> None:
         """Every watcher ends WATCH_CLOSED (this log's tables are being replaced: a new epoch, or

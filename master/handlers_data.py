@@ -12,6 +12,7 @@ from kvtier.master.gates import rpc
 from kvtier.master.handlers_segment import fill_notices
 from kvtier.master.inspection import disk_only_hits
 from kvtier.master.prefetch import prefetch
+from kvtier.master.quotas import instance_problem
 from kvtier.master.state import PutOptions
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import CLUSTER_PRINCIPAL
@@ -72,6 +73,8 @@ class DataCalls:
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error="replicas must be at least 1")
         if request.pin not in (pb.PIN_NONE, pb.PIN_SOFT, pb.PIN_HARD):
             return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error=f"unknown pin value {request.pin}")
+        if problem := instance_problem(request.instance):
+            return pb.PutStartResponse(status=Status.INVALID_ARGUMENT, error=problem)
         options = PutOptions(
             instance=request.instance,
             rank=request.rank,
@@ -328,7 +331,9 @@ class DataCalls:
                 error=f"since={request.since} is a seq of master epoch {request.epoch}, this is epoch {self.epoch} "
                 "(a restart or failover): events were missed, resync",
             )
-        watcher = self.state.events.watch(request.namespace, request.prefix, request.since, kinds, _no_wake)
+        principal = current_principal.get()
+        tenant = "" if principal == CLUSTER_PRINCIPAL else principal  # each tenant has slots of its own
+        watcher = self.state.events.watch(request.namespace, request.prefix, request.since, kinds, _no_wake, tenant)
         if not isinstance(watcher, Watcher):
             status, words = watcher
             return pb.Event(status=status, error=words)

@@ -5,7 +5,9 @@ sizes and one byte budget; each of its TP x PP ranks may hold budget / (TP x
 PP) bytes of DRAM (every replica counted), because a store budget quoted per
 deployment is shared by all of its ranks: 256 GiB at 32 ranks is 8 GiB per
 rank, not 256 GiB per node. Ranks of instances that never registered are
-tracked (for `kvtier quotas`) but have no limit. Plain Python, owned by
+tracked (for `kvtier quotas`) while they hold objects, with no limit (an account of an unregistered
+instance goes with its last object: accounts are bounded by the objects, not by the names ever
+used; instance names are at most MAX_INSTANCE_BYTES). Plain Python, owned by
 `MasterState`.
 """
 
@@ -16,6 +18,15 @@ from dataclasses import dataclass
 # Ranks of one deployment (TP x PP): far above any real one (8 x 64 = 512), and low enough that the
 # accounts registration creates stay small: a request for 2^32 x 2^32 must not allocate them all.
 MAX_RANKS = 1 << 16
+# An instance name names an account and a metrics label: bounded like a key.
+MAX_INSTANCE_BYTES = 256
+
+
+def instance_problem(instance: str) -> str:
+    """Why `instance` cannot name an account ("" = it can)."""
+    if len(instance.encode(errors="replace")) > MAX_INSTANCE_BYTES:
+        return f"instance name of {len(instance.encode(errors='replace'))} bytes; at most {MAX_INSTANCE_BYTES}"
+    return ""
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +62,8 @@ class QuotaTable:
         """
         if not instance:
             raise ValueError("instance must not be empty")
+        if problem := instance_problem(instance):
+            raise ValueError(problem)
         if tp_size < 1 or pp_size < 1:
             raise ValueError(f"tp_size and pp_size must be at least 1, got {tp_size} x {pp_size}")
         ranks = tp_size * pp_size
@@ -79,6 +92,13 @@ class QuotaTable:
             if registered:
                 owner.tp_size, owner.pp_size = registered[0], registered[1]
         return owner
+
+    def forget_idle(self, owner: Owner) -> None:
+        """An account of an unregistered instance that holds nothing goes (it comes back with its
+        next object): accounts are bounded by the objects stored, not by the names ever used."""
+        if not owner.objects and not owner.used and owner.instance not in self._instances:
+            if self._owners.get((owner.instance, owner.rank)) is owner:
+                del self._owners[(owner.instance, owner.rank)]
 
     def rank_allowed(self, instance: str, rank: int) -> bool:
         """False for a rank beyond a registered instance's TP x PP."""

@@ -192,7 +192,12 @@ class MasterState(SegmentTable, RangeBook):
         self.object_count = 0
         # Opt-in record of objects leaving the tables other than by a client's remove (master/history.py).
         self.history = open_history(config.history_log, config.history_log_max_bytes)
-        self.events = EventLog(config.events_buffer, config.events_watcher_queue, config.events_max_watchers)
+        self.events = EventLog(
+            config.events_buffer,
+            config.events_watcher_queue,
+            config.events_max_watchers,
+            config.events_max_watchers_per_tenant,
+        )
         # Sweeps run to their end inside the call that starts them (a bare state, unit tests); the
         # server clears this and sweeps in slices between requests (kvtier.master.sweeps).
         self.sweep_inline = True
@@ -344,6 +349,8 @@ class MasterState(SegmentTable, RangeBook):
             counts.append(0)
             if not result.first_error:
                 result.first_error = f"{Status(status).name} for key {key!r:.80} (size {size})"
+        if owner is not None and not owner.objects:
+            self.quotas.forget_idle(owner)  # nothing stored under it: no account left behind
         return result
 
     def put_end(
@@ -603,6 +610,8 @@ class MasterState(SegmentTable, RangeBook):
         if record.owner is not None:
             record.owner.used -= self._record_bytes(record)
             record.owner.objects -= 1
+            if not record.owner.objects:
+                self.quotas.forget_idle(record.owner)
         now = self.clock()
         reuse_at = self._reuse_at(record)
         if reuse_at > now:

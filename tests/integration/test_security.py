@@ -259,3 +259,90 @@ def test_a_client_with_a_secret_keeps_the_fast_path_of_a_master_without_one(bare
         client.put("k", b"v")
         assert client.get("k") == b"v"
         assert client._master.fast_path_active
+
+
+def test_a_tenant_cannot_charge_or_evict_through_another_tenants_instance(secure):
+    """Quota accounts are per engine instance and rank; the instance a put names was taken as given,
+    so alice, naming bob's registered instance, was charged to bob's quota and evicted bob's objects
+    to make room. A tenant names only instances matching its `instances` patterns (by default its
+    namespace patterns)."""
+    from kvtier.client import Client
+
+    master = secure.master.info["address"]
+    files = secure.tenant_secrets
+    with secure.client(namespace="bob-llama", instance="bob-engine", rank=0) as operator:
+        operator.register_instance(1, 1, 1_000_000)
+    with (
+        Client(master, namespace="bob-llama", principal="bob", secret_file=files["bob"], instance="bob-engine") as bob,
+        Client(
+            master, namespace="alice-x", principal="alice", secret_file=files["alice"], instance="bob-engine"
+        ) as alice,
+    ):
+        keys = [f"b{i}" for i in range(8)]
+        assert bob.batch_put(keys, [b"b" * 100_000] * 8) == [Status.OK] * 8
+        with pytest.raises(KvtierError) as denied:
+            alice.put("a0", b"a" * 100_000)
+        assert denied.value.status == Status.PERMISSION_DENIED
+        assert "instance 'bob-engine'" in str(denied.value)
+        assert all(bob.batch_exists(keys)), "bob's objects were evicted to make room on alice's account"
+
+
+def test_a_tenants_puts_leave_no_quota_accounts_behind_and_instance_names_are_bounded(secure):
+    """Each new instance name made an account that was never forgotten (a tenant grew the master by
+    storing nothing); accounts of unregistered instances now go with their last object, and an
+    instance name is at most 256 bytes."""
+    from kvtier.client import Client
+
+    master = secure.master.info["address"]
+    files = secure.tenant_secrets
+    with Client(master, namespace="alice-x", principal="alice", secret_file=files["alice"]) as base:
+        base.put("taken", b"t")
+        for i in range(50):
+            with Client(
+                master, namespace="alice-x", principal="alice", secret_file=files["alice"], instance=f"alice-{i}"
+            ) as alice:
+                alice.put("taken", b"t")  # exists already: stores nothing
+                alice.put(f"new{i}", b"n")
+                alice.remove(f"new{i}")
+        with (
+            Client(
+                master,
+                namespace="alice-x",
+                principal="alice",
+                secret_file=files["alice"],
+                instance="alice-" + "x" * 300,
+            ) as long_name,
+            pytest.raises(KvtierError) as refused,
+        ):
+            long_name.put("k", b"v")
+        assert refused.value.status == Status.INVALID_ARGUMENT
+    with secure.client(namespace="alice-x") as operator:
+        assert [q for q in operator.quotas() if q["instance"].startswith("alice-")] == []
+
+
+def test_one_tenant_cannot_take_every_event_stream(secure):
+    from kvtier.client import Client
+    from kvtier.client.events import WatchEnded
+
+    master = secure.master.info["address"]
+    files = secure.tenant_secrets
+    streams = []
+    with (
+        Client(master, namespace="alice-x", principal="alice", secret_file=files["alice"]) as alice,
+        Client(master, namespace="bob-x", principal="bob", secret_file=files["bob"]) as bob,
+        secure.client(namespace="default") as operator,
+    ):
+        try:
+            for _ in range(64):  # every slot events_max_watchers gives (alice was given all 64 before)
+                streams.append(alice.watch_events())
+                if not streams[-1].epoch:
+                    break
+            assert sum(1 for stream in streams if stream.epoch) == 8  # events_max_watchers_per_tenant
+            with pytest.raises(WatchEnded) as full:
+                next(streams[-1])
+            assert full.value.status == Status.TOO_MANY_WATCHERS and "per_tenant" in full.value.message
+            streams += [bob.watch_events(), operator.watch_events(all_namespaces=True)]
+            assert streams[-2].epoch and streams[-1].epoch, "bob and the operator still get their streams"
+        finally:
+            for stream in streams:
+                stream.close()

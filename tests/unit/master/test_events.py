@@ -192,3 +192,15 @@ def test_removing_the_last_replica_of_a_leased_key_is_refused_like_remove(state:
     assert state.put_end("ns", ["leased"], [0], started.put_id) == [0]
     assert remove_replicas(state, "ns", ["leased"], "seg0", True) == (Status.OK, [Status.LEASE_HELD])
     assert state.record("ns", "leased") is not None
+
+
+def test_each_tenant_has_stream_slots_of_its_own():
+    log = EventLog(capacity=16, watcher_queue=16, max_watchers=1, max_per_tenant=2)
+    alice = [log.watch("", "", 0, (), lambda: None, "alice") for _ in range(2)]
+    refused = log.watch("", "", 0, (), lambda: None, "alice")
+    assert refused[0] == Status.TOO_MANY_WATCHERS and "events_max_watchers_per_tenant" in refused[1]
+    assert isinstance(log.watch("", "", 0, (), lambda: None, "bob"), Watcher)  # another tenant: its own
+    operator = log.watch("", "", 0, (), lambda: None)  # the cluster's slots: untouched by tenants
+    assert isinstance(operator, Watcher) and log.watchers == 4
+    log.unwatch(alice[0])
+    assert isinstance(log.watch("", "", 0, (), lambda: None, "alice"), Watcher)

@@ -52,8 +52,10 @@ def owner(state: MasterState, instance: str, rank: int = 0) -> Owner:
 
 
 def account(state: MasterState, instance: str, rank: int = 0) -> tuple[int, int]:
-    o = owner(state, instance, rank)
-    return o.used, o.objects
+    """(used, objects) of the rank; (0, 0) once an unregistered instance's account went with its
+    last object (QuotaTable.forget_idle)."""
+    found = [o for o in state.quotas.snapshot() if (o.instance, o.rank) == (instance, rank)]
+    return (found[0].used, found[0].objects) if found else (0, 0)
 
 
 def by(instance: str, rank: int = 0, **options) -> dict:
@@ -514,3 +516,18 @@ def test_an_idempotent_re_put_is_not_charged_again(state):
     state.put_start(NS, ["k"], [KiB], 1, PutOptions(instance="other"))
     assert account(state, "llm") == (KiB, 1)
     assert account(state, "other") == (0, 0)
+
+
+def test_accounts_of_unregistered_instances_go_with_their_last_object(state: MasterState) -> None:
+    put(state, "taken", **by("engine-0"))
+    for i in range(20):  # each instance name made an account that stayed for good
+        again = state.put_start(NS, ["taken"], [KiB], 1, PutOptions(**by(f"engine-{i}")))
+        assert again.replica_counts == [0]  # stored already: nothing written, nothing charged
+        assert put_status(state, f"new{i}", **by(f"engine-{i + 100}")) == Status.OK
+        assert state.remove(NS, [f"new{i}"]) == [Status.OK]
+    assert {(o.instance, o.rank) for o in state.quotas.snapshot()} == {("engine-0", 0)}
+    state.register_instance("registered", 1, 1, MiB)
+    put(state, "r", **by("registered"))
+    assert state.remove(NS, ["r"]) == [Status.OK]
+    assert account(state, "registered") == (0, 0)  # a registered instance keeps its accounts
+    assert_consistent(state)

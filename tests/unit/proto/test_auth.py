@@ -75,17 +75,37 @@ def test_tenants_see_only_their_namespaces_and_the_data_rpcs():
     assert Authenticator(None).principal("") == "cluster"  # authentication off
 
 
+def test_a_tenant_is_charged_only_to_its_own_instances():
+    alice = Tenant("alice", ("alice-*",))
+    pinned = Tenant("carol", ("carol-*",), ("engine-7", "carol-*"))
+    authenticator = Authenticator(SECRET, {"alice": (b"a" * 32, alice), "carol": (b"c" * 32, pinned)})
+    put = pb.PutStartRequest(namespace="alice-x", keys=["k"], sizes=[1], replicas=1)
+    assert authenticator.refusal("alice", "PutStart", put) == ""  # no instance: no account
+    put.instance = "alice-engine"
+    assert authenticator.refusal("alice", "PutStart", put) == ""  # by default its namespace patterns
+    put.instance = "bob-engine"
+    assert "may not be charged to instance 'bob-engine'" in authenticator.refusal("alice", "PutStart", put)
+    put.namespace = "carol-x"
+    assert authenticator.refusal("carol", "PutStart", put).startswith("tenant 'carol' may not be charged")
+    put.instance = "engine-7"
+    assert authenticator.refusal("carol", "PutStart", put) == ""
+    assert authenticator.refusal("cluster", "PutStart", put) == ""  # the cluster names any instance
+
+
 def test_tenants_file_is_validated(tmp_path):
     alice = write_secret(tmp_path, "alice.secret", b"a" * 32)
     good = tmp_path / "tenants.toml"
     good.write_text(f'[tenants.alice]\nsecret_file = "{alice}"\nnamespaces = ["alice-*"]\n')
     tenants = load_tenants(str(good))
     assert tenants["alice"] == (b"a" * 32, Tenant("alice", ("alice-*",)))
+    good.write_text(f'[tenants.alice]\nsecret_file = "{alice}"\nnamespaces = ["alice-*"]\ninstances = ["eng-*"]\n')
+    assert load_tenants(str(good))["alice"][1].instances == ("eng-*",)
     for text, message in [
         ('[tenants.cluster]\nsecret_file = "x"\nnamespaces = ["a"]\n', "reserved"),
         (f'[tenants.bob]\nsecret_file = "{alice}"\nnamespaces = []\n', "non-empty list"),
         (f'[tenants.bob]\nsecret_file = "{alice}"\nnamespaces = ["b"]\nadmin = true\n', "exactly"),
         ("[users.bob]\n", "unknown key 'users'"),
+        (f'[tenants.bob]\nsecret_file = "{alice}"\nnamespaces = ["b"]\ninstances = "b-*"\n', "instances must be"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)
