@@ -161,6 +161,9 @@ class BucketStore(BucketRecovery):
         self._tombstoned: dict[int, DiskRecord] = {}
         self._next_id = 0
         self._used = 0
+        # Room a refused record needed (DiskFull) since the last deletion: a record larger than the
+        # room left below the high watermark must make the tier delete buckets all the same.
+        self._wanted = 0
         # Live records found at mount whose payload is not verified yet, in verification order (see
         # recover); appended records are verified as they are written and never enter it.
         self._unverified: dict[int, DiskRecord] = {}
@@ -277,6 +280,7 @@ class BucketStore(BucketRecovery):
             footer = _INDEX_HEAD.size + bucket.count * _INDEX_ENTRY.size + 4 + _LOCATOR_SIZE
             needed = span + (_align(footer) + ALIGN if roll else 0)
             if self._used + needed > self._capacity:
+                self._wanted = max(self._wanted, needed)
                 raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
         if roll:
             bucket = self._roll()
@@ -502,7 +506,9 @@ class BucketStore(BucketRecovery):
             return None
         footer = _INDEX_HEAD.size + count * _INDEX_ENTRY.size + 4 + _LOCATOR_SIZE
         reserved = start - bucket.end
-        if self._used + reserved + span + (_align(footer) + ALIGN if roll else 0) > self._capacity:
+        needed = reserved + span + (_align(footer) + ALIGN if roll else 0)
+        if self._used + needed > self._capacity:
+            self._wanted = max(self._wanted, needed)
             raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
         if roll:
             bucket = self._roll()
@@ -681,27 +687,45 @@ class BucketStore(BucketRecovery):
     # --- capacity ---------------------------------------------------------------------------
 
     def eviction_candidates(self) -> list[tuple[int, list[int]]]:
-        """Above the high watermark: the sealed buckets whose deletion gets `used` down to the low
-        watermark (or all sealed ones if that is not enough), as (bucket_id, live object locations);
-        those holding the least live data first, in sixteenths of a bucket, the oldest among equals.
-        Records are never rewritten, so overwrites and removals leave buckets of dead records behind:
-        deleting those first loses nothing, where oldest first lost the live records of old buckets
-        with the tier half empty of live data. [] below the watermark. Deletes nothing: the caller
-        tells the master first, then calls `delete_buckets` (which carries tombstones forward, so any
-        order is safe)."""
-        if self._used <= self._high * self._capacity:
+        """Above the high watermark, or once a record was refused for room (DiskFull) since the last
+        deletion: the sealed buckets whose deletion gets `used` down to the low watermark, and the
+        refused record within the ceiling (or all sealed ones if that is not enough), as (bucket_id,
+        live object locations). The watermarks apply to `_ceiling()`: the capacity, or what the file
+        system has room for when that is less. Before, a record larger than the room below the high
+        watermark (5% of the tier), or a file system smaller than --ssd-size, jammed the tier: every
+        offload refused for good, nothing deleted. The buckets go those holding the least live data
+        first, in sixteenths of a bucket, the oldest among equals: records are never rewritten, so
+        overwrites and removals leave buckets of dead records behind, and deleting those first loses
+        nothing, where oldest first lost the live records of old buckets with the tier half empty of
+        live data. [] otherwise. Deletes nothing: the caller tells the master first, then calls
+        `delete_buckets` (which carries tombstones forward, so any order is safe)."""
+        ceiling = self._ceiling()
+        need = self._wanted
+        if ceiling < self._capacity:  # the file system is the limit: keep room for a bucket to grow
+            need = max(need, min(self._bucket_size, ceiling // 4))
+        if self._used <= self._high * ceiling and self._used + need <= ceiling:
             return []
+        target = min(self._low * ceiling, ceiling - need)
         band = max(1, self._bucket_size // 16)
         sealed = [b for b in self._buckets.values() if b.sealed]  # oldest first: the sort is stable
         sealed.sort(key=lambda b: sum(r.size for r in b.live.values()) // band)
         used = self._used
         candidates = []
         for bucket in sealed:
-            if used <= self._low * self._capacity:
+            if used <= target:
                 break
             candidates.append((bucket.bucket_id, list(bucket.live)))
             used -= bucket.allocated
         return candidates
+
+    def _ceiling(self) -> int:
+        """What the tier can hold now: its capacity, or less when its file system has less room left
+        (smaller than --ssd-size, or shared): ENOSPC below the watermarks must free buckets too."""
+        try:
+            stat = os.statvfs(self._dir)
+        except OSError:
+            return self._capacity
+        return min(self._capacity, self._used + stat.f_bavail * stat.f_frsize)
 
     def delete_buckets(self, bucket_ids: list[int]) -> None:
         """Forget the buckets (plan_read/pin raise KeyError from now on) and unlink their files, at the
@@ -744,6 +768,8 @@ class BucketStore(BucketRecovery):
                 else:
                     self._destroy(bucket)
                     unlinked += 1
+        if doomed:
+            self._wanted = 0  # asked again by the next refusal, if the room made was not enough
         if unlinked:
             self._fsync_dir()  # deleted buckets stay deleted after a crash
             self._keep_reserve()

@@ -1373,3 +1373,44 @@ def test_the_reserve_lets_tombstones_and_recovery_write_on_a_full_file_system(st
     # once buckets are deleted there is room for the reserve again
     store.delete_buckets([bucket_id for bucket_id, _ in store.eviction_candidates()[:3]] or [written[1] >> 20])
     assert reserve.exists()
+
+
+def test_a_record_refused_for_room_below_the_high_watermark_frees_buckets(stores, ssd):
+    """A record larger than the room left below the high watermark (5% of the tier) was refused with
+    DiskFull, and no bucket was ever deleted (the tier was not above its watermark): every later
+    offload refused for good."""
+    capacity = 20 * ALIGN
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    while store.used + 2 * ALIGN <= capacity:
+        fill(store, 1, size=ALIGN)
+    assert store.used <= 0.95 * capacity and store.eviction_candidates() == []
+    with pytest.raises(DiskFull):
+        store.append("ns", "big", blob(1, 3 * ALIGN), crc32c.crc32c(blob(1, 3 * ALIGN)))
+    candidates = store.eviction_candidates()
+    assert candidates, "the refusal must free room"
+    store.delete_buckets([bucket_id for bucket_id, _ in candidates])
+    big = blob(1, 3 * ALIGN)
+    location = store.append("ns", "big", big, crc32c.crc32c(big))
+    assert location and store.eviction_candidates() == []
+
+
+def test_a_file_system_smaller_than_the_tier_is_its_ceiling(stores, ssd, monkeypatch):
+    """With --ssd-size above what the file system holds, writes failed ENOSPC far below the
+    watermarks and nothing was deleted. The watermarks apply to what the file system has room for."""
+    store = stores(ssd, capacity=1 << 30, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    fill(store, 12, size=ALIGN)
+    assert store.eviction_candidates() == []
+    real = os.statvfs
+
+    def no_room_left(path):
+        got = real(path)
+        return os.statvfs_result((got.f_bsize, got.f_frsize, got.f_blocks, 0, 0, *tuple(got)[5:]))
+
+    monkeypatch.setattr(os, "statvfs", no_room_left)  # the file system is full: used is all it holds
+    before = store.used
+    candidates = store.eviction_candidates()
+    assert candidates
+    store.delete_buckets([bucket_id for bucket_id, _ in candidates])
+    assert store.used <= 0.85 * before
