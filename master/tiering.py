@@ -158,6 +158,7 @@ class Tiering:
         self._owed: dict[str, dict[int, TierTask]] = {}
         self._owed_bytes: Counter[str] = Counter()  # segment name -> their size in the saved JSON
         self._forgets_stalled: set[str] = set()  # segments not waited for until they acknowledge again
+        self._forgets_failing: set[str] = set()  # of those, the ones whose disk failed one: until one succeeds
         self._forget_retries: deque[tuple[float, TierTask]] = deque()  # (when, task): failed, sent again by tick
 
     # ------------------------------------------------------------------ queueing
@@ -491,13 +492,12 @@ class Tiering:
         whose answer it lost), or NOT_PENDING for a task it does not hold (expired): the segment then
         withdraws a copy it wrote for it."""
         if not expired:
-            self._forgets_stalled.discard(self._names.get(segment_id, ""))
             unsettled = self._unsettled.get(segment_id)
             if unsettled:
                 for task_id in task_ids:
                     unsettled.pop(task_id, None)
         out = []
-        offloaded = False
+        offloaded = forget_failed = forget_ok = False
         for task_id, status, location in zip(task_ids, statuses, locations, strict=True):
             task = self._in_flight.get(task_id)
             if task is None or task.segment_id != segment_id:
@@ -519,7 +519,15 @@ class Tiering:
                 self._promote_done(task, status)
             else:
                 self._forget_done(task, status)
+                forget_failed = forget_failed or status != _OK
+                forget_ok = forget_ok or status == _OK
             out.append(answer)
+        name = self._names.get(segment_id, "")
+        if expired or forget_failed or (name in self._forgets_failing and not forget_ok):
+            pass  # proves nothing of its disk: still not waited for
+        else:  # it answers again (and a failing disk tombstoned one): its FORGETs are waited for again
+            self._forgets_stalled.discard(name)
+            self._forgets_failing.discard(name)
         if offloaded:
             self.state.pressure.progress({segment_id})  # refill its pipeline at once, wake waiting puts
         if self.on_ack is not None:
@@ -539,6 +547,17 @@ class Tiering:
             # The tombstone must happen: try again, after a pause (a full or failing disk would
             # otherwise fail it again at once, in a loop between the master and the segment).
             self._forget_retries.append((self.state.clock() + FORGET_RETRY_S, task))
+            # The failure is its answer: nothing waits for its FORGETs until one succeeds (they are
+            # owed, saved, as after a timed-out wait). Waiting out the timeout instead, every change
+            # stalled 3.4 s, again and again, for as long as the disk stayed bad.
+            if segment_name not in self._forgets_failing:
+                logger.warning(
+                    "segment %s failed a FORGET: not waited for, owed (saved) until one succeeds", segment_name
+                )
+                self._forgets_stalled.add(segment_name)
+                self._forgets_failing.add(segment_name)
+            for other in unacked.values():
+                self._owe(segment_name, other)
 
     def _alive(self, task: TierTask) -> bool:
         record = task.record

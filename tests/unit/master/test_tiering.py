@@ -618,6 +618,35 @@ def test_a_failed_forget_is_sent_again_after_a_pause_not_at_once(state, clock):
     assert_consistent(state)
 
 
+def test_a_failed_forget_is_owed_at_once_and_its_segment_not_waited_for_until_one_succeeds(state, clock):
+    """A failing disk answers FORGETs at once, with a failure. The change waiting for one waited out its
+    whole timeout, and the failure report (any report) made the segment waited for again, so every
+    change stalled the same 3.4 s, again and again, while the disk stayed bad."""
+    from kvtier.master.commit_wait import Barrier
+
+    seg, disk = offloaded_k0(state)
+    assert state.remove(NS, ["k0"]) == [OK]
+    waiting = Barrier({}, state.tiering.pending_forgets(), 0)
+    forgets = [t for t in state.tiering.poll(seg, 10) if t.kind is TaskKind.FORGET]
+    assert state.tiering.done(seg, [forgets[0].task_id], [int(Status.NO_SPACE)], [0]) == [OK]
+    # the failure is the answer: the FORGET is owed (saved), nothing waits for the segment now
+    assert state.tiering.pending_forgets() == []
+    assert state.tiering.owed_forgets()[0] == {"a": [(1, object_name(NS, "k0"))]}
+    state.durable_generation = state.state_generation  # the server's save
+    assert waiting.done(state)
+    state.tiering.done(seg, [], [], [])  # a report with no FORGET proves nothing of the disk
+    read(state, "k1")
+    assert state.remove(NS, ["k1"]) == [OK]
+    assert state.tiering.pending_forgets() == [], "a segment whose FORGETs fail is not waited for"
+    # until one succeeds (after the pause), and then it is waited for again
+    advance_alive(state, clock, 1.5)
+    state.tick()
+    again = [t for t in state.tiering.poll(seg, 10) if t.kind is TaskKind.FORGET]
+    assert state.tiering.done(seg, [again[0].task_id], [int(OK)], [0]) == [OK]
+    assert state.tiering.counters["forget_failures"] == 1
+    assert_consistent(state)
+
+
 def test_a_repeated_offload_report_is_answered_alike_not_as_expired(state):
     # given an offload the segment reported, whose answer it lost (it retries the same report)
     seg = mount_ssd(state, "a", 4 * KiB)
