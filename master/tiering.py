@@ -605,15 +605,17 @@ class Tiering:
         state.segments[task.segment_id].ssd_objects += 1
         self.counters["offloaded_objects"] += 1
         self.counters["offloaded_bytes"] += task.size
-        counts = state.evictions.setdefault("offload", [0, 0])
-        counts[0] += 1
-        counts[1] += state.aligned(task.size)
         dram = dram_key(task.segment_id)
         segment = state.segments[task.segment_id]
         target = (state.config.high_watermark - state.config.eviction_ratio) * segment.capacity
-        # Offloaded to make room (and still above the eviction target): the DRAM copy goes. Copied
-        # ahead of need: both stay, and eviction drops the least recently used such copies first.
+        # Offloaded to make room (and still above the eviction target): the DRAM copy goes, an
+        # eviction of reason "offload". Copied ahead of need: both stay (nothing evicted, so nothing
+        # counted: it was, and counted again when the copy later left under its own reason), and
+        # eviction drops the least recently used such copies first.
         if not task.ahead and segment.used > target and any(r >> TIER_SHIFT == dram for r in record.replicas):
+            counts = state.evictions.setdefault("offload", [0, 0])
+            counts[0] += 1
+            counts[1] += state.aligned(task.size)
             state.drop_dram_replica(record, task.segment_id)
         state.events.changed(record, "offloaded")
         return _OK

@@ -500,6 +500,7 @@ def test_above_the_offload_watermark_lru_objects_are_copied_ahead_and_keep_their
     assert tiers(state, "k2") == [(seg, TIER_DRAM)]
     assert stored(state) == {f"k{i}" for i in range(17)}
     assert "watermark" not in state.evictions and "allocation" not in state.evictions
+    assert "offload" not in state.evictions, "a copy made ahead of need evicted nothing"
     assert_consistent(state)
     # and when a put needs room in a full segment, the copies already safe on SSD are what
     # leaves DRAM (k0 and k1 are adjacent: 1 KiB of room), and no object is lost
@@ -509,6 +510,7 @@ def test_above_the_offload_watermark_lru_objects_are_copied_ahead_and_keep_their
     assert tiers(state, "k0") == [(seg, TIER_SSD)] and tiers(state, "k1") == [(seg, TIER_SSD)]
     assert tiers(state, "k2") == [(seg, TIER_DRAM)]
     assert state.evictions["allocation"][0] == 2
+    assert "offload" not in state.evictions, "each copy that left DRAM is counted once, by its reason"
     assert_consistent(state)
 
 
