@@ -80,7 +80,7 @@ def _prefetch_one(state: MasterState, record: ObjectRecord) -> None:
         segment = state.segments.get(packed >> TIER_SHIFT >> 2)
         if segment is None or segment.state is not SegmentState.ACTIVE:
             continue
-        if not tiering.promotion_room(segment, record.size):
+        if not tiering.promotion_room(segment, record.size, record):
             reason = BUDGET
             continue
         offset = _dram_range(state, segment, record.size)

@@ -291,7 +291,11 @@ class Tiering:
         self._disk_reads.pop(name, None)
         for packed in record.replicas:
             segment = self.state.segments.get(packed >> TIER_SHIFT >> 2)
-            if segment is None or segment.state.name != "ACTIVE" or not self.promotion_room(segment, record.size):
+            if (
+                segment is None
+                or segment.state.name != "ACTIVE"
+                or not self.promotion_room(segment, record.size, record)
+            ):
                 continue
             allocator = segment.allocator
             if allocator.used + record.size > self.state.config.high_watermark * allocator.capacity:
@@ -313,8 +317,13 @@ class Tiering:
         """Reads of disk-only object `name` counted towards its promotion (promote_after_reads)."""
         return self._disk_reads.get(name, 0)
 
-    def promotion_room(self, segment: SegmentRecord, size: int) -> bool:
-        """Whether a promotion of `size` bytes fits `segment`'s promotion budget (bytes in flight)."""
+    def promotion_room(self, segment: SegmentRecord, size: int, record: ObjectRecord | None = None) -> bool:
+        """Whether a promotion of `size` bytes fits `segment`'s promotion budget (bytes in flight) and,
+        with `record`, its owner's quota: a promotion is a DRAM copy charged to the rank (it took
+        ranks over their quota, with nothing to bring them back until their next put). Promotions
+        already in flight are charged when they land, so a rank can pass its quota by at most those."""
+        if record is not None and record.owner is not None and record.owner.over_by(self.state.aligned(size)):
+            return False
         in_flight = self._promoting_bytes[segment.segment_id]
         return not in_flight or in_flight + self.state.aligned(size) <= self.promotion_budget
 

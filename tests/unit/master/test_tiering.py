@@ -228,6 +228,20 @@ def test_disk_only_object_is_promoted_after_repeated_reads(state, clock):
     assert_consistent(state)
 
 
+def test_a_promotion_never_takes_its_rank_over_its_quota(state):
+    """A promoted copy is DRAM charged to the object's rank; promotions were queued whatever the
+    rank's quota said, and a rank that only read its offloaded objects went over it for good."""
+    seg = mount_ssd(state, "a", 64 * KiB)
+    state.register_instance("llm", 1, 1, 4 * KiB)
+    for i in range(4):
+        put(state, f"k{i}", instance="llm", rank=0)
+    record = state.record(NS, "k0")
+    assert not state.tiering.promotion_room(state.segments[seg], KiB, record), "the rank's quota is full"
+    assert state.tiering.promotion_room(state.segments[seg], KiB), "the segment has room"
+    assert state.remove(NS, ["k3"]) == [OK]
+    assert state.tiering.promotion_room(state.segments[seg], KiB, record)
+
+
 def test_promotion_waits_for_space_and_never_evicts(state):
     seg = mount_ssd(state, "a", 4 * KiB)
     disk = FakeDisk(state, seg)
