@@ -166,7 +166,8 @@ class CommitLog:
         seqs = {record.name: seq + i for i, (_, record, _) in enumerate(feed.notices)}  # later wins
         if current is None:
             return seqs
-        changed = {record.name for _, record, _ in feed.notices if current(record.name) is not record}
+        notices = list(feed.notices)  # `current` must not change the feed, but never iterate it live
+        changed = {record.name for _, record, _ in notices if current(record.name) is not record}
         return {name: n for name, n in seqs.items() if name in changed}
 
     def segment_dropped(self, segment_id: int) -> None:

@@ -100,6 +100,12 @@ class QuotaTable:
             if self._owners.get((owner.instance, owner.rank)) is owner:
                 del self._owners[(owner.instance, owner.rank)]
 
+    def charged(self, owner: Owner) -> None:
+        """`owner` holds an object (again): it is in the table, even if it went idle meanwhile (its
+        last object left within the call that charges it: a reclaimed put, an eviction for room)."""
+        if self._owners.get((owner.instance, owner.rank)) is not owner:
+            self._owners[(owner.instance, owner.rank)] = owner
+
     def rank_allowed(self, instance: str, rank: int) -> bool:
         """False for a rank beyond a registered instance's TP x PP."""
         registered = self._instances.get(instance)

@@ -198,6 +198,8 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             if record.owner is None and owner is not None:  # known so far from a disk copy (no owner)
                 record.owner = owner
                 owner.objects += 1
+            elif owner is not None and not owner.objects:
+                state.quotas.forget_idle(owner)  # made for this copy, which is charged elsewhere
         record.lease_until = max(record.lease_until, lease_until)
         state.leases.uncounted(record, lease_until)
         if record.owner is not None:

@@ -249,7 +249,10 @@ class SegmentTable:
             # promotion's tier move) changed nothing: fencing it lost verified disk copies of
             # untouched objects to every kill -9 of a busy segment.
             seed = self.tiering.unacked_forget_names(segment.name) | self.tiering.unsettled_offload_names(segment.name)
-            changed = self.commits.unacked_seqs(segment_id, self.visible)
+            # `lookup`, not `visible`: settling a record here (a RemovePrefix sweep in progress) would
+            # add drop notices to the feed being read. A record a sweep will take is taken after the
+            # fence is open, and touches it then.
+            changed = self.commits.unacked_seqs(segment_id, self.lookup)
             self.fences.open(segment.name, seed, changed, segment_id)
             self.expelled.add(segment.name)
             self.state_generation += 1

@@ -339,6 +339,8 @@ class MasterState(SegmentTable, RangeBook):
                     if owner is not None:
                         owner.used += charge
                         owner.objects += 1
+                        if owner.objects == 1:
+                            self.quotas.charged(owner)
                     for packed in placed:
                         result.replica_segments.append(packed >> SEGMENT_SHIFT)
                         result.replica_offsets.append(packed & OFFSET_MASK)

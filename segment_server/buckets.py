@@ -280,7 +280,7 @@ class BucketStore(BucketRecovery):
             footer = _INDEX_HEAD.size + bucket.count * _INDEX_ENTRY.size + 4 + _LOCATOR_SIZE
             needed = span + (_align(footer) + ALIGN if roll else 0)
             if self._used + needed > self._capacity:
-                self._wanted = max(self._wanted, needed)
+                self._want_room(needed)
                 raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
         if roll:
             bucket = self._roll()
@@ -508,7 +508,7 @@ class BucketStore(BucketRecovery):
         reserved = start - bucket.end
         needed = reserved + span + (_align(footer) + ALIGN if roll else 0)
         if self._used + needed > self._capacity:
-            self._wanted = max(self._wanted, needed)
+            self._want_room(needed)
             raise DiskFull(f"disk tier full: used={self._used} record={span} capacity={self._capacity}")
         if roll:
             bucket = self._roll()
@@ -717,6 +717,14 @@ class BucketStore(BucketRecovery):
             candidates.append((bucket.bucket_id, list(bucket.live)))
             used -= bucket.allocated
         return candidates
+
+    def _want_room(self, needed: int) -> None:
+        """A record needing `needed` bytes was refused for room: ask for it, if deleting every sealed
+        bucket could give it (a record larger than that would have them all deleted, again and
+        again, and still not fit)."""
+        open_bucket = self._open.allocated if self._open is not None else 0
+        if needed <= self._capacity - open_bucket:
+            self._wanted = max(self._wanted, needed)
 
     def _ceiling(self) -> int:
         """What the tier can hold now: its capacity, or less when its file system has less room left

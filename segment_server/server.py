@@ -134,8 +134,11 @@ async def serve(config: SegmentConfig) -> int:
                 ssd_capacity=store.capacity if store is not None else 0,
                 offload=config.offload,
                 disk_engine=engine.name if engine is not None else "",
-                # a record is read whole into one read buffer: larger objects could not be served
-                ssd_max_object=parse_size(config.ssd_read_buffers) - 2 * 4096 if store is not None else 0,
+                # a record is read whole into one read buffer: larger objects could not be served; and
+                # one over a quarter of the tier would have a full tier delete most of itself for it
+                ssd_max_object=min(parse_size(config.ssd_read_buffers) - 2 * 4096, store.capacity // 4)
+                if store is not None
+                else 0,
                 keyed_reads=True,  # READ_KEYED on the tcp listener (kvtier.segment_server.keyed_reads)
                 lease_grants=True,  # serves under the lease granted once the master saved it
                 mount_sessions=True,  # judges grants by their mount (kvtier.segment_server.mount_session)

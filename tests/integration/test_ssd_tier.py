@@ -108,7 +108,10 @@ def test_dram_pressure_offloads_to_ssd_and_reads_come_back_verified_from_ssd(ssd
         assert stats["bytes_read_ssd"] >= MiB and stats["bytes_read_dram"] >= MiB
         status = client.cluster_status()
         assert status.tiering["offloaded_objects"] >= info.ssd_objects
-        assert any(e.reason == "offload" for e in status.evictions)
+        # every object read from SSD left DRAM once, counted under the reason it left for (a copy
+        # offloaded ahead of need is counted when it leaves, not when it is copied)
+        on_ssd_only = sum(1 for s in got.values() if s == "ssd/tcp")
+        assert sum(e.objects for e in status.evictions) >= on_ssd_only > 0
         # the segment's own counters keep the tiers and the physical disk apart
         assert ssd_cluster.wait_for(lambda: segment_info(client).ssd_bytes_served >= MiB)
         # ssd_objects counts reported offloads at once, the byte counter comes with the next heartbeat

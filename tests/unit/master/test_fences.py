@@ -162,3 +162,27 @@ def test_notices_that_leave_the_key_as_it_was_do_not_fence_it():
     assert fence is not None
     assert fence.admits(f"{NS}\x00kept")
     assert not fence.admits(f"{NS}\x00removed") and not fence.admits(f"{NS}\x00replaced")
+
+
+def test_a_segment_dropped_while_a_prefix_removal_sweeps_opens_its_fence_and_the_tick_goes_on():
+    """Seeding the fence looked keys up with `visible`, which settles records a RemovePrefix sweep
+    will take, adding drop notices to the feed being read: the drop failed half way and every later
+    tick failed with it (review of the seeding change)."""
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a", MiB, inventory=True)
+    inventory_done(state, a)
+    for i in range(40):
+        started = state.put_start(NS, [f"p/{i}"], [100], 1)
+        state.put_end(NS, [f"p/{i}"], [i + 1], started.put_id)  # a never acknowledges them
+    state.sweep_inline = False  # as the server runs it: in slices
+    state.start_remove_prefix(NS, "p/")
+    assert state.sweeps.active
+    clock.advance(1000.0)  # a silent past segment_ttl_s: the tick expels it
+    state.tick()
+    assert a not in state.segments and state.fences.get("a") is not None
+    while state.sweep(1 << 20):
+        pass
+    assert all(not state.fences.get("a").admits(f"{NS}\x00p/{i}") for i in range(40)), "removed while away"
+    clock.advance(1.0)
+    state.tick()

@@ -531,3 +531,16 @@ def test_accounts_of_unregistered_instances_go_with_their_last_object(state: Mas
     assert state.remove(NS, ["r"]) == [Status.OK]
     assert account(state, "registered") == (0, 0)  # a registered instance keeps its accounts
     assert_consistent(state)
+
+
+def test_an_account_that_went_idle_within_a_put_is_kept_when_that_put_charges_it(state: MasterState, clock) -> None:
+    """Its last object left inside the PutStart that charges it (its own abandoned put reclaimed):
+    the account was forgotten and the new object charged to one outside the table, invisible to
+    `kvtier quotas` and to a later registration (review of the idle-account change)."""
+    options = PutOptions(**by("eng"))
+    assert state.put_start(NS, ["k"], [KiB], 1, options).statuses == [Status.OK]
+    clock.advance(state.config.put_timeout_s + 1)  # abandoned, not reclaimed by a tick yet
+    again = state.put_start(NS, ["k"], [KiB], 1, options)
+    assert again.statuses == [Status.OK]
+    assert any(o is state.record(NS, "k").owner for o in state.quotas.snapshot())
+    assert account(state, "eng") == (KiB, 1)

@@ -1414,3 +1414,18 @@ def test_a_file_system_smaller_than_the_tier_is_its_ceiling(stores, ssd, monkeyp
     assert candidates
     store.delete_buckets([bucket_id for bucket_id, _ in candidates])
     assert store.used <= 0.85 * before
+
+
+def test_a_record_that_can_never_fit_asks_for_no_room(stores, ssd):
+    """A record larger than the tier had every sealed bucket deleted for it, and still did not fit
+    (the review of the refused-record change found it): the segment also no longer offers the master
+    objects over a quarter of its tier."""
+    capacity = 20 * ALIGN
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    while store.used + 6 * ALIGN <= capacity:  # below every watermark
+        fill(store, 1, size=ALIGN)
+    huge = blob(1, 30 * ALIGN)
+    with pytest.raises(DiskFull):
+        store.append("ns", "huge", huge, crc32c.crc32c(huge))
+    assert store.eviction_candidates() == []
