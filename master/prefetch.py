@@ -48,7 +48,8 @@ IN_FLIGHT = "in_flight"  # a promotion of the object is already queued or runnin
 BUDGET = "budget"  # the segment's promotion budget is spent
 NO_SPACE = "no_space"  # no free DRAM range, and redundant copies would not make one
 UNAVAILABLE = "unavailable"  # no segment holding its disk copy takes allocations now
-SKIP_REASONS = (IN_FLIGHT, BUDGET, NO_SPACE, UNAVAILABLE)
+QUOTA = "quota"  # the DRAM copy would take the object's rank over its quota
+SKIP_REASONS = (IN_FLIGHT, BUDGET, NO_SPACE, UNAVAILABLE, QUOTA)
 
 
 def prefetch(state: MasterState, namespace: str, keys: Sequence[str], found: Sequence[bool], scope: int) -> None:
@@ -81,7 +82,7 @@ def _prefetch_one(state: MasterState, record: ObjectRecord) -> None:
         if segment is None or segment.state is not SegmentState.ACTIVE:
             continue
         if not tiering.promotion_room(segment, record.size, record):
-            reason = BUDGET
+            reason = QUOTA if tiering.promotion_room(segment, record.size) else BUDGET
             continue
         offset = _dram_range(state, segment, record.size)
         if offset is None:

@@ -176,3 +176,19 @@ def test_prefetch_is_bounded_by_the_promotion_budget_and_expires_with_the_task_t
     assert_consistent(state)
     prefetch.prefetch(state, NS, ["k1"], [True], prefetch.FOUND)
     assert [t.name.split("\x00")[1] for t in disk.poll()] == ["k1"]
+
+
+def test_a_prefetch_that_would_take_its_rank_over_its_quota_is_skipped_as_quota(state):
+    seg = mount_ssd(state, "a", 8 * KiB)
+    disk = FakeDisk(state, seg)
+    for i in range(8):
+        put(state, f"k{i}", instance="llm", rank=0)
+    state.tick()
+    disk.complete(disk.poll())  # the least recently used offloaded, their DRAM copies freed
+    assert tiers(state, "k0") == [(seg, TIER_SSD)]
+    used = next(o.used for o in state.quotas.snapshot() if o.instance == "llm")
+    state.register_instance("llm", 1, 1, used)  # the rank's quota is exactly what it holds
+    prefetch.prefetch(state, NS, ["k0"], [True], prefetch.FOUND)
+    assert disk.poll() == []
+    assert state.tiering.counters["prefetch_skipped_quota"] == 1
+    assert state.tiering.counters["prefetch_skipped_budget"] == 0
