@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier.master import put_outcomes
-from kvtier.master.config import MasterConfig
 from kvtier.master.state import MasterState, PutOptions
 from kvtier.proto.status import Status
+from tests.unit.master.test_eviction import make_state
 from tests.unit.master.test_state import NS, FakeClock, mount, put
 
 OK = Status.OK
@@ -22,10 +22,7 @@ UPSERT = PutOptions(overwrite=True)
 
 @pytest.fixture
 def state() -> MasterState:
-    config = MasterConfig(
-        cluster_id="unit", segment_ttl_s=1000.0, heartbeat_interval_s=1.0, lease_s=5.0, put_timeout_s=30.0
-    ).validate()
-    state = MasterState(config, clock=FakeClock())
+    state = make_state(FakeClock())
     mount(state, "s0", 1 << 20)
     return state
 
