@@ -256,7 +256,11 @@ class CommitWaiter:
             wanted = set(names)
             forgets = [task for task in forgets if task.name in wanted]
         barrier = Barrier(state.commits.barrier(relayed_by, names), forgets, generation, put_ack)
-        return barrier if barrier.notices or barrier.forgets or generation or fenced else None
+        if barrier.notices or barrier.forgets or generation or fenced:
+            return barrier
+        if put_ack is not None:
+            state.commits.waiting_puts.discard(put_ack)  # answered now
+        return None
 
     async def after_removal(self, reply: Any, removal: Removal) -> Any:
         """RemovePrefix's answer once its sweep removed everything it hides (kvtier.master.sweeps),
@@ -300,6 +304,8 @@ class CommitWaiter:
             return type(reply)(status=Status.UNAVAILABLE, error=handlers.refusal(DATA) or "master changed")
         # PutEnd's answer, or a relayed one's (Remove's RemoveResponse has no per-key statuses to settle).
         put_ack = barrier.put_ack if isinstance(reply, _PUT_END_ANSWERS) else None
+        if put_ack is not None:
+            state.commits.waiting_puts.discard(put_ack)  # answered now: a later drop changes nothing it said
         if put_ack is not None and (
             lost := put_ack.settle(state.segments, reply.statuses, bool(state.sweeps.dead_segments))
         ):

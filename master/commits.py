@@ -51,6 +51,7 @@ waiting itself is asyncio plumbing in kvtier.master.commit_wait.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
@@ -130,6 +131,9 @@ class CommitLog:
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
         # The segment relaying the call being handled (RelayPutEnd): its notices do not wake its poll.
         self.relaying = 0
+        # PutEnds not answered yet (kvtier.master.commit_wait settles them): a segment dropped now
+        # takes their copies there, and their writers will hear SEGMENT_NOT_FOUND.
+        self.waiting_puts: weakref.WeakSet[PutAcknowledgement] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ segments
 
@@ -139,6 +143,16 @@ class CommitLog:
     def keeps_index(self, segment_id: int) -> bool:
         feed = self._feeds.get(segment_id)
         return feed is not None and feed.keeps_index
+
+    def written_to(self, segment_id: int) -> list[str]:
+        """Names committed by PutEnds not answered yet with a copy on `segment_id`: dropped now, the
+        segment takes them, so their writers will be told SEGMENT_NOT_FOUND (PutAcknowledgement)."""
+        return [
+            record.name
+            for ack in list(self.waiting_puts)
+            for _, record, replicas in ack.committed
+            if any(p >> SEGMENT_SHIFT == segment_id for p in replicas)
+        ]
 
     def unacked_names(self, segment_id: int) -> set[str]:
         """Object names of the segment's notices not acknowledged yet (the seed of its fence,
@@ -432,7 +446,7 @@ def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
     return pin, int(max(0.0, record.pin_until - now) * 1000) if pin == PIN_SOFT else 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class PutAcknowledgement:
     """What a PutEnd answered OK must still hold when its answer goes out ("acknowledged means
     stored"): every segment the object was written to is still mounted under the same incarnation

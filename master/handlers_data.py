@@ -124,6 +124,7 @@ class DataCalls:
         # Checked again once the segments acknowledged (CommitWaiter.finish): taken by the next
         # barrier(), which the caller asks for right after this returns, on this thread.
         self.put_ack = ack = PutAcknowledgement()
+        self.state.commits.waiting_puts.add(ack)  # until answered (a segment dropped meanwhile fences them)
         chunks = request.chunk_checksums  # verified ranged reads (kvtier.proto.chunks): per key, or none
         if chunks and (len(chunks) != len(request.keys) or any(len(b) % 4 for b in chunks)):
             return pb.KeyStatusResponse(

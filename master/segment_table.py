@@ -254,6 +254,9 @@ class SegmentTable:
             # fence is open, and touches it then.
             changed = self.commits.unacked_seqs(segment_id, self.lookup)
             self.fences.open(segment.name, seed, changed, segment_id)
+            # PutEnds still waiting with a copy here will be answered SEGMENT_NOT_FOUND: fenced now,
+            # not when they are answered (the segment could mount again and be re-adopted first).
+            self.fences.touch_many(self.commits.written_to(segment_id))
             self.expelled.add(segment.name)
             self.state_generation += 1
         self.commits.segment_dropped(segment_id)

@@ -186,3 +186,31 @@ def test_a_segment_dropped_while_a_prefix_removal_sweeps_opens_its_fence_and_the
     assert all(not state.fences.get("a").admits(f"{NS}\x00p/{i}") for i in range(40)), "removed while away"
     clock.advance(1.0)
     state.tick()
+
+
+def test_a_put_still_waiting_when_its_segment_is_dropped_is_fenced_at_once():
+    """Its writer will be told SEGMENT_NOT_FOUND once the wait ends (after the expulsion's save and
+    the direct-read fence); the fence was touched only then, so a segment that mounted again and
+    proved its index applied the commit inside that window brought the version back (review)."""
+    clock = FakeClock()
+    state = new_state(clock)
+    a = mount(state, "a", MiB, inventory=True)
+    inventory_done(state, a)
+    acks = {}
+    for key, checksum in (("waiting", 5), ("answered", 6)):
+        started = state.put_start(NS, [key], [100], 1)
+        acks[key] = PutAcknowledgement()
+        state.commits.waiting_puts.add(acks[key])
+        assert state.put_end(NS, [key], [checksum], started.put_id, acks[key].committed) == [OK]
+    state.commits.waiting_puts.discard(acks["answered"])  # what settling its answer does
+    offsets = {k: acks[k].committed[0][2][0] & ((1 << 40) - 1) for k in acks}
+    state.unmount_segment(a)  # as an expulsion during the wait
+    again = state.mount_segment(
+        "unit", "a", "host-a", ["tcp://127.0.0.1:9"], MiB, inventory=True, previous_segment_id=a, previous_applied_seq=9
+    )
+    statuses = report_dram_objects(
+        state,
+        again.segment.segment_id,
+        chunk([("waiting", 100, 5, offsets["waiting"]), ("answered", 100, 6, offsets["answered"])]),
+    )
+    assert statuses == [Status.CHECKSUM_MISMATCH, OK], "the waiting put is fenced; the answered one comes back"
