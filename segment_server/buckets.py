@@ -700,7 +700,8 @@ class BucketStore(BucketRecovery):
         live data. [] otherwise. Deletes nothing: the caller tells the master first, then calls
         `delete_buckets` (which carries tombstones forward, so any order is safe)."""
         ceiling = self._ceiling()
-        need = self._wanted
+        open_bucket = self._open.allocated if self._open is not None else 0
+        need = self._wanted if self._wanted <= ceiling - open_bucket else 0  # else no deletion gives it
         if ceiling < self._capacity:  # the file system is the limit: keep room for a bucket to grow
             need = max(need, min(self._bucket_size, ceiling // 4))
         if self._used <= self._high * ceiling and self._used + need <= ceiling:

@@ -1429,3 +1429,24 @@ def test_a_record_that_can_never_fit_asks_for_no_room(stores, ssd):
     with pytest.raises(DiskFull):
         store.append("ns", "huge", huge, crc32c.crc32c(huge))
     assert store.eviction_candidates() == []
+
+
+def test_a_record_that_fits_the_tier_but_not_its_file_system_asks_for_no_room(stores, ssd, monkeypatch):
+    capacity = 1 << 30
+    store = stores(ssd, capacity=capacity, bucket_size=4 * ALIGN, bucket_keys=1000)
+    store.recover()
+    fill(store, 12, size=ALIGN)
+    real = os.statvfs
+    free = 8 * ALIGN
+
+    def a_small_file_system(path):
+        got = real(path)
+        blocks = free // got.f_frsize
+        return os.statvfs_result((got.f_bsize, got.f_frsize, got.f_blocks, blocks, blocks, *tuple(got)[5:]))
+
+    monkeypatch.setattr(os, "statvfs", a_small_file_system)
+    store._want_room(store.used + free + 10 * ALIGN)  # what a refused record larger than it all would ask
+    before = store.used
+    candidates = store.eviction_candidates()
+    store.delete_buckets([bucket_id for bucket_id, _ in candidates])
+    assert store.used >= before // 2, "most of the tier deleted for a record that could not fit anyway"
