@@ -24,9 +24,8 @@ MAX_INSTANCE_BYTES = 256
 
 def instance_problem(instance: str) -> str:
     """Why `instance` cannot name an account ("" = it can)."""
-    if len(instance.encode(errors="replace")) > MAX_INSTANCE_BYTES:
-        return f"instance name of {len(instance.encode(errors='replace'))} bytes; at most {MAX_INSTANCE_BYTES}"
-    return ""
+    size = len(instance.encode(errors="replace"))
+    return f"instance name of {size} bytes; at most {MAX_INSTANCE_BYTES}" if size > MAX_INSTANCE_BYTES else ""
 
 
 @dataclass(slots=True, eq=False)

@@ -532,9 +532,9 @@ class Tiering:
                 forget_ok = forget_ok or status == _OK
             out.append(answer)
         name = self._names.get(segment_id, "")
-        if expired or forget_failed or (name in self._forgets_failing and not forget_ok):
-            pass  # proves nothing of its disk: still not waited for
-        else:  # it answers again (and a failing disk tombstoned one): its FORGETs are waited for again
+        if not (expired or forget_failed or (name in self._forgets_failing and not forget_ok)):
+            # It answers again (and a failing disk tombstoned one): its FORGETs are waited for again.
+            # A report with a failed FORGET, or none after failures, proves nothing of its disk.
             self._forgets_stalled.discard(name)
             self._forgets_failing.discard(name)
         if offloaded:

@@ -701,7 +701,8 @@ class BucketStore(BucketRecovery):
         `delete_buckets` (which carries tombstones forward, so any order is safe)."""
         ceiling = self._ceiling()
         open_bucket = self._open.allocated if self._open is not None else 0
-        need = self._wanted if self._wanted <= ceiling - open_bucket else 0  # else no deletion gives it
+        # An ask no deletion could give would have every sealed bucket deleted, again and again
+        need = self._wanted if self._wanted <= ceiling - open_bucket else 0
         if ceiling < self._capacity:  # the file system is the limit: keep room for a bucket to grow
             need = max(need, min(self._bucket_size, ceiling // 4))
         if self._used <= self._high * ceiling and self._used + need <= ceiling:
@@ -720,12 +721,9 @@ class BucketStore(BucketRecovery):
         return candidates
 
     def _want_room(self, needed: int) -> None:
-        """A record needing `needed` bytes was refused for room: ask for it, if deleting every sealed
-        bucket could give it (a record larger than that would have them all deleted, again and
-        again, and still not fit)."""
-        open_bucket = self._open.allocated if self._open is not None else 0
-        if needed <= self._capacity - open_bucket:
-            self._wanted = max(self._wanted, needed)
+        """A record needing `needed` bytes was refused for room: ask for it (`eviction_candidates`
+        ignores an ask that deleting every sealed bucket could not give)."""
+        self._wanted = max(self._wanted, needed)
 
     def _ceiling(self) -> int:
         """What the tier can hold now: its capacity, or less when its file system has less room left
