@@ -13,10 +13,10 @@ import pytest
 
 MASTER = Path(__file__).resolve().parents[3] / "master"
 
-# The owner: MasterState (state.py) and the mixins it is made of, SegmentTable (segment_table.py)
-# and RangeBook (range_book.py), whose `self` is a MasterState.
-OWNER_MODULES = {"state.py", "segment_table.py", "range_book.py"}
-OWNER_CLASSES = {"MasterState", "SegmentTable", "RangeBook"}
+# The owner: MasterState (state.py) and the mixins it is made of, ObjectTables (object_tables.py),
+# SegmentTable (segment_table.py) and RangeBook (range_book.py), whose `self` is a MasterState.
+OWNER_MODULES = {"state.py", "object_tables.py", "segment_table.py", "range_book.py"}
+OWNER_CLASSES = {"MasterState", "ObjectTables", "SegmentTable", "RangeBook"}
 
 
 def _is_private(name: str) -> bool:
