@@ -43,7 +43,7 @@ from kvtier.master import admission
 from kvtier.master.eviction import pick_victims
 from kvtier.master.placement import REDUNDANT_SCAN
 from kvtier.master.records import TIER_SHIFT, ObjectRecord, replica_segment
-from kvtier.master.tiering import dram_key, is_dram, ssd_key
+from kvtier.master.tier_tasks import dram_key, is_dram, ssd_key
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 

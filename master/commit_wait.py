@@ -26,7 +26,7 @@ from kvtier.master.gates import DATA
 from kvtier.master.handlers import MasterHandlers
 from kvtier.master.state import MasterState
 from kvtier.master.sweeps import Removal, wait_done
-from kvtier.master.tiering import TierTask
+from kvtier.master.tier_tasks import TierTask
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvtier.master.eviction import pick_victims
 from kvtier.master.placement_order import place_on, shunned, used_ratio
 from kvtier.master.records import OFFSET_MASK, TIER_SHIFT, ObjectRecord, replica
-from kvtier.master.tiering import dram_key
+from kvtier.master.tier_tasks import dram_key
 
 if TYPE_CHECKING:
     from kvtier.master.state import MasterState, PutOptions, SegmentRecord

@@ -19,7 +19,7 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
-from kvtier.master.tiering import dram_key, is_dram
+from kvtier.master.tier_tasks import dram_key, is_dram
 
 _PENDING = ObjectState.PENDING
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.master.records import PIN_HARD, PIN_SOFT, TIER_SHIFT, ObjectRecord, ObjectState, object_name, replica
 from kvtier.master.state_types import SegmentState, master_key_problem
-from kvtier.master.tiering import dram_key
+from kvtier.master.tier_tasks import dram_key
 from kvtier.proto.status import Status
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from kvtier.master.records import (
 )
 from kvtier.master.recovery import Recovery
 from kvtier.master.state_types import MountResult, SegmentRecord, SegmentState
-from kvtier.master.tiering import is_dram
+from kvtier.master.tier_tasks import is_dram
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)

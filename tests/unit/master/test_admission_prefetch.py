@@ -8,7 +8,7 @@ import pytest
 from kvtier.master import prefetch
 from kvtier.master.records import TIER_DRAM, TIER_SSD
 from kvtier.master.state import MasterState
-from kvtier.master.tiering import TaskKind
+from kvtier.master.tier_tasks import TaskKind
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, read, stored
 from tests.unit.master.test_state import FakeClock, advance_alive

@@ -11,7 +11,8 @@ import pytest
 
 from kvtier.master.records import TIER_DRAM, TIER_SSD, object_name, replica_offset, replica_segment, replica_tier
 from kvtier.master.state import MasterState
-from kvtier.master.tiering import OWED_SAVED_MAX_BYTES, TaskKind
+from kvtier.master.tier_forgets import OWED_SAVED_MAX_BYTES
+from kvtier.master.tier_tasks import TaskKind
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put, put_status, read, stored
