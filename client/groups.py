@@ -18,8 +18,8 @@ without their side-pool entry computes garbage, so neither must be returned with
   master answers placements only when every member is still the object the group was put with
   (`KeysRequest.group`); and when any member's bytes cannot be read or verified here, every key
   is a miss. So: every value, or None (a negative Status for `_into`) for every key. A member
-  evicted, removed or lost with its segment, or a master restart (groups are not rebuilt from the
-  segments' inventories), makes the group a miss until it is put again.
+  evicted, removed or lost with its segment makes the group a miss until it is put again; after a
+  master restart the group reads whole again once every member is back from a segment's DRAM.
 - The members stay ordinary objects: `get`, `exists`, `remove` work on each.
 """
 

@@ -20,14 +20,21 @@ may put such objects as one group (`PutEndRequest.group`) and read them back as 
 - Memory: one entry per grouped object (a dict slot and a 2-tuple) and one small `Group` per group,
   dropped when the record leaves the tables (`left`, from MasterState._delete). Ungrouped objects cost
   nothing.
-- A master restart (or a standby taking over) rebuilds records from the segments' inventories, which
-  know nothing of groups: the members come back ungrouped and `intact` is false, so get_group answers a
-  miss for every member (never a partial group) until the group is put again.
+- A master restart (or a standby taking over) rebuilds records from the segments' inventories. Each
+  group has a random 63-bit id; a member's commit notice names it and the member count (`tag_of`), the
+  segment keeps both in its DRAM index and reports them with the member (kvtier.segment_server.dram_index).
+  The new incarnation forms the group again (`adopted`) once every one of its members was adopted
+  under that id, each still the visible complete record adopted: a member missing (evicted, removed,
+  upserted, lost, offloaded: disk copies carry no id), or any member not adopted but known otherwise,
+  and the group stays unformed, a miss for every member, never a partial group. Members already
+  stored when the group was put keep the id of the notice that committed them (their first group's,
+  or none): such a group is not rebuilt (a miss until put again).
 - Eviction takes members one by one, like any object; the first one gone makes the group a miss.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -42,13 +49,18 @@ _COMPLETE = ObjectState.COMPLETE
 _PENDING = ObjectState.PENDING
 
 
+_ids = random.SystemRandom()  # group ids must not repeat across incarnations: random, not counted
+
+
 class Group:
-    """One group put: its member count. Shared by its members' entries; identity is its id."""
+    """One group put: its member count and id (what the segments keep, `tag_of`). Shared by its
+    members' entries; identity is the object."""
 
-    __slots__ = ("size",)
+    __slots__ = ("size", "group_id")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, group_id: int = 0) -> None:
         self.size = size
+        self.group_id = group_id or _ids.getrandbits(63) | 1  # never 0, which means "no group"
 
 
 class GroupTable:
@@ -60,6 +72,11 @@ class GroupTable:
     def __init__(self, state: MasterState) -> None:
         self._state = state
         self._of: dict[str, tuple[Group, ObjectRecord]] = {}  # object name -> (its group, the member)
+        # Groups being formed from reported members (`adopted`): group id -> (member count, name ->
+        # the record adopted), and name -> the group id it waits in. Bounded by the adopted members.
+        self._forming: dict[int, tuple[int, dict[str, ObjectRecord]]] = {}
+        self._forming_of: dict[str, int] = {}
+        self.groups_rebuilt = 0
         self.groups_committed = 0
         self.groups_revoked = 0
 
@@ -153,8 +170,47 @@ class GroupTable:
         miss = int(Status.NOT_FOUND)
         return GetResult([miss] * n, [0] * n, [0] * n, [0] * n, [], [], [], int(state.config.lease_s * 1000))
 
+    def tag_of(self, record: ObjectRecord) -> tuple[int, int]:
+        """(group id, member count) of the group `record` is a member of as this very record, else (0, 0):
+        what its commit notice tells its segment (kvtier.master.handlers_segment.fill_notices)."""
+        entry = self._of.get(record.name) if self._of else None
+        if entry is None or entry[1] is not record:
+            return 0, 0
+        return entry[0].group_id, entry[0].size
+
+    def adopted(self, record: ObjectRecord, group_id: int, size: int) -> None:
+        """A segment's inventory brought `record` (kvtier.master.recovery) as a member of group
+        `group_id` of `size` members: once every member came, each still the visible complete record
+        adopted and none a member of another group, the group is formed again, in one step."""
+        name = record.name
+        if not group_id or size < 1 or name in self._of or self._forming_of.get(name, group_id) != group_id:
+            return
+        members = self._forming.setdefault(group_id, (size, {}))[1]
+        if self._forming[group_id][0] != size:
+            return  # reported with another count: not one group put
+        members[name] = record
+        self._forming_of[name] = group_id
+        if len(members) < size:
+            return
+        del self._forming[group_id]
+        for member in members:
+            del self._forming_of[member]
+        visible = self._state.visible
+        if any(visible(n) is not r or r.state is not _COMPLETE or n in self._of for n, r in members.items()):
+            return
+        group = Group(size, group_id)
+        for member, member_record in members.items():
+            self._of[member] = (group, member_record)
+        self.groups_rebuilt += 1
+
     def left(self, record: ObjectRecord) -> None:
         """`record` left the tables (MasterState._delete): forget its entry, if it is a member."""
+        if self._forming_of and (group_id := self._forming_of.get(record.name)) is not None:
+            members = self._forming[group_id][1]
+            if members.get(record.name) is record:  # it cannot be formed with this member any more
+                for member in members:
+                    del self._forming_of[member]
+                del self._forming[group_id]
         of = self._of
         if of and (entry := of.get(record.name)) is not None and entry[1] is record:
             del of[record.name]

@@ -196,7 +196,7 @@ class DataCalls:
             notices = reply.notices
             notices.status, notices.epoch, notices.first_seq = _OK, self.epoch, first
             if items := commits.since(segment_id, first):
-                fill_notices(notices, items, self.state.clock)
+                fill_notices(notices, items, self.state.clock, self.state.groups)
         return reply
 
     @rpc(pb.KeyStatusResponse)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from kvtier.master.clock_skew import read_skew
 from kvtier.master.commits import notice_pin
 from kvtier.master.gates import rpc
+from kvtier.master.groups import GroupTable
 from kvtier.master.records import ObjectRecord
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.proto import master_pb2 as pb
@@ -175,7 +176,7 @@ class SegmentCalls:
             return pb.PollCommitsResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
         reply = pb.PollCommitsResponse(status=Status.OK, epoch=self.epoch, first_seq=notices.first_seq)
         if notices.items:
-            fill_notices(reply, notices.items, self.state.clock)
+            fill_notices(reply, notices.items, self.state.clock, self.state.groups)
         return reply
 
     @rpc(pb.KeyStatusResponse)
@@ -193,14 +194,18 @@ class SegmentCalls:
             request.pins,
             request.pin_ttl_ms,
         )
-        if any(len(column) != len(request.namespaces) for column in columns):
+        count = len(request.namespaces)
+        groups = (request.group_ids, request.group_sizes)  # empty when no object is a group's member
+        if any(len(column) != count for column in columns) or any(len(c) not in (0, count) for c in groups):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
+        if len(groups[0]) != len(groups[1]):
+            return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="group ids and sizes differ in length")
         if rejected := self._too_many(request.keys, pb.KeyStatusResponse):
             return rejected
         statuses = report_dram_objects(
             self.state,
             request.segment_id,
-            DramObjects(request.namespaces, *columns),
+            DramObjects(request.namespaces, *columns, *groups),
         )
         if request.done:
             inventory_done(self.state, request.segment_id)
@@ -208,11 +213,15 @@ class SegmentCalls:
 
 
 def fill_notices(
-    reply: pb.PollCommitsResponse, items: list[tuple[int, ObjectRecord, bool]], clock: Callable[[], float]
+    reply: pb.PollCommitsResponse,
+    items: list[tuple[int, ObjectRecord, bool]],
+    clock: Callable[[], float],
+    groups: GroupTable | None = None,
 ) -> None:
     """Commit-log notices into a PollCommitsResponse's columns (a poll's answer, or the notices a
     RelayPutEnd hands back to its segment). Column by column (list comprehensions, bulk extends):
-    thousands of notices per poll."""
+    thousands of notices per poll. With `groups` (when any object is grouped), a commit of a group's
+    member names its group (`GroupTable.tag_of`), which the segment keeps for a successor."""
     records = [item[1] for item in items]
     metas = [record.meta for record in records]
     reply.drops.extend([item[2] for item in items])
@@ -229,3 +238,8 @@ def fill_notices(
         pins = [notice_pin(record, now) for record in records]
         reply.pins.extend([pin for pin, _ in pins])
         reply.pin_ttl_ms.extend([ttl for _, ttl in pins])
+    if groups is not None and len(groups):
+        tags = [(0, 0) if drop else groups.tag_of(record) for _, record, drop in items]
+        if any(group_id for group_id, _ in tags):
+            reply.group_ids.extend([group_id for group_id, _ in tags])
+            reply.group_sizes.extend([size for _, size in tags])

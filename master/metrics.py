@@ -55,6 +55,7 @@ class _Snapshot:
     upserts: dict[str, int]  # outcome -> upserts (kvtier.master.upsert)
     put_leases: int  # put-time leases held now
     group_puts: dict[str, int]  # outcome -> group PutEnds (kvtier.master.groups)
+    groups_rebuilt: int  # groups formed again from the segments' inventories (kvtier.master.groups)
     tiering: dict[str, int]
     tier_failures: dict[tuple[str, str], int]  # (op, status) -> tier tasks failed or expired
     dropped_without_ssd_copy: dict[str, int]  # reason -> objects (kvtier.master.backpressure)
@@ -124,6 +125,7 @@ class MasterCollector(Collector):
             upserts=dict(state.upserts.counters),
             put_leases=len(state.upserts.leases),
             group_puts={"committed": state.groups.groups_committed, "revoked": state.groups.groups_revoked},
+            groups_rebuilt=state.groups.groups_rebuilt,
             tiering=h.events(),
             tier_failures=dict(state.tiering.failures),
             dropped_without_ssd_copy=dict(state.pressure.dropped),
@@ -317,6 +319,13 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "outcome",
         s.group_puts,
     )
+    rebuilt = CounterMetricFamily(
+        "kvtier_master_groups_rebuilt",
+        "Groups formed again from the segments' inventories after a master restart or takeover (every "
+        "member reported under its group's id, each still the object adopted).",
+    )
+    rebuilt.add_metric([], s.groups_rebuilt)
+    yield rebuilt
     yield counter(
         "kvtier_master_tiering",
         "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",

@@ -75,6 +75,8 @@ class DramObjects:
     ranks: Sequence[int]
     pins: Sequence[int]
     pin_ttl_ms: Sequence[int]
+    group_ids: Sequence[int] = ()  # empty, or per object: its group (0: none), kvtier.master.groups
+    group_sizes: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -206,6 +208,8 @@ def report_dram_objects(state: MasterState, segment_id: int, chunk: DramObjects)
             record.owner.used += state.aligned(size)
         segment.objects += 1
         state.recovery.objects += 1
+        if chunk.group_ids and (group_id := chunk.group_ids[len(out)]):  # this object's index: len(out)
+            state.groups.adopted(record, group_id, chunk.group_sizes[len(out)])
         out.append(_OK)
     state.recovery.refused += sum(1 for s in out if s != _OK)
     if fence is not None:

@@ -960,7 +960,7 @@ class PollCommitsRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., acked_seq: _Optional[int] = ..., wait_ms: _Optional[int] = ..., max_notices: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PollCommitsResponse(_message.Message):
-    __slots__ = ("status", "error", "epoch", "first_seq", "drops", "offsets", "sizes", "checksums", "names", "instances", "ranks", "pins", "pin_ttl_ms")
+    __slots__ = ("status", "error", "epoch", "first_seq", "drops", "offsets", "sizes", "checksums", "names", "instances", "ranks", "pins", "pin_ttl_ms", "group_ids", "group_sizes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -974,6 +974,8 @@ class PollCommitsResponse(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     epoch: int
@@ -987,10 +989,12 @@ class PollCommitsResponse(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     pins: _containers.RepeatedScalarFieldContainer[Pin]
     pin_ttl_ms: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., drops: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., first_seq: _Optional[int] = ..., drops: _Optional[_Iterable[bool]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., names: _Optional[_Iterable[str]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ..., group_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DramObjectsRequest(_message.Message):
-    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "offsets", "instances", "ranks", "pins", "pin_ttl_ms", "done", "epoch")
+    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "offsets", "instances", "ranks", "pins", "pin_ttl_ms", "done", "epoch", "group_ids", "group_sizes")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -1003,6 +1007,8 @@ class DramObjectsRequest(_message.Message):
     PIN_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     keys: _containers.RepeatedScalarFieldContainer[str]
@@ -1015,7 +1021,9 @@ class DramObjectsRequest(_message.Message):
     pin_ttl_ms: _containers.RepeatedScalarFieldContainer[int]
     done: bool
     epoch: int
-    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., instances: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., pins: _Optional[_Iterable[_Union[Pin, str]]] = ..., pin_ttl_ms: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., epoch: _Optional[int] = ..., group_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveReplicasRequest(_message.Message):
     __slots__ = ("namespace", "keys", "segment", "allow_last", "request_id")

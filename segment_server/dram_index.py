@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, islice, repeat
 from operator import add, eq, gt, itemgetter
 from typing import Any
@@ -70,7 +70,7 @@ _HEAD = struct.Struct("=QQII")
 _HEADER = _HEAD.size
 _SIZE_OF = struct.Struct("=Q").unpack_from
 _CHECKSUM_OF = struct.Struct("=16xI").unpack_from
-_FIRST, _THIRD = itemgetter(0), itemgetter(2)
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _HEAD_BYTES = itemgetter(slice(0, _HEADER))
 _NAME_BYTES = itemgetter(slice(_HEADER, None))
 Party = tuple[str, int, int]  # (engine instance, rank, pin): shared by most entries, interned
@@ -85,12 +85,13 @@ class Plan:
     offsets: list[int]
     packed: list[bytes]
     deadlines: dict[int | str, float]  # soft-pin deadlines at planning time (few)
+    groups: dict[int | str, tuple[int, int]] = field(default_factory=dict)  # group tags at planning time
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, part: slice) -> Plan:
-        return Plan(self.offsets[part], self.packed[part], self.deadlines)
+        return Plan(self.offsets[part], self.packed[part], self.deadlines, self.groups)
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ class Verified:
     pins: list[int]
     deadlines: list[float]
     seqs: list[int]
+    groups: list[tuple[int, int]] | None = None  # (group id, member count) per entry; None: no member
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -142,6 +144,9 @@ class DramIndex:
         self._entries: dict[int, bytes] = {}  # offset -> packed entry
         self._empty: dict[str, bytes] = {}  # zero-size objects (no range of their own), by name
         self._deadlines: dict[int | str, float] = {}  # soft pins' deadlines, for the entries that have one
+        # (group id, member count) of the entries committed as a group's members (kvtier.master.groups):
+        # reported with them, so a new master incarnation forms the group again. Few: groups are rare.
+        self._groups: dict[int | str, tuple[int, int]] = {}
         # (instance, rank, pin) triples, interned: an entry holds the index. Bounded by the distinct
         # owners the master ever committed here, not by the objects; only appended to (kept by
         # clear()), so the ids a plan holds stay valid while it is verified.
@@ -217,6 +222,7 @@ class DramIndex:
             self._entries.clear()
             self._empty.clear()
             self._deadlines.clear()
+            self._groups.clear()
             self._bytes = 0
 
     def apply(self, reply: pb.PollCommitsResponse, session: tuple[int, int]) -> int:
@@ -263,22 +269,29 @@ class DramIndex:
         ranks = list(reply.ranks) or [0] * count
         pins = list(reply.pins) or [0] * count
         deadlines = [now + ttl / 1000 if ttl else 0.0 for ttl in reply.pin_ttl_ms] or [0.0] * count
+        tags = list(zip(reply.group_ids, reply.group_sizes, strict=True)) or [(0, 0)] * count
         if skip > 0:
-            columns = (offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines)
-            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines = (c[skip:] for c in columns)
-        entries, empty, timed = self._entries, self._empty, self._deadlines
+            columns = (offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, tags)
+            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, tags = (
+                c[skip:] for c in columns
+            )
+        entries, empty, timed, tagged = self._entries, self._empty, self._deadlines, self._groups
         pack = _HEAD.pack
         party_ids = self._party_ids
         seq, total = self._seq, self._bytes
-        for offset, size, name, checksum, drop, instance, rank, pin, deadline in zip(
-            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, strict=True
+        for offset, size, name, checksum, drop, instance, rank, pin, deadline, tag in zip(
+            offsets, sizes, names, checksums, drops, instances, ranks, pins, deadlines, tags, strict=True
         ):
             table: dict[Any, bytes]
             table, where = (entries, offset) if size else (empty, name)
             old = table.pop(where, None)
             if old is not None:
                 total -= _SIZE_OF(old)[0]
+            if tagged:
+                tagged.pop(where, None)
             if not drop:
+                if tag[0]:
+                    tagged[where] = tag
                 seq += 1
                 party = party_ids.get((instance, rank, pin))
                 if party is None:
@@ -311,6 +324,7 @@ class DramIndex:
             ranges = self._entries.copy()
             empty = list(self._empty.values())  # zero-size: nothing to overlap or verify
             deadlines = dict(self._deadlines)
+            groups = dict(self._groups)
         offsets = sorted(ranges)
         packed = list(map(ranges.__getitem__, offsets))
         del ranges
@@ -318,7 +332,7 @@ class DramIndex:
         ends = map(add, offsets, map(_FIRST, map(_SIZE_OF, packed)))
         if any(map(gt, ends, chain(islice(offsets, 1, None), (len(self._region),)))):
             offsets, packed = self._resolve(offsets, packed)
-        return Plan([0] * len(empty) + offsets, empty + packed, deadlines)
+        return Plan([0] * len(empty) + offsets, empty + packed, deadlines, groups)
 
     def _resolve(self, offsets: list[int], packed: list[bytes]) -> tuple[list[int], list[bytes]]:
         """`plan`'s slow path: drop the entries past the region's end and, of two overlapping, the
@@ -359,16 +373,21 @@ class DramIndex:
         ranges = map(region.__getitem__, map(slice, offsets, map(add, offsets, sizes)))
         ok = list(map(eq, map(crc32c.crc32c, ranges), checksums))
         names = list(map(bytes.decode, map(_NAME_BYTES, packed)))
-        if plan.deadlines:
+        wheres = None
+        if plan.deadlines or plan.groups:
             wheres = [offset if size else name for offset, size, name in zip(offsets, sizes, names, strict=True)]
+        if plan.deadlines:
             deadlines = list(map(plan.deadlines.get, wheres, repeat(0.0, count)))
         else:
             deadlines = [0.0] * count
+        tags = list(map(plan.groups.get, wheres, repeat((0, 0), count))) if plan.groups else None
         with self._lock:  # appended to only: the ids in the plan stay valid
             instances = list(map(self._party_instances.__getitem__, parties))
             ranks = list(map(self._party_ranks.__getitem__, parties))
             pins = list(map(self._party_pins.__getitem__, parties))
         columns = [offsets, packed, names, sizes, checksums, instances, ranks, pins, deadlines, seqs]
+        if tags is not None:
+            columns.append(tags)
         if not all(ok):
             bad = []
             for i, (size, good) in enumerate(zip(sizes, ok, strict=True)):
@@ -396,6 +415,7 @@ class DramIndex:
     def _drop(self, table: dict[Any, bytes], where: int | str, size: int) -> None:
         del table[where]
         self._deadlines.pop(where, None)
+        self._groups.pop(where, None)
         self._bytes -= size
 
     def pin_ttl_ms(self, entry: Entry) -> int:
@@ -433,6 +453,9 @@ def report_dram_inventory(stub: Any, segment_id: int, epoch: int, index: DramInd
             pins=chunk.pins,
             pin_ttl_ms=list(map(index.ttl_ms, chunk.deadlines)) if any(chunk.deadlines) else [0] * count,
         )
+        if chunk.groups is not None and any(map(_FIRST, chunk.groups)):
+            request.group_ids.extend(map(_FIRST, chunk.groups))
+            request.group_sizes.extend(map(_SECOND, chunk.groups))
         reply = stub.ReportDramObjects(request, timeout=_RPC_TIMEOUT_S)
         if reply.status != Status.OK:
             raise InventoryRefused(f"ReportDramObjects: {status_name(reply.status)}: {reply.error}")

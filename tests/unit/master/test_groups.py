@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvtier.master.config import MasterConfig
+from kvtier.master.handlers_segment import fill_notices
 from kvtier.master.records import replica_segment
+from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
 from kvtier.master.state import MasterState
+from kvtier.proto import master_pb2 as pb
 from kvtier.proto.status import Status
 from tests.unit.master.test_state import FakeClock, mount
 
@@ -106,9 +109,9 @@ def test_a_key_named_twice_is_refused(state):
     assert state.record(NS, "a").state.name == "PENDING"
 
 
-def test_records_adopted_from_inventories_are_ungrouped(state):
-    """After a restart the records come from the segments' inventories (MasterState.adopt): new
-    records, never the ones the group was put with, so the group reads as a miss."""
+def test_records_adopted_without_a_group_id_are_ungrouped(state):
+    """Records adopted with no group id (a disk copy, a member stored before its group was put) are
+    new records, never the ones the group was put with, so the group reads as a miss."""
     put_group(state, ["a", "b"])
     fresh = MasterState(state.config, clock=state.clock)
     for name in ("a", "b"):
@@ -133,3 +136,106 @@ def test_a_member_lost_before_the_answer_fails_every_key_of_the_group(state):
     mounted = {s for s in state.segments if s != lost}
     assert ack.settle(mounted, statuses, sweeping=True) >= 1
     assert statuses == [int(Status.SEGMENT_NOT_FOUND)] * 3
+
+
+# ---------------------------------------------------------------- rebuilt after a restart (group ids)
+
+
+def _feed(state: MasterState) -> dict[int, pb.PollCommitsResponse]:
+    """Every segment's pending notices as its poll would get them (kvtier.master.handlers_segment)."""
+    out = {}
+    for segment_id in state.segments:
+        notices = state.commits.poll(segment_id, 0, 4096)
+        reply = pb.PollCommitsResponse(first_seq=notices.first_seq)
+        fill_notices(reply, notices.items, state.clock, state.groups)
+        out[segment_id] = reply
+    return out
+
+
+def _inventory(state: MasterState, names: list[str], tags: dict[str, tuple[int, int]]) -> DramObjects:
+    """What one segment would report of `names` (complete records of `state`), each with its tag."""
+    records = [state.record(NS, name) for name in names]
+    n = len(records)
+    return DramObjects(
+        [NS] * n,
+        names,
+        [r.size for r in records],
+        [r.checksum for r in records],
+        [ord(name[0]) * 4096 for name in names],  # ascending across chunks, as an inventory is
+        [""] * n,
+        [0] * n,
+        [0] * n,
+        [0] * n,
+        [tags.get(name, (0, 0))[0] for name in names],
+        [tags.get(name, (0, 0))[1] for name in names],
+    )
+
+
+def _successor(state: MasterState) -> tuple[MasterState, int]:
+    """A new incarnation recovering one segment's inventory (the old state's names, one segment)."""
+    fresh = MasterState(state.config, clock=state.clock)
+    fresh.begin_recovery({"seg0"}, timeout_s=60.0)
+    result = fresh.mount_segment("unit", "seg0", "host-seg0", ["tcp://127.0.0.1:9/seg0"], 1 << 20, inventory=True)
+    assert result.status == OK, result.error
+    return fresh, result.segment.segment_id
+
+
+def test_a_group_members_commit_notices_name_its_group_and_plain_puts_and_drops_none(state):
+    put_group(state, ["kv", "side"])
+    put_id = start(state, ["plain"])
+    assert state.put_end(NS, ["plain"], [7], put_id) == [OK]
+    tags = {}
+    for reply in _feed(state).values():
+        n = len(reply.names)  # the group columns are empty in a reply naming no group
+        for name, drop, group_id, size in zip(
+            reply.names, reply.drops, reply.group_ids or [0] * n, reply.group_sizes or [0] * n, strict=True
+        ):
+            tags[name.partition("\x00")[2]] = (drop, group_id, size)
+    group_id = state.groups.tag_of(state.record(NS, "kv"))[0]
+    assert group_id and tags["kv"] == tags["side"] == (False, group_id, 2)
+    assert tags["plain"] == (False, 0, 0)
+    state.remove(NS, ["kv"])
+    drops = [
+        (name, group_id)
+        for reply in _feed(state).values()
+        for name, drop, group_id in zip(
+            reply.names, reply.drops, reply.group_ids or [0] * len(reply.names), strict=True
+        )
+        if drop
+    ]
+    assert drops == [(f"{NS}\x00kv", 0)]
+
+
+def test_a_successor_forms_the_group_again_once_every_member_is_reported_under_its_id(state):
+    put_group(state, ["a", "b", "c"])
+    tags = {k: state.groups.tag_of(state.record(NS, k)) for k in "abc"}
+    fresh, segment_id = _successor(state)
+    assert report_dram_objects(fresh, segment_id, _inventory(state, ["a", "b"], tags)) == [OK, OK]
+    assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [MISS] * 3  # c not reported yet
+    assert report_dram_objects(fresh, segment_id, _inventory(state, ["c"], tags)) == [OK]
+    assert fresh.groups.get_replicas(NS, ["c", "a", "b"]).statuses == [OK] * 3
+    assert fresh.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS] * 2  # still exactly the group
+    assert fresh.groups.groups_rebuilt == 1
+    # its members' later notices name the same group, so a third incarnation can form it too
+    assert fresh.groups.tag_of(fresh.record(NS, "a")) == tags["a"]
+
+
+def test_a_group_missing_a_member_or_reported_with_other_counts_is_never_formed(state):
+    put_group(state, ["a", "b", "c"])
+    tags = {k: state.groups.tag_of(state.record(NS, k)) for k in "abc"}
+    group_id = tags["a"][0]
+    fresh, segment_id = _successor(state)
+    # c was removed before the restart (its drop acknowledged): only a and b come back
+    report_dram_objects(fresh, segment_id, _inventory(state, ["a", "b"], tags))
+    inventory_done(fresh, segment_id)
+    assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [MISS] * 3
+    assert fresh.groups.get_replicas(NS, ["a", "b"]).statuses == [MISS] * 2
+    # a member that leaves while the group forms takes the forming group with it: nothing lingers
+    fresh.remove(NS, ["a"])
+    assert not fresh.groups._forming and not fresh.groups._forming_of
+    # counts that disagree are not one group put
+    other, other_id = _successor(state)
+    odd = dict(tags, b=(group_id, 2), c=(group_id, 2))
+    report_dram_objects(other, other_id, _inventory(state, ["a", "b", "c"], odd))
+    assert other.groups.groups_rebuilt == 0
+    assert other.groups.get_replicas(NS, ["b", "c"]).statuses == [MISS] * 2

@@ -7,7 +7,7 @@ import tracemalloc
 import crc32c
 
 from kvtier.proto import master_pb2 as pb
-from kvtier.segment_server.dram_index import DramIndex
+from kvtier.segment_server.dram_index import DramIndex, report_dram_inventory
 
 _SEQ = [0]  # the last sequence number handed out: each reply comes after the one before, as a feed's
 
@@ -239,3 +239,61 @@ def test_the_last_mounted_session_and_how_far_it_applied_outlive_resets_until_th
     assert index.previous_session() == ((4, 9), 2)
     index.set_session((0, 0))
     assert index.previous_session() == ((5, 9), 0)
+
+
+class _Master:
+    """Takes ReportDramObjects requests (a unit test's stand-in for the master's stub)."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.DramObjectsRequest] = []
+
+    def ReportDramObjects(self, request, timeout):  # noqa: N802 (the RPC's name)
+        self.requests.append(request)
+        return pb.KeyStatusResponse(status=0, statuses=[0] * len(request.keys))
+
+
+def test_a_group_members_tag_is_kept_reported_and_leaves_with_its_entry():
+    """A commit notice naming a group (kvtier.master.groups) leaves its id and member count in the
+    index; the inventory reports them beside the entry, so a new master forms the group again. A drop,
+    a newer commit at the same place, a failed check or a clear take the tag with the entry."""
+    region = bytearray(8192)
+    index = DramIndex(memoryview(region), clock=lambda: 100.0)
+    values = [bytes([65 + i]) * 32 for i in range(5)]
+    for i, value in enumerate(values):
+        region[512 * i : 512 * i + 32] = value
+    reply = notices(*((False, 512 * i, f"k{i}", value) for i, value in enumerate(values)))
+    reply.group_ids.extend([77, 77, 0, 99, 99])
+    reply.group_sizes.extend([2, 2, 0, 3, 3])
+    index.apply(reply, (0, 0))
+    index.apply(notices((False, 0, "zero", b"")), (0, 0))  # untagged, zero-size: reported with (0, 0)
+    tagged = notices((False, 0, "zero2", b""))
+    tagged.group_ids.append(99)
+    tagged.group_sizes.append(3)
+    index.apply(tagged, (0, 0))
+    index.apply(notices((True, 512 * 4, "k4", values[4])), (0, 0))  # k4 dropped
+    region[512] ^= 1  # k1 fails its check
+    master = _Master()
+    report_dram_inventory(master, 1, 1, index, index.plan())
+    (request,) = master.requests
+    reported = dict(zip(request.keys, zip(request.group_ids, request.group_sizes, strict=True), strict=True))
+    assert reported == {"zero": (0, 0), "zero2": (99, 3), "k0": (77, 2), "k2": (0, 0), "k3": (99, 3)}
+    # a newer commit at k0's place, naming no group, replaces the tag with its entry
+    region[0:32] = b"z" * 32
+    index.apply(notices((False, 0, "new", b"z" * 32)), (0, 0))
+    master = _Master()
+    report_dram_inventory(master, 1, 1, index, index.plan())
+    (request,) = master.requests
+    assert dict(zip(request.keys, request.group_ids, strict=True))["new"] == 0
+    assert len(index._groups) == 2, "k0's, k1's and k4's tags left with their entries"
+    index.clear()
+    assert not index._groups
+
+
+def test_an_inventory_of_no_group_member_sends_no_group_columns():
+    region = bytearray(4096)
+    index = DramIndex(memoryview(region))
+    region[0:8] = b"x" * 8
+    index.apply(notices((False, 0, "k", b"x" * 8)), (0, 0))
+    master = _Master()
+    report_dram_inventory(master, 1, 1, index, index.plan())
+    assert not master.requests[0].group_ids and not master.requests[0].group_sizes
