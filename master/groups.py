@@ -123,6 +123,8 @@ class GroupTable:
                 committed[:] = [(ours[j], record, replicas) for j, record, replicas in committed]
             if any(s != Status.OK for s in statuses):  # cannot happen after the checks above; be safe
                 return [int(Status.NOT_PENDING)] * n
+            if self.intact(namespace, keys):  # a retried PutEnd: the group keeps the id its notices named
+                return [int(Status.OK)] * n
             group = Group(n)
             of = self._of
             for key in keys:

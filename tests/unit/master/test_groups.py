@@ -99,7 +99,10 @@ def test_putting_the_group_again_adopts_members_already_complete(state):
 def test_a_retried_group_put_end_answers_ok_again(state):
     put_id = start(state, ["a", "b"])
     assert state.groups.put_end(NS, ["a", "b"], [1, 2], put_id) == [OK, OK]
+    tag = state.groups.tag_of(state.record(NS, "a"))
     assert state.groups.put_end(NS, ["a", "b"], [1, 2], put_id) == [OK, OK]
+    # the same group, not a second one: the id its members' notices named stays theirs
+    assert state.groups.tag_of(state.record(NS, "b")) == tag and state.groups.groups_committed == 1
     assert state.groups.put_end(NS, ["a", "b"], [1, 3], put_id) == [int(Status.NOT_PENDING)] * 2
 
 
