@@ -35,6 +35,7 @@ may put such objects as one group (`PutEndRequest.group`) and read them back as 
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,7 @@ class Group:
     """One group put: its member count and id (what the segments keep, `tag_of`). Shared by its
     members' entries; identity is the object."""
 
-    __slots__ = ("size", "group_id")
+    __slots__ = ("size", "group_id", "__weakref__")
 
     def __init__(self, size: int, group_id: int = 0) -> None:
         self.size = size
@@ -76,6 +77,9 @@ class GroupTable:
         # the record adopted), and name -> the group id it waits in. Bounded by the adopted members.
         self._forming: dict[int, tuple[int, dict[str, ObjectRecord]]] = {}
         self._forming_of: dict[str, int] = {}
+        # Groups alive (some member still holds them), by id: a returning segment's copy of a member
+        # joins its group again (`adopted`). Weak: a group goes with its last member's entry.
+        self._by_id: weakref.WeakValueDictionary[int, Group] = weakref.WeakValueDictionary()
         self.groups_rebuilt = 0
         self.groups_committed = 0
         self.groups_revoked = 0
@@ -126,6 +130,7 @@ class GroupTable:
             if self.intact(namespace, keys):  # a retried PutEnd: the group keeps the id its notices named
                 return [int(Status.OK)] * n
             group = Group(n)
+            self._by_id[group.group_id] = group
             of = self._of
             for key in keys:
                 name = prefix + key
@@ -187,6 +192,14 @@ class GroupTable:
         name = record.name
         if not group_id or size < 1 or name in self._of or self._forming_of.get(name, group_id) != group_id:
             return
+        alive = self._by_id.get(group_id)
+        if alive is not None:
+            # A segment that was away (expelled, its copies dropped) brings back a member of a group
+            # whose other members stayed: the fence admitted it, so it is the version committed under
+            # this id, and it takes its place in the group again.
+            if alive.size == size and record.state is _COMPLETE and self._state.visible(name) is record:
+                self._of[name] = (alive, record)
+            return
         members = self._forming.setdefault(group_id, (size, {}))[1]
         if self._forming[group_id][0] != size:
             return  # reported with another count: not one group put
@@ -201,6 +214,7 @@ class GroupTable:
         if any(visible(n) is not r or r.state is not _COMPLETE or n in self._of for n, r in members.items()):
             return
         group = Group(size, group_id)
+        self._by_id[group_id] = group
         for member, member_record in members.items():
             self._of[member] = (group, member_record)
         self.groups_rebuilt += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvtier.master.commits import PutAcknowledgement
 from kvtier.master.fences import Fences
+from kvtier.master.records import replica_segment
 from kvtier.master.recovery import inventory_done, report_dram_objects
 from kvtier.proto.status import Status
 from tests.unit.master.test_recovery import NS, OK, MiB, chunk, mount, new_state
@@ -214,3 +215,49 @@ def test_a_put_still_waiting_when_its_segment_is_dropped_is_fenced_at_once():
         chunk([("waiting", 100, 5, offsets["waiting"]), ("answered", 100, 6, offsets["answered"])]),
     )
     assert statuses == [Status.CHECKSUM_MISMATCH, OK], "the waiting put is fenced; the answered one comes back"
+
+
+def test_a_returning_segments_copy_of_a_group_member_takes_its_place_in_the_group_again():
+    """A blip expels a segment holding one member of a group: the member leaves with it and the group
+    reads as a miss. When the segment mounts again its copy, admitted by the fence and reported under
+    the group's id, joins the group its other members kept (docs/architecture.md, "Groups")."""
+    state = new_state(FakeClock())
+    a = mount(state, "a", 1024, inventory=True)
+    b = mount(state, "b", 1024, inventory=True)
+    inventory_done(state, a)
+    inventory_done(state, b)
+    started = state.put_start(NS, ["x", "y"], [1000, 1000], 1)  # 1000 B each: one per segment
+    assert state.groups.put_end(NS, ["x", "y"], [7, 7], started.put_id) == [OK, OK]
+    where = {key: replica_segment(state.record(NS, key).replicas[0]) for key in ("x", "y")}
+    assert sorted(where.values()) == sorted(state.segments), where
+    gone = next(key for key, segment_id in where.items() if segment_id == a)
+    tag = state.groups.tag_of(state.record(NS, gone))
+    state.unmount_segment(a)  # as an expulsion: its member leaves the tables
+    assert state.groups.get_replicas(NS, ["x", "y"]).statuses == [int(Status.NOT_FOUND)] * 2
+    again = state.mount_segment(
+        "unit",
+        "a",
+        "host-a",
+        ["tcp://127.0.0.1:9"],
+        1024,
+        inventory=True,
+        previous_segment_id=a,
+        previous_applied_seq=99,
+    )
+    inventory = chunk([(gone, 1000, 7, 0)])
+    assert report_dram_objects(state, again.segment.segment_id, inventory) == [OK]
+    assert state.groups.get_replicas(NS, ["x", "y"]).statuses == [int(Status.NOT_FOUND)] * 2, "no id: not the member"
+    state.unmount_segment(again.segment.segment_id)
+    again = state.mount_segment(
+        "unit",
+        "a",
+        "host-a",
+        ["tcp://127.0.0.1:9"],
+        1024,
+        inventory=True,
+        previous_segment_id=a,
+        previous_applied_seq=99,
+    )
+    inventory.group_ids, inventory.group_sizes = [tag[0]], [tag[1]]
+    assert report_dram_objects(state, again.segment.segment_id, inventory) == [OK]
+    assert state.groups.get_replicas(NS, ["y", "x"]).statuses == [OK, OK]
