@@ -28,7 +28,7 @@ class DrainReport:
     segment: str
     moved: int = 0
     moved_bytes: int = 0
-    failed: int = 0  # copy or verification failed (the object stays where it was)
+    failed: int = 0  # copy, verification or the target's acknowledgement failed (the object stays where it was)
     no_space: int = 0  # migrations refused for lack of room elsewhere
     dropped: int = 0  # replicas still on the segment when it was unmounted
     state: str = ""
@@ -53,7 +53,7 @@ def drain_segment(
             time.sleep(0.2)
         else:
             moved = _copy_batch(client, start, report)
-            master.call(
+            ended = master.call(
                 "MigrateEnd",
                 pb.MigrateEndRequest(
                     migration_id=start.migration_id,
@@ -62,6 +62,14 @@ def drain_segment(
                     moved=moved,
                 ),
             )
+            # Moved is what the master answered OK: a copy whose target went before acknowledging it
+            # (SEGMENT_NOT_FOUND), or whose object changed meanwhile, left the object where it was.
+            for i, (copied, status) in enumerate(zip(moved, ended.statuses, strict=True)):
+                if copied and status == _OK:
+                    report.moved += 1
+                    report.moved_bytes += start.sizes[i]
+                elif copied:
+                    report.failed += 1
             if not any(moved):  # nothing could move (no room, or copies failing): stop trying
                 break
         left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
@@ -74,15 +82,13 @@ def drain_segment(
 
 
 def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainReport) -> list[bool]:
-    """Copy and verify the batch (kvtier.client.replicas.copy_batch, shared with `kvtier replica`)."""
+    """Copy and verify the batch (kvtier.client.replicas.copy_batch, shared with `kvtier replica`);
+    which keys were copied (the master counts them moved, `drain_segment`)."""
     statuses = copy_batch(client, start)
     moved = [status == _OK for status in statuses]
-    for i, (status, ok) in enumerate(zip(start.statuses, moved, strict=True)):
+    for status, ok in zip(start.statuses, moved, strict=True):
         if status != _OK:
             report.no_space += 1
-        elif ok:
-            report.moved += 1
-            report.moved_bytes += start.sizes[i]
-        else:
+        elif not ok:
             report.failed += 1
     return moved

@@ -11,14 +11,16 @@ Copies and moves use the drain's machinery (kvtier.master.drain): `MigrateStart`
 gives each key a read lease on a DRAM source range and a freshly allocated target range; this
 client reads the source over the data plane, checks its CRC32C against the checksum recorded at
 PutEnd, writes the target and reports in `MigrateEnd`. Only verified bytes are reported, and the
-master adds (copy) or swaps in (move) the target only if the key still names the very object it
-was copied from: bytes that fail the check come back as CHECKSUM_MISMATCH with no new replica, a
-key removed or put again meanwhile as NOT_FOUND, and their target ranges are released. The
+master adds the target (a move drops the source once the target's segment acknowledged the copy)
+only if the key still names the very object it was copied from: bytes that fail the check come
+back as CHECKSUM_MISMATCH with no new replica, a key removed or put again meanwhile as NOT_FOUND,
+and their target ranges are released. The
 master never moves bytes. `copy_batch` is the one copy routine: `kvtier drain` uses it too.
 
 Statuses per key: OK; NOT_FOUND; PUT_IN_PROGRESS (pending, or a copy/move/drain of it in flight, or
 for remove an SSD offload/promotion of it on that segment);
-SEGMENT_NOT_FOUND (unknown segment); INVALID_ARGUMENT (the target is draining); REPLICA_EXISTS
+SEGMENT_NOT_FOUND (unknown segment, or the target went away before it acknowledged the copy: a
+move leaves the object where it was); INVALID_ARGUMENT (the target is draining); REPLICA_EXISTS
 (copy/move: the target holds one already); REPLICA_NOT_FOUND (remove: none on that segment;
 copy/move: no DRAM replica on the source to read, e.g. an SSD-only object); LAST_REPLICA (remove:
 it is the only complete replica, unless `allow_last`, which removes the object); NO_SPACE (no

@@ -24,6 +24,7 @@ from kvtier.master.auth import current_principal
 from kvtier.master.commits import FENCED_RELAY, PutAcknowledgement
 from kvtier.master.gates import DATA
 from kvtier.master.handlers import MasterHandlers
+from kvtier.master.records import ObjectRecord, replica_segment
 from kvtier.master.state import MasterState
 from kvtier.master.sweeps import Removal, wait_done
 from kvtier.master.tier_tasks import TierTask
@@ -47,6 +48,7 @@ class Barrier:
     forgets: list[TierTask]
     generation: int
     put_ack: PutAcknowledgement | None = None  # a PutEnd's: re-checked once the wait is over
+    moves: list[tuple[int, ObjectRecord, int]] | None = None  # a MigrateEnd's targets, likewise
     gone_seen: bool = False  # a segment of `notices` left: `generation` includes the save of that
 
     def done(self, state: MasterState) -> bool:
@@ -247,6 +249,7 @@ class CommitWaiter:
         handlers = self._handlers
         state = handlers.state
         put_ack, handlers.put_ack = handlers.put_ack, None
+        moves, handlers.moves = handlers.moves, None
         relayed_by, handlers.relayed_by = handlers.relayed_by, 0
         names, handlers.barrier_names = None if every_notice else handlers.barrier_names, None
         generation = state.state_generation if state.state_generation > state.durable_generation else 0
@@ -255,7 +258,7 @@ class CommitWaiter:
         if names is not None and forgets:
             wanted = set(names)
             forgets = [task for task in forgets if task.name in wanted]
-        barrier = Barrier(state.commits.barrier(relayed_by, names), forgets, generation, put_ack)
+        barrier = Barrier(state.commits.barrier(relayed_by, names), forgets, generation, put_ack, moves)
         if barrier.notices or barrier.forgets or generation or fenced:
             return barrier
         if put_ack is not None:
@@ -319,6 +322,11 @@ class CommitWaiter:
             state.fences.touch_many(
                 record.name for i, record, _ in put_ack.committed if reply.statuses[i] == lost_status
             )
+        for i, _, target in barrier.moves or ():
+            if replica_segment(target) not in state.segments and reply.statuses[i] == Status.OK:
+                # The target went before (or right after) acknowledging its copy: a move left the
+                # object where it was (kvtier.master.drain), a copy added nothing that stays.
+                reply.statuses[i] = int(Status.SEGMENT_NOT_FOUND)
         return reply
 
 

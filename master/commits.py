@@ -33,10 +33,11 @@ before those waits answer. When it mounts again to this master it re-adopts
 what its fence admits (kvtier.master.fences); to a later incarnation it
 discards its index, stale from then on.
 
-A move (drain) drops the source copy only after the target's commit is
-acknowledged (`dropped_after`): the object is in some index all along. If the
-object leaves the tables first (removed, replaced, evicted), the source copy is
-dropped at once, so the call removing it waits for the source's index too.
+A move (drain, `move_replica`) keeps its source copy as a replica until the
+target acknowledged the commit of its copy (`after_acked`, kvtier.master.drain):
+the object is in some index all along, and the source's drop notice, made only
+then, comes before any commit of the freed range's next object. If the target
+goes away first, the move failed and the source copy simply stays.
 
 A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
 the relaying segment's long poll; nor are they due to it (`poll` and
@@ -77,11 +78,12 @@ class SegmentFeed:
     # Sequence number of the first notice made while its long poll was not woken (a relayed call's:
     # the segment applies them from the call's answer), 0: none. Every notice from there on is such a
     # relayed one (any other notice wakes the poll): not due to the feed (`poll`, `has_notices`) until
-    # another call waits for them (`barrier`, `dropped_after`) or another notice wakes the poll.
+    # another call waits for them (`barrier`, `after_acked`) or another notice wakes the poll.
     unwoken_from: int = 0
     unwoken_since: float = 0.0  # when unwoken_from last moved: RELAYED_DUE_AFTER_S later they are due anyway
-    # Drops on other segments waiting for this one to acknowledge up to seq: (seq, segment id, offset, record)
-    after_ack: deque[tuple[int, int, int, ObjectRecord]] = field(default_factory=deque)
+    # What waits for this segment to acknowledge up to seq: (seq, called with True then, or with False
+    # when the segment goes first). A move's source drop (kvtier.master.drain).
+    after_ack: deque[tuple[int, Callable[[bool], None]]] = field(default_factory=deque)
 
     @property
     def last_seq(self) -> int:
@@ -125,8 +127,6 @@ class CommitLog:
         # Object name -> {segment id: sequence number of its last notice about the name not yet
         # acknowledged}, for segments that keep an index: what a call about the name waits for.
         self._unacked_by_name: dict[str, dict[int, int]] = {}
-        # Names with a move's source drop deferred until its target acknowledges (`dropped_after`): how many.
-        self._deferred_names: Counter[str] = Counter()
         self.notify: Callable[[int], None] | None = None  # wakes a long poll of that segment
         self.on_ack: Callable[[], None] | None = None  # wakes PutEnds waiting for acknowledgements
         # The segment relaying the call being handled (RelayPutEnd): its notices do not wake its poll.
@@ -188,9 +188,8 @@ class CommitLog:
         feed = self._feeds.pop(segment_id, None)
         if feed is not None:
             self._forget_names(segment_id, feed)
-            for _, source, offset, record in feed.after_ack:  # its copies are gone: the sources go now
-                self._undefer(record.name)
-                self.dropped(source, offset, record)
+            for _, then in feed.after_ack:  # it never acknowledged: what waited for it is told so
+                then(False)
         if self.on_ack is not None:
             self.on_ack()  # waiters for it are done: it was expelled or left
 
@@ -246,28 +245,6 @@ class CommitLog:
                 self._unacked(record.name, segment_id, feed.last_seq)
             self._wake(segment_id, feed, feed.last_seq)
 
-    def record_gone(self, record: ObjectRecord) -> None:
-        """`record` left the tables for good (removed, replaced, lost): a move's source drop of it
-        still waiting for the target (`dropped_after`) is made now, so the call that removed it
-        waits for that drop too (`barrier`). Else a Remove right after a move answered before the
-        source's index forgot the key, which a restart then brought back. Only this record's: a
-        copy of a live object keeps its source until the target has it."""
-        if not self._deferred_names or record.name not in self._deferred_names:
-            return
-        released = []
-        for feed in self._feeds.values():
-            if feed.after_ack and any(item[3] is record for item in feed.after_ack):
-                released.extend(item for item in feed.after_ack if item[3] is record)
-                feed.after_ack = deque(item for item in feed.after_ack if item[3] is not record)
-        for _, source, offset, _ in released:
-            self._undefer(record.name)
-            self.dropped(source, offset, record)
-
-    def _undefer(self, name: str) -> None:
-        count = self._deferred_names.pop(name, 0) - 1
-        if count > 0:
-            self._deferred_names[name] = count
-
     def _unacked(self, name: str, segment_id: int, seq: int) -> None:
         segments = self._unacked_by_name.get(name)
         if segments is None:
@@ -301,17 +278,17 @@ class CommitLog:
             if self.notify is not None:
                 self.notify(segment_id)
 
-    def dropped_after(self, segment_id: int, offset: int, record: ObjectRecord, target_id: int) -> None:
-        """Like `dropped`, once `target_id` acknowledged everything queued for it so far (a move:
-        the source copy leaves its index only when the target's index has the object)."""
-        target = self._feeds.get(target_id)
-        if target is None or not target.keeps_index or target.acked >= target.last_seq:
-            self.dropped(segment_id, offset, record)
-        else:
-            target.after_ack.append((target.last_seq, segment_id, offset, record))
-            self._deferred_names[record.name] += 1
-            if target.unwoken_from and target_id != self.relaying:  # this drop waits for them
-                self._wake(target_id, target, 0)
+    def after_acked(self, segment_id: int, then: Callable[[bool], None]) -> None:
+        """`then(True)` once the segment acknowledged every notice queued for it so far (at once when
+        none is outstanding, or it keeps no index), `then(False)` if it goes away before: a move's
+        source copy leaves only when the target's index has the object (kvtier.master.drain)."""
+        feed = self._feeds.get(segment_id)
+        if feed is None or not feed.keeps_index or feed.acked >= feed.last_seq:
+            then(feed is not None)
+            return
+        feed.after_ack.append((feed.last_seq, then))
+        if feed.unwoken_from and segment_id != self.relaying:  # something waits for them: due now
+            self._wake(segment_id, feed, 0)
 
     def next_seq(self, segment_id: int) -> int:
         """The sequence number the segment's next notice will get (0: not mounted)."""
@@ -356,9 +333,7 @@ class CommitLog:
                 # the rest are relayed too (any other notice wakes the poll): their own grace starts
                 feed.unwoken_from, feed.unwoken_since = acked_seq + 1, self._clock()
             while feed.after_ack and feed.after_ack[0][0] <= acked_seq:
-                _, source, offset, record = feed.after_ack.popleft()
-                self._undefer(record.name)
-                self.dropped(source, offset, record)
+                feed.after_ack.popleft()[1](True)
             if self.on_ack is not None:
                 self.on_ack()
 
@@ -466,14 +441,17 @@ class PutAcknowledgement:
     group: bool = False  # a group's PutEnd (kvtier.master.groups): one key lost fails every key
 
     def settle(self, mounted: Container[int], statuses: Any, sweeping: bool = False) -> int:
-        """Turn the OK of every key whose segment is gone into SEGMENT_NOT_FOUND; how many.
-        `sweeping`: a dead segment's records are still being swept (kvtier.master.sweeps), so an
-        unchanged tuple proves nothing and every key is checked."""
+        """Turn the OK of every key whose every replica's segment is gone into SEGMENT_NOT_FOUND; how
+        many. A key with a replica left is stored (that segment acknowledged it): OK, with fewer
+        copies, as if the segment had died right after the answer. (Failing it while its version
+        stayed visible told a writer "not stored" of bytes readers had, and an upsert's old version
+        gone.) `sweeping`: a dead segment's records are still being swept (kvtier.master.sweeps), so
+        an unchanged tuple proves nothing and every key is checked."""
         lost = 0
         for i, record, replicas in self.committed:
             if record.replicas == replicas and not sweeping:
                 continue
-            if not all(p >> SEGMENT_SHIFT in mounted for p in replicas):
+            if not any(p >> SEGMENT_SHIFT in mounted for p in replicas):
                 statuses[i] = int(Status.SEGMENT_NOT_FOUND)
                 lost += 1
         if lost and self.group:

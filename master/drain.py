@@ -5,8 +5,12 @@ The master never moves bytes. The drainer (`kvtier drain`, a client) asks
 with a read lease on its source range (so the bytes stay put while they are
 copied) and a target range allocated on another ACTIVE segment that holds no
 replica of it. The drainer copies and verifies the bytes and reports back in
-`migrate_end`: a moved object's source replica is replaced by the target
-(the source range is freed when the lease ends); anything else releases the
+`migrate_end`: a moved object gets the target as one more replica at once, and
+loses its source replica once the target's segment acknowledged the commit of
+its copy (kvtier.master.commits.after_acked); the source range is freed from
+then on, when the lease ends. A target that goes away before acknowledging
+leaves the object on its source, and the move's key is answered
+SEGMENT_NOT_FOUND (kvtier.master.commit_wait). Anything else releases the
 target. `drain(finish=True)` unmounts the segment; objects that could not be
 moved are dropped (a cache can always recompute them). The drained
 incarnation (name + region nonce) is refused if its process mounts again, so
@@ -192,22 +196,32 @@ class Drainer:
         self._moving.add(id(record))
         return replica(segment.segment_id, offset)
 
-    def migrate_end(self, migration_id: int, moved: dict[tuple[str, str], bool]) -> tuple[Status, list[int]]:
-        """Swap in (a copy: add) the targets of moved objects; release every other target. Per
-        reported key: OK, NOT_FOUND (the object was removed or replaced meanwhile), NOT_PENDING."""
+    def migrate_end(
+        self, migration_id: int, moved: dict[tuple[str, str], bool]
+    ) -> tuple[Status, list[int], list[tuple[int, ObjectRecord, int]]]:
+        """Add the targets of moved objects (a move drops the source once the target acknowledged);
+        release every other target. Per reported key: OK, NOT_FOUND (the object was removed or
+        replaced meanwhile), NOT_PENDING; and (index, record, target) of the keys answered OK, which
+        the answer re-checks once the targets acknowledged (a target lost first: SEGMENT_NOT_FOUND)."""
         batch = self._batches.pop(migration_id, None)
         if batch is None:
-            return Status.NOT_PENDING, []
+            return Status.NOT_PENDING, [], []
         out = {}
+        done: dict[tuple[str, str], tuple[ObjectRecord, int]] = {}
         for item in batch.items:
             key = (item.record.namespace, item.record.key)
+            target = item.target
             if self._finish(item, moved.get(key, False), batch.keep_source):
                 out[key] = _OK
+                if target is not None:
+                    done[key] = (item.record, target)
             elif self.state.visible(item.record.name) is not item.record:
                 out[key] = _NOT_FOUND
             else:
                 out[key] = int(Status.NOT_PENDING)
-        return Status.OK, [out.get(key, int(Status.NOT_PENDING)) for key in moved]
+        keys = list(moved)
+        checks = [(i, *done[key]) for i, key in enumerate(keys) if key in done]
+        return Status.OK, [out.get(key, int(Status.NOT_PENDING)) for key in keys], checks
 
     def _finish(self, item: Migration, moved: bool, keep_source: bool = False) -> bool:
         state = self.state
@@ -223,17 +237,13 @@ class Drainer:
                 self._add_copy(record, target)
                 return True
         elif moved and alive and target_segment is not None and source in record.replicas:
-            record.replicas = tuple(target if r == source else r for r in record.replicas)
-            state.events.changed(record, "drained")
-            source_id = replica_segment(source)
-            state.commits.committed(replica_segment(target), replica_offset(target), record)
-            state.commits.dropped_after(source_id, replica_offset(source), record, replica_segment(target))
-            source_segment = state.segments.get(source_id)
-            if source_segment is not None:
-                source_segment.objects -= 1
-                if record.size:  # readers may hold the source range: free it when their lease ends
-                    until = record.lease_until + state.reuse_margin_s
-                    state.free_after_leases(source_id, replica_offset(source), record.size, until, record)
+            # The target is one more replica now; the source goes once the target's index has the
+            # object. Swapped at once before, a target dying before its acknowledgement took the
+            # object with it, and the source's drop, sent late, could hit the range's next object.
+            self._add_copy(record, target)
+            state.commits.after_acked(
+                target_segment.segment_id, lambda acked: self._drop_source(record, source, target, acked)
+            )
             return True
         # The migrator's write grant on the target ends with the lease migrate_start set: a stalled
         # writer's frames may act on the range until then (plus clock skew), so no reuse before.
@@ -245,7 +255,7 @@ class Drainer:
             state.release_ranges([target], record.size)
         return False
 
-    def _add_copy(self, record: ObjectRecord, target: int) -> None:
+    def _add_copy(self, record: ObjectRecord, target: int, reason: str = "copied") -> None:
         """A verified copy becomes one more DRAM replica: told to its segment, counted to its owner."""
         state = self.state
         record.replicas = (*record.replicas, target)
@@ -253,7 +263,18 @@ class Drainer:
         if record.owner is not None:
             record.owner.used += state.aligned(record.size)
         state.now_in_dram(record)  # its source may have left DRAM meanwhile
-        state.events.changed(record, "copied")
+        state.events.changed(record, reason)
+
+    def _drop_source(self, record: ObjectRecord, source: int, target: int, acked: bool) -> None:
+        """A move's target acknowledged its copy (`acked`): the source replica goes (its drop notice
+        now, its range once the readers' leases end). Not acked (the target went first), or the
+        object changed meanwhile (removed, replaced, either copy gone): nothing to do here."""
+        state = self.state
+        if not acked or state.visible(record.name) is not record:
+            return
+        if source in record.replicas and target in record.replicas:
+            state.drop_dram_replica(record, replica_segment(source))
+            state.events.changed(record, "drained")
 
     def tick(self, now: float) -> None:
         """Release the targets of migration batches nobody finished (the drainer died)."""

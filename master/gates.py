@@ -75,7 +75,7 @@ def rpc(response_type: type) -> Callable[[Handler], Handler]:
             # The client call's id on every line logged while handling it (0: none, or not traced).
             token = current_request_id.set(getattr(request, "request_id", 0))
             if after_barrier:
-                self.barrier_names, self.put_ack, self.relayed_by = None, None, 0
+                self.barrier_names, self.put_ack, self.relayed_by, self.moves = None, None, 0, None
             try:
                 principal = current_principal.get()
                 if principal != CLUSTER_PRINCIPAL and (denied := self.auth.refusal(principal, name, request)):

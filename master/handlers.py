@@ -31,6 +31,7 @@ from kvtier.master.gates import DATA
 from kvtier.master.handlers_admin import AdminCalls
 from kvtier.master.handlers_data import DataCalls
 from kvtier.master.handlers_segment import SegmentCalls
+from kvtier.master.records import ObjectRecord
 from kvtier.master.state import MasterState
 from kvtier.master.sweeps import Removal
 from kvtier.proto import master_pb2 as pb
@@ -71,6 +72,9 @@ class MasterHandlers(DataCalls, SegmentCalls, AdminCalls):
         self.lookup_hits_disk_only = 0  # GetReplicas hits without a DRAM copy: read from an SSD tier
         self.put_ack: PutAcknowledgement | None = None  # of the PutEnd just handled
         self.relayed_by = 0  # the segment that relayed the PutEnd just handled (RelayPutEnd), if any
+        # Of the MigrateEnd just handled: (index in its answer, record, target replica) of each key
+        # moved or copied, re-checked once its wait is over (kvtier.master.commit_wait).
+        self.moves: list[tuple[int, ObjectRecord, int]] | None = None
         # The object names the waiting call just handled is about: its answer waits for the notices
         # about them (kvtier.master.commits). None (each call's start, kvtier.master.gates): every notice.
         self.barrier_names: list[str] | None = None

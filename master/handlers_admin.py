@@ -97,7 +97,7 @@ class AdminCalls:
         if len(request.keys) != len(request.namespaces) or len(request.moved) != len(request.keys):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="namespaces, keys and moved differ")
         moved = {(ns, key): ok for ns, key, ok in zip(request.namespaces, request.keys, request.moved, strict=True)}
-        status, statuses = self.state.drainer.migrate_end(request.migration_id, moved)
+        status, statuses, self.moves = self.state.drainer.migrate_end(request.migration_id, moved)
         if status != Status.OK:
             return pb.KeyStatusResponse(status=status, error=f"no migration {request.migration_id} in flight")
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)

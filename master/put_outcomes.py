@@ -76,8 +76,10 @@ class PutOutcomes:
     def retried(self, name: str, put_id: int, checksum: int, visible_checksum: int | None) -> int:
         """The answer to PutEnd of `put_id` for `name` when no pending put of it is there and the
         key's record (complete: `visible_checksum`, else None) is not this put's."""
-        if not self.first_id <= put_id < self._issued:  # another incarnation's put
-            return _OK if visible_checksum == checksum else _NOT_PENDING
+        if not self.first_id <= put_id < self._issued:
+            # Another incarnation's put: it may have committed there (its answer lost) and left since;
+            # nothing here can tell, so unless its bytes are the key's the outcome is unknown.
+            return _OK if visible_checksum == checksum else _UNKNOWN
         outcome = self._left.get((name, put_id))
         if outcome is not None:
             stored, lost = outcome

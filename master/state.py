@@ -598,7 +598,6 @@ class MasterState(ObjectTables, SegmentTable, RangeBook):
             for packed in record.replicas:
                 if is_dram(packed):
                     self.commits.dropped(packed >> SEGMENT_SHIFT, packed & OFFSET_MASK, record)
-            self.commits.record_gone(record)
             self.put_outcomes.left(record.name, record.put_id, record.checksum, lost=not changed)
         disk = [r for r in record.replicas if not is_dram(r)]
         if disk:

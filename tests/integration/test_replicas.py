@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -255,3 +257,62 @@ def test_with_a_cluster_secret_copies_carry_capabilities_and_tenants_are_refused
                 call("s/0", "seg1")
             assert refused.value.status == Status.PERMISSION_DENIED
     assert segments_of(client, "s/0") == ["seg0", "seg2"]
+
+
+def _freeze_after_copy(monkeypatch, cluster, segment: str, sig: int) -> None:
+    """The copy is written and verified on `segment`, which then gets `sig` before MigrateEnd (a
+    frozen VM, a GC pause, a crash between the copy and the master's bookkeeping)."""
+    import kvtier.client.replicas as replicas
+
+    original = replicas.copy_batch
+
+    def copy_then_signal(client, start):
+        out = original(client, start)
+        cluster.segments[segment].popen.send_signal(sig)
+        return out
+
+    monkeypatch.setattr(replicas, "copy_batch", copy_then_signal)
+
+
+@pytest.mark.parametrize("op", ["move", "copy"])
+def test_a_target_killed_before_acknowledging_its_copy_leaves_the_object_where_it_was(cluster, monkeypatch, op):
+    """The target dies after the copy, before its index has the object: the move is answered
+    SEGMENT_NOT_FOUND and the object stays on its source, readable (before: OK, and the object was
+    gone with the target)."""
+    client = cluster.client(transport="tcp")
+    value = os.urandom(100 * KiB)
+    client.put("k", value, preferred_segment="seg0")
+    _freeze_after_copy(monkeypatch, cluster, "seg1", signal.SIGKILL)
+    status = (client.move_replica if op == "move" else client.copy_replica)("k", "seg1", source="seg0")
+    assert status == Status.SEGMENT_NOT_FOUND
+    assert client.get("k") == value
+    assert segments_of(client, "k") == ["seg0"]
+
+
+def test_a_moves_source_range_is_not_reused_before_the_source_forgets_the_object(bare_cluster, monkeypatch):
+    """The target stalls (SIGSTOP, less than the segment TTL) after the copy; meanwhile puts fill the
+    source. The source's range goes to another object only after the source's index dropped the moved
+    one: a late drop by offset once took that object's entry, and a master restart then lost it."""
+    cluster = bare_cluster
+    cluster.segment_ttl_s = 10.0
+    cluster.start_master("--lease-s", "1")
+    cluster.start_segment("seg0", "8MiB")
+    cluster.start_segment("seg1", "8MiB")
+    client = cluster.client(transport="tcp", timeout=20.0)
+    client.put("k", b"k" * MiB, preferred_segment="seg0")
+    _freeze_after_copy(monkeypatch, cluster, "seg1", signal.SIGSTOP)
+    moved = []
+    mover = threading.Thread(target=lambda: moved.append(client.move_replica("k", "seg1", source="seg0")))
+    mover.start()
+    time.sleep(4.0)  # past the move's lease (1 s) and the clock-skew margin (2 s)
+    writer = cluster.client(transport="tcp", timeout=10.0)
+    values = {f"x{i}": bytes([65 + i]) * MiB for i in range(6)}
+    for key, value in values.items():
+        writer.put(key, value, preferred_segment="seg0")
+    cluster.segments["seg1"].popen.send_signal(signal.SIGCONT)
+    mover.join(timeout=30)
+    assert moved == [Status.OK]
+    cluster.restart_master("--lease-s", "1")
+    reader = cluster.client(transport="tcp", timeout=20.0)
+    assert cluster.wait_for(lambda: reader.get("k") == b"k" * MiB, timeout=15)
+    assert {key: reader.get(key) for key in values} == values, "every acknowledged put survives the restart"

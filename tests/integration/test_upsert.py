@@ -266,3 +266,32 @@ def test_upsert_and_lease_metrics_count_what_happened(bare_cluster):
     assert value(samples, "kvtier_master_upserts_total", outcome="swapped") == 2
     assert value(samples, "kvtier_master_upserts_total", outcome="revoked") == 0
     assert value(samples, "kvtier_master_put_leases") == 1
+
+
+def test_a_replicated_upsert_losing_one_new_replica_before_put_end_is_stored_and_answered_ok(bare_cluster):
+    """One of the new version's two segments dies after the bytes were written, before it
+    acknowledged the commit: the other kept the version (and the old one is gone), so the writer hears
+    OK. It heard SEGMENT_NOT_FOUND ("not stored") while readers read the new version."""
+    import signal
+
+    bare_cluster.start_master()
+    for name in ("seg0", "seg1", "seg2"):
+        bare_cluster.start_segment(name, "16MiB")
+    client = bare_cluster.client(transport="tcp", timeout=8.0)
+    old, new = b"O" * 50_000, b"N" * 50_000
+    client.put("k", old, replicas=2)
+    run_parallel = client._run_parallel
+    victims = []
+
+    def write_then_kill(jobs, copies=frozenset()):
+        out = run_parallel(jobs, copies)
+        victims.append(jobs[-1][1].name)  # one of the new version's two segments
+        bare_cluster.kill(bare_cluster.segments[victims[-1]], signal.SIGKILL)
+        return out
+
+    client._run_parallel = write_then_kill
+    assert client.batch_upsert(["k"], [new], replicas=2) == [Status.OK]
+    client._run_parallel = run_parallel
+    reader = bare_cluster.client(transport="tcp")
+    assert reader.get("k") == new
+    assert victims[0] not in [replica["segment"] for replica in reader.locate("k")]

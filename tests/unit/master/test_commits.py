@@ -148,36 +148,42 @@ def test_a_segment_dropped_ends_the_waits_for_it(log: CommitLog, wakes: Wakes):
     assert log.barrier() == {} and log.poll(A, 0, 10) is None
 
 
-def test_a_moved_copy_leaves_the_source_index_only_after_the_target_acknowledges(log: CommitLog):
+def test_after_acked_runs_once_the_segment_acknowledged_everything_queued_before_it(log: CommitLog):
+    """A move's source drop waits for its target (kvtier.master.drain): the call comes when the
+    segment acknowledged every notice queued when it was asked, not one queued after."""
     log.mounted(A, keeps_index=True)
     log.mounted(B, keeps_index=True)
-    moved = record("m", replica(B, 0))
-    log.committed(B, 0, moved)  # the target's copy
-    log.dropped_after(A, 64, moved, target_id=B)
-    assert log.poll(A, 0, 10).items == [], "the source still keeps it while the target may not have it"
+    calls: list[bool] = []
+    log.committed(B, 0, record("m", replica(B, 0)))  # seq 1: the target's copy
+    log.after_acked(B, calls.append)
+    log.committed(B, 64, record("later", replica(B, 64)))  # seq 2: not waited for
+    assert calls == []
     log.poll(B, acked_seq=1, limit=10)
-    assert names(log.poll(A, 0, 10)) == [("m", True)]
+    assert calls == [True]
+    log.poll(B, acked_seq=2, limit=10)
+    assert calls == [True], "called once"
 
 
-def test_a_move_to_a_target_with_nothing_pending_drops_the_source_at_once(log: CommitLog):
+def test_after_acked_runs_at_once_when_nothing_is_outstanding_and_fails_for_an_unknown_segment(log: CommitLog):
     log.mounted(A, keeps_index=True)
     log.mounted(B, keeps_index=False)
-    moved = record("m", replica(B, 0))
-    log.committed(B, 0, moved)
-    log.dropped_after(A, 64, moved, target_id=B)  # B keeps no index: nothing to wait for
-    assert names(log.poll(A, 0, 10)) == [("m", True)]
-    log.dropped_after(A, 128, moved, target_id=C)  # C is not mounted
-    assert names(log.poll(A, 1, 10)) == [("m", True)]
+    calls: list[bool] = []
+    log.committed(B, 0, record("m", replica(B, 0)))
+    log.after_acked(B, calls.append)  # B keeps no index: nothing to wait for
+    log.after_acked(A, calls.append)  # A has nothing outstanding
+    log.after_acked(C, calls.append)  # C is not mounted
+    assert calls == [True, True, False]
 
 
-def test_a_target_that_goes_away_releases_the_drops_waiting_for_it(log: CommitLog):
+def test_a_segment_that_goes_away_first_fails_what_waited_for_it(log: CommitLog):
     log.mounted(A, keeps_index=True)
     log.mounted(B, keeps_index=True)
-    moved = record("m", replica(B, 0))
-    log.committed(B, 0, moved)
-    log.dropped_after(A, 64, moved, target_id=B)
+    calls: list[bool] = []
+    log.committed(B, 0, record("m", replica(B, 0)))
+    log.after_acked(B, calls.append)
     log.segment_dropped(B)
-    assert names(log.poll(A, 0, 10)) == [("m", True)], "its copy is gone: the source's drop goes out now"
+    assert calls == [False], "it never acknowledged: a move's source stays"
+    assert log.poll(A, 0, 10).items == [], "nothing is dropped for it"
 
 
 def test_silent_segments_are_those_keeping_an_index_with_notices_waiting(log: CommitLog, clock: FakeClock):
@@ -224,6 +230,19 @@ def test_an_acknowledged_put_whose_segment_is_gone_is_not_answered_ok():
     statuses = [int(Status.OK)] * 3
     assert acknowledgement.settle(mounted={A, C}, statuses=statuses) == 1
     assert statuses == [int(Status.OK), int(Status.OK), int(Status.SEGMENT_NOT_FOUND)]
+
+
+def test_a_replicated_put_that_keeps_a_replica_is_stored_and_answered_ok():
+    """One of two replicas lost during the wait: the other's segment acknowledged, the version is
+    readable there, so the writer hears OK (before: SEGMENT_NOT_FOUND, "not stored", for bytes readers
+    were reading, and an upsert's old version already gone). Every replica lost: SEGMENT_NOT_FOUND."""
+    two = record("two", replica(A, 0), replica(B, 0))
+    none = record("none", replica(B, 64), replica(D, 0))
+    acknowledgement = PutAcknowledgement([(0, two, two.replicas), (1, none, none.replicas)])
+    two.replicas, none.replicas = (replica(A, 0),), ()  # B and D were expelled
+    statuses = [int(Status.OK)] * 2
+    assert acknowledgement.settle(mounted={A, C}, statuses=statuses) == 1
+    assert statuses == [int(Status.OK), int(Status.SEGMENT_NOT_FOUND)]
 
 
 def test_a_relayed_calls_notices_do_not_wake_its_segment_until_another_call_waits_for_them(
@@ -299,10 +318,12 @@ def test_relayed_notices_are_not_due_to_the_feed_until_something_wakes_them(log:
     log.committed(A, 384, record("moved", replica(A, 384)))  # seq 8
     log.relaying = 0
     polls = len(wakes.polls)
-    log.dropped_after(B, 0, record("relayed2", replica(B, 0)), target_id=A)
+    calls: list[bool] = []
+    log.after_acked(A, calls.append)
     assert wakes.polls[polls:] == [A] and names(log.poll(A, 7, 100)) == [("moved", False)]
+    assert calls == []
     log.poll(A, 8, 100)
-    assert names(log.poll(B, 0, 100)) == [("relayed2", False), ("relayed2", True)], "B's drop went once A acked"
+    assert calls == [True], "called once A acked"
 
 
 def test_unwoken_relayed_notices_nobody_asks_for_are_due_once_unacknowledged_for_a_while(
@@ -386,7 +407,6 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
     rng = random.Random(7)
     names_ = [f"n{i}" for i in range(12)]
     mounted: list[int] = []
-    moves: list[ObjectRecord] = []
     next_id = 1
     for _ in range(3000):
         op = rng.random()
@@ -403,12 +423,11 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
         elif op < 0.6:
             segs = rng.sample(mounted, min(len(mounted), 2))
             log.committed_records([record(rng.choice(names_), *(replica(s, 0) for s in segs))])
-        elif op < 0.65 and len(mounted) > 1:
+        elif op < 0.68 and len(mounted) > 1:
             source, target = rng.sample(mounted, 2)  # a move: the source drop waits for the target
-            moves.append(record(rng.choice(names_), replica(target, 0)))
-            log.dropped_after(source, 0, moves[-1], target)
-        elif op < 0.68 and moves:
-            log.record_gone(moves.pop(rng.randrange(len(moves))))  # removed: its source drop goes now
+            moved = record(rng.choice(names_), replica(target, 0))
+            log.committed(target, 0, moved)
+            log.after_acked(target, lambda ok, s=source, r=moved: ok and s in mounted and log.dropped(s, 0, r))
         else:
             s = rng.choice(mounted)
             upto = log.next_seq(s) - 1
@@ -430,67 +449,16 @@ def test_the_barrier_by_names_matches_every_feeds_own_unacknowledged_notices_und
     assert log.unacked_name_count() <= len(names_)
 
 
-def test_a_key_removed_right_after_its_move_waits_for_the_source_to_forget_it_and_is_dropped_there_once(
-    log: CommitLog,
-):
-    """The move's source drop waits for the target's acknowledgement; a Remove of the key before
-    then made it only after the Remove's own wait, so the Remove answered while the source's index
-    still held the key (a restart brought it back)."""
-    log.mounted(A, keeps_index=True)
-    log.mounted(B, keeps_index=True)
-    moved = record("k", replica(B, 0))
-    log.committed(B, 0, moved)  # the move: k's copy on B
-    log.dropped_after(A, 64, moved, B)  # A's copy leaves A's index once B acknowledged
-    assert log.barrier(names=["k"]) == {B: 1}
-    log.dropped(B, 0, moved)  # Remove(k) right after MigrateEnd (MasterState._delete)
-    log.record_gone(moved)
-    assert log.barrier(names=["k"]) == {A: 1, B: 2}
-    log.poll(B, 2, 10)  # B acknowledges: nothing more for A
-    assert [(r.name, drop) for _, r, drop in log.since(A, 1)] == [("k", True)]
-    log.poll(A, 1, 10)
-    assert log.barrier(names=["k"]) == {} and log.barrier() == {}
-
-
-def test_a_live_objects_move_keeps_its_source_until_the_target_acknowledges(log: CommitLog):
-    """Only the object leaving releases its source drop: not another copy of it dropped (eviction,
-    a replica removed), not a second move's target acknowledging, not another target expelled.
-    (Each released the source early in a first version: the object in no index for a moment.)"""
-    for s in (A, B, C, D):
-        log.mounted(s, keeps_index=True)
-    k = record("k", replica(B, 0), replica(C, 0))
-    log.committed(B, 0, k)
-    log.dropped_after(A, 64, k, B)  # a drain of A moved k to B
-    log.dropped(C, 0, k)  # k's other copy dropped
-    assert log.since(A, 1) == []
-    log.committed(D, 0, k)
-    log.dropped_after(B, 0, k, D)  # then a drain of B moves it on to D
-    log.poll(B, 1, 10)  # B has k: A's copy goes, B's waits for D
-    assert [r.name for _, r, _ in log.since(A, 1)] == ["k"] and log.since(B, 2) == []
-    log.poll(D, 1, 10)
-    assert [r.name for _, r, _ in log.since(B, 2)] == ["k"]
-
-
-def test_an_expelled_target_releases_only_the_drops_waiting_for_it(log: CommitLog):
+def test_an_expelled_segment_fails_only_what_waited_for_it(log: CommitLog):
     for s in (A, B, C, D):
         log.mounted(s, keeps_index=True)
     k = record("k", replica(B, 0), replica(D, 0))
+    calls: list[tuple[str, bool]] = []
     log.committed(B, 0, k)
-    log.dropped_after(A, 64, k, B)
+    log.after_acked(B, lambda ok: calls.append(("B", ok)))
     log.committed(D, 0, k)
-    log.dropped_after(C, 64, k, D)
+    log.after_acked(D, lambda ok: calls.append(("D", ok)))
     log.segment_dropped(B)
-    assert [r.name for _, r, _ in log.since(A, 1)] == ["k"] and log.since(C, 1) == []
-
-
-def test_moves_still_drop_their_sources_once_their_targets_acknowledge(log: CommitLog):
-    log.mounted(A, keeps_index=True)
-    log.mounted(B, keeps_index=True)
-    moved = [record(f"k{i}", replica(B, 64 * i)) for i in range(3)]
-    for i, k in enumerate(moved):
-        log.committed(B, 64 * i, k)
-        log.dropped_after(A, 64 * i, k, B)
-    log.dropped(B, 0, moved[0])  # k0 removed at once: its source drop goes now
-    log.record_gone(moved[0])
-    assert [r.name for _, r, _ in log.since(A, 1)] == ["k0"]
-    log.poll(B, 4, 10)
-    assert [r.name for _, r, _ in log.since(A, 1)] == ["k0", "k1", "k2"]
+    assert calls == [("B", False)]
+    log.poll(D, 1, 10)
+    assert calls == [("B", False), ("D", True)]

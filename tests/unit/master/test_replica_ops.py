@@ -10,7 +10,7 @@ from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_s
 from kvtier.master.replicas import remove_replicas
 from kvtier.master.state import MasterState
 from kvtier.proto.status import Status
-from tests.unit.master.accounting import assert_consistent
+from tests.unit.master.accounting import assert_consistent, segment_indexes
 from tests.unit.master.test_eviction import LEASE_S, NS, KiB, make_state, put
 from tests.unit.master.test_state import FakeClock, advance_alive
 from tests.unit.master.test_tiering import mount_ssd, tiers
@@ -172,7 +172,7 @@ def test_a_key_removed_during_its_copy_gets_no_orphan_replica(state, clock, agai
     if again:
         put(state, "k", preferred_segment="c")
 
-    assert state.drainer.migrate_end(batch.migration_id, {(NS, "k"): True}) == (OK, [Status.NOT_FOUND])
+    assert state.drainer.migrate_end(batch.migration_id, {(NS, "k"): True})[:2] == (OK, [Status.NOT_FOUND])
 
     assert holders(state, "k") == (["c"] if again else [])
     clock.advance(LEASE_S + 1)
@@ -208,4 +208,59 @@ def test_a_replica_being_offloaded_is_not_removed_meanwhile(clock):
     assert task.segment_id == a
 
     assert remove_replicas(state, NS, [key], "a", True) == (OK, [Status.PUT_IN_PROGRESS])
+    assert_consistent(state)
+
+
+# ------------------------------------------------------------------ moves between segments keeping an index
+
+
+def _indexed(clock: FakeClock) -> tuple[MasterState, int, int]:
+    """Two segments keeping DRAM indexes (commit notices waited for), 64 KiB each."""
+    from tests.unit.master.test_recovery import mount as mount_indexed
+    from tests.unit.master.test_recovery import new_state
+
+    state = new_state(clock)
+    a, b = mount_indexed(state, "a", 64 * KiB, inventory=True), mount_indexed(state, "b", 64 * KiB, inventory=True)
+    for segment_id in (a, b):
+        from kvtier.master.recovery import inventory_done
+
+        inventory_done(state, segment_id)
+    return state, a, b
+
+
+def _notices(state: MasterState, segment_id: int) -> list[tuple[int, str, bool]]:
+    return [(offset, r.name.partition("\x00")[2], drop) for offset, r, drop in state.commits.since(segment_id, 1)]
+
+
+def test_a_move_keeps_its_source_until_the_target_acknowledges_then_drops_it_before_reuse(clock):
+    state, a, b = _indexed(clock)
+    put(state, "k", size=8 * KiB, preferred_segment="a")
+    segment_indexes(state)  # the segments apply and acknowledge what they were told
+    source = state.record(NS, "k").replicas[0]
+    assert copy(state, "k", "b", keep_source=False, source="a") == (OK, OK, [OK])
+    # the target is one more replica; the source stays in its index (no drop) until b acknowledges
+    assert holders(state, "k") == ["a", "b"]
+    assert [n for n in _notices(state, a) if n[1] == "k"] == []
+    segment_indexes(state)  # b acknowledges the copy
+    assert holders(state, "k") == ["b"]
+    assert _notices(state, a) == [(replica_offset(source), "k", True)]
+    # the freed range's next object comes after that drop in a's feed, never before it
+    advance_alive(state, clock, LEASE_S + 3)
+    state.tick()
+    put(state, "x", size=8 * KiB, preferred_segment="a")
+    offsets = {n[1]: n[0] for n in _notices(state, a)}
+    assert offsets["x"] == replica_offset(source), "the allocator hands the freed range out again"
+    assert [n[1:] for n in _notices(state, a)] == [("k", True), ("x", False)]
+    assert_consistent(state)
+
+
+def test_a_move_whose_target_goes_first_leaves_the_object_on_its_source(clock):
+    state, a, b = _indexed(clock)
+    put(state, "k", size=8 * KiB, preferred_segment="a")
+    segment_indexes(state)
+    assert copy(state, "k", "b", keep_source=False, source="a") == (OK, OK, [OK])
+    state.drop_segment(b, reason="heartbeat expired")  # b never acknowledged the copy
+    assert holders(state, "k") == ["a"]
+    assert state.get_replicas(NS, ["k"]).statuses == [OK]
+    assert _notices(state, a) == [], "a keeps it in its index"
     assert_consistent(state)
