@@ -63,9 +63,12 @@ class SegmentTable:
         master's); they release what its fence holds only for want of an acknowledgement
         (kvtier.master.fences, invariant 4).
 
-        A name that is already mounted is replaced: its old replicas are dropped
-        (the previous process under that name is gone; the region file lock on
-        the segment's host guarantees one live owner per name).
+        A name that is already mounted is replaced (its old replicas are dropped) when the mount is
+        the same region's (the process mounting again) or the old mount stopped heartbeating (the
+        previous process is gone: a restart). A second live process under the name, another region
+        that heartbeats (another host, or another --shm-dir: the region file lock guards one host's
+        directory only), is refused with SEGMENT_NAME_IN_USE: replacing it each time, the two unmounted
+        each other at every heartbeat, for good, and acknowledged puts went with each swap.
         """
         if cluster_id != self.config.cluster_id:
             return MountResult(
@@ -79,6 +82,8 @@ class SegmentTable:
         if capacity > MAX_SEGMENT_CAPACITY:
             return MountResult(Status.INVALID_ARGUMENT, error=f"a segment holds at most {MAX_SEGMENT_CAPACITY} bytes")
         old = self._segments_by_name.get(name)
+        if old is not None and (problem := self._name_in_use(self.segments[old], host_id, incarnation)):
+            return MountResult(Status.SEGMENT_NAME_IN_USE, error=problem)
         if old is not None:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self.drop_segment(old, reason="remounted")
@@ -128,6 +133,18 @@ class SegmentTable:
             "segment mounted id=%d name=%s capacity=%d endpoints=%s", segment.segment_id, name, capacity, endpoints
         )
         return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
+
+    def _name_in_use(self, old: SegmentRecord, host_id: str, incarnation: str) -> str:
+        """Why a mount under `old`'s name from another region must wait (it heartbeats), or ""."""
+        if not incarnation or incarnation == old.incarnation:
+            return ""  # the same region mounting again (or a client that names none: the old rule)
+        silent = self.clock() - old.last_heartbeat
+        if silent >= min(self.config.segment_ttl_s, 3 * self.config.heartbeat_interval_s):
+            return ""  # its process is gone: a restart takes the name
+        return (
+            f"segment name {old.name!r} is mounted by another live segment (host {old.host_id!r}, heartbeat "
+            f"{silent:.1f}s ago); give this one another --name, or stop that one"
+        )
 
     def begin_recovery(
         self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset(), max_s: float = 300.0

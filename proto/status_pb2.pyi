@@ -32,6 +32,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_FAILED: _ClassVar[Status]
     NO_REPLICA: _ClassVar[Status]
     SEGMENT_DRAINED: _ClassVar[Status]
+    SEGMENT_NAME_IN_USE: _ClassVar[Status]
     LEASE_EXPIRED: _ClassVar[Status]
     UNAUTHENTICATED: _ClassVar[Status]
     PERMISSION_DENIED: _ClassVar[Status]
@@ -72,6 +73,7 @@ PROTOCOL_ERROR: Status
 TRANSFER_FAILED: Status
 NO_REPLICA: Status
 SEGMENT_DRAINED: Status
+SEGMENT_NAME_IN_USE: Status
 LEASE_EXPIRED: Status
 UNAUTHENTICATED: Status
 PERMISSION_DENIED: Status

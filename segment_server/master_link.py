@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 0.5
 _RPC_TIMEOUT_S = 2.0
+# A mount refused because another live process holds the name is tried again this long (the name's
+# previous process, before a restart, stops holding it within a few heartbeat intervals), then the
+# segment exits with the reason (exit code 2: a configuration error; change --name).
+NAME_IN_USE_GIVE_UP_S = 10.0
 _CREDENTIALS_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _READY_SILENCE_S = 5.0  # unanswered heartbeats for this long: not ready (the master expels later)
 
@@ -144,6 +148,7 @@ class MasterLink:
         )
         self._interval_s = 1.0
         self._last_heartbeat = time.monotonic()  # of the last heartbeat (or mount) the master answered
+        self._name_refused_since = 0.0  # when mounts began to be refused SEGMENT_NAME_IN_USE (0: not)
 
     # The session, (segment id, epoch) of the current mount once its inventory is in, lives in the
     # index: notices are applied only under the session they were polled in.
@@ -255,6 +260,15 @@ class MasterLink:
         if reply.status == Status.UNAVAILABLE:  # a standby, or etcd says another leads now
             self._channels.failed(reply.error)
             raise _Retry(f"master is not the leader: {reply.error}")
+        if reply.status == Status.SEGMENT_NAME_IN_USE:
+            # Another live process holds the name, or ours before a restart, whose mount ends once its
+            # heartbeats stop (a few intervals): try again for a while, then give up with the reason.
+            now = time.monotonic()
+            self._name_refused_since = self._name_refused_since or now
+            if now - self._name_refused_since >= NAME_IN_USE_GIVE_UP_S:
+                raise _Fatal(f"{reply.error} (refused for {now - self._name_refused_since:.0f}s)", exit_code=2)
+            raise _Retry(f"{reply.error}; trying again")
+        self._name_refused_since = 0.0
         if reply.status != Status.OK:
             raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch

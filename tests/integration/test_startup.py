@@ -227,3 +227,23 @@ def test_kvtier_up_with_a_region_larger_than_memory_is_one_line(tmp_path: Path):
     args = [sys.executable, "-m", "kvtier.cli.main", "up", "--listen", f"127.0.0.1:{free_port()}", "--ssd", "0"]
     line = _one_line_failure([*args, "--dram", too_big, "--state-dir", str(tmp_path / "state")], "--dram")
     assert line.startswith("kvtier-segment: ")
+
+
+def test_a_second_live_segment_under_a_mounted_name_is_refused_and_exits_naming_the_option(master, tmp_path: Path):
+    """Another host (here another --shm-dir: the region file lock guards one directory) starting a
+    segment under a mounted name: refused while that one heartbeats, exit code 2 naming --name. The two
+    used to unmount each other at every heartbeat, for good, taking acknowledged puts with them."""
+    master.start_segment("seg0", "16MiB")
+    client = master.client()
+    keys, values = [f"k{i}" for i in range(8)], [os.urandom(10_000) for _ in range(8)]
+    assert client.batch_put(keys, values) == [0] * 8
+    shm = tmp_path / "other-shm"
+    shm.mkdir()
+    args = _segment(master, "--name", "seg0", "--listen", "127.0.0.1:0", "--shm-dir", str(shm))
+    result = subprocess.run(args, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "--name" in last and "another live segment" in last, last
+    assert client.batch_get(keys) == values, "the live segment kept its objects all along"

@@ -393,6 +393,26 @@ def test_remount_under_the_same_name_drops_old_replicas(state):
     assert state.get_replicas(NS, ["k"]).replica_segments == [new]
 
 
+def test_a_second_live_region_under_a_mounted_name_is_refused_until_the_first_falls_silent(state):
+    """Two processes under one name (another host, or another --shm-dir) replaced each other at every
+    heartbeat, for good. The same region mounting again, or a new one once the old stopped
+    heartbeating (a restart), still takes the name."""
+
+    def mount_as(incarnation: str):
+        return state.mount_segment("unit", "a", "host-1", ["tcp://127.0.0.1:9/a"], MiB, incarnation=incarnation)
+
+    first = mount_as("r1")
+    assert first.status == OK
+    put(state, "k")
+    intruder = mount_as("r2")
+    assert intruder.status == Status.SEGMENT_NAME_IN_USE and "--name" in intruder.error
+    assert visible(state, "k"), "the live segment keeps its objects"
+    again = mount_as("r1")  # the first process mounting again (after the master dropped it)
+    assert again.status == OK
+    state.clock.advance(3 * state.config.heartbeat_interval_s)  # silent: its process is gone
+    assert mount_as("r2").status == OK
+
+
 def test_mount_with_another_cluster_id_is_cluster_mismatch(state):
     result = state.mount_segment("other", "a", "h", ["tcp://x:1"], MiB)
     assert result.status == Status.CLUSTER_MISMATCH
