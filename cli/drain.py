@@ -30,7 +30,8 @@ class DrainReport:
     moved_bytes: int = 0
     failed: int = 0  # copy, verification or the target's acknowledgement failed (the object stays where it was)
     no_space: int = 0  # migrations refused for lack of room elsewhere
-    dropped: int = 0  # replicas still on the segment when it was unmounted
+    dropped: int = 0  # DRAM replicas still on the segment when it was unmounted
+    dropped_ssd: int = 0  # disk copies on its SSD tier, which a drain does not move: gone with it
     state: str = ""
 
 
@@ -77,6 +78,7 @@ def drain_segment(
             progress(report, left)
     finished = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, finish=True))
     report.dropped = finished.objects_left
+    report.dropped_ssd = finished.ssd_objects_left
     report.state = finished.state
     return report
 

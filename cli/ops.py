@@ -380,7 +380,7 @@ def cmd_drain(opts: argparse.Namespace) -> int:
         return 0
     print_table(
         [
-            ["SEGMENT", "STATE", "MOVED", "MOVED BYTES", "FAILED", "NO ROOM", "DROPPED"],
+            ["SEGMENT", "STATE", "MOVED", "MOVED BYTES", "FAILED", "NO ROOM", "DROPPED", "DROPPED SSD"],
             [
                 opts.segment,
                 report.state,
@@ -389,6 +389,7 @@ def cmd_drain(opts: argparse.Namespace) -> int:
                 str(report.failed),
                 str(report.no_space),
                 str(report.dropped),
+                str(report.dropped_ssd),
             ],
         ]
     )

@@ -81,20 +81,21 @@ class Drainer:
         self._ids = itertools.count(1)
         self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
 
-    def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str]:
-        """Mark `name` DRAINING, or with `finish` unmount it. (status, objects left, bytes left, state)."""
+    def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
+        """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
+        state, disk copies left: not moved by a drain, they go with the segment)."""
         segment = self._by_name(name)
         if segment is None:
             if any(drained_name == name for drained_name, _ in self.drained):
-                return Status.OK, 0, 0, "DRAINED"
-            return Status.SEGMENT_NOT_FOUND, 0, 0, ""
+                return Status.OK, 0, 0, "DRAINED", 0
+            return Status.SEGMENT_NOT_FOUND, 0, 0, "", 0
         if not finish:
             segment.state = SegmentState.DRAINING
-            return Status.OK, segment.objects, segment.used, segment.state.name
+            return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
-        left, used = segment.objects, segment.used
+        left, used, disk = segment.objects, segment.used, segment.ssd_objects
         self.state.drop_segment(segment.segment_id, reason="drained")
-        return Status.OK, left, used, "DRAINED"
+        return Status.OK, left, used, "DRAINED", disk
 
     def is_drained(self, name: str, incarnation: str) -> bool:
         return bool(incarnation) and (name, incarnation) in self.drained

@@ -19,10 +19,15 @@ class AdminCalls:
 
     @rpc(pb.DrainSegmentResponse)
     def DrainSegment(self, request):
-        status, objects_left, bytes_left, state = self.state.drainer.drain(request.segment, request.finish)
+        status, objects_left, bytes_left, state, disk_left = self.state.drainer.drain(request.segment, request.finish)
         error = "" if status == Status.OK else f"no segment named {request.segment!r}"
         return pb.DrainSegmentResponse(
-            status=status, error=error, objects_left=objects_left, bytes_left=bytes_left, state=state
+            status=status,
+            error=error,
+            objects_left=objects_left,
+            bytes_left=bytes_left,
+            state=state,
+            ssd_objects_left=disk_left,
         )
 
     @rpc(pb.MigrateStartResponse)

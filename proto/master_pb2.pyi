@@ -488,18 +488,20 @@ class DrainSegmentRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ...) -> None: ...
 
 class DrainSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "objects_left", "bytes_left", "state")
+    __slots__ = ("status", "error", "objects_left", "bytes_left", "state", "ssd_objects_left")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_LEFT_FIELD_NUMBER: _ClassVar[int]
     BYTES_LEFT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SSD_OBJECTS_LEFT_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     objects_left: int
     bytes_left: int
     state: str
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    ssd_objects_left: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ..., ssd_objects_left: _Optional[int] = ...) -> None: ...
 
 class MigrateStartRequest(_message.Message):
     __slots__ = ("segment", "max_objects", "namespace", "keys", "target", "keep_source")

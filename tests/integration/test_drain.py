@@ -85,3 +85,24 @@ def test_draining_an_unknown_segment_fails_cleanly(cluster):
     )
     assert result.returncode == 1
     assert b"SEGMENT_NOT_FOUND" in result.stderr and b"Traceback" not in result.stderr
+
+
+def test_disk_copies_are_not_moved_and_the_summary_counts_them_dropped(bare_cluster, tmp_path):
+    """A drain moves DRAM copies only: the segment's SSD copies go with it, and the summary says how
+    many (it said `dropped: 0` while every SSD-only object was lost)."""
+    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment
+
+    bare_cluster.start_master()
+    start_ssd_segment(bare_cluster, tmp_path / "ssd")
+    client = bare_cluster.client(transport="tcp")
+    keys = [f"ssd/{i}" for i in range(24)]
+    put_and_offload(bare_cluster, client, keys)
+    bare_cluster.start_segment("seg1", "256MiB")  # room for every object
+    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
+    assert disk_only, "some objects live on SSD only"
+    disk_copies = sum(1 for k in keys if "ssd" in [r["tier"] for r in client.locate(k)])
+    report = drain(bare_cluster, "ssd0")
+    assert report["state"] == "DRAINED"
+    assert report["dropped_ssd"] == disk_copies
+    assert report["moved"] == len(keys) - len(disk_only)
+    assert client.batch_get(disk_only) == [None] * len(disk_only)
