@@ -44,7 +44,7 @@ from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.locations import LocationCache
-from kvtier.client.master import MasterClient
+from kvtier.client.master import MasterClient, fork_error
 from kvtier.client.ranges import RangedReads
 from kvtier.client.reads import _TIERS, Reads, _caps, add_runs
 from kvtier.client.replicas import ReplicaOps
@@ -258,6 +258,8 @@ class Client(
         """`table`'s connector for a segment, by name, or `make(endpoints)`'s when the segment is new or
         restarted (new endpoints). Connectors unused for `connector_idle_s` are closed (a dead segment's
         mapping would otherwise pin its region's memory), after the copies already in flight."""
+        if self._master.forked_from:  # the parent's sockets and mappings: not this process's to use
+            raise fork_error(self._master.forked_from)
         endpoints, name, now = tuple(segment.endpoints), segment.name, time.monotonic()
         stale: list[Connector] = []
         with self._lock:
@@ -542,6 +544,8 @@ class Client(
         constants of the configuration, whatever the batch. The call returns (or raises the first
         error) only once every job has ended: none writes into the caller's buffers afterwards.
         """
+        if self._master.forked_from:
+            raise fork_error(self._master.forked_from)
         if len(jobs) <= 1:
             return [fn(*args) for fn, *args in jobs]
         with self._lock:

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import grpc
@@ -77,6 +79,27 @@ _DENIED = {
     grpc.StatusCode.PERMISSION_DENIED: Status.PERMISSION_DENIED,
 }
 _UNAVAILABLE = int(Status.UNAVAILABLE)
+
+# Clients of this process, told when it forks: a child has their sockets and gRPC channel but none of
+# their threads, and a call there hung (a pool's job never ran) or crossed the parent's replies.
+_ALIVE: weakref.WeakSet[MasterClient] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for client in list(_ALIVE):
+        client.forked_from = client.made_in
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+def fork_error(pid: int) -> KvtierError:
+    return KvtierError(
+        Status.CANCELLED, f"this client was made in process {pid}, which forked: make a new Client in this process"
+    )
+
+
 _NOT_REPEATABLE = {"PutStart"}  # executing it twice would allocate twice
 _HELLO_RETRY_S = 1.0
 _FIRST_RECV = 16 << 10  # a fast-path reply's first receive: the header and, mostly, the whole body
@@ -115,11 +138,16 @@ class MasterClient:
         self._next_hello = 0.0  # monotonic time of the next Hello when the fast path is unknown
         self._lock = threading.Lock()
         self._request_ids = itertools.count(1)
+        self.made_in = os.getpid()
+        self.forked_from = 0  # set in a forked child: every call is refused there (`fork_error`)
+        _ALIVE.add(self)
 
     # ------------------------------------------------------------------ public
 
     def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Invoke `method`; raise KvtierError on failure (see the module docstring)."""
+        if self.forked_from:
+            raise fork_error(self.forked_from)
         if (number := current_request_id.get()) and type(request) in _TRACED:
             request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -339,6 +367,8 @@ class MasterClient:
         ends it), returned once the master sent its initial metadata (or ended the call). A master
         that cannot be reached is retried, the leader looked up again, like `call`, until the
         client's timeout; once a stream is open nothing is retried: its reader resumes."""
+        if self.forked_from:
+            raise fork_error(self.forked_from)
         deadline = time.monotonic() + self.timeout
         backoff = _backoff()
         while True:
@@ -347,7 +377,9 @@ class MasterClient:
             except ConnectError:
                 calls = None
             if calls is not None:
-                calls.initial_metadata()  # blocks until the master answered, or the call failed
+                if not _answered(calls, deadline):  # a master that accepts but never answers (stopped)
+                    calls.cancel()
+                    raise KvtierError(Status.TIMEOUT, f"{method}: master {self.address} did not answer in time")
                 if not calls.done() or calls.code() != grpc.StatusCode.UNAVAILABLE:
                     return calls  # open, or ended with its answer (read by the caller)
             if deadline - time.monotonic() <= backoff.current_s:
@@ -363,3 +395,19 @@ class MasterClient:
         if status:
             raise KvtierError(to_status(status), f"{method}: {reply.error}")
         return reply
+
+
+def _answered(calls: Any, deadline: float) -> bool:
+    """Whether a stream's initial metadata (or its end) came before `deadline`. gRPC's wait for it has
+    no timeout, so a short-lived helper thread waits while this one waits on an event; the caller
+    cancels the call on False, which ends the helper."""
+    answered = threading.Event()
+
+    def wait() -> None:
+        try:
+            calls.initial_metadata()
+        finally:
+            answered.set()
+
+    threading.Thread(target=wait, name="kvtier-stream-open", daemon=True).start()
+    return answered.wait(max(0.0, deadline - time.monotonic()))

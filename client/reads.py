@@ -46,6 +46,7 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.failures import SegmentFailures, call_failures
 from kvtier.client.leases import DoneLeases
 from kvtier.client.locations import DIRECT_READ_MAX_BYTES, Location, LocationCache
+from kvtier.client.master import fork_error
 from kvtier.client.sockpool import call_deadline
 from kvtier.client.transport.base import Caps, Connector, DiskConnector
 from kvtier.client.transport.shm import local_host_id
@@ -189,6 +190,8 @@ class Reads:
         verified copy forgets the location, as `_read_direct` does, and leaves the key to `_fetch`
         within the same deadline, failures noted once."""
         key = check_key(key)
+        if self._master.forked_from:  # the parent's sockets: never this process's (client/master.py)
+            raise fork_error(self._master.forked_from)
         now = time.monotonic()
         location = None if self._locations is None else self._locations.get(key, now)
         if (

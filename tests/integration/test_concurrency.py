@@ -119,3 +119,41 @@ def test_every_concurrent_read_is_a_miss_or_the_written_bytes(cluster, sharing, 
     assert shared.cluster_status().pending_puts == 0
     # Removed ranges stay leased while read, so no reader ever saw reused bytes.
     assert sum(c.stats().get("checksum_mismatches", 0) for c in cluster._clients) == 0
+
+
+def test_a_client_used_in_a_forked_child_is_refused_with_a_status_never_hangs(cluster):
+    """After os.fork() the child has the client's sockets and channel but none of its threads: a batch
+    over two segments waited forever for a pool job that never ran. Every call in the child now raises
+    KvtierError(CANCELLED) naming the fork; the parent's client works on."""
+    import os
+    import signal
+
+    from kvtier.proto.errors import KvtierError
+
+    client = cluster.client(transport="tcp")
+    keys = [f"fork/{i}" for i in range(16)]
+    values = [os.urandom(1000 + i) for i in range(16)]
+    assert client.batch_put(keys, values) == [0] * 16
+    assert client.batch_get(keys) == values  # the I/O pool runs now (two segments)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what each call did, then leave without running any cleanup
+        signal.alarm(20)
+        outcomes = []
+        for call in (lambda: client.batch_get(keys), lambda: client.get(keys[0]), lambda: client.put("c", b"x")):
+            try:
+                call()
+                outcomes.append("returned")
+            except KvtierError as exc:
+                outcomes.append(f"{exc.status.name}:{'fork' in str(exc)}")
+            except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+                outcomes.append(repr(exc))
+        os.write(write_end, ",".join(outcomes).encode())
+        os._exit(0)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    report = os.read(read_end, 4096).decode()
+    os.close(read_end)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, report)
+    assert report == ",".join(["CANCELLED:True"] * 3), report
+    assert client.batch_get(keys) == values

@@ -447,3 +447,24 @@ def test_under_ha_only_the_leader_streams_and_a_failover_is_a_new_epoch(ha):  # 
     with pytest.raises(WatchEnded) as refused:
         next(client.watch_events(since=stored.seq + 1, epoch=stored.epoch))
     assert refused.value.status == Status.WATCH_EPOCH_CHANGED
+
+
+def test_opening_a_stream_to_a_stopped_master_ends_within_the_clients_timeout(cluster: Cluster):
+    """A master that accepts the connection but never answers (SIGSTOP): opening the stream waited
+    for its first answer forever, though every other call gave up at the client's timeout."""
+    import signal
+    import time
+
+    from kvtier.proto.errors import KvtierError
+
+    client = cluster.client(timeout=2.0)
+    client.exists("warm")  # the channel is connected
+    cluster.master.popen.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(KvtierError) as raised:
+            client.watch_events()
+        assert time.monotonic() - started < 4.0
+        assert raised.value.status == Status.TIMEOUT
+    finally:
+        cluster.master.popen.send_signal(signal.SIGCONT)
