@@ -12,6 +12,8 @@ from kvtier.proto import master_pb2 as pb
 class StubMaster:
     """Records requests; answers PutStart with NO_SPACE for every key, so nothing is written."""
 
+    forked_from = 0  # as MasterClient: made in this process
+
     def __init__(self) -> None:
         self.requests: list[tuple[str, object]] = []
 
