@@ -12,6 +12,7 @@ from kvtier.master.gates import rpc
 from kvtier.master.groups import GroupTable
 from kvtier.master.records import ObjectRecord
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
+from kvtier.master.tiering import PROMOTE_WRITE_SHARE
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import wall_ms
 from kvtier.proto.keys import split_name
@@ -103,7 +104,10 @@ class SegmentCalls:
         """Non-blocking: the tasks queued now (the gRPC servicer adds the long poll)."""
         if request.segment_id not in self.state.segments:
             return pb.PollTierTasksResponse(status=Status.SEGMENT_NOT_FOUND, error="segment is not mounted")
-        reply = pb.PollTierTasksResponse(status=Status.OK, task_ttl_ms=int(self.state.tiering.task_ttl_s * 1000))
+        ttl_ms = int(self.state.tiering.task_ttl_s * 1000)
+        reply = pb.PollTierTasksResponse(
+            status=Status.OK, task_ttl_ms=ttl_ms, promote_by_ms=wall_ms() + int(ttl_ms * PROMOTE_WRITE_SHARE)
+        )
         for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
             namespace, key = split_name(task.name)
             reply.task_ids.append(task.task_id)

@@ -18,7 +18,10 @@ id above the highest one forgotten was remembered if it committed and left, and 
 is the truth; at or below it, a put that left no trace may have committed, and the answer is
 TIMEOUT ("its outcome is no longer known"), never NOT_PENDING. A put id of another incarnation (a
 restart or failover came between the attempts) is OK when the key holds a complete object with the
-put's checksum (recovered from a segment's inventory), NOT_PENDING otherwise, as before.
+put's checksum (recovered from a segment's inventory), TIMEOUT otherwise: it may have committed there
+and been removed since, which nothing here can tell. This incarnation's ids are the 2**40 from its
+random start (another's 62-bit start lands among them with a chance of 2**-22); one of them not issued
+yet was issued by nobody: NOT_PENDING.
 
 Memory: at most KEPT entries (183 B each measured, plus the name, the gone record's own string):
 about 12 MB and the names at the default, whatever the object count or the rate.
@@ -37,6 +40,7 @@ _OK = int(Status.OK)
 _NOT_PENDING = int(Status.NOT_PENDING)
 _UNKNOWN = int(Status.TIMEOUT)
 _LOST = int(Status.SEGMENT_NOT_FOUND)
+_OWN_IDS = 1 << 40  # this incarnation's put ids: [first_id, first_id + _OWN_IDS)
 
 
 class PutOutcomes:
@@ -76,10 +80,12 @@ class PutOutcomes:
     def retried(self, name: str, put_id: int, checksum: int, visible_checksum: int | None) -> int:
         """The answer to PutEnd of `put_id` for `name` when no pending put of it is there and the
         key's record (complete: `visible_checksum`, else None) is not this put's."""
-        if not self.first_id <= put_id < self._issued:
+        if not self.first_id <= put_id < self.first_id + _OWN_IDS:
             # Another incarnation's put: it may have committed there (its answer lost) and left since;
             # nothing here can tell, so unless its bytes are the key's the outcome is unknown.
             return _OK if visible_checksum == checksum else _UNKNOWN
+        if put_id >= self._issued:
+            return _NOT_PENDING  # this incarnation's, not issued yet: nobody's
         outcome = self._left.get((name, put_id))
         if outcome is not None:
             stored, lost = outcome

@@ -67,6 +67,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OK = int(Status.OK)
+# The part of a task's time (from its handing out) a PROMOTE may still write its DRAM range in; the
+# rest is margin for its report and the clocks (PollTierTasksResponse.promote_by_ms).
+PROMOTE_WRITE_SHARE = 0.5
 OFFLOAD_BACKOFF_S = 5.0  # after a segment failed an offload (disk full, I/O error), drop instead for this long
 _REPORTED_KEPT = 65536  # OFFLOAD reports remembered, so a segment's retried TierTasksDone is answered alike
 
@@ -334,7 +337,7 @@ class Tiering(ForgetBook):
                     if len(self._reported) > _REPORTED_KEPT:
                         self._reported.popitem(last=False)
             elif task.kind is TaskKind.PROMOTE:
-                self._promote_done(task, status)
+                self._promote_done(task, status, expired)
             else:
                 self._forget_done(task, status)
                 forget_failed = forget_failed or status != _OK
@@ -456,7 +459,7 @@ class Tiering(ForgetBook):
             if not task.ahead:
                 self._evicting_bytes[task.segment_id] -= self.state.aligned(task.size)
 
-    def _promote_done(self, task: TierTask, status: int) -> None:
+    def _promote_done(self, task: TierTask, status: int, expired: bool = False) -> None:
         state = self.state
         if self._promoting.get(task.name) is task:
             del self._promoting[task.name]
@@ -479,7 +482,12 @@ class Tiering(ForgetBook):
                 self.counters["promote_failures"] += 1
             if task.prefetch:
                 self.counters["prefetch_failed"] += 1  # nothing new in DRAM for the reader
-            if task.size:
+            if task.size and expired and state.reuse_margin_s:
+                # Not reported: the segment may still be about to write (stopped between its deadline
+                # check and the copy): the range waits out the clock-skew margin before reuse.
+                until = state.clock() + state.reuse_margin_s
+                state.free_after_leases(task.segment_id, task.dram_offset, task.size, until)
+            elif task.size:
                 segment.allocator.release(task.dram_offset, task.size)
             if status == Status.CHECKSUM_MISMATCH and self._alive(task) and ssd in record.replicas:  # type: ignore[union-attr]
                 self._drop_corrupt_disk_copy(task.record, ssd)  # type: ignore[arg-type]

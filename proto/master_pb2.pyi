@@ -888,7 +888,7 @@ class PollTierTasksRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PollTierTasksResponse(_message.Message):
-    __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations", "task_ttl_ms")
+    __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations", "task_ttl_ms", "promote_by_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -900,6 +900,7 @@ class PollTierTasksResponse(_message.Message):
     DRAM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     TASK_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_BY_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     task_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -911,7 +912,8 @@ class PollTierTasksResponse(_message.Message):
     dram_offsets: _containers.RepeatedScalarFieldContainer[int]
     disk_locations: _containers.RepeatedScalarFieldContainer[int]
     task_ttl_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., task_ttl_ms: _Optional[int] = ...) -> None: ...
+    promote_by_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., task_ttl_ms: _Optional[int] = ..., promote_by_ms: _Optional[int] = ...) -> None: ...
 
 class TierTasksDoneRequest(_message.Message):
     __slots__ = ("segment_id", "task_ids", "statuses", "disk_locations", "error", "epoch")

@@ -5,10 +5,15 @@ the master reuses the range CLOCK_SKEW_MS after it (kvtier.proto.auth). Judged o
 own wall clock, a segment whose clock is behind would accept a grant that already ended, after
 the range went to another object; one whose clock is ahead refuses every grant. So the segment
 judges them on the master's clock instead: every mount and heartbeat reply carries the master's
-wall clock, and the segment keeps the offset between it and its own monotonic clock (taken at the
-middle of the round trip, so the error is at most half of it). The monotonic clock never steps,
-so neither a wrong wall clock nor a correction of it (NTP stepping it) moves the estimate. Until
-the first reply the segment's own wall clock is all there is; no grant can be valid then anyway
+wall clock, and the segment keeps the offset between it and its own clock. The master stamped the
+reply somewhere between our send and our receipt, so its clock now is at most the stamp plus the time
+since our send: that latest possible time is the estimate, and a grant ends early by at most a round
+trip, never late. (Taken at the middle of the round trip, a reply held up for seconds, by a master or
+segment stopped while it was in flight, put the estimate seconds behind and grants that had ended,
+ranges the master had reused, were served.) The local clock is CLOCK_BOOTTIME: it never steps, so
+neither a wrong wall clock nor a correction of it (NTP stepping it) moves the estimate, and unlike
+the monotonic clock it counts a suspended host's sleep, during which the master's clock went on.
+Until the first reply the segment's own wall clock is all there is; no grant can be valid then anyway
 (kvtier.segment_server.protocol: nothing is granted before a mount).
 
 `skew_ms` is this segment's wall clock minus the master's (logged; the master measures and shows
@@ -22,6 +27,11 @@ import time
 from kvtier.proto.auth import wall_ms
 
 
+def local_s() -> float:
+    """The clock grant windows are kept on: CLOCK_BOOTTIME (counts a suspend; never steps)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class MasterClock:
     """Written by the master link's thread, read by the event loop: one float, swapped whole."""
 
@@ -31,11 +41,10 @@ class MasterClock:
         self.rtt_ms = 0  # of the last exchange
 
     def observe(self, sent: float, received: float, master_wall_ms: int) -> None:
-        """A reply carrying the master's wall clock arrived: `sent`/`received` are time.monotonic()."""
+        """A reply carrying the master's wall clock arrived: `sent`/`received` are `local_s()`."""
         if master_wall_ms <= 0:  # an older master that does not send it: keep what we had
             return
-        middle_ms = (sent + received) * 500.0
-        self._offset_ms = master_wall_ms - middle_ms
+        self._offset_ms = master_wall_ms - sent * 1000.0  # the latest the master's clock can be
         self.rtt_ms = max(0, int((received - sent) * 1000))
         self.skew_ms = wall_ms() - self.now_ms()
 
@@ -44,4 +53,4 @@ class MasterClock:
         offset = self._offset_ms
         if offset is None:
             return wall_ms()
-        return int(time.monotonic() * 1000.0 + offset)
+        return int(local_s() * 1000.0 + offset)

@@ -44,7 +44,7 @@ from kvtier.proto.auth import wall_ms
 from kvtier.proto.status import Status, status_name
 from kvtier.segment_server.dram_index import DramIndex, InventoryRefused, report_dram_inventory
 from kvtier.segment_server.keyed_reads import DirectReadLease
-from kvtier.segment_server.master_clock import MasterClock
+from kvtier.segment_server.master_clock import MasterClock, local_s
 from kvtier.segment_server.mount_session import MountSession
 
 logger = logging.getLogger(__name__)
@@ -203,9 +203,9 @@ class MasterLink:
                     rtt_ms=self._clock.rtt_ms,
                     **extra,
                 )
-                sent, lease_sent = time.monotonic(), self._lease.now()
+                sent, lease_sent = local_s(), self._lease.now()
                 reply = self._channels.stub().Heartbeat(request, timeout=_RPC_TIMEOUT_S)
-                self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
+                self._clock.observe(sent, local_s(), reply.wall_clock_ms)
                 if reply.status == Status.UNAVAILABLE:  # not (or not now) the leader: keep the mount
                     self._channels.failed(reply.error)
                     raise _Retry(f"master refused the heartbeat: {reply.error}")
@@ -252,9 +252,9 @@ class MasterLink:
         self._request.previous_segment_id = previous_id
         self._request.previous_epoch = previous_epoch
         self._request.previous_applied_seq = previous_applied
-        sent, lease_sent = time.monotonic(), self._lease.now()
+        sent, lease_sent = local_s(), self._lease.now()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
-        self._clock.observe(sent, time.monotonic(), reply.wall_clock_ms)
+        self._clock.observe(sent, local_s(), reply.wall_clock_ms)
         if reply.status == Status.SEGMENT_DRAINED:
             raise _Fatal(f"segment was drained by an operator ({reply.error}); exiting", exit_code=0)
         if reply.status == Status.UNAVAILABLE:  # a standby, or etcd says another leads now

@@ -63,7 +63,7 @@ from kvtier.segment_server.commit_relay import CommitRelay
 from kvtier.segment_server.data_plane_stats import Connections, DataPlaneStats
 from kvtier.segment_server.disk_reads import DiskReader
 from kvtier.segment_server.keyed_reads import KeyedReads
-from kvtier.segment_server.master_clock import MasterClock
+from kvtier.segment_server.master_clock import MasterClock, local_s
 from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,10 @@ class DataProtocol(FramedConnection):
         self._mount = mount
         self._grant_sessions = (0, 0)
         self._frame_session = 0
-        self._cut_at = 0.0  # the current WRITE's grant end, monotonic
+        self._cut_at = 0.0  # the current WRITE's grant end, on local_s() (CLOCK_BOOTTIME: counts a suspend)
         self._write_done = 0  # payload bytes of the current WRITE's completed ranges
         # Stream position: bytes this connection has queued on its transport. A READ response still
-        # queued is (its end position, its grant end (monotonic), request id, trace, mount session).
+        # queued is (its end position, its grant end (local_s()), request id, trace, mount session).
         self._queued = 0
         self._reads: deque[tuple[int, float, int, int, int]] = deque()
         self._read_timer: asyncio.TimerHandle | None = None
@@ -223,7 +223,7 @@ class DataProtocol(FramedConnection):
     def get_buffer(self, sizehint: int) -> memoryview:
         state = self._state
         if state == _PAYLOAD:
-            if time.monotonic() > self._cut_at:  # the grant ended: not one more byte into the region
+            if local_s() > self._cut_at:  # the grant ended: not one more byte into the region
                 return self._cut_write("the grant of these ranges ended")
             if self._mount is not None and self._mount.current[0] != self._frame_session:
                 return self._cut_write("the segment's mount this grant belongs to ended")
@@ -388,7 +388,7 @@ class DataProtocol(FramedConnection):
             left_ms = self._deadline_ms + CLOCK_SKEW_MS - self._now_ms()
             if left_ms <= 0:
                 return self._refuse(Status.LEASE_EXPIRED, f"the grant of these ranges ended {-left_ms} ms ago")
-            self._cut_at = time.monotonic() + left_ms / 1000
+            self._cut_at = local_s() + left_ms / 1000
         if op == Op.COMMIT:
             return self._start_commit()
         if op == Op.READ_KEYED:
@@ -597,7 +597,10 @@ class DataProtocol(FramedConnection):
         if self._read_timer is not None:
             self._read_timer.cancel()
         self._read_timer_at = at
-        self._read_timer = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._check_reads)
+        # The loop's timer runs on the monotonic clock, which stops during a host suspend: after one it
+        # fires that much late (a READ response still queued may go out past its grant meanwhile; a
+        # reader's checksum catches bytes of a range reused by then), and then judges on local_s().
+        self._read_timer = asyncio.get_running_loop().call_later(max(0.0, at - local_s()), self._check_reads)
 
     def _check_reads(self) -> None:
         """Forget READ responses the kernel has taken; abort if one still queued is past its grant."""
@@ -612,7 +615,7 @@ class DataProtocol(FramedConnection):
         if not reads:
             return
         first = min(entry[1] for entry in reads)
-        if first > time.monotonic():
+        if first > local_s():
             return self._arm_read_timer(first)
         end, _cut_at, request_id, trace, _session = next(entry for entry in reads if entry[1] == first)
         self._log_cut("READ", request_id, trace, f"{end - sent} bytes up to its end unsent; the connection is aborted")

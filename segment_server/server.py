@@ -161,7 +161,7 @@ async def serve(config: SegmentConfig) -> int:
             writer = GroupWriter(
                 store, buffer_bytes=parse_size(config.ssd_write_buffers), threads=config.ssd_write_threads
             )
-            worker = TierWorker(channels.stub, store, region.view, link.session, writer, verifier)
+            worker = TierWorker(channels.stub, store, region.view, link.session, writer, verifier, clock)
             worker.write_limit.rate = config.ssd_write_limit_bytes
             worker.start()
             verifier.start()

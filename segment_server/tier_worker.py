@@ -39,7 +39,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +54,7 @@ from kvtier.segment_server.bucket_format import DiskRecord, RecordError
 from kvtier.segment_server.buckets import BucketStore, DiskFull
 from kvtier.segment_server.dram_index import InventoryRefused
 from kvtier.segment_server.group_writer import GroupWriter, OffloadItem, Outcome
+from kvtier.segment_server.master_clock import MasterClock, local_s
 from kvtier.segment_server.verifier import Verifier
 from kvtier.segment_server.write_limit import WriteLimit
 
@@ -93,6 +93,7 @@ class TierWorker:
         session: Callable[[], tuple[int, int]],
         writer: GroupWriter | None = None,
         verifier: Verifier | None = None,
+        clock: MasterClock | None = None,
     ) -> None:
         """`stub()` gives the current master's stub; `session()` the (segment id, epoch) of the
         current mount, (0, 0) when not mounted; `writer` writes offloads into `store` (default: a
@@ -105,6 +106,7 @@ class TierWorker:
         self._session = session
         self._writer = writer if writer is not None else GroupWriter(store)
         self.verifier = verifier
+        self._clock = clock  # the master's clock as this segment keeps it: a PROMOTE's time is on it
         self._epoch = 0
         self._stop = threading.Event()
         self._poller = MasterPoller(
@@ -173,7 +175,11 @@ class TierWorker:
     def _run_tasks(self, segment_id: int, reply: pb.PollTierTasksResponse) -> None:
         # A PROMOTE may write its DRAM range only well within the task's time: after that the
         # master frees the range, and it may belong to another object by then.
-        promote_deadline = time.monotonic() + reply.task_ttl_ms / 1000 * _PROMOTE_TTL_SHARE
+        now = local_s()
+        if reply.promote_by_ms and self._clock is not None:  # on the master's clock (its latest estimate)
+            promote_deadline = now + (reply.promote_by_ms - self._clock.now_ms()) / 1000
+        else:
+            promote_deadline = now + reply.task_ttl_ms / 1000 * _PROMOTE_TTL_SHARE
         statuses: list[int] = []
         locations: list[int] = []
         first_error = ""
@@ -395,7 +401,7 @@ class TierWorker:
             if plan.size != size or crc32c.crc32c(payload) != checksum:
                 return int(Status.CHECKSUM_MISMATCH), "disk record does not match the object's checksum"
             failpoints.hit("tier.promote_read")
-            if time.monotonic() > deadline:
+            if local_s() > deadline:
                 return int(Status.TIMEOUT), "promotion came too late: its DRAM range may be reused"
             if self._session() != mount:
                 return int(Status.LEASE_EXPIRED), "the mount this promotion was granted under ended"

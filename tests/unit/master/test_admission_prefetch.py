@@ -192,3 +192,22 @@ def test_a_prefetch_that_would_take_its_rank_over_its_quota_is_skipped_as_quota(
     assert disk.poll() == []
     assert state.tiering.counters["prefetch_skipped_quota"] == 1
     assert state.tiering.counters["prefetch_skipped_budget"] == 0
+
+
+def test_an_expired_promotions_range_waits_out_the_clock_margin_before_reuse(clock):
+    """A PROMOTE its segment never reported may still be about to write (stopped between its deadline
+    check and the copy): its DRAM range is not handed out again until the clock-skew margin passed."""
+    state = make_state(clock, promote_after_reads=0)
+    state.reuse_margin_s = 2.0
+    seg, disk = disk_only_k0_k1(state)
+    used = state.segments[seg].allocator.used
+    prefetch.prefetch(state, NS, ["k0"], [True], prefetch.FOUND)
+    (task,) = disk.poll()
+    assert state.segments[seg].allocator.used > used  # the promotion's range
+    advance_alive(state, clock, state.tiering.task_ttl_s + 0.5)
+    state.tick()  # expired: not reported
+    assert state.segments[seg].allocator.used > used, "freed while the segment might still write it"
+    advance_alive(state, clock, 2.0)
+    state.tick()
+    assert state.segments[seg].allocator.used == used
+    assert_consistent(state)

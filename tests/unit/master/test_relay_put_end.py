@@ -54,8 +54,8 @@ def test_a_refused_relay_carries_no_notices_and_a_foreign_epoch_is_refused():
     )
     assert handlers.RelayPutEnd(wrong).status == Status.SEGMENT_NOT_FOUND
     wrong.epoch = EPOCH
-    reply = handlers.RelayPutEnd(wrong)  # no such pending put
-    assert reply.status == Status.OK and list(reply.statuses) == [Status.NOT_PENDING]
+    reply = handlers.RelayPutEnd(wrong)  # no such pending put: put id 99 is not this incarnation's
+    assert reply.status == Status.OK and list(reply.statuses) == [Status.TIMEOUT]
     assert len(reply.notices.offsets) == 0
 
 

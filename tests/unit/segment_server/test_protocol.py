@@ -485,12 +485,16 @@ def test_eof_closes_our_side(conn):
 
 
 class SteppedClock:
-    """The protocol module's `time`, with a monotonic clock the test moves (perf_counter stays real)."""
+    """The protocol module's `time` and its grant clock (`local_s`, CLOCK_BOOTTIME), moved by the test
+    (perf_counter stays real)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
 
     def monotonic(self) -> float:
+        return self.now
+
+    def __call__(self) -> float:  # as `local_s`
         return self.now
 
     @staticmethod
@@ -506,6 +510,7 @@ def granted_for(seconds: float) -> int:
 def test_a_write_that_outlives_its_grant_stops_writing_into_the_region(conn, monkeypatch):
     clock = SteppedClock()
     monkeypatch.setattr(protocol_module, "time", clock)
+    monkeypatch.setattr(protocol_module, "local_s", clock)
     frame = pack_request(Op.WRITE, 7, [(0, 100), (200, 100)], 200, deadline=granted_for(10)) + b"a" * 150 + b"b" * 50
     conn.feed(frame[: 24 + 3 * 16 + 120])  # header, table (deadline + 2 ranges), 120 payload bytes
     clock.now += 11  # the writer stalls past its grant
@@ -522,6 +527,7 @@ def test_a_write_that_outlives_its_grant_stops_writing_into_the_region(conn, mon
 def test_a_write_within_its_grant_is_whole(conn, monkeypatch):
     clock = SteppedClock()
     monkeypatch.setattr(protocol_module, "time", clock)
+    monkeypatch.setattr(protocol_module, "local_s", clock)
     frame = pack_request(Op.WRITE, 7, [(0, 100)], 100, deadline=granted_for(10)) + b"a" * 100
     conn.feed(frame[:80])
     clock.now += 9

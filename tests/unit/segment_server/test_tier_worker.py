@@ -193,6 +193,36 @@ def test_a_promotion_past_its_deadline_does_not_write_dram(worker, store, region
     assert [r.location for r in store.records()] == [location], "the disk copy stays"
 
 
+def test_a_promotion_judges_its_time_on_the_masters_clock_not_from_when_the_task_arrived(store, region, master):
+    """The answer handing a PROMOTE out sat in a stopped segment's socket: counted from its arrival
+    the task's time looked fresh, and the copy landed in a range the master had freed and given to
+    another object. Its end (promote_by_ms) is a time on the master's clock, as the segment keeps it."""
+    from kvtier.segment_server.master_clock import MasterClock, local_s
+
+    clock = MasterClock()
+    sent = local_s()
+    clock.observe(sent, sent + 0.001, 5_000_000)  # the master's clock: 5,000,000 ms now
+    worker = TierWorker(lambda: master, store, region, lambda: (SEGMENT_ID, EPOCH), clock=clock)
+    worker.start()
+    try:
+        payload = blob(8, 7000)
+        location = store.append("ns", "p", payload, crc32c.crc32c(payload))
+        store.sync()
+        region[4096 : 4096 + 7000] = b"\xab" * 7000  # the range's next object
+        late = tasks((5, pb.PROMOTE, "p", 7000, crc32c.crc32c(payload), 4096, location))  # a full minute's ttl
+        late.promote_by_ms = 5_000_000 - 4_000  # ...but its time on the master's clock ended 4 s ago
+        master.batches.put(late)
+        assert list(master.report().statuses) == [int(Status.TIMEOUT)]
+        assert bytes(region[4096 : 4096 + 7000]) == b"\xab" * 7000
+        fresh = tasks((6, pb.PROMOTE, "p", 7000, crc32c.crc32c(payload), 8192, location))
+        fresh.promote_by_ms = 5_000_000 + 30_000
+        master.batches.put(fresh)
+        assert list(master.report().statuses) == [OK]
+        assert bytes(region[8192 : 8192 + 7000]) == payload
+    finally:
+        worker.stop()
+
+
 def test_a_promotion_of_a_copy_that_does_not_match_is_refused(worker, store, region, master):
     payload = blob(4, 3000)
     location = store.append("ns", "p", payload, crc32c.crc32c(payload))
