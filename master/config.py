@@ -23,10 +23,13 @@ from kvtier.master.admission import Admission
 from kvtier.master.auth import load_tenants
 from kvtier.master.eviction_policy import POLICIES
 from kvtier.master.records import READS_CAP
-from kvtier.proto.auth import read_secret
+from kvtier.proto.auth import CLOCK_SKEW_MS, read_secret
 from kvtier.proto.keys import cluster_id_problem
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
 
+# Durations go over the wire as 32-bit milliseconds (leases, TTLs): 30 days is far past any use and
+# far below the 49.7 days that fit. A bigger value passed validation, then failed every mount or read.
+MAX_DURATION_S = 30 * 86_400.0
 STATE_DIR_NONE = "none"  # state_dir = "none" (--state-dir none): save nothing, explicitly
 SERVICE_STATE_ROOT = "/var/lib/kvtier"  # a service's state (systemd StateDirectory=kvtier, a volume)
 
@@ -233,8 +236,18 @@ class MasterConfig:
             "quarantine_window_s",
             "quarantine_cooloff_s",
         ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not 0 < value <= MAX_DURATION_S:  # also NaN and inf
+                raise ValueError(
+                    f"{name} must be positive and at most {MAX_DURATION_S:.0f} s (30 days: the wire carries "
+                    f"durations as 32-bit milliseconds), got {value}"
+                )
+        if self.clock_skew_tolerance_s * 1000 >= CLOCK_SKEW_MS:
+            raise ValueError(
+                f"clock_skew_tolerance_s must be below {CLOCK_SKEW_MS / 1000:.0f} s (the margin after which "
+                f"grants' ranges are reused: a segment off by more would accept ended grants), got "
+                f"{self.clock_skew_tolerance_s}"
+            )
         if self.heartbeat_interval_s * 2 > self.segment_ttl_s:
             raise ValueError(
                 f"segment_ttl_s ({self.segment_ttl_s}) must be at least twice "

@@ -31,6 +31,10 @@ def test_defaults_are_valid():
         ({"lease_s": 0.0}, "lease_s must be positive"),
         ({"put_timeout_s": -0.5}, "put_timeout_s must be positive"),
         ({"tick_interval_s": 0.0}, "tick_interval_s must be positive"),
+        ({"lease_s": 1e7}, "at most 2592000 s"),  # 32-bit ms on the wire: every read failed INTERNAL
+        ({"segment_ttl_s": float("inf")}, "segment_ttl_s must be positive and at most"),  # every mount failed
+        ({"lease_s": float("nan")}, "lease_s must be positive"),
+        ({"clock_skew_tolerance_s": 2.0}, "clock_skew_tolerance_s must be below 2 s"),
         ({"segment_ttl_s": 1.9, "heartbeat_interval_s": 1.0}, "at least twice"),
         ({"max_batch_keys": 0}, "max_batch_keys"),
         ({"alignment": 0}, "power of two"),
