@@ -7,7 +7,10 @@ the process's CPU, RSS and open fds (prometheus-client's process collector)
 and its thread count. The same listener answers the probes of service
 managers: `/healthz` (200 while the process serves HTTP) and `/readyz` (200
 when the service's `readiness` callback has no objection, else 503 and the
-reason, one line), and any further readiness paths a service adds the same way.
+reason, one line), and any further readiness paths a service adds the same way; any other path is
+404. At most MAX_SCRAPES connections are served at once (more are closed at once: a scraper tries
+again at its next interval) and each gets SCRAPE_TIMEOUT_S: the listener's threads are a constant,
+whatever connects (300 half-sent requests once held 300 threads for good).
 """
 
 from __future__ import annotations
@@ -38,11 +41,40 @@ class _Threads(Collector):
         yield GaugeMetricFamily("process_threads", "Threads of this process.", value=threading.active_count())
 
 
+MAX_SCRAPES = 8  # connections served at once
+SCRAPE_TIMEOUT_S = 10.0  # for each: a peer silent this long is cut
+
+
 class _HttpServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a stuck scraper never holds up shutdown
 
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # at the limit: no thread for it
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a scraper that timed out or went away: nothing to print
+
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # StreamRequestHandler sets it on the connection
+
     def log_message(self, format: str, *args: object) -> None:  # scrapes are not log lines
         pass
 
@@ -63,6 +95,9 @@ def _probe_app(metrics_app: Callable, probes: dict[str, Callable[[], str]]) -> C
                 return [reason.encode() + b"\n"]
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ready\n"]
+        if path != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: /metrics, /healthz, " + ", ".join(sorted(probes)).encode() + b"\n"]
         return metrics_app(environ, start_response)
 
     return app
