@@ -330,7 +330,7 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         "kvtier_master_tiering",
         "Tiering, commit-log and returning-segment events (offloads, promotions, fence re-adoptions, ...).",
         "event",
-        s.tiering,
+        {event: count for event, count in s.tiering.items() if not _is_gauge(event)},
     )
     yield counter(
         "kvtier_master_ssd_admission_vetoes",
@@ -448,3 +448,10 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
             "Bytes of max_buffered_size held by fast-path connections for large requests.",
             value=fast.buffered_bytes,
         )
+
+
+def _is_gauge(event: str) -> bool:
+    """Entries of Status's `tiering` map that are levels, not counts: exported as gauges of their own
+    (kvtier_master_put_backpressure_waiting, kvtier_master_offload_queue_*), never in a counter,
+    where a level going down read as a counter reset to rate()."""
+    return event == "put_backpressure_waiting" or event.startswith(("offload_queue_depth.", "offload_lag_ms."))

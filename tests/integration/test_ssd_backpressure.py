@@ -178,3 +178,10 @@ def test_status_json_and_metrics_show_backpressure(bare_cluster: Cluster, ssd_di
     assert ("kvtier_master_put_backpressure_waiting", ()) in samples
     assert ("kvtier_master_offload_queue_depth", (("segment", "ssd0"),)) in samples
     assert ("kvtier_master_offload_lag_seconds", (("segment", "ssd0"),)) in samples
+    # levels are gauges of their own, never samples of the kvtier_master_tiering counter (a level going
+    # down read as a counter reset to rate())
+    levels = [labels for name, labels in samples if name == "kvtier_master_tiering_total"]
+    assert levels and not any(
+        dict(labels)["event"].startswith(("offload_queue_depth.", "offload_lag_ms.", "put_backpressure_waiting"))
+        for labels in levels
+    ), levels
