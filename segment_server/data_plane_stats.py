@@ -21,7 +21,9 @@ class DataPlaneStats:
     requests: int = 0
     bytes_written: int = 0  # payload bytes received into the region
     bytes_read: int = 0  # payload bytes queued to clients from the region (the DRAM tier)
-    ssd_bytes_served: int = 0  # verified object bytes queued to clients from the SSD tier
+    # object bytes queued to clients from the SSD tier, of records whose header checked out (the
+    # payload's checksum is the client's to verify: its served_* counters count verified objects only)
+    ssd_bytes_served: int = 0
     ssd_bytes_read: int = 0  # bytes this server's disk reads returned (records, headers, padding)
     ssd_read_errors: int = 0  # READ_DISK ranges answered with an error status
     range_errors: int = 0
