@@ -48,6 +48,7 @@ from kvtier.client.master import MasterClient, fork_error
 from kvtier.client.ranges import RangedReads
 from kvtier.client.reads import _TIERS, Reads, _caps, add_runs
 from kvtier.client.replicas import ReplicaOps
+from kvtier.client.sockpool import call_deadline
 from kvtier.client.tensors import TensorMixin
 from kvtier.client.tracing import RequestIds, traced
 from kvtier.client.transport import check_transport, connect, connect_disk
@@ -473,11 +474,15 @@ class Client(
         ]
         # A segment whose connection failed is noted once for this attempt, however many parts failed.
         token = call_failures.set(set()) if call_failures.get() is None else None
+        # The writes end within the call's timeout, however the segments pace their bytes (sockpool).
+        until = call_deadline.set(time.monotonic() + self.config.timeout) if call_deadline.get() is None else None
         try:
             done = self._run_parallel(jobs, copies)
         finally:
             if token is not None:
                 call_failures.reset(token)
+            if until is not None:
+                call_deadline.reset(until)
         for (_, items), (results, crcs, chunks) in zip(parts, done, strict=True):
             for (i, _, _), result, crc, blob in zip(items, results, crcs, chunks, strict=True):
                 if result != _OK and statuses[i] == _OK:

@@ -15,12 +15,20 @@ timeouts while the exchange runs. So a read that retries (kvtier.client.reads) n
 caller's timeout, to within `_SLACK` of the pool's timeout. A socket keeps the timeouts last set on
 it: they are set again only when an exchange needs them over `_SLACK` apart, so the reads of a
 replicated key (which give their first attempt half the call) cost no syscalls after the first.
+
+The kernel's timeouts bound one syscall each: a peer that trickles a few bytes now and then (a
+segment paused and resumed over and over) restarted them at every receive, and a 1 s call took 7 s.
+So a transfer that needs another syscall first cuts the socket's timeouts to what is left of the
+call (or, without a call deadline, of one timeout from its first short return), and fails when
+nothing is left; such a socket gets its timeouts back at its next exchange.
 """
 
 from __future__ import annotations
 
 import contextvars
+import errno
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +44,10 @@ call_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("kv
 _SLACK = 0.02
 _MIN_TIMEOUT = 0.001
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # once: or-ing the enum flags runs Python code per call
+_TIMEVAL = struct.Struct("@ll")
+# File descriptors of sockets whose timeouts a transfer cut to its deadline (`more_time`): set back
+# at their next exchange (`SocketPool._take`).
+_shortened: set[int] = set()
 
 
 class SocketPool:
@@ -116,9 +128,12 @@ class SocketPool:
                     self._cond.notify()
                 raise
         try:
-            if abs(timeout - self._applied.get(sock, self.timeout)) > self.timeout * _SLACK:
+            cut = _shortened and sock.fileno() in _shortened
+            if cut or abs(timeout - self._applied.get(sock, self.timeout)) > self.timeout * _SLACK:
                 _set_timeouts(sock, timeout)
                 self._applied[sock] = timeout
+                if cut:
+                    _shortened.discard(sock.fileno())
         except BaseException:
             self._give_back(sock, False)
             raise
@@ -136,6 +151,7 @@ class SocketPool:
     def _forget(self, sock: socket.socket) -> None:
         """Close a socket of this pool (under `_cond`)."""
         self._applied.pop(sock, None)
+        _shortened.discard(sock.fileno())
         sock.close()
 
     def close(self) -> None:
@@ -182,10 +198,38 @@ def _alive(sock: socket.socket) -> bool:
         return False
 
 
+def exchange_end(sock: socket.socket) -> float:
+    """When a transfer that needs more than one syscall must be over: the call's deadline, or one of the
+    socket's timeouts from now (its first syscall returned short)."""
+    call_ends = call_deadline.get()
+    if call_ends is not None:
+        return call_ends
+    seconds, micros = _TIMEVAL.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size))
+    timeout = seconds + micros / 1e6
+    return time.monotonic() + timeout if timeout else float("inf")
+
+
+def more_time(sock: socket.socket, ends: float) -> None:
+    """Before another syscall of a transfer: its time left becomes the socket's timeouts; none left
+    fails it as the kernel's own timeout does (EAGAIN)."""
+    left = ends - time.monotonic()
+    if left <= 0:
+        raise BlockingIOError(errno.EAGAIN, "the call's time ran out while the peer was still sending or taking bytes")
+    if left != float("inf"):
+        _set_timeouts(sock, max(left, _MIN_TIMEOUT))
+        _shortened.add(sock.fileno())
+
+
 def send_all(sock: socket.socket, buffers: list) -> None:
     """sendmsg every buffer, continuing after partial sends (the kernel may take part of an iovec)."""
     index = 0
+    ends = 0.0
+    first = True
     while index < len(buffers):
+        if not first:  # another syscall of this transfer (the first sent only part, or _IOV_MAX buffers)
+            ends = ends or exchange_end(sock)
+            more_time(sock, ends)
+        first = False
         batch = buffers[index : index + _IOV_MAX]
         sent = sock.sendmsg(batch)
         for buf in batch:
@@ -199,18 +243,28 @@ def send_all(sock: socket.socket, buffers: list) -> None:
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    ends = 0.0
     while view:
         n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if n == 0:
             raise ReadError("peer closed the connection mid-frame")
         view = view[n:]
+        if view:  # returned short (the timeout, or a signal): what is left of the call bounds the rest
+            ends = ends or exchange_end(sock)
+            more_time(sock, ends)
 
 
 def recv_exact_into_all(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view, in order, with scatter `recvmsg_into` (MSG_WAITALL): one call for many small
     buffers instead of one each (continuing after a short receive, as recv_exact_into does)."""
     index = 0
+    ends = 0.0
+    first = True
     while index < len(views):
+        if not first:  # another syscall (the first returned short, or took _IOV_MAX buffers)
+            ends = ends or exchange_end(sock)
+            more_time(sock, ends)
+        first = False
         batch = views[index : index + _IOV_MAX]
         n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if n == 0:
@@ -233,5 +287,6 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
         raise ReadError("peer closed the connection mid-frame")
     buf = bytearray(size)
     buf[: len(data)] = data
+    more_time(sock, exchange_end(sock))  # a second syscall: bounded as recv_exact_into's are
     recv_exact_into(sock, memoryview(buf)[len(data) :])
     return bytes(buf)

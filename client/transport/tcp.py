@@ -29,7 +29,16 @@ from kvtier.client.chunks import ChunkSums
 from kvtier.client.commit import SegmentCommit
 from kvtier.client.config import ClientConfig
 from kvtier.client.failures import Refused, failure_kind
-from kvtier.client.sockpool import SocketPool, recv_exact, recv_exact_into, recv_exact_into_all, send_all
+from kvtier.client.sockpool import (
+    SocketPool,
+    call_deadline,
+    exchange_end,
+    more_time,
+    recv_exact,
+    recv_exact_into,
+    recv_exact_into_all,
+    send_all,
+)
 from kvtier.client.transport.base import Buffer, Caps, DiskItem
 from kvtier.common.logs import request_id as current_request_id
 from kvtier.common.units import parse_hostport
@@ -66,6 +75,8 @@ def _fill(sock: socket.socket, views: list[memoryview], got: int) -> None:
         rest.append(view[got:] if got else view)
         got = 0
     if rest:
+        if call_deadline.get() is not None:  # the header's wait used some of the call: only the rest
+            more_time(sock, exchange_end(sock))
         recv_exact_into_all(sock, rest)
 
 

@@ -403,6 +403,15 @@ class RecordingSocket:
         self.calls.append((len(views), sum(len(v) for v in views), sent))
         return sent
 
+    def getsockopt(self, *args):  # the timeouts a transfer's later syscalls get (sockpool.more_time)
+        return self.sock.getsockopt(*args)
+
+    def setsockopt(self, *args) -> None:
+        self.sock.setsockopt(*args)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def partial_sends(self) -> int:
         return sum(1 for _, offered, sent in self.calls if sent < offered)
 
@@ -578,3 +587,39 @@ def test_recv_exact_into_all_raises_read_error_when_the_peer_closes_mid_frame(pa
     a.close()
     with pytest.raises(ReadError):
         recv_exact_into_all(b, [memoryview(bytearray(60)), memoryview(bytearray(60))])
+
+
+def test_a_peer_trickling_bytes_cannot_hold_a_transfer_past_its_calls_deadline():
+    """The kernel's timeout bounds one syscall: a peer sending a byte every 0.05 s restarted it at
+    every short receive, and a call with a 1 s timeout took 7 s. Past the call's deadline the
+    transfer fails (EAGAIN, as the kernel's own timeout), and the socket's timeouts come back."""
+    from kvtier.client import sockpool
+
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            try:
+                theirs.send(b"x")
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    sockpool._set_timeouts(ours, 0.3)
+    token = sockpool.call_deadline.set(time.monotonic() + 0.6)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BlockingIOError):
+            sockpool.recv_exact_into(ours, memoryview(bytearray(1000)))  # 50 s of bytes at that pace
+    finally:
+        sockpool.call_deadline.reset(token)
+        stop.set()
+    assert time.monotonic() - started < 1.0
+    assert ours.fileno() in sockpool._shortened  # set back at its next exchange from a pool
+    sockpool._shortened.discard(ours.fileno())
+    ours.close()
+    theirs.close()
+    feeder.join()
