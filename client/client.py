@@ -676,7 +676,8 @@ class Client(
     def get_into(self, key: str, buffer: Any, *, with_source: bool = False) -> Any:
         """Read `key` into `buffer`: bytes written, or a negative Status (NOT_FOUND, BUFFER_TOO_SMALL, ...).
 
-        With `with_source`, a (result, source) pair: see `batch_get`.
+        What it writes past the returned count is as for `batch_get_into`. With `with_source`, a
+        (result, source) pair: see `batch_get`.
         """
         sources: list[str | None] | None = [None] if with_source else None
         result = self._get_one(key, as_writable_view(buffer), sources)
@@ -686,8 +687,12 @@ class Client(
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any], *, with_source: bool = False) -> list[Any]:
         """Read many keys into caller-owned writable buffers; per key bytes written or a negative Status.
 
-        Nothing is written past the object's size; on a negative result the
-        buffer's first `size` bytes are unspecified. With `with_source`,
+        The first `n` bytes (the returned count) are the object's. Bytes past them
+        may be overwritten up to the size the object had when this client last
+        read it: a direct read of a remembered location answered "changed since"
+        lands as zeros before the key is looked up again (receiving into the
+        buffer directly is what makes a get_into cost no copy). On a negative
+        result the buffer's contents are unspecified. With `with_source`,
         (result, source) pairs as in `batch_get`.
         """
         if len(keys) != len(buffers):
