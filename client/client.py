@@ -94,6 +94,8 @@ def as_bytes_view(value: Any) -> memoryview:
         raise ValueError("buffers must be C-contiguous")
     if view.format == "B" and view.ndim == 1:
         return view
+    if not view.nbytes:  # a zero-size array, e.g. shape (0, 8): memoryview cannot cast zeros in its shape
+        return memoryview(bytearray() if not view.readonly else b"")
     return view.cast("B")
 
 

@@ -140,6 +140,7 @@ class MasterClient:
         self._request_ids = itertools.count(1)
         self.made_in = os.getpid()
         self.forked_from = 0  # set in a forked child: every call is refused there (`fork_error`)
+        self.closed = False  # by close(): every call is refused CANCELLED
         _ALIVE.add(self)
 
     # ------------------------------------------------------------------ public
@@ -148,6 +149,8 @@ class MasterClient:
         """Invoke `method`; raise KvtierError on failure (see the module docstring)."""
         if self.forked_from:
             raise fork_error(self.forked_from)
+        if self.closed:
+            raise KvtierError(Status.CANCELLED, "client is closed")
         if (number := current_request_id.get()) and type(request) in _TRACED:
             request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -198,9 +201,11 @@ class MasterClient:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             pool, self._fast = self._fast, None
             self._want_fast = False
             channel, self._channel = self._channel, None
+            self.stub = None
         if pool is not None:
             pool.close()
         if channel is not None:
@@ -215,6 +220,8 @@ class MasterClient:
         if not address:
             raise ConnectError(f"no leading master known for {self.spec}")
         with self._lock:
+            if self.closed:
+                raise KvtierError(Status.CANCELLED, "client is closed")
             if address != self.address or self.stub is None:
                 old = self._channel
                 self._channel = open_channel(address, self.credentials)
@@ -341,6 +348,10 @@ class MasterClient:
                 if answered_by is not None:
                     answered_by.append(address)
                 return getattr(stub, method)(request, timeout=min(remaining, self._attempt_s))
+            except ValueError:  # grpc: "Cannot invoke RPC on closed channel!" (closed by another thread)
+                if self.closed:
+                    raise KvtierError(Status.CANCELLED, "client is closed") from None
+                raise
             except (grpc.RpcError, ConnectError) as exc:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._locator.is_multi:

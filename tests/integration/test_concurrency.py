@@ -157,3 +157,37 @@ def test_a_client_used_in_a_forked_child_is_refused_with_a_status_never_hangs(cl
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, report)
     assert report == ",".join(["CANCELLED:True"] * 3), report
     assert client.batch_get(keys) == values
+
+
+def test_every_call_on_a_closed_client_is_cancelled_never_a_grpc_error(cluster):
+    """Calls after close() raised grpc's ValueError ("Cannot invoke RPC on closed channel!"), which the
+    Mooncake-compatible API then reported as bad arguments."""
+    from kvtier.proto.errors import KvtierError
+
+    client = cluster.client(transport="tcp")
+    client.put("k", b"v")
+    client.close()
+    calls = {
+        "put": lambda: client.put("k2", b"v"),
+        "batch_put": lambda: client.batch_put(["k3"], [b"v"]),
+        "get": lambda: client.get("k"),
+        "batch_get": lambda: client.batch_get(["k", "k3"]),
+        "get_into": lambda: client.get_into("k", bytearray(8)),
+        "exists": lambda: client.exists("k"),
+        "remove": lambda: client.remove("k"),
+    }
+    outcomes = {}
+    for name, call in calls.items():
+        try:
+            outcomes[name] = call()
+        except KvtierError as exc:
+            outcomes[name] = exc.status
+    assert outcomes == {
+        "put": Status.CANCELLED,
+        "batch_put": [Status.CANCELLED],  # a status per key, as documented
+        "get": None,  # reads never raise: a miss (logged with the reason)
+        "batch_get": [None, None],
+        "get_into": Status.CANCELLED,  # a negative status in place of the size
+        "exists": Status.CANCELLED,
+        "remove": Status.CANCELLED,
+    }

@@ -165,6 +165,17 @@ def test_any_contiguous_buffer_is_sent_as_its_bytes_without_a_copy():
     assert target == b"ab\x00\x00"
 
 
+def test_a_zero_size_multidimensional_array_is_an_empty_value_not_an_internal_error():
+    """memoryview.cast refuses zeros in a shape: a (0, 8) array raised TypeError from inside the client."""
+    for array in (np.zeros((0, 8), dtype=np.float32), np.zeros((3, 0), dtype=np.uint8)):
+        assert len(as_bytes_view(array)) == 0
+        assert len(as_writable_view(array)) == 0
+    readonly = np.zeros((0, 4))
+    readonly.flags.writeable = False
+    with pytest.raises(TypeError, match="read-only"):
+        as_writable_view(readonly)
+
+
 def test_capability_tags_are_handed_to_each_replica_by_position():
     tags = bytes(range(48))  # three 16-byte tags
     assert _caps(tags, 1234, [2, 0], 77) == (1234, [tags[32:48], tags[0:16]], 77)
