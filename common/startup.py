@@ -98,3 +98,51 @@ def raise_open_file_limit(needed: int, option: str, logger: logging.Logger) -> N
             needed,
             option,
         )
+
+
+def check_file_creatable(path: str, option: str) -> None:
+    """StartupError unless a file can be written at `path` later (its directory exists and is
+    writable, and `path` is not a directory): a ready file or a log written once serving, whose
+    failure then was a traceback after the start had been announced."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise StartupError(f"cannot write {path}: it is a directory: change {option}")
+    if not os.path.isdir(directory):
+        raise StartupError(f"cannot write {path}: {directory} is not a directory: change {option}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StartupError(f"cannot write {path}: {directory} is not writable: change {option}")
+
+
+def check_tls_files(cert: str, key: str, ca: str, cert_option: str, key_option: str, ca_option: str) -> None:
+    """StartupError naming the option unless the PEM files load (a certificate with its own key, a CA
+    bundle). gRPC only finds out when it binds or connects: a garbage certificate was reported as
+    "cannot listen: change --listen", a garbage CA made a segment retry its master for ever."""
+    import ssl
+
+    for path, option in ((cert, cert_option), (key, key_option), (ca, ca_option)):
+        if path and not os.path.isfile(path):
+            raise StartupError(f"cannot read {path}: no such file: change {option}")
+        if path and not os.access(path, os.R_OK):
+            raise StartupError(f"cannot read {path}: permission denied: change {option}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cert and key:
+        try:
+            context.load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            raise StartupError(
+                f"TLS certificate {cert} and key {key} do not load as a pair ({exc.reason or exc}): change "
+                f"{cert_option} / {key_option}"
+            ) from None
+    if ca:
+        try:
+            context.load_verify_locations(ca)
+        except ssl.SSLError as exc:
+            raise StartupError(f"TLS CA file {ca} does not load ({exc.reason or exc}): change {ca_option}") from None
+
+
+def same_address(first: str, second: str) -> bool:
+    """Whether two HOST:PORT listen addresses are the same fixed one (port 0 picks a free one: never)."""
+    from kvtier.common.units import parse_hostport
+
+    (host1, port1), (host2, port2) = parse_hostport(first), parse_hostport(second)
+    return port1 == port2 != 0 and host1.strip("[]") == host2.strip("[]")

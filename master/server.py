@@ -34,6 +34,8 @@ from kvtier.common.service import stop_on_signals
 from kvtier.common.startup import (
     StartupError,
     check_bindable,
+    check_file_creatable,
+    check_tls_files,
     check_writable_dir,
     describe_os_error,
     raise_open_file_limit,
@@ -338,6 +340,18 @@ def check_startup(config: MasterConfig) -> FileStateStore | None:
         check_bindable(config.fast_path_listen, "--fast-listen")
     if config.metrics:
         check_bindable(config.metrics, "--metrics")
+    check_tls_files(
+        config.tls_cert_file,
+        config.tls_key_file,
+        config.tls_client_ca_file,
+        "--tls-cert-file",
+        "--tls-key-file",
+        "--tls-client-ca-file",
+    )
+    if config.ready_file:
+        check_file_creatable(config.ready_file, "--ready-file")
+    if config.history_log:
+        check_file_creatable(config.history_log, "--history-log")
     if config.etcd:
         return None
     if config.saves_state_to:  # last: a start that fails leaves no directory behind, and logs nothing else

@@ -24,6 +24,7 @@ from kvtier.common.units import (
 )
 from kvtier.proto.auth import read_secret
 from kvtier.proto.keys import cluster_id_problem, segment_name_problem
+from kvtier.segment_server.diskio import MAX_QUEUE_DEPTH
 from kvtier.segment_server.region import MAX_SOCKET_PATH, grant_socket_path
 from kvtier.segment_server.shm_grant import parse_uids
 
@@ -183,6 +184,8 @@ class SegmentConfig:
             raise ValueError(f"--ssd-io must be auto, io_uring or threads, got {self.ssd_io!r}")
         if self.ssd_queue_depth < 1 or self.ssd_threads < 1 or self.ssd_read_ahead < 1:
             raise ValueError("--ssd-queue-depth, --ssd-threads and --ssd-read-ahead must be at least 1")
+        if self.ssd_queue_depth > MAX_QUEUE_DEPTH:  # io_uring's ring: a traceback at start before
+            raise ValueError(f"--ssd-queue-depth must be at most {MAX_QUEUE_DEPTH}, got {self.ssd_queue_depth}")
         if self.ssd_send_timeout_s <= 0:
             raise ValueError("--ssd-send-timeout-s must be positive")
         if parse_size(self.ssd_read_buffers) < 1 << 20:

@@ -269,6 +269,8 @@ class MasterLink:
                 raise _Fatal(f"{reply.error} (refused for {now - self._name_refused_since:.0f}s)", exit_code=2)
             raise _Retry(f"{reply.error}; trying again")
         self._name_refused_since = 0.0
+        if reply.status == Status.CLUSTER_MISMATCH:  # a configuration error: say which option
+            raise _Fatal(f"master refused mount: {reply.error}: change --cluster-id (or --master)", exit_code=2)
         if reply.status != Status.OK:
             raise _Fatal(f"master refused mount: {status_name(reply.status)}: {reply.error}")
         segment_id, epoch = reply.segment_id, reply.epoch

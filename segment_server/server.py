@@ -11,7 +11,15 @@ from kvtier.common.channels import Credentials
 from kvtier.common.config import write_ready_file
 from kvtier.common.discovery import MasterLocator
 from kvtier.common.service import stop_on_signals
-from kvtier.common.startup import StartupError, check_bindable, check_writable_dir, raise_open_file_limit
+from kvtier.common.startup import (
+    StartupError,
+    check_bindable,
+    check_file_creatable,
+    check_tls_files,
+    check_writable_dir,
+    raise_open_file_limit,
+    same_address,
+)
 from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.region import host_id
@@ -247,7 +255,13 @@ def check_startup(config: SegmentConfig) -> None:
     line naming the option): the addresses to listen on, the SSD directory, the region's room."""
     check_bindable(config.listen, "--listen")
     if config.metrics:
+        if same_address(config.metrics, config.listen):
+            raise StartupError(f"--metrics {config.metrics} is the data plane's --listen address: change --metrics")
         check_bindable(config.metrics, "--metrics")
+    tls = (config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+    check_tls_files(*tls, "--tls-cert-file", "--tls-key-file", "--tls-ca-file")
+    if config.ready_file:
+        check_file_creatable(config.ready_file, "--ready-file")
     if not os.path.isdir(config.shm_dir) or not os.access(config.shm_dir, os.W_OK | os.X_OK):
         raise StartupError(
             f"cannot use {config.shm_dir} (lock file, grant socket): not a writable directory: change --shm-dir"

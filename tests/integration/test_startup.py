@@ -247,3 +247,32 @@ def test_a_second_live_segment_under_a_mounted_name_is_refused_and_exits_naming_
     last = stderr.strip().splitlines()[-1]
     assert "--name" in last and "another live segment" in last, last
     assert client.batch_get(keys) == values, "the live segment kept its objects all along"
+
+
+@pytest.mark.parametrize(
+    ("files", "option"),
+    [
+        ({"--tls-cert-file": "garbage", "--tls-key-file": "garbage"}, "--tls-cert-file / --tls-key-file"),
+        ({"--tls-cert-file": "missing", "--tls-key-file": "garbage"}, "--tls-cert-file"),
+        ({"--ready-file": "in-a-file"}, "--ready-file"),
+        ({"--history-log": "in-a-file"}, "--history-log"),
+    ],
+    ids=["garbage-cert", "missing-cert", "ready-file", "history-log"],
+)
+def test_master_tls_files_and_output_files_are_checked_at_start_one_line(tmp_path: Path, files: dict, option: str):
+    """A garbage certificate was reported as "cannot listen: change --listen" after gRPC C-core lines; a
+    missing key file was a traceback; an unwritable --ready-file a traceback after "master serving"."""
+    (tmp_path / "garbage").write_text("not a PEM file\n")
+    (tmp_path / "afile").write_text("")
+    paths = {"garbage": tmp_path / "garbage", "missing": tmp_path / "missing.pem", "in-a-file": tmp_path / "afile/x"}
+    args = [item for flag, what in files.items() for item in (flag, str(paths[what]))]
+    _one_line_failure(_master(tmp_path, "--listen", "127.0.0.1:0", *args), option)
+
+
+def test_segment_garbage_ca_file_and_a_metrics_address_equal_to_listen_are_one_line(master, tmp_path: Path):
+    """A garbage CA made the segment retry its master for ever; --metrics equal to --listen was found
+    only after the mount, as a log line."""
+    (tmp_path / "ca.pem").write_text("not a PEM file\n")
+    _one_line_failure(_segment(master, "--tls-ca-file", str(tmp_path / "ca.pem")), "--tls-ca-file")
+    port = "127.0.0.1:47979"
+    _one_line_failure(_segment(master, "--listen", port, "--metrics", port), "--metrics")

@@ -172,9 +172,10 @@ def test_a_master_that_is_not_the_leader_does_not_cost_the_mount(master, links):
     ("reply", "code", "words"),
     [
         (pb.MountSegmentResponse(status=int(Status.SEGMENT_DRAINED), error="by ops"), 0, "drained"),
-        (pb.MountSegmentResponse(status=int(Status.CLUSTER_MISMATCH), error="other cluster"), 1, "CLUSTER_MISMATCH"),
+        (pb.MountSegmentResponse(status=int(Status.CLUSTER_MISMATCH), error="other cluster"), 2, "--cluster-id"),
+        (pb.MountSegmentResponse(status=int(Status.INVALID_ARGUMENT), error="no name"), 1, "INVALID_ARGUMENT"),
     ],
-    ids=["drained", "refused"],
+    ids=["drained", "other-cluster", "refused"],
 )
 def test_a_mount_the_master_will_never_accept_ends_the_segment(master, links, reply, code, words):
     master.mounts.append(reply)
