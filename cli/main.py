@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_master(put, json_help="")
     _add_namespace(put)
     put.add_argument("--replicas", type=_positive_int, default=1)
+    put.add_argument(
+        "--upsert", action="store_true", help="replace KEY's value if it has one (a put keeps the first value)"
+    )
     put.add_argument("key")
     put.add_argument("file", help="path, or - for standard input")
 
@@ -237,7 +240,14 @@ def cmd_put(opts: argparse.Namespace) -> int:
             print(f"kvtier put: cannot read {opts.file}: {exc.strerror}", file=sys.stderr)
             return 2
     with Client(opts.master, namespace=opts.namespace) as client:
-        client.put(opts.key, data, replicas=opts.replicas)
+        if opts.upsert:
+            client.upsert(opts.key, data, replicas=opts.replicas)
+        else:
+            existed = client.exists(opts.key)
+            client.put(opts.key, data, replicas=opts.replicas)
+            if existed:  # first writer wins: the value stays as it was
+                print(f"{opts.key} is stored already: kept as it was (--upsert replaces it)", file=sys.stderr)
+                return 0
     print(f"stored {opts.key} ({len(data)} bytes)", file=sys.stderr)
     return 0
 
@@ -254,8 +264,12 @@ def cmd_get(opts: argparse.Namespace) -> int:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
     else:
-        with open(opts.output, "wb") as f:
-            f.write(data)
+        try:
+            with open(opts.output, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            print(f"kvtier get: cannot write {opts.output}: {exc.strerror}: change -o", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -277,6 +291,9 @@ def cmd_up(opts: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
 
+    if opts.ssd not in ("0", "") and os.path.exists(opts.ssd_dir) and not os.path.isdir(opts.ssd_dir):
+        print(f"kvtier up: {opts.ssd_dir} is not a directory: change --ssd-dir", file=sys.stderr)
+        return 2
     cluster = LocalCluster(
         listen=opts.listen,
         dram=opts.dram,
@@ -296,6 +313,10 @@ def cmd_up(opts: argparse.Namespace) -> int:
         print(f"kvtier up: {exc}", file=sys.stderr)
         cluster.stop()
         return 1
+    except OSError as exc:  # the SSD directory cannot be made (a file in its path)
+        print(f"kvtier up: cannot create {exc.filename}: {exc.strerror}: change --ssd-dir", file=sys.stderr)
+        cluster.stop()
+        return 2
     try:
         print(f"kvtier up: master {cluster.master_address} (cluster {opts.cluster_id})", flush=True)
         for child in cluster.children[1:]:

@@ -47,6 +47,21 @@ def test_put_from_stdin_and_get_to_stdout_and_file(cluster, tmp_path: Path):
     assert cluster.client(namespace="ns2").get("small") == b"from a file"
 
 
+def test_put_of_a_stored_key_says_it_kept_the_value_and_upsert_replaces_it(cluster, tmp_path: Path):
+    """It printed "stored greet" while the old value stayed (a put never replaces a complete key)."""
+    master = ("--master", cluster.master_address)
+    kvtier("put", *master, "greet", "-", stdin=b"hi")
+    again = kvtier("put", *master, "greet", "-", stdin=b"hello there")
+    assert b"stored already" in again.stderr and b"kept" in again.stderr
+    assert kvtier("get", *master, "greet").stdout == b"hi"
+    kvtier("put", *master, "--upsert", "greet", "-", stdin=b"hello there")
+    assert kvtier("get", *master, "greet").stdout == b"hello there"
+    (tmp_path / "afile").write_text("")
+    bad = kvtier("get", *master, "greet", "-o", str(tmp_path / "afile/out"), check=False)
+    assert bad.returncode == 2 and b"Traceback" not in bad.stderr
+    assert bad.stderr.decode().strip().endswith("change -o")
+
+
 def test_get_of_a_missing_key_exits_1_with_a_message(cluster):
     result = kvtier("get", "--master", cluster.master_address, "nope", check=False)
     assert result.returncode == 1
