@@ -73,9 +73,9 @@ class Credentials:
             raise ValueError("a client certificate (tls_cert_file) needs tls_ca_file, the roots of the master's")
         return cls(
             token=make_token(secret, principal) if secret else "",
-            tls_ca=read_file(tls_ca_file, "TLS CA file") if tls_ca_file else None,
-            tls_cert=read_file(tls_cert_file, "TLS certificate") if tls_cert_file else None,
-            tls_key=read_file(tls_key_file, "TLS key") if tls_key_file else None,
+            tls_ca=read_file(tls_ca_file, "TLS CA file (tls_ca_file)") if tls_ca_file else None,
+            tls_cert=read_file(tls_cert_file, "TLS certificate (tls_cert_file)") if tls_cert_file else None,
+            tls_key=read_file(tls_key_file, "TLS key (tls_key_file)") if tls_key_file else None,
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import stat
@@ -240,6 +241,13 @@ def load_config(
     except ValueError as exc:
         parser.error(str(exc))
     env_values: dict[str, Any] = {}
+    known = {f"{env_prefix}{name.upper()}" for name in kinds} | {config_env}
+    for env_name in sorted(os.environ):
+        # A misspelt variable was ignored without a word, while a misspelt TOML key is an error.
+        if env_name.startswith(env_prefix) and env_name not in known:
+            close = difflib.get_close_matches(env_name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            parser.error(f"unknown environment variable {env_name}: no such option{hint}")
     for name, kind in kinds.items():
         env_name = f"{env_prefix}{name.upper()}"
         if env_name in os.environ:

@@ -257,6 +257,11 @@ class MasterConfig:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
         if not 0 < self.offload_watermark <= 1:
             raise ValueError(f"offload_watermark must be in (0, 1], got {self.offload_watermark}")
+        if self.offload_watermark > self.high_watermark:  # copies ahead of need would start after eviction
+            raise ValueError(
+                f"offload_watermark ({self.offload_watermark}) must be at most high_watermark ({self.high_watermark}): "
+                "copies to SSD ahead of need start below the watermark eviction works at"
+            )
         if not 0 < self.eviction_ratio <= self.high_watermark:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:
@@ -317,13 +322,19 @@ class MasterConfig:
         if self.tenants_file:
             if secret is None:
                 raise ValueError("tenants_file needs a cluster secret (secret_file or KVTIER_SECRET)")
-            check_field("tenants_file", load_tenants, self.tenants_file)
-        exposed = [self.listen] if not is_loopback(host) else []
+            tenants = check_field("tenants_file", load_tenants, self.tenants_file)
+            for name, (tenant_secret, _tenant) in tenants.items():
+                if tenant_secret == secret:  # it would authenticate as the cluster, with every right
+                    raise ValueError(
+                        f"tenants_file: tenant {name!r} has the cluster's secret: give it one of its own"
+                    )
+        exposed = [("listen", self.listen)] if not is_loopback(host) else []
         if self.fast_listen not in ("auto", "off") and not is_loopback(parse_hostport(self.fast_listen)[0]):
-            exposed.append(self.fast_listen)
+            exposed.append(("fast_listen", self.fast_listen))
         if secret is None and not self.allow_insecure and exposed:
+            option, address = exposed[0]
             raise ValueError(
-                f"listen {exposed[0]!r} is reachable from other machines and no cluster secret is set: set "
+                f"{option} {address!r} is reachable from other machines and no cluster secret is set: set "
                 "secret_file (or KVTIER_SECRET), or allow_insecure = true on a network you trust"
             )
         for name in ("max_connections", "max_concurrent_rpcs", "max_concurrent_streams"):

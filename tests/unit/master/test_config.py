@@ -132,6 +132,28 @@ def test_parse_args_exits_2_on_invalid_environment(monkeypatch, capsys, name, va
     assert "kvtier-master: error:" in capsys.readouterr().err
 
 
+def test_a_misspelt_environment_variable_is_an_error_naming_the_right_one(monkeypatch, capsys):
+    """KVTIER_MASTER_SEGMENT_TTL (no _S) was ignored without a word, while a misspelt TOML key fails."""
+    monkeypatch.setenv("KVTIER_MASTER_SEGMENT_TTL", "3")
+    with pytest.raises(SystemExit) as excinfo:
+        parse_args([])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown environment variable KVTIER_MASTER_SEGMENT_TTL" in err and "KVTIER_MASTER_SEGMENT_TTL_S" in err
+
+
+def test_contradictory_watermarks_and_a_tenant_with_the_cluster_secret_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="offload_watermark .* must be at most high_watermark"):
+        MasterConfig(offload_watermark=0.95, high_watermark=0.9).validate()
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.alice]\nsecret_file = "{secret}"\nnamespaces = ["alice/*"]\n')
+    with pytest.raises(ValueError, match="tenant 'alice' has the cluster's secret"):
+        MasterConfig(secret_file=str(secret), tenants_file=str(tenants)).validate()
+
+
 def test_default_state_dir_is_per_cluster_under_var_lib_when_writable_else_xdg(monkeypatch, tmp_path):
     from kvtier.master import config as master_config
 
