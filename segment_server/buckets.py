@@ -63,6 +63,16 @@ logger = logging.getLogger(__name__)
 
 _RESERVE_BYTES = 4 << 20
 
+
+def _file_system_bytes(directory: str) -> int:
+    """The size of the file system `directory` is on (huge when it cannot be asked: no bound from it)."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return 1 << 62
+    return stat.f_blocks * stat.f_frsize
+
+
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -164,7 +174,9 @@ class BucketStore(BucketSpace, BucketRecovery):
         self._unverified: dict[int, DiskRecord] = {}
         self._unverified_bytes = 0
         self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
-        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8 // ALIGN * ALIGN)
+        # At most an eighth of the tier and a sixteenth of its file system: on an 8 MiB file system the
+        # 4 MiB reserve took half, and every offload failed ENOSPC with the tier reporting 0% used.
+        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8, _file_system_bytes(self._dir) // 16) // ALIGN * ALIGN
         self._state = "new"  # new -> recovered -> closed
 
     # --- appends ----------------------------------------------------------------------------

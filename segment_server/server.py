@@ -351,6 +351,15 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
         direct_io=config.ssd_direct_io,
     )
     records = store.recover()
+    room = store.used + _free_bytes(config.ssd_dir)
+    if room < store.capacity:
+        logger.warning(
+            "the SSD tier's file system has room for %s of --ssd-size %s (used and free): the tier keeps its "
+            "watermarks to what it can hold dir=%s",
+            format_size(room),
+            format_size(store.capacity),
+            config.ssd_dir,
+        )
     engine, reason = open_engine(config.ssd_io, queue_depth=config.ssd_queue_depth, threads=config.ssd_threads)
     logger.info(
         "ssd tier dir=%s capacity=%d used=%d objects=%d engine=%s",
@@ -457,3 +466,12 @@ def _report(stats: DataPlaneStats, store: BucketStore | None, worker: TierWorker
         "disk_bytes_read": _disk_bytes_read(),
         "ssd_bytes_offloaded": worker.offloaded_bytes if worker is not None else 0,
     }
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still use on `directory`'s file system (huge when unknown)."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return 1 << 62
+    return stat.f_bavail * stat.f_frsize
