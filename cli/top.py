@@ -11,7 +11,9 @@ rates per second:
 - lookups (keys asked by Exists and GetReplicas) and hit ratios: `lookup` is
   hits / keys over both RPCs; `dram` and `ssd` split GetReplicas keys by where
   the reader goes: found with a DRAM copy, or found on SSD only (`dram + ssd`
-  is GetReplicas' hit ratio). A ratio is null when there were no lookups;
+  is GetReplicas' hit ratio). Lookups through the master only: direct reads (small DRAM objects read
+  at a remembered location) are not lookups (kvtier_segment_direct_reads_total counts them). A ratio
+  is null when there were no lookups;
 - RPCs handled and failed, evictions, promotions;
 - capacity and use per tier, cluster-wide and per segment.
 
