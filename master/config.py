@@ -257,11 +257,6 @@ class MasterConfig:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
         if not 0 < self.offload_watermark <= 1:
             raise ValueError(f"offload_watermark must be in (0, 1], got {self.offload_watermark}")
-        if self.offload_watermark > self.high_watermark:  # copies ahead of need would start after eviction
-            raise ValueError(
-                f"offload_watermark ({self.offload_watermark}) must be at most high_watermark ({self.high_watermark}): "
-                "copies to SSD ahead of need start below the watermark eviction works at"
-            )
         if not 0 < self.eviction_ratio <= self.high_watermark:
             raise ValueError(f"eviction_ratio must be in (0, high_watermark], got {self.eviction_ratio}")
         if self.soft_pin_ttl_s <= 0:

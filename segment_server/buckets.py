@@ -174,9 +174,10 @@ class BucketStore(BucketSpace, BucketRecovery):
         self._unverified: dict[int, DiskRecord] = {}
         self._unverified_bytes = 0
         self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
-        # At most an eighth of the tier and a sixteenth of its file system: on an 8 MiB file system the
-        # 4 MiB reserve took half, and every offload failed ENOSPC with the tier reporting 0% used.
-        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8, _file_system_bytes(self._dir) // 16) // ALIGN * ALIGN
+        # At most an eighth of the tier and a quarter of its file system: on an 8 MiB file system the
+        # 4 MiB reserve took half, and every offload failed ENOSPC with the tier reporting 0% used. (Given
+        # back when the file system is full, it is also the room a restart finds there.)
+        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8, _file_system_bytes(self._dir) // 4) // ALIGN * ALIGN
         self._state = "new"  # new -> recovered -> closed
 
     # --- appends ----------------------------------------------------------------------------

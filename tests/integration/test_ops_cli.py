@@ -298,7 +298,7 @@ def test_drain_json_on_stdout_progress_on_stderr(cluster):
     human = kvtier(cluster, "drain", "seg2", "--quiet")
     assert human.stderr == b""
     (header,) = assert_aligned(human.stdout.decode())
-    assert header == ["SEGMENT", "STATE", "MOVED", "MOVED BYTES", "FAILED", "NO ROOM", "DROPPED"]
+    assert header == ["SEGMENT", "STATE", "MOVED", "MOVED BYTES", "FAILED", "NO ROOM", "DROPPED", "DROPPED SSD"]
     assert human.stdout.decode().splitlines()[1].split()[:2] == ["seg2", "DRAINED"]
 
 

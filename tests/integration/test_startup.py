@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -237,10 +238,12 @@ def test_a_second_live_segment_under_a_mounted_name_is_refused_and_exits_naming_
     client = master.client()
     keys, values = [f"k{i}" for i in range(8)], [os.urandom(10_000) for _ in range(8)]
     assert client.batch_put(keys, values) == [0] * 8
-    shm = tmp_path / "other-shm"
-    shm.mkdir()
-    args = _segment(master, "--name", "seg0", "--listen", "127.0.0.1:0", "--shm-dir", str(shm))
-    result = subprocess.run(args, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    shm = tempfile.mkdtemp(prefix="kvt-shm-", dir="/tmp")  # short: a Unix socket path lives in it
+    try:
+        args = _segment(master, "--name", "seg0", "--listen", "127.0.0.1:0", "--shm-dir", shm)
+        result = subprocess.run(args, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     stderr = result.stderr.decode()
     assert result.returncode == 2, stderr
     assert "Traceback" not in stderr

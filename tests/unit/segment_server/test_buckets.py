@@ -1352,8 +1352,8 @@ def test_the_reserve_lets_tombstones_and_recovery_write_on_a_full_file_system(st
     store = stores(tiny_fs, capacity=capacity, **kwargs)
     store.recover()
     reserve = tiny_fs / bucket_format.RESERVE_NAME
-    # taken at recovery: at most 1/8 of the tier and 1/16 of its file system (2 MiB here)
-    assert reserve.stat().st_size == min(capacity // 8, (2 << 20) // 16)
+    # taken at recovery: at most 1/8 of the tier and 1/4 of its file system (2 MiB here)
+    assert reserve.stat().st_size == min(capacity // 8, (2 << 20) // 4)
     assert store.used < capacity // 8, "and not counted as the tier's use"
     written = []
     with pytest.raises(DiskFull):
