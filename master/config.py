@@ -320,9 +320,7 @@ class MasterConfig:
             tenants = check_field("tenants_file", load_tenants, self.tenants_file)
             for name, (tenant_secret, _tenant) in tenants.items():
                 if tenant_secret == secret:  # it would authenticate as the cluster, with every right
-                    raise ValueError(
-                        f"tenants_file: tenant {name!r} has the cluster's secret: give it one of its own"
-                    )
+                    raise ValueError(f"tenants_file: tenant {name!r} has the cluster's secret: give it one of its own")
         exposed = [("listen", self.listen)] if not is_loopback(host) else []
         if self.fast_listen not in ("auto", "off") and not is_loopback(parse_hostport(self.fast_listen)[0]):
             exposed.append(("fast_listen", self.fast_listen))

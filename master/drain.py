@@ -29,6 +29,7 @@ tables through MasterState's public methods (see its module docstring).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,10 @@ class Drainer:
     def __init__(self, state: MasterState) -> None:
         self.state = state
         self._batches: dict[int, MigrationBatch] = {}
-        self._moving: set[int] = set()  # id() of records with a migration in flight
+        self._moving: set[int] = set()  # id() of records with a migration in flight (a move: until its source goes)
+        # Segment id -> moves from it whose source replica waits for the target's acknowledgement: those
+        # replicas are not lost when the segment is unmounted (`drain`), the object lives on the target.
+        self._sources_waiting: Counter[int] = Counter()
         self._ids = itertools.count(1)
         self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
 
@@ -93,7 +97,8 @@ class Drainer:
             segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
-        left, used, disk = segment.objects, segment.used, segment.ssd_objects
+        left = segment.objects - self._sources_waiting[segment.segment_id]  # those live on their targets
+        used, disk = segment.used, segment.ssd_objects
         self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED", disk
 
@@ -242,6 +247,9 @@ class Drainer:
             # object. Swapped at once before, a target dying before its acknowledgement took the
             # object with it, and the source's drop, sent late, could hit the range's next object.
             self._add_copy(record, target)
+            # Still moving until then: another move or drain of it now would leave it a third replica.
+            self._moving.add(id(record))
+            self._sources_waiting[replica_segment(source)] += 1
             state.commits.after_acked(
                 target_segment.segment_id, lambda acked: self._drop_source(record, source, target, acked)
             )
@@ -271,6 +279,11 @@ class Drainer:
         now, its range once the readers' leases end). Not acked (the target went first), or the
         object changed meanwhile (removed, replaced, either copy gone): nothing to do here."""
         state = self.state
+        self._moving.discard(id(record))
+        waiting = self._sources_waiting
+        waiting[replica_segment(source)] -= 1
+        if waiting[replica_segment(source)] <= 0:
+            del waiting[replica_segment(source)]
         if not acked or state.visible(record.name) is not record:
             return
         if source in record.replicas and target in record.replicas:

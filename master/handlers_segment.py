@@ -47,7 +47,9 @@ class SegmentCalls:
             previous_applied_seq=request.previous_applied_seq,
         )
         if result.segment is None:
-            return pb.MountSegmentResponse(status=result.status, error=result.error)
+            return pb.MountSegmentResponse(
+                status=result.status, error=result.error, name_frees_in_ms=int(result.name_frees_in_s * 1000)
+            )
         config = self.state.config
         # Not with tenants: a range freed early (a cluster reader handed its lease back) may go to a
         # tenant's put before its segment applied the drop, and only the checksum (CRC32C: forgeable by

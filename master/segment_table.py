@@ -82,8 +82,10 @@ class SegmentTable:
         if capacity > MAX_SEGMENT_CAPACITY:
             return MountResult(Status.INVALID_ARGUMENT, error=f"a segment holds at most {MAX_SEGMENT_CAPACITY} bytes")
         old = self._segments_by_name.get(name)
-        if old is not None and (problem := self._name_in_use(self.segments[old], host_id, incarnation)):
-            return MountResult(Status.SEGMENT_NAME_IN_USE, error=problem)
+        if old is not None:
+            problem, frees_in_s = self._name_in_use(self.segments[old], incarnation)
+            if problem:
+                return MountResult(Status.SEGMENT_NAME_IN_USE, error=problem, name_frees_in_s=frees_in_s)
         if old is not None:
             logger.info("segment remount name=%s old_id=%d: dropping its replicas", name, old)
             self.drop_segment(old, reason="remounted")
@@ -134,17 +136,20 @@ class SegmentTable:
         )
         return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
 
-    def _name_in_use(self, old: SegmentRecord, host_id: str, incarnation: str) -> str:
-        """Why a mount under `old`'s name from another region must wait (it heartbeats), or ""."""
+    def _name_in_use(self, old: SegmentRecord, incarnation: str) -> tuple[str, float]:
+        """Why a mount under `old`'s name from another region must wait (it heartbeats), and how long
+        until the name frees if `old` stays silent; ("", 0) when it may take the name now."""
         if not incarnation or incarnation == old.incarnation:
-            return ""  # the same region mounting again (or a client that names none: the old rule)
+            return "", 0.0  # the same region mounting again (or a client that names none: the old rule)
         silent = self.clock() - old.last_heartbeat
-        if silent >= min(self.config.segment_ttl_s, 3 * self.config.heartbeat_interval_s):
-            return ""  # its process is gone: a restart takes the name
-        return (
+        window = min(self.config.segment_ttl_s, 3 * self.config.heartbeat_interval_s)
+        if silent >= window:
+            return "", 0.0  # its process is gone: a restart takes the name
+        problem = (
             f"segment name {old.name!r} is mounted by another live segment (host {old.host_id!r}, heartbeat "
             f"{silent:.1f}s ago); give this one another --name, or stop that one"
         )
+        return problem, window - silent
 
     def begin_recovery(
         self, expected: set[str], timeout_s: float, expelled: set[str] = frozenset(), max_s: float = 300.0

@@ -113,6 +113,7 @@ class MountResult:
     segment: SegmentRecord | None = None
     error: str = ""
     discard_index: bool = False  # the segment must empty its DRAM index before reporting it
+    name_frees_in_s: float = 0.0  # SEGMENT_NAME_IN_USE: until the name's mount counts as gone if silent
 
 
 @dataclass(slots=True)

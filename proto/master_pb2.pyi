@@ -148,7 +148,7 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ..., mount_sessions: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms", "mount_sessions")
+    __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms", "mount_sessions", "name_frees_in_ms")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class MountSegmentResponse(_message.Message):
     WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READ_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MOUNT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FREES_IN_MS_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     segment_id: int
@@ -171,7 +172,8 @@ class MountSegmentResponse(_message.Message):
     wall_clock_ms: int
     direct_read_lease_ms: int
     mount_sessions: bool
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., direct_read_lease_ms: _Optional[int] = ..., mount_sessions: _Optional[bool] = ...) -> None: ...
+    name_frees_in_ms: int
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., segment_id: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., master_epoch: _Optional[str] = ..., epoch: _Optional[int] = ..., discard_index: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., direct_read_lease_ms: _Optional[int] = ..., mount_sessions: _Optional[bool] = ..., name_frees_in_ms: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id", "epoch")

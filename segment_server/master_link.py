@@ -262,10 +262,12 @@ class MasterLink:
             raise _Retry(f"master is not the leader: {reply.error}")
         if reply.status == Status.SEGMENT_NAME_IN_USE:
             # Another live process holds the name, or ours before a restart, whose mount ends once its
-            # heartbeats stop (a few intervals): try again for a while, then give up with the reason.
+            # heartbeats stop (the master says when, if they do): try again until well past that,
+            # then give up with the reason (a live holder keeps the time from running down).
             now = time.monotonic()
             self._name_refused_since = self._name_refused_since or now
-            if now - self._name_refused_since >= NAME_IN_USE_GIVE_UP_S:
+            patience = max(NAME_IN_USE_GIVE_UP_S, 2 * reply.name_frees_in_ms / 1000)
+            if now - self._name_refused_since >= patience:
                 raise _Fatal(f"{reply.error} (refused for {now - self._name_refused_since:.0f}s)", exit_code=2)
             raise _Retry(f"{reply.error}; trying again")
         self._name_refused_since = 0.0

@@ -264,3 +264,20 @@ def test_a_move_whose_target_goes_first_leaves_the_object_on_its_source(clock):
     assert state.get_replicas(NS, ["k"]).statuses == [OK]
     assert _notices(state, a) == [], "a keeps it in its index"
     assert_consistent(state)
+
+
+def test_a_move_waiting_for_its_target_is_not_moved_again_and_its_source_is_not_counted_dropped(clock):
+    """Until the target acknowledged, the object is still moving: another move (or a drain of the
+    source) now would leave it a third replica; and a drain finished meanwhile loses nothing of it."""
+    state, a, b = _indexed(clock)
+    put(state, "k", size=8 * KiB, preferred_segment="a")
+    segment_indexes(state)
+    assert copy(state, "k", "b", keep_source=False, source="a") == (OK, OK, [OK])
+    assert copy(state, "k", "b", keep_source=False, source="a")[1] == Status.PUT_IN_PROGRESS
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert status == OK and batch.items == [], "a drain of the source does not take it again"
+    assert state.drainer.drain("a", finish=True)[1] == 0, "its source replica is not a dropped object"
+    segment_indexes(state)
+    assert holders(state, "k") == ["b"]
+    assert_consistent(state)

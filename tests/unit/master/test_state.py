@@ -406,6 +406,7 @@ def test_a_second_live_region_under_a_mounted_name_is_refused_until_the_first_fa
     put(state, "k")
     intruder = mount_as("r2")
     assert intruder.status == Status.SEGMENT_NAME_IN_USE and "--name" in intruder.error
+    assert 0 < intruder.name_frees_in_s <= 3 * state.config.heartbeat_interval_s
     assert visible(state, "k"), "the live segment keeps its objects"
     again = mount_as("r1")  # the first process mounting again (after the master dropped it)
     assert again.status == OK
