@@ -9,8 +9,9 @@ managers: `/healthz` (200 while the process serves HTTP) and `/readyz` (200
 when the service's `readiness` callback has no objection, else 503 and the
 reason, one line), and any further readiness paths a service adds the same way; any other path is
 404. At most MAX_SCRAPES connections are served at once (more are closed at once: a scraper tries
-again at its next interval) and each gets SCRAPE_TIMEOUT_S: the listener's threads are a constant,
-whatever connects (300 half-sent requests once held 300 threads for good).
+again at its next interval) and each gets SCRAPE_TIMEOUT_S in all: the listener's threads (a handler
+and a timer per connection served) are a constant, whatever connects (300 half-sent requests once
+held 300 threads for good).
 """
 
 from __future__ import annotations
@@ -63,13 +64,26 @@ class _HttpServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        # The handler's timeout bounds each receive; this bounds the connection (a byte every 9 s
+        # would hold a slot for ever): its socket is shut down at the deadline, which ends the handler.
+        cut = threading.Timer(SCRAPE_TIMEOUT_S, _shut, args=(request,))
+        cut.daemon = True
+        cut.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            cut.cancel()
             self._slots.release()
 
     def handle_error(self, request: object, client_address: object) -> None:
         pass  # a scraper that timed out or went away: nothing to print
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -42,7 +42,7 @@ goes away first, the move failed and the source copy simply stays.
 A relayed call's notices (RelayPutEnd) go back in its answer and do not wake
 the relaying segment's long poll; nor are they due to it (`poll` and
 `has_notices` stop before the first of them) until something waits for them
-(`barrier`, `dropped_after`) or an ordinary notice wakes the poll: handing
+(`barrier`, `after_acked`) or an ordinary notice wakes the poll: handing
 them out would only make the feed poll again at once (docs/architecture.md,
 "Commit through the segment").
 
@@ -424,8 +424,8 @@ def notice_pin(record: ObjectRecord, now: float) -> tuple[int, int]:
 @dataclass(slots=True, eq=False, weakref_slot=True)
 class PutAcknowledgement:
     """What a PutEnd answered OK must still hold when its answer goes out ("acknowledged means
-    stored"): every segment the object was written to is still mounted under the same incarnation
-    (segment ids are never reused).
+    stored"): a segment the object was written to is still mounted under the same incarnation
+    (segment ids are never reused), and so acknowledged it (a replicated key may have lost others).
 
     A PutEnd waits for its segments' acknowledgements; a segment that dies instead is expelled,
     which ends the wait, and its copies are gone (with shm, a writer may even have copied the

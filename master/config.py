@@ -7,7 +7,7 @@ and flags (flags win; kvtier.common.config); nothing deeper in the master reads 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from kvtier.common.config import EtcdSecurity, check_etcd_security, check_log_level, load_config
@@ -242,6 +242,10 @@ class MasterConfig:
                     f"{name} must be positive and at most {MAX_DURATION_S:.0f} s (30 days: the wire carries "
                     f"durations as 32-bit milliseconds), got {value}"
                 )
+        for item in fields(self):  # every other duration too: finite, and what 32-bit ms can carry
+            value = getattr(self, item.name)
+            if item.name.endswith("_s") and isinstance(value, float) and not value <= MAX_DURATION_S:
+                raise ValueError(f"{item.name} must be at most {MAX_DURATION_S:.0f} s (30 days), got {value}")
         if self.clock_skew_tolerance_s * 1000 >= CLOCK_SKEW_MS:
             raise ValueError(
                 f"clock_skew_tolerance_s must be below {CLOCK_SKEW_MS / 1000:.0f} s (the margin after which "

@@ -44,7 +44,7 @@ def test_half_sent_requests_hold_a_bounded_number_of_threads_and_are_cut(listene
         sock.sendall(b"GET /metr")
         stalled.append(sock)
     time.sleep(0.2)
-    assert threading.active_count() - before <= metrics.MAX_SCRAPES
+    assert threading.active_count() - before <= 2 * metrics.MAX_SCRAPES  # a handler and a timer each
     deadline = time.monotonic() + 5
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)  # each is cut after SCRAPE_TIMEOUT_S
@@ -60,3 +60,29 @@ def test_only_the_documented_paths_answer(listener):
     assert _get(listener, "/readyz") == (200, "ready\n")
     assert _get(listener, "/readyz/leader")[0] == 404  # a segment has no leader probe
     assert _get(listener, "/anything")[0] == 404
+
+
+def test_a_peer_sending_a_byte_now_and_then_is_cut_at_the_connections_deadline(listener):
+    """The handler's timeout bounds each receive: a byte every 0.3 s (under the 0.5 s timeout) held a
+    slot for ever; the connection as a whole gets SCRAPE_TIMEOUT_S."""
+    host, port = listener.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    started = time.monotonic()
+    cut = False
+    for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 40:
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            cut = True
+            break
+        time.sleep(0.05 if time.monotonic() - started < 0.2 else 0.3)
+        if time.monotonic() - started > 3:
+            break
+    if not cut:
+        sock.settimeout(2)
+        try:
+            cut = sock.recv(1) == b""
+        except OSError:
+            cut = True
+    assert cut and time.monotonic() - started < 3
+    sock.close()
