@@ -597,9 +597,7 @@ class DataProtocol(FramedConnection):
         if self._read_timer is not None:
             self._read_timer.cancel()
         self._read_timer_at = at
-        # The loop's timer runs on the monotonic clock, which stops during a host suspend: after one it
-        # fires that much late (a READ response still queued may go out past its grant meanwhile; a
-        # reader's checksum catches bytes of a range reused by then), and then judges on local_s().
+        # On the monotonic clock (the loop's): late by a host suspend's length (docs/architecture.md).
         self._read_timer = asyncio.get_running_loop().call_later(max(0.0, at - local_s()), self._check_reads)
 
     def _check_reads(self) -> None:
