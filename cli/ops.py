@@ -97,6 +97,7 @@ def segment_dict(s: Any) -> dict[str, Any]:
         "ssd_bytes_served": s.ssd_bytes_served,
         "disk_bytes_read": s.disk_bytes_read,
         "ssd_bytes_offloaded": s.ssd_bytes_offloaded,
+        "direct_reads_served": s.direct_reads_served,
         # its wall clock minus the master's; skewed: beyond the master's tolerance, out of placement
         "clock_skew_s": round(s.clock_skew_s, 3),
         "clock_skewed": s.clock_skewed,

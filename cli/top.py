@@ -11,9 +11,9 @@ rates per second:
 - lookups (keys asked by Exists and GetReplicas) and hit ratios: `lookup` is
   hits / keys over both RPCs; `dram` and `ssd` split GetReplicas keys by where
   the reader goes: found with a DRAM copy, or found on SSD only (`dram + ssd`
-  is GetReplicas' hit ratio). Lookups through the master only: direct reads (small DRAM objects read
-  at a remembered location) are not lookups (kvtier_segment_direct_reads_total counts them). A ratio
-  is null when there were no lookups;
+  is GetReplicas' hit ratio), with the direct reads the segments served (small DRAM objects read at a
+  remembered location, without the master) counted as DRAM reads that hit (a workload of repeated
+  small reads showed as all-SSD without them). A ratio is null when there were no lookups;
 - RPCs handled and failed, evictions, promotions;
 - capacity and use per tier, cluster-wide and per segment.
 
@@ -90,12 +90,19 @@ def frame(previous: dict[str, Any], current: dict[str, Any], seconds: float) -> 
     disk_only = _delta(current["lookup_hits_disk_only"], previous["lookup_hits_disk_only"])
     lookup_keys = _delta(total(current, "lookup_keys"), total(previous, "lookup_keys"))
     lookup_hits = _delta(total(current, "lookup_hits"), total(previous, "lookup_hits"))
+    # Direct reads served: DRAM hits no lookup saw (a segment new since the last refresh: from the next)
+    direct = sum(
+        _delta(s.get("direct_reads_served", 0), before_segments[s["name"]].get("direct_reads_served", 0))
+        for s in current["segments"]
+        if s["name"] in before_segments
+    )
     rates = {c: round(sum(s["rates"][c] for s in segments), 3) for c in SEGMENT_COUNTERS}
     rates |= {
         "rpc_requests": rate(total(current, "rpc_requests"), total(previous, "rpc_requests")),
         "rpc_failures": rate(total(current, "rpc_failures"), total(previous, "rpc_failures")),
         "lookup_keys": round(lookup_keys / seconds, 3),
         "lookup_hits": round(lookup_hits / seconds, 3),
+        "direct_reads": round(direct / seconds, 3),
         "evicted_objects": rate(evicted(current, "objects"), evicted(previous, "objects")),
         "evicted_bytes": rate(evicted(current, "bytes"), evicted(previous, "bytes")),
         "promoted_bytes": rate(get(current, "tiering", "promoted_bytes"), get(previous, "tiering", "promoted_bytes")),
@@ -123,8 +130,8 @@ def frame(previous: dict[str, Any], current: dict[str, Any], seconds: float) -> 
         "rates": rates,
         "hit_ratio": {
             "lookup": _ratio(lookup_hits, lookup_keys),
-            "dram": _ratio(get_hits - disk_only, get_keys),
-            "ssd": _ratio(disk_only, get_keys),
+            "dram": _ratio(get_hits - disk_only + direct, get_keys + direct),
+            "ssd": _ratio(disk_only, get_keys + direct),
         },
         "rpcs": rpcs,
         "segments": segments,

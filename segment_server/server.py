@@ -155,7 +155,7 @@ async def serve(config: SegmentConfig) -> int:
             lease=keyed.lease,
             on_mounted=on_mounted,
             on_fatal=on_fatal,
-            report=lambda: _report(stats, store, worker),
+            report=lambda: _report(stats, store, worker, keyed),
             report_disk=lambda stub, segment_id, epoch: (
                 worker.report_inventory(stub, segment_id, epoch) if worker is not None else None
             ),
@@ -457,9 +457,12 @@ def _disk_bytes_read() -> int:
     return 0
 
 
-def _report(stats: DataPlaneStats, store: BucketStore | None, worker: TierWorker | None) -> dict[str, int]:
-    """Heartbeat fields: SSD usage and the per-tier byte counters, kept apart."""
+def _report(
+    stats: DataPlaneStats, store: BucketStore | None, worker: TierWorker | None, keyed: KeyedReads
+) -> dict[str, int]:
+    """Heartbeat fields: SSD usage, the per-tier byte counters, kept apart, and direct reads served."""
     return {
+        "direct_reads_served": keyed.stats.served,
         "ssd_used": store.used if store is not None else 0,
         "dram_bytes_served": stats.bytes_read,
         "ssd_bytes_served": stats.ssd_bytes_served,

@@ -90,6 +90,22 @@ def test_hit_ratios_split_get_hits_by_tier_and_are_null_without_lookups():
     assert idle["rates"]["lookup_keys"] == 0 and idle["rpcs"] == {}
 
 
+def test_direct_reads_the_segments_served_count_as_dram_reads_that_hit():
+    """Repeated small reads go straight to the segment (no lookup): 200 DRAM hits and 10 SSD lookups
+    read as 100% SSD before."""
+    before = snapshot()
+    after = snapshot(
+        lookup_keys={"GetReplicas": 1010, "Exists": 10},
+        lookup_hits={"GetReplicas": 910, "Exists": 10},
+        lookup_hits_disk_only=110,  # the 10 lookups: all on SSD
+        segments__0__direct_reads_served=150,
+        segments__1__direct_reads_served=50,
+    )
+    refresh = frame(before, after, 2.0)
+    assert refresh["hit_ratio"]["dram"] == round(200 / 210, 4) and refresh["hit_ratio"]["ssd"] == round(10 / 210, 4)
+    assert refresh["rates"]["direct_reads"] == 100.0
+
+
 def test_counters_that_went_down_count_from_zero_and_new_segments_from_their_next_refresh():
     before = snapshot()
     restarted = snapshot(rpc_requests={"Heartbeat": 4}, segments__0__dram_bytes_served=MiB)
