@@ -27,6 +27,16 @@ def close_fds(bucket: _Bucket) -> None:
             os.close(fd)
 
 
+def file_system_room(directory: str) -> tuple[int, int]:
+    """(size, bytes an unprivileged writer may still use) of the file system `directory` is on; both
+    huge when it cannot be asked (no bound from it)."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return 1 << 62, 1 << 62
+    return stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
+
+
 class BucketSpace:
     """Room in the tier: eviction candidates, deletions, the reserve (a mixin of BucketStore)."""
 
@@ -72,11 +82,7 @@ class BucketSpace:
     def _ceiling(self) -> int:
         """What the tier can hold now: its capacity, or less when its file system has less room left
         (smaller than --ssd-size, or shared): ENOSPC below the watermarks must free buckets too."""
-        try:
-            stat = os.statvfs(self._dir)
-        except OSError:
-            return self._capacity
-        return min(self._capacity, self._used + stat.f_bavail * stat.f_frsize)
+        return min(self._capacity, self._used + file_system_room(self._dir)[1])
 
     def delete_buckets(self, bucket_ids: list[int]) -> None:
         """Forget the buckets (plan_read/pin raise KeyError from now on) and unlink their files, at the

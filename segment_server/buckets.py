@@ -57,20 +57,11 @@ from kvtier.segment_server.bucket_format import (
     _record_header,
 )
 from kvtier.segment_server.bucket_mount import BucketRecovery
-from kvtier.segment_server.bucket_space import BucketSpace, close_fds
+from kvtier.segment_server.bucket_space import BucketSpace, close_fds, file_system_room
 
 logger = logging.getLogger(__name__)
 
 _RESERVE_BYTES = 4 << 20
-
-
-def _file_system_bytes(directory: str) -> int:
-    """The size of the file system `directory` is on (huge when it cannot be asked: no bound from it)."""
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return 1 << 62
-    return stat.f_blocks * stat.f_frsize
 
 
 _P = ParamSpec("_P")
@@ -177,7 +168,7 @@ class BucketStore(BucketSpace, BucketRecovery):
         # At most an eighth of the tier and a quarter of its file system: on an 8 MiB file system the
         # 4 MiB reserve took half, and every offload failed ENOSPC with the tier reporting 0% used. (Given
         # back when the file system is full, it is also the room a restart finds there.)
-        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8, _file_system_bytes(self._dir) // 4) // ALIGN * ALIGN
+        self._reserve_bytes = min(_RESERVE_BYTES, capacity // 8, file_system_room(self._dir)[0] // 4) // ALIGN * ALIGN
         self._state = "new"  # new -> recovered -> closed
 
     # --- appends ----------------------------------------------------------------------------

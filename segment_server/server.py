@@ -24,6 +24,7 @@ from kvtier.common.units import format_size, parse_size
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.region import host_id
 from kvtier.segment_server.bucket_format import ALIGN
+from kvtier.segment_server.bucket_space import file_system_room
 from kvtier.segment_server.buckets import BucketStore
 from kvtier.segment_server.buffer_pool import BufferPool
 from kvtier.segment_server.commit_relay import CommitRelay
@@ -351,7 +352,7 @@ def _open_ssd_tier(config: SegmentConfig) -> tuple[BucketStore, object, DiskRead
         direct_io=config.ssd_direct_io,
     )
     records = store.recover()
-    room = store.used + _free_bytes(config.ssd_dir)
+    room = store.used + file_system_room(config.ssd_dir)[1]
     if room < store.capacity:
         logger.warning(
             "the SSD tier's file system has room for %s of --ssd-size %s (used and free): the tier keeps its "
@@ -469,12 +470,3 @@ def _report(
         "disk_bytes_read": _disk_bytes_read(),
         "ssd_bytes_offloaded": worker.offloaded_bytes if worker is not None else 0,
     }
-
-
-def _free_bytes(directory: str) -> int:
-    """Bytes an unprivileged writer may still use on `directory`'s file system (huge when unknown)."""
-    try:
-        stat = os.statvfs(directory)
-    except OSError:
-        return 1 << 62
-    return stat.f_bavail * stat.f_frsize

@@ -234,30 +234,19 @@ def test_a_returning_segments_copy_of_a_group_member_takes_its_place_in_the_grou
     tag = state.groups.tag_of(state.record(NS, gone))
     state.unmount_segment(a)  # as an expulsion: its member leaves the tables
     assert state.groups.get_replicas(NS, ["x", "y"]).statuses == [int(Status.NOT_FOUND)] * 2
-    again = state.mount_segment(
-        "unit",
-        "a",
-        "host-a",
-        ["tcp://127.0.0.1:9"],
-        1024,
-        inventory=True,
-        previous_segment_id=a,
-        previous_applied_seq=99,
-    )
+
+    def back():  # segment a mounts again, its index kept
+        endpoints = ["tcp://127.0.0.1:9"]
+        return state.mount_segment(
+            "unit", "a", "host-a", endpoints, 1024, inventory=True, previous_segment_id=a, previous_applied_seq=99
+        )
+
+    again = back()
     inventory = chunk([(gone, 1000, 7, 0)])
     assert report_dram_objects(state, again.segment.segment_id, inventory) == [OK]
     assert state.groups.get_replicas(NS, ["x", "y"]).statuses == [int(Status.NOT_FOUND)] * 2, "no id: not the member"
     state.unmount_segment(again.segment.segment_id)
-    again = state.mount_segment(
-        "unit",
-        "a",
-        "host-a",
-        ["tcp://127.0.0.1:9"],
-        1024,
-        inventory=True,
-        previous_segment_id=a,
-        previous_applied_seq=99,
-    )
+    again = back()
     inventory.group_ids, inventory.group_sizes = [tag[0]], [tag[1]]
     assert report_dram_objects(state, again.segment.segment_id, inventory) == [OK]
     assert state.groups.get_replicas(NS, ["y", "x"]).statuses == [OK, OK]
