@@ -29,7 +29,6 @@ tables through MasterState's public methods (see its module docstring).
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,9 +78,6 @@ class Drainer:
         self.state = state
         self._batches: dict[int, MigrationBatch] = {}
         self._moving: set[int] = set()  # id() of records with a migration in flight (a move: until its source goes)
-        # Segment id -> moves from it whose source replica waits for the target's acknowledgement: those
-        # replicas are not lost when the segment is unmounted (`drain`), the object lives on the target.
-        self._sources_waiting: Counter[int] = Counter()
         self._ids = itertools.count(1)
         self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
 
@@ -97,10 +93,15 @@ class Drainer:
             segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
-        left = segment.objects - self._sources_waiting[segment.segment_id]  # those live on their targets
-        used, disk = segment.used, segment.ssd_objects
+        # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
+        # on only if the target does; told apart they would hide a loss when it does not).
+        left, used, disk = segment.objects, segment.used, segment.ssd_objects
         self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED", disk
+
+    def moving(self, record: ObjectRecord) -> bool:
+        """Whether a copy, move or drain of `record` is in flight (a move: until its source went)."""
+        return id(record) in self._moving
 
     def is_drained(self, name: str, incarnation: str) -> bool:
         return bool(incarnation) and (name, incarnation) in self.drained
@@ -249,7 +250,6 @@ class Drainer:
             self._add_copy(record, target)
             # Still moving until then: another move or drain of it now would leave it a third replica.
             self._moving.add(id(record))
-            self._sources_waiting[replica_segment(source)] += 1
             state.commits.after_acked(
                 target_segment.segment_id, lambda acked: self._drop_source(record, source, target, acked)
             )
@@ -280,10 +280,6 @@ class Drainer:
         object changed meanwhile (removed, replaced, either copy gone): nothing to do here."""
         state = self.state
         self._moving.discard(id(record))
-        waiting = self._sources_waiting
-        waiting[replica_segment(source)] -= 1
-        if waiting[replica_segment(source)] <= 0:
-            del waiting[replica_segment(source)]
         if not acked or state.visible(record.name) is not record:
             return
         if source in record.replicas and target in record.replicas:

@@ -43,7 +43,9 @@ def remove_replicas(
         if record is None:
             out.append(int(Status.NOT_FOUND))
             continue
-        if record.state is not ObjectState.COMPLETE:
+        if record.state is not ObjectState.COMPLETE or state.drainer.moving(record):
+            # A move's unacknowledged target is no replica to count on: removing the source during the
+            # move's wait dropped the last acknowledged copy (LAST_REPLICA could not fire).
             out.append(int(Status.PUT_IN_PROGRESS))
             continue
         mine = [r for r in record.replicas if replica_segment(r) == segment_id]

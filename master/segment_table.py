@@ -83,7 +83,7 @@ class SegmentTable:
             return MountResult(Status.INVALID_ARGUMENT, error=f"a segment holds at most {MAX_SEGMENT_CAPACITY} bytes")
         old = self._segments_by_name.get(name)
         if old is not None:
-            problem, frees_in_s = self._name_in_use(self.segments[old], incarnation)
+            problem, frees_in_s = self._name_in_use(self.segments[old], host_id, endpoints, incarnation)
             if problem:
                 return MountResult(Status.SEGMENT_NAME_IN_USE, error=problem, name_frees_in_s=frees_in_s)
         if old is not None:
@@ -136,15 +136,28 @@ class SegmentTable:
         )
         return MountResult(Status.OK, segment, discard_index=inventory and not accepted)
 
-    def _name_in_use(self, old: SegmentRecord, incarnation: str) -> tuple[str, float]:
-        """Why a mount under `old`'s name from another region must wait (it heartbeats), and how long
-        until the name frees if `old` stays silent; ("", 0) when it may take the name now."""
+    def _name_in_use(
+        self, old: SegmentRecord, host_id: str, endpoints: Sequence[str], incarnation: str
+    ) -> tuple[str, float]:
+        """Why a mount under `old`'s name from another region must wait, and how long until the name
+        frees if `old` stays silent; ("", 0) when it may take the name now: the same region mounting
+        again; a new process on the same host and shared-memory directory (it holds the region file's
+        lock, so `old`'s process is gone: a restart); or `old` silent for segment_ttl_s (what would
+        expel it anyway). Silence alone is no proof of death sooner: a holder stopped for a few
+        seconds lost every object to a newcomer from another directory."""
         if not incarnation or incarnation == old.incarnation:
             return "", 0.0  # the same region mounting again (or a client that names none: the old rule)
+        if (
+            host_id
+            and host_id == old.host_id
+            and (lock := _region_lock(endpoints))
+            and lock == _region_lock(old.endpoints)
+        ):
+            return "", 0.0
         silent = self.clock() - old.last_heartbeat
-        window = min(self.config.segment_ttl_s, 3 * self.config.heartbeat_interval_s)
+        window = self.config.segment_ttl_s
         if silent >= window:
-            return "", 0.0  # its process is gone: a restart takes the name
+            return "", 0.0  # expelled by now anyway
         problem = (
             f"segment name {old.name!r} is mounted by another live segment (host {old.host_id!r}, heartbeat "
             f"{silent:.1f}s ago); give this one another --name, or stop that one"
@@ -375,3 +388,12 @@ class SegmentTable:
         if not any(is_dram(r) for r in record.replicas):
             self._leave_dram(record)
         return record
+
+
+def _region_lock(endpoints: Sequence[str]) -> str:
+    """The region lock's domain a segment's endpoints name: its shared-memory grant socket's path (in
+    its --shm-dir, next to the locked region file), "" without an shm endpoint."""
+    for endpoint in endpoints:
+        if endpoint.startswith("shm://"):
+            return endpoint[len("shm://") :].partition("?")[0]
+    return ""

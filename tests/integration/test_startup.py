@@ -279,3 +279,33 @@ def test_segment_garbage_ca_file_and_a_metrics_address_equal_to_listen_are_one_l
     _one_line_failure(_segment(master, "--tls-ca-file", str(tmp_path / "ca.pem")), "--tls-ca-file")
     port = "127.0.0.1:47979"
     _one_line_failure(_segment(master, "--listen", port, "--metrics", port), "--metrics")
+
+
+def test_a_holder_stopped_for_a_few_heartbeats_keeps_its_name_and_objects_from_a_duplicate(master):
+    """A duplicate retrying the name took it once the holder had been silent three heartbeat intervals:
+    a holder stopped for a moment (SIGSTOP, a GC pause, a frozen VM) lost every object for good."""
+    import signal
+    import time
+
+    holder = master.start_segment("seg0", "16MiB")
+    client = master.client()
+    keys, values = [f"k{i}" for i in range(8)], [os.urandom(10_000) for _ in range(8)]
+    assert client.batch_put(keys, values) == [0] * 8
+    shm = tempfile.mkdtemp(prefix="kvt-shm-", dir="/tmp")
+    try:
+        args = _segment(master, "--name", "seg0", "--listen", "127.0.0.1:0", "--shm-dir", shm)
+        duplicate = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        time.sleep(2.0)  # it is being refused
+        holder.popen.send_signal(signal.SIGSTOP)
+        time.sleep(6 * master.heartbeat_interval_s)  # well under segment_ttl_s
+        holder.popen.send_signal(signal.SIGCONT)
+        try:
+            assert duplicate.wait(timeout=30) == 2, duplicate.stderr.read().decode()
+        finally:
+            duplicate.kill()
+            duplicate.wait()
+            duplicate.stderr.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert holder.popen.poll() is None, "the holder still serves"
+    assert client.batch_get(keys) == values

@@ -266,18 +266,21 @@ def test_a_move_whose_target_goes_first_leaves_the_object_on_its_source(clock):
     assert_consistent(state)
 
 
-def test_a_move_waiting_for_its_target_is_not_moved_again_and_its_source_is_not_counted_dropped(clock):
+def test_a_move_waiting_for_its_target_is_not_moved_again_nor_its_source_removed(clock):
     """Until the target acknowledged, the object is still moving: another move (or a drain of the
-    source) now would leave it a third replica; and a drain finished meanwhile loses nothing of it."""
+    source) now would leave it a third replica, and removing the source replica would drop its last
+    acknowledged copy (the unacknowledged target made LAST_REPLICA miss it). A drain finished
+    meanwhile counts the source as dropped: the object lives on only if the target acknowledges."""
     state, a, b = _indexed(clock)
     put(state, "k", size=8 * KiB, preferred_segment="a")
     segment_indexes(state)
     assert copy(state, "k", "b", keep_source=False, source="a") == (OK, OK, [OK])
     assert copy(state, "k", "b", keep_source=False, source="a")[1] == Status.PUT_IN_PROGRESS
+    assert remove_replicas(state, NS, ["k"], "a", False) == (OK, [Status.PUT_IN_PROGRESS])
     assert state.drainer.drain("a", finish=False)[0] == OK
     status, batch = state.drainer.migrate_start("a", 10)
     assert status == OK and batch.items == [], "a drain of the source does not take it again"
-    assert state.drainer.drain("a", finish=True)[1] == 0, "its source replica is not a dropped object"
+    assert state.drainer.drain("a", finish=True)[1] == 1, "its source replica is counted with the dropped"
     segment_indexes(state)
     assert holders(state, "k") == ["b"]
     assert_consistent(state)

@@ -393,25 +393,32 @@ def test_remount_under_the_same_name_drops_old_replicas(state):
     assert state.get_replicas(NS, ["k"]).replica_segments == [new]
 
 
-def test_a_second_live_region_under_a_mounted_name_is_refused_until_the_first_falls_silent(state):
+def test_a_second_region_under_a_mounted_name_is_refused_until_the_first_is_proven_gone(state):
     """Two processes under one name (another host, or another --shm-dir) replaced each other at every
-    heartbeat, for good. The same region mounting again, or a new one once the old stopped
-    heartbeating (a restart), still takes the name."""
+    heartbeat, for good; and a holder merely stopped for a few heartbeats lost every object to the
+    other. The name goes to another region only once the holder was silent for segment_ttl_s (what
+    expels it), or at once to a new process holding the same region lock (same host and shm
+    directory: a restart); the same region mounting again keeps it."""
 
-    def mount_as(incarnation: str):
-        return state.mount_segment("unit", "a", "host-1", ["tcp://127.0.0.1:9/a"], MiB, incarnation=incarnation)
+    def mount_as(incarnation: str, host: str = "host-1", shm_dir: str = "/dev/shm"):
+        endpoints = ["tcp://127.0.0.1:9/a", f"shm://{shm_dir}/kvtier.unit.a.sock?host={host}&nonce={incarnation}"]
+        return state.mount_segment("unit", "a", host, endpoints, MiB, incarnation=incarnation)
 
     first = mount_as("r1")
     assert first.status == OK
     put(state, "k")
-    intruder = mount_as("r2")
+    intruder = mount_as("r2", shm_dir="/other")
     assert intruder.status == Status.SEGMENT_NAME_IN_USE and "--name" in intruder.error
-    assert 0 < intruder.name_frees_in_s <= 3 * state.config.heartbeat_interval_s
+    assert 0 < intruder.name_frees_in_s <= state.config.segment_ttl_s
+    assert mount_as("r2", host="host-2").status == Status.SEGMENT_NAME_IN_USE
+    state.clock.advance(5 * state.config.heartbeat_interval_s)  # the holder stopped a while
+    assert mount_as("r2", shm_dir="/other").status == Status.SEGMENT_NAME_IN_USE
     assert visible(state, "k"), "the live segment keeps its objects"
     again = mount_as("r1")  # the first process mounting again (after the master dropped it)
     assert again.status == OK
-    state.clock.advance(3 * state.config.heartbeat_interval_s)  # silent: its process is gone
-    assert mount_as("r2").status == OK
+    assert mount_as("r3").status == OK  # same host and directory: it holds the region lock, r1 is gone
+    state.clock.advance(state.config.segment_ttl_s)  # silent that long: r3 would be expelled anyway
+    assert mount_as("r4", shm_dir="/other").status == OK
 
 
 def test_mount_with_another_cluster_id_is_cluster_mismatch(state):
