@@ -7,8 +7,8 @@ the range went to another object; one whose clock is ahead refuses every grant. 
 judges them on the master's clock instead: every mount and heartbeat reply carries the master's
 wall clock, and the segment keeps the offset between it and its own clock. The master stamped the
 reply somewhere between our send and our receipt, so its clock now is at most the stamp plus the time
-since our send: that latest possible time is the estimate, and a grant ends early by at most a round
-trip, never late. (Taken at the middle of the round trip, a reply held up for seconds, by a master or
+since our send: that latest possible time is the estimate (kept while later replies agree with it),
+and a grant ends early by at most a round trip, never late. (Taken at the middle of the round trip, a reply held up for seconds, by a master or
 segment stopped while it was in flight, put the estimate seconds behind and grants that had ended,
 ranges the master had reused, were served.) The local clock is CLOCK_BOOTTIME: it never steps, so
 neither a wrong wall clock nor a correction of it (NTP stepping it) moves the estimate, and unlike
@@ -44,7 +44,14 @@ class MasterClock:
         """A reply carrying the master's wall clock arrived: `sent`/`received` are `local_s()`."""
         if master_wall_ms <= 0:  # an older master that does not send it: keep what we had
             return
-        self._offset_ms = master_wall_ms - sent * 1000.0  # the latest the master's clock can be
+        latest = master_wall_ms - sent * 1000.0  # the master stamped it after our send...
+        earliest = master_wall_ms - received * 1000.0  # ...and before our receipt
+        current = self._offset_ms
+        # An estimate the reply agrees with stays (an earlier, quicker round trip made it tighter: a
+        # reply held up for seconds would otherwise run the clock ahead, refusing valid grants for an
+        # interval); one it proves behind (a step of the master's clock) or ahead goes to `latest`.
+        if current is None or not earliest <= current <= latest:
+            self._offset_ms = latest
         self.rtt_ms = max(0, int((received - sent) * 1000))
         self.skew_ms = wall_ms() - self.now_ms()
 
