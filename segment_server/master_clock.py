@@ -6,14 +6,15 @@ own wall clock, a segment whose clock is behind would accept a grant that alread
 the range went to another object; one whose clock is ahead refuses every grant. So the segment
 judges them on the master's clock instead: every mount and heartbeat reply carries the master's
 wall clock, and the segment keeps the offset between it and its own clock. The master stamped the
-reply somewhere between our send and our receipt, so its clock now is at most the stamp plus the time
-since our send: that latest possible time is the estimate (kept while later replies agree with it),
-and a grant ends early by at most a round trip, never late. (Taken at the middle of the round trip, a reply held up for seconds, by a master or
-segment stopped while it was in flight, put the estimate seconds behind and grants that had ended,
-ranges the master had reused, were served.) The local clock is CLOCK_BOOTTIME: it never steps, so
-neither a wrong wall clock nor a correction of it (NTP stepping it) moves the estimate, and unlike
-the monotonic clock it counts a suspended host's sleep, during which the master's clock went on.
-Until the first reply the segment's own wall clock is all there is; no grant can be valid then anyway
+reply somewhere between our send and our receipt, so its clock now is at most the stamp plus the
+time since our send: that latest possible time is the estimate (kept while later replies agree with
+it), and a grant ends early by at most a round trip, never late. (Taken at the middle of the round
+trip, a reply held up for seconds, by a master or segment stopped while it was in flight, put the
+estimate seconds behind and grants that had ended, ranges the master had reused, were served.) The
+local clock is CLOCK_BOOTTIME: it never steps, so neither a wrong wall clock nor a correction of it
+(NTP stepping it) moves the estimate, and unlike the monotonic clock it counts a suspended host's
+sleep, during which the master's clock went on. Until the first reply the segment's own wall clock
+is all there is; no grant can be valid then anyway
 (kvtier.segment_server.protocol: nothing is granted before a mount).
 
 `skew_ms` is this segment's wall clock minus the master's (logged; the master measures and shows
