@@ -8,7 +8,8 @@ judges them on the master's clock instead: every mount and heartbeat reply carri
 wall clock, and the segment keeps the offset between it and its own clock. The master stamped the
 reply somewhere between our send and our receipt, so its clock now is at most the stamp plus the
 time since our send: that latest possible time is the estimate (kept while later replies agree with
-it), and a grant ends early by at most a round trip, never late. (Taken at the middle of the round
+it: then it may lag the truth by the quickest recent round trip, milliseconds, far inside the 2 s
+margin), and a grant ends early by at most a round trip. (Taken at the middle of the round
 trip, a reply held up for seconds, by a master or segment stopped while it was in flight, put the
 estimate seconds behind and grants that had ended, ranges the master had reused, were served.) The
 local clock is CLOCK_BOOTTIME: it never steps, so neither a wrong wall clock nor a correction of it
