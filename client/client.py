@@ -44,7 +44,7 @@ from kvtier.client.groups import GroupCalls
 from kvtier.client.keys import KeyInspection
 from kvtier.client.leases import DoneLeases
 from kvtier.client.locations import LocationCache
-from kvtier.client.master import MasterClient, fork_error
+from kvtier.client.master import MasterClient, closed_error, fork_error
 from kvtier.client.ranges import RangedReads
 from kvtier.client.reads import _TIERS, Reads, _caps, add_runs
 from kvtier.client.replicas import ReplicaOps
@@ -278,7 +278,7 @@ class Client(
                 connector = known[1]
             else:
                 if self._closed:
-                    raise KvtierError(Status.CANCELLED, "client is closed")
+                    raise closed_error()
                 connector = make(endpoints)
                 if hasattr(connector, "on_failure"):  # told each failed transfer's kind (client.failures)
                     connector.on_failure = functools.partial(self._segment_failed, name)
@@ -557,7 +557,7 @@ class Client(
             return [fn(*args) for fn, *args in jobs]
         with self._lock:
             if self._closed:
-                raise KvtierError(Status.CANCELLED, "client is closed")
+                raise closed_error()
             if self._pool is None and len(copies) < len(jobs) - 1:
                 self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvtier-io")
             if self._copy_pool is None and copies:
@@ -573,7 +573,7 @@ class Client(
             # Those already running end first (a cancelled one is never "done" to wait() until a
             # worker has dequeued it, which may be long after).
             wait([future for future in futures.values() if not future.cancel()])
-            raise KvtierError(Status.CANCELLED, "client is closed") from None
+            raise closed_error() from None
         results: list[Any] = [None] * len(jobs)
         errors: list[BaseException] = []
         fn, *args = jobs[0]

@@ -94,6 +94,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
+def closed_error() -> KvtierError:
+    return KvtierError(Status.CANCELLED, "client is closed")
+
+
 def fork_error(pid: int) -> KvtierError:
     return KvtierError(
         Status.CANCELLED, f"this client was made in process {pid}, which forked: make a new Client in this process"
@@ -150,7 +154,7 @@ class MasterClient:
         if self.forked_from:
             raise fork_error(self.forked_from)
         if self.closed:
-            raise KvtierError(Status.CANCELLED, "client is closed")
+            raise closed_error()
         if (number := current_request_id.get()) and type(request) in _TRACED:
             request.request_id = number  # the client call's id: the master logs it
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -221,7 +225,7 @@ class MasterClient:
             raise ConnectError(f"no leading master known for {self.spec}")
         with self._lock:
             if self.closed:
-                raise KvtierError(Status.CANCELLED, "client is closed")
+                raise closed_error()
             if address != self.address or self.stub is None:
                 old = self._channel
                 self._channel = open_channel(address, self.credentials)
@@ -350,7 +354,7 @@ class MasterClient:
                 return getattr(stub, method)(request, timeout=min(remaining, self._attempt_s))
             except ValueError:  # grpc: "Cannot invoke RPC on closed channel!" (closed by another thread)
                 if self.closed:
-                    raise KvtierError(Status.CANCELLED, "client is closed") from None
+                    raise closed_error() from None
                 raise
             except (grpc.RpcError, ConnectError) as exc:
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE

@@ -198,7 +198,7 @@ def _alive(sock: socket.socket) -> bool:
         return False
 
 
-def exchange_end(sock: socket.socket) -> float:
+def _exchange_end(sock: socket.socket) -> float:
     """When a transfer that needs more than one syscall must be over: the call's deadline, or one of the
     socket's timeouts from now (its first syscall returned short)."""
     call_ends = call_deadline.get()
@@ -209,15 +209,18 @@ def exchange_end(sock: socket.socket) -> float:
     return time.monotonic() + timeout if timeout else float("inf")
 
 
-def more_time(sock: socket.socket, ends: float) -> None:
-    """Before another syscall of a transfer: its time left becomes the socket's timeouts; none left
-    fails it as the kernel's own timeout does (EAGAIN)."""
+def more_time(sock: socket.socket, ends: float = 0.0) -> float:
+    """Before another syscall of a transfer: its time left (until `ends`, or `_exchange_end` when 0)
+    becomes the socket's timeouts; none left fails it as the kernel's own timeout does (EAGAIN).
+    Returns the end, for the transfer's next syscall."""
+    ends = ends or _exchange_end(sock)
     left = ends - time.monotonic()
     if left <= 0:
         raise BlockingIOError(errno.EAGAIN, "the call's time ran out while the peer was still sending or taking bytes")
     if left != float("inf"):
         _set_timeouts(sock, max(left, _MIN_TIMEOUT))
         _shortened.add(sock.fileno())
+    return ends
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:
@@ -227,8 +230,7 @@ def send_all(sock: socket.socket, buffers: list) -> None:
     first = True
     while index < len(buffers):
         if not first:  # another syscall of this transfer (the first sent only part, or _IOV_MAX buffers)
-            ends = ends or exchange_end(sock)
-            more_time(sock, ends)
+            ends = more_time(sock, ends)
         first = False
         batch = buffers[index : index + _IOV_MAX]
         sent = sock.sendmsg(batch)
@@ -250,8 +252,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
             raise ReadError("peer closed the connection mid-frame")
         view = view[n:]
         if view:  # returned short (the timeout, or a signal): what is left of the call bounds the rest
-            ends = ends or exchange_end(sock)
-            more_time(sock, ends)
+            ends = more_time(sock, ends)
 
 
 def recv_exact_into_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -262,8 +263,7 @@ def recv_exact_into_all(sock: socket.socket, views: list[memoryview]) -> None:
     first = True
     while index < len(views):
         if not first:  # another syscall (the first returned short, or took _IOV_MAX buffers)
-            ends = ends or exchange_end(sock)
-            more_time(sock, ends)
+            ends = more_time(sock, ends)
         first = False
         batch = views[index : index + _IOV_MAX]
         n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
@@ -287,6 +287,6 @@ def recv_exact(sock: socket.socket, size: int) -> bytes:
         raise ReadError("peer closed the connection mid-frame")
     buf = bytearray(size)
     buf[: len(data)] = data
-    more_time(sock, exchange_end(sock))  # a second syscall: bounded as recv_exact_into's are
+    more_time(sock)  # a second syscall: bounded as recv_exact_into's are
     recv_exact_into(sock, memoryview(buf)[len(data) :])
     return bytes(buf)

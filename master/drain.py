@@ -264,7 +264,7 @@ class Drainer:
             state.release_ranges([target], record.size)
         return False
 
-    def _add_copy(self, record: ObjectRecord, target: int, reason: str = "copied") -> None:
+    def _add_copy(self, record: ObjectRecord, target: int) -> None:
         """A verified copy becomes one more DRAM replica: told to its segment, counted to its owner."""
         state = self.state
         record.replicas = (*record.replicas, target)
@@ -272,7 +272,7 @@ class Drainer:
         if record.owner is not None:
             record.owner.used += state.aligned(record.size)
         state.now_in_dram(record)  # its source may have left DRAM meanwhile
-        state.events.changed(record, reason)
+        state.events.changed(record, "copied")
 
     def _drop_source(self, record: ObjectRecord, source: int, target: int, acked: bool) -> None:
         """A move's target acknowledged its copy (`acked`): the source replica goes (its drop notice

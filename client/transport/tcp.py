@@ -32,7 +32,6 @@ from kvtier.client.failures import Refused, failure_kind
 from kvtier.client.sockpool import (
     SocketPool,
     call_deadline,
-    exchange_end,
     more_time,
     recv_exact,
     recv_exact_into,
@@ -76,7 +75,7 @@ def _fill(sock: socket.socket, views: list[memoryview], got: int) -> None:
         got = 0
     if rest:
         if call_deadline.get() is not None:  # the header's wait used some of the call: only the rest
-            more_time(sock, exchange_end(sock))
+            more_time(sock)
         recv_exact_into_all(sock, rest)
 
 
