@@ -31,7 +31,7 @@ class DrainReport:
     failed: int = 0  # copy, verification or the target's acknowledgement failed (the object stays where it was)
     no_space: int = 0  # migrations refused for lack of room elsewhere
     dropped: int = 0  # DRAM replicas still on the segment when it was unmounted
-    dropped_ssd: int = 0  # disk copies on its SSD tier, which a drain does not move: gone with it
+    dropped_ssd: int = 0  # disk copies on its SSD tier of objects held elsewhere too (or not moved): gone with it
     state: str = ""
 
 
@@ -48,10 +48,14 @@ def drain_segment(
     report = DrainReport(segment)
     left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
     deadline = time.monotonic() + timeout
-    while left and time.monotonic() < deadline:
+    # `left` counts DRAM objects; disk-only objects (moved too) show up in MigrateStart's batches only,
+    # so the last call to find nothing is MigrateStart's.
+    while time.monotonic() < deadline:
         start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
-        if not start.keys:  # only pending puts remain: wait for them to finish or be reclaimed
-            time.sleep(0.2)
+        if not start.keys:
+            if not left:
+                break
+            time.sleep(0.2)  # only pending puts remain: wait for them to finish or be reclaimed
         else:
             moved = _copy_batch(client, start, report)
             ended = master.call(

@@ -8,8 +8,9 @@ Segments are named as `kvtier status` shows them. Each call returns a `Status` p
 raises KvtierError only when the master cannot be asked (UNAVAILABLE, authentication, ...).
 
 Copies and moves use the drain's machinery (kvtier.master.drain): `MigrateStart` with `keys`
-gives each key a read lease on a DRAM source range and a freshly allocated target range; this
-client reads the source over the data plane, checks its CRC32C against the checksum recorded at
+gives each key a read lease on a source (a DRAM range, or where the key has no DRAM replica there
+a disk copy, read with READ_DISK) and a freshly allocated DRAM target range; this client reads the
+source over the data plane, checks its CRC32C against the checksum recorded at
 PutEnd, writes the target and reports in `MigrateEnd`. Only verified bytes are reported, and the
 master adds the target (a move drops the source once the target's segment acknowledged the copy)
 only if the key still names the very object it was copied from: bytes that fail the check come
@@ -22,7 +23,7 @@ for remove an SSD offload/promotion of it on that segment);
 SEGMENT_NOT_FOUND (unknown segment, or the target went away before it acknowledged the copy: a
 move leaves the object where it was); INVALID_ARGUMENT (the target is draining); REPLICA_EXISTS
 (copy/move: the target holds one already); REPLICA_NOT_FOUND (remove: none on that segment;
-copy/move: no DRAM replica on the source to read, e.g. an SSD-only object); LAST_REPLICA (remove:
+copy/move: no replica on the source to read); LAST_REPLICA (remove:
 it is the only complete replica, unless `allow_last`, which removes the object); NO_SPACE (no
 room on the target; nothing is evicted for a copy); CHECKSUM_MISMATCH (the source's bytes are
 damaged); a data-plane status (TRANSFER_FAILED, ...) when the copy could not be done.
@@ -40,7 +41,7 @@ from kvtier.client.tracing import traced
 from kvtier.client.transport.base import Caps
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError
-from kvtier.proto.keys import check_key
+from kvtier.proto.keys import check_key, name_prefix_bytes
 from kvtier.proto.status import Status, to_status
 
 if TYPE_CHECKING:
@@ -68,21 +69,34 @@ def copy_batch(client: Client, start: pb.MigrateStartResponse) -> list[int]:
         rank among the movable ones, or without a secret only its expiry, and the segment's mount)."""
         return _caps(tags, start.tag_expiry_ms, [rank[i] for i in indices], segment.session)
 
-    def source_of(i: int) -> int:
-        return start.source_segments[i] if start.source_segments else start.source_segment
+    def source_of(i: int) -> tuple[int, int]:
+        """(segment, tier) of object i's source: a DRAM range, or a disk copy (SSD)."""
+        segment = start.source_segments[i] if start.source_segments else start.source_segment
+        return segment, start.source_tiers[i] if start.source_tiers else pb.DRAM
 
     verified = []
-    for source_id, indices in _grouped(todo, source_of).items():
+    for (source_id, tier), indices in _grouped(todo, source_of).items():
         source = segments.get(source_id)
         if source is None:
             for i in indices:
                 out[i] = int(Status.SEGMENT_NOT_FOUND)
             continue
-        reads = client._connector(source).read_into(
-            [(start.source_offsets[i], memoryview(buffers[i])) for i in indices],
-            None,
-            caps=caps(start.source_tags, indices, source),
-        )
+        source_caps = caps(start.source_tags, indices, source)
+        if tier == pb.SSD:  # the segment reads, checks and streams its own disk records
+            items = [
+                (
+                    start.source_offsets[i],
+                    start.sizes[i],
+                    name_prefix_bytes(start.namespaces[i]) + start.keys[i].encode(),
+                )
+                for i in indices
+            ]
+            views = [memoryview(buffers[i]) for i in indices]
+            reads = client._disk_connector(source).read_disk(items, views, caps=source_caps)
+        else:
+            reads = client._connector(source).read_into(
+                [(start.source_offsets[i], memoryview(buffers[i])) for i in indices], None, caps=source_caps
+            )
         for i, status in zip(indices, reads, strict=True):
             if status != _OK:
                 out[i] = int(status)

@@ -11,8 +11,12 @@ its copy (kvtier.master.commits.after_acked); the source range is freed from
 then on, when the lease ends. A target that goes away before acknowledging
 leaves the object on its source, and the move's key is answered
 SEGMENT_NOT_FOUND (kvtier.master.commit_wait). Anything else releases the
-target. `drain(finish=True)` unmounts the segment; objects that could not be
-moved are dropped (a cache can always recompute them). The drained
+target. An object whose only copy is on the draining segment's SSD tier moves
+too: the drainer reads the disk copy (READ_DISK, verified) into a DRAM range
+elsewhere, and the disk copy is tombstoned once the target acknowledged; a disk
+copy of an object held elsewhere goes with the segment. `drain(finish=True)`
+unmounts the segment; objects that could not be moved are dropped (a cache can
+always recompute them). The drained
 incarnation (name + region nonce) is refused if its process mounts again, so
 it exits instead of coming back; a restarted process has a new nonce.
 
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING
 from kvtier.master.records import (
     TIER_DRAM,
     TIER_SHIFT,
+    TIER_SSD,
     ObjectRecord,
     ObjectState,
     name_prefix,
@@ -83,7 +88,7 @@ class Drainer:
 
     def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
-        state, disk copies left: not moved by a drain, they go with the segment)."""
+        state, disk copies left: those of objects held elsewhere, and last copies not moved yet)."""
         segment = self._by_name(name)
         if segment is None:
             if any(drained_name == name for drained_name, _ in self.drained):
@@ -124,10 +129,11 @@ class Drainer:
                 break
             if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
                 continue
-            # DRAM copies only: disk copies on a drained segment go with it (see docs/architecture.md)
             source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
             if source is None:
-                continue
+                source = self._last_disk_copy(record, segment.segment_id)
+                if source is None:
+                    continue
             holders = {replica_segment(r) for r in record.replicas}
             # Quarantined segments last (kvtier.master.quarantine): the mover could not write there.
             candidates = sorted(
@@ -149,11 +155,11 @@ class Drainer:
     def migrate_keys(
         self, namespace: str, keys: list[str], source_name: str, target_name: str, keep_source: bool
     ) -> tuple[Status, MigrationBatch | None]:
-        """Start copying (`keep_source`) or moving `keys` to segment `target_name`, each from a DRAM
-        replica on `source_name` ("" = any segment). SEGMENT_NOT_FOUND for an unknown segment,
-        INVALID_ARGUMENT for a target that takes no allocations (draining); per key (`refused`):
+        """Start copying (`keep_source`) or moving `keys` to segment `target_name`, each from a
+        replica (DRAM first, else a disk copy) on `source_name` ("" = any segment). SEGMENT_NOT_FOUND
+        for an unknown segment, INVALID_ARGUMENT for a target that takes no allocations (draining); per key (`refused`):
         NOT_FOUND, PUT_IN_PROGRESS (pending, or a migration of it in flight), REPLICA_EXISTS (the
-        target holds one), REPLICA_NOT_FOUND (no DRAM replica to read); NO_SPACE as a target-less item."""
+        target holds one), REPLICA_NOT_FOUND (no replica there to read); NO_SPACE as a target-less item."""
         state = self.state
         target = state.segment_named(target_name)
         source_segment = state.segment_named(source_name) if source_name else None
@@ -182,15 +188,28 @@ class Drainer:
             self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
+    def _last_disk_copy(self, record: ObjectRecord, segment_id: int) -> int | None:
+        """The disk copy on draining segment `segment_id` of an object with no copy anywhere else (a
+        drain dropped those with the segment: acknowledged puts lost while others had room); None when
+        a copy elsewhere outlives the drain, or a promotion into this segment's DRAM is in flight (its
+        DRAM copy moves in a later batch)."""
+        if any(replica_segment(r) != segment_id for r in record.replicas):
+            return None
+        if self.state.tiering.promotion_of(record.name) is not None:
+            return None
+        ssd = segment_id << 2 | TIER_SSD
+        return next((r for r in record.replicas if r >> TIER_SHIFT == ssd), None)
+
     def _source(self, record: ObjectRecord, segment_id: int) -> int | None:
-        """A DRAM replica of `record` to read from: on `segment_id`, or (0) on any live segment."""
-        for packed in record.replicas:
-            if replica_tier(packed) != TIER_DRAM:
-                continue
-            holder = replica_segment(packed)
-            if holder == segment_id or (not segment_id and holder in self.state.segments):
-                return packed
-        return None
+        """A replica of `record` to read from, on `segment_id` or (0) on any live segment: a DRAM one,
+        else a disk copy (the copier reads it with READ_DISK; the target is a DRAM range)."""
+        segments = self.state.segments
+        found = [
+            packed
+            for packed in record.replicas
+            if (holder := replica_segment(packed)) == segment_id or (not segment_id and holder in segments)
+        ]
+        return next((r for r in found if replica_tier(r) == TIER_DRAM), found[0] if found else None)
 
     def _reserve(self, record: ObjectRecord, segment: SegmentRecord, lease_until: float) -> int | None:
         """Allocate `record`'s target range on `segment` and hold its source for the copy; None: no room."""
@@ -283,8 +302,11 @@ class Drainer:
         if not acked or state.visible(record.name) is not record:
             return
         if source in record.replicas and target in record.replicas:
-            state.drop_dram_replica(record, replica_segment(source))
-            state.events.changed(record, "drained")
+            if replica_tier(source) == TIER_DRAM:
+                state.drop_dram_replica(record, replica_segment(source))
+                state.events.changed(record, "drained")
+            else:  # its segment tombstones the disk copy (FORGET)
+                state.tiering.remove_disk_copy(record, source, forget=True, reason="drained")
 
     def tick(self, now: float) -> None:
         """Release the targets of migration batches nobody finished (the drainer died)."""

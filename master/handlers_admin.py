@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvtier.master.gates import rpc
 from kvtier.master.inspection import list_keys, stat_keys
-from kvtier.master.records import replica_offset, replica_segment
+from kvtier.master.records import replica_offset, replica_segment, replica_tier
 from kvtier.master.replicas import remove_replicas
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.frames import Op
@@ -62,6 +62,7 @@ class AdminCalls:
                 reply.statuses.append(refused)
                 for column in (reply.sizes, reply.checksums, reply.source_offsets, reply.source_segments):
                     column.append(0)
+                reply.source_tiers.append(pb.DRAM)
                 reply.target_segments.append(0)
                 reply.target_offsets.append(0)
                 continue
@@ -73,6 +74,7 @@ class AdminCalls:
             reply.checksums.append(record.checksum)
             reply.source_offsets.append(replica_offset(item.source))
             reply.source_segments.append(replica_segment(item.source))
+            reply.source_tiers.append(replica_tier(item.source))  # TIER_* are the proto's Tier values
             reply.statuses.append(0 if item.target is not None else no_space)
             reply.target_segments.append(replica_segment(item.target) if item.target is not None else 0)
             reply.target_offsets.append(replica_offset(item.target) if item.target is not None else 0)
@@ -85,7 +87,10 @@ class AdminCalls:
         if self.minter.enabled:
             reply.source_tags = b"".join(
                 self.minter.key(self.state.segments.get(reply.source_segments[i]), self.epoch).tag(
-                    Op.READ, reply.tag_expiry_ms, reply.source_offsets[i], reply.sizes[i]
+                    Op.READ_DISK if reply.source_tiers[i] == pb.SSD else Op.READ,
+                    reply.tag_expiry_ms,
+                    reply.source_offsets[i],
+                    reply.sizes[i],
                 )
                 for i in moving
             )

@@ -87,10 +87,11 @@ def test_draining_an_unknown_segment_fails_cleanly(cluster):
     assert b"SEGMENT_NOT_FOUND" in result.stderr and b"Traceback" not in result.stderr
 
 
-def test_disk_copies_are_not_moved_and_the_summary_counts_them_dropped(bare_cluster, tmp_path):
-    """A drain moves DRAM copies only: the segment's SSD copies go with it, and the summary says how
-    many (it said `dropped: 0` while every SSD-only object was lost)."""
-    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment
+def test_disk_only_objects_move_into_dram_elsewhere_and_only_redundant_disk_copies_drop(bare_cluster, tmp_path):
+    """A drain moved DRAM copies only: every SSD-only object went with the segment (acknowledged puts
+    lost while another segment had room for them). Their disk copies are read (READ_DISK, verified)
+    and written to DRAM elsewhere now; only disk copies of objects that moved anyway are dropped."""
+    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
 
     bare_cluster.start_master()
     start_ssd_segment(bare_cluster, tmp_path / "ssd")
@@ -103,6 +104,7 @@ def test_disk_copies_are_not_moved_and_the_summary_counts_them_dropped(bare_clus
     disk_copies = sum(1 for k in keys if "ssd" in [r["tier"] for r in client.locate(k)])
     report = drain(bare_cluster, "ssd0")
     assert report["state"] == "DRAINED"
-    assert report["dropped_ssd"] == disk_copies
-    assert report["moved"] == len(keys) - len(disk_only)
-    assert client.batch_get(disk_only) == [None] * len(disk_only)
+    assert report["moved"] == len(keys) and report["failed"] == 0 and report["dropped"] == 0
+    assert report["dropped_ssd"] == disk_copies - len(disk_only), "the moved disk-only copies were tombstoned"
+    assert client.batch_get(keys) == [value_for(k, MiB) for k in keys]
+    assert all([(r["segment"], r["tier"]) for r in client.locate(k)] == [("seg1", "dram")] for k in keys)

@@ -259,6 +259,35 @@ def test_with_a_cluster_secret_copies_carry_capabilities_and_tenants_are_refused
     assert segments_of(client, "s/0") == ["seg0", "seg2"]
 
 
+def test_ssd_only_objects_are_copied_and_moved_from_their_disk_copies_with_capabilities(bare_cluster, tmp_path):
+    """An object whose only copy is on SSD answered REPLICA_NOT_FOUND to a copy or move. The copier
+    reads the disk copy now (READ_DISK, under its own tag when the cluster has a secret) into a
+    DRAM replica elsewhere; a move then tombstones the disk copy."""
+    from tests.integration.test_security import secret_file
+    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+
+    cluster = bare_cluster
+    cluster.secret_file = secret_file(tmp_path, "cluster.secret")
+    cluster.start_master()
+    start_ssd_segment(cluster, tmp_path / "ssd")
+    client = cluster.client(transport="tcp")
+    keys = [f"ssd/{i}" for i in range(24)]
+    put_and_offload(cluster, client, keys)
+    cluster.start_segment("seg1", "64MiB")
+    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
+    assert len(disk_only) >= 2, "some objects live on SSD only"
+    copied, moved = disk_only[0], disk_only[1]
+
+    assert client.copy_replica(copied, "seg1") == Status.OK
+    assert client.move_replica(moved, "seg1", source="ssd0") == Status.OK
+
+    where = {k: sorted((r["segment"], r["tier"]) for r in client.locate(k)) for k in (copied, moved)}
+    assert where == {copied: [("seg1", "dram"), ("ssd0", "ssd")], moved: [("seg1", "dram")]}
+    assert client.batch_get([copied, moved]) == [value_for(copied, MiB), value_for(moved, MiB)]
+    assert client.remove_replica(copied, "seg1") == Status.OK, "the disk copy is still a replica"
+    assert client.get(copied) == value_for(copied, MiB)
+
+
 def _freeze_after_copy(monkeypatch, cluster, segment: str, sig: int) -> None:
     """The copy is written and verified on `segment`, which then gets `sig` before MigrateEnd (a
     frozen VM, a GC pause, a crash between the copy and the master's bookkeeping)."""

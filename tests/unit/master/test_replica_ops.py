@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_segment
+from kvtier.master.records import TIER_DRAM, TIER_SSD, replica_offset, replica_segment, replica_tier
 from kvtier.master.replicas import remove_replicas
 from kvtier.master.state import MasterState
 from kvtier.proto.status import Status
@@ -147,10 +147,49 @@ def test_refusals(state):
     assert_consistent(state)
 
 
-def test_a_disk_only_object_has_no_source_to_copy(state):
-    a = seg(state, "a")
+def test_a_disk_only_object_is_copied_from_its_disk_copy_into_dram(state):
+    """Copies read DRAM replicas only: an SSD-only object answered REPLICA_NOT_FOUND. Its disk copy is
+    the source now (the copier reads it with READ_DISK); the target is a DRAM replica."""
+    a, b = seg(state, "a"), seg(state, "b")
     assert state.tiering.report_disk_objects(a, [NS], ["d"], [KiB], [7], [1]) == [OK]
-    assert copy(state, "d", "b")[1] == Status.REPLICA_NOT_FOUND
+    status, batch = state.drainer.migrate_keys(NS, ["d"], "", "b", True)
+    (item,) = batch.items
+    assert (replica_segment(item.source), replica_tier(item.source)) == (a, TIER_SSD)
+    assert replica_tier(item.target) == TIER_DRAM
+    assert state.drainer.migrate_end(batch.migration_id, {(NS, "d"): True})[1] == [OK]
+    assert tiers(state, "d") == sorted([(a, TIER_SSD), (b, TIER_DRAM)])
+    assert state.get_replicas(NS, ["d"]).statuses == [OK]
+    assert_consistent(state)
+
+
+def test_a_disk_only_object_moved_leaves_its_disk_copy_tombstoned(state):
+    a, b = seg(state, "a"), seg(state, "b")
+    assert state.tiering.report_disk_objects(a, [NS], ["d"], [KiB], [7], [1]) == [OK]
+    assert copy(state, "d", "b", keep_source=False, source="a") == (OK, OK, [OK])
+    assert tiers(state, "d") == [(b, TIER_DRAM)]
+    assert [t.name for t in state.tiering.pending_forgets()] == [f"{NS}\x00d"], "the segment tombstones it"
+    assert state.segments[a].ssd_objects == 0
+    assert_consistent(state)
+
+
+def test_a_drain_moves_disk_only_objects_and_leaves_redundant_disk_copies(state):
+    """A drain took DRAM copies only: an object whose one copy was on the draining segment's SSD was
+    dropped with the segment. It moves now; a disk copy of an object held elsewhere does not."""
+    a = seg(state, "a")
+    put(state, "both", preferred_segment="b")
+    assert state.tiering.report_disk_objects(a, [NS, NS], ["disk", "both"], [KiB, KiB], [7, 7], [1, 2]) == [OK, OK]
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert status == OK
+    assert [(i.record.key, replica_tier(i.source)) for i in batch.items] == [("disk", TIER_SSD)]
+    assert state.drainer.migrate_end(batch.migration_id, {(NS, "disk"): True})[1] == [OK]
+    ((holder, tier),) = tiers(state, "disk")
+    assert holder != a and tier == TIER_DRAM, "one DRAM replica elsewhere, the disk copy tombstoned"
+    assert [t.name for t in state.tiering.pending_forgets()] == [f"{NS}\x00disk"]
+    assert state.drainer.migrate_start("a", 10)[1].items == [], "nothing left to move"
+    assert state.drainer.drain("a", finish=True)[1:] == (0, 0, "DRAINED", 1), "one redundant disk copy left"
+    assert state.get_replicas(NS, ["disk", "both"]).statuses == [OK, OK]
+    assert_consistent(state)
 
 
 def test_a_copy_not_verified_adds_nothing_and_its_target_is_released(state, clock):

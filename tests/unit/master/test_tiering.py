@@ -428,7 +428,7 @@ def test_allocation_eviction_drops_redundant_copies_before_lru_order(state):
     assert_consistent(state)
 
 
-def test_drain_migrates_dram_copies_only(state):
+def test_drain_migrates_dram_copies_and_disk_only_objects(state):
     # given a draining segment holding a DRAM+SSD object and an SSD-only object, and a target
     a = mount_ssd(state, "a", 4 * KiB)
     mount_ssd(state, "b", 4 * KiB, offload=False)
@@ -437,9 +437,11 @@ def test_drain_migrates_dram_copies_only(state):
     assert state.drainer.drain("a", finish=False)[0] == OK
     # when the drainer asks for work
     status, batch = state.drainer.migrate_start("a", 10)
-    # then it gets the DRAM copy of "both", read from its DRAM offset, and nothing for "disk"
+    # then it gets the DRAM copy of "both" (its disk copy goes with the segment) and, read from its
+    # disk copy, "disk", which has no other
     assert status == OK
-    assert [(item.record.key, replica_tier(item.source)) for item in batch.items] == [("both", TIER_DRAM)]
+    moves = sorted((item.record.key, replica_tier(item.source)) for item in batch.items)
+    assert moves == [("both", TIER_DRAM), ("disk", TIER_SSD)]
     assert_consistent(state)
 
 
