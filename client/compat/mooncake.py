@@ -44,6 +44,7 @@ from typing import Any
 from kvtier.client.client import Client
 from kvtier.common.units import parse_size
 from kvtier.proto.errors import InvalidKeyError, KvtierError
+from kvtier.proto.keys import key_problem
 from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
@@ -328,6 +329,20 @@ def _fragments(args: tuple, code: int) -> list:
         return []
 
 
+def _valid_keys_only(keys: Sequence[str], call: Callable[[list[str]], list], invalid: Any, answer: Callable) -> list:
+    """A batch read on its valid keys alone: each invalid key answers `invalid` by itself (Mooncake
+    answers per key; one bad key used to blank the whole batch), the others `answer(result)`."""
+    keys = list(keys)
+    valid = [i for i, key in enumerate(keys) if not key_problem(key)]
+    if len(valid) < len(keys):
+        logger.warning("%d of %d keys are invalid, answered alone", len(keys) - len(valid), len(keys))
+    out = [invalid] * len(keys)
+    if valid:
+        for i, result in zip(valid, call([keys[i] for i in valid]), strict=True):
+            out[i] = answer(result)
+    return out
+
+
 def _per_key(answer: Callable[[int], Any]) -> Callable[[int, tuple], list]:
     """A batch call's failure: `answer(code)` for each of its keys (its first argument)."""
 
@@ -562,8 +577,8 @@ class MooncakeDistributedStore:
 
     @_answers(_per_key(lambda code: b""))
     def get_batch(self, keys: Sequence[str]) -> list[bytes]:
-        """One value per key, b"" per miss."""
-        return [b"" if v is None else bytes(v) for v in self._client.batch_get(list(keys))]
+        """One value per key, b"" per miss (and per invalid key)."""
+        return _valid_keys_only(keys, self._client.batch_get, b"", lambda v: b"" if v is None else bytes(v))
 
     @_answers(_none)
     def get_buffer(self, key: str) -> BufferHandle | None:
@@ -573,7 +588,7 @@ class MooncakeDistributedStore:
 
     @_answers(_per_key(lambda code: None))
     def batch_get_buffer(self, keys: Sequence[str]) -> list[BufferHandle | None]:
-        return [None if v is None else BufferHandle(v) for v in self._client.batch_get(list(keys))]
+        return _valid_keys_only(keys, self._client.batch_get, None, lambda v: None if v is None else BufferHandle(v))
 
     @_answers(_code)
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
@@ -590,8 +605,11 @@ class MooncakeDistributedStore:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         views = [self._view(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
-        good = [i for i, v in enumerate(views) if v is not None]
+        good = [i for i, v in enumerate(views) if v is not None and not key_problem(keys[i])]
         codes = [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        for i, key in enumerate(keys):
+            if key_problem(key):
+                codes[i] = int(ErrorCode.INVALID_KEY)
         if good:
             read = self._client.batch_get_into([keys[i] for i in good], [views[i] for i in good])
             for i, result in zip(good, read, strict=True):
@@ -650,8 +668,9 @@ class MooncakeDistributedStore:
 
     @_answers(_per_key(int))
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        """1 / 0 per key; on a failure of the whole call, its negative code for every key."""
-        return [int(e) for e in self._client.batch_exists(list(keys))]
+        """1 / 0 per key (INVALID_KEY per invalid key); on a failure of the whole call, its negative
+        code for every key."""
+        return _valid_keys_only(keys, self._client.batch_exists, int(ErrorCode.INVALID_KEY), int)
 
     @_answers(_code)
     def get_size(self, key: str) -> int:
@@ -674,7 +693,8 @@ class MooncakeDistributedStore:
 
     @_answers(_per_key(int))
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return [to_error_code(int(s)) for s in self._client.batch_remove(list(keys), force=bool(force))]
+        remove = functools.partial(self._client.batch_remove, force=bool(force))
+        return _valid_keys_only(keys, remove, int(ErrorCode.INVALID_KEY), lambda s: to_error_code(int(s)))
 
     @_answers(_code)
     def remove_by_regex(self, regex: str) -> int:
@@ -738,9 +758,9 @@ class MooncakeDistributedStore:
         if isinstance(dtype, str):
             import torch  # only here: a dtype given by name
 
-            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            name, dtype = dtype, getattr(torch, dtype.removeprefix("torch."), None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"unknown dtype name {dtype!r}")
+                raise ValueError(f"unknown dtype name {name!r}")
         return self._client.get_tensor(key, dtype=dtype)
 
     @_answers(_per_key(lambda code: None))

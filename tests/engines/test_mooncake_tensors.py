@@ -3,6 +3,8 @@ against real servers (torch: the engines' environment)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvtier.client.compat.mooncake import MooncakeDistributedStore
@@ -31,4 +33,15 @@ def test_put_get_tensor(cluster):
     assert torch.equal(got[0], torch.zeros(3)) and torch.equal(got[1], torch.ones(2, 2)) and got[2] is None
     for key in cases:
         assert store.remove(key) == 0
+    assert store.close() == 0
+
+
+def test_an_unknown_dtype_name_is_a_miss_named_in_the_warning(cluster, caplog):
+    """The warning said "unknown dtype name None": the name looked up replaced the one given."""
+    store = MooncakeDistributedStore()
+    assert store.setup("localhost", "P2PHANDSHAKE", 3200 << 20, 512 << 20, "tcp", "", cluster.master_address) == 0
+    assert store.put_tensor("t", torch.zeros(2)) == 0
+    with caplog.at_level(logging.WARNING):
+        assert store.get_tensor("t", "nosuchtype") is None
+    assert "unknown dtype name 'nosuchtype'" in caplog.text
     assert store.close() == 0

@@ -307,6 +307,23 @@ def test_failures_are_codes_never_exceptions(store):
     assert store.get("huge") == b""
 
 
+def test_an_invalid_key_fails_alone_in_a_batch(store):
+    """One invalid key blanked every value of a get_batch (and every answer of the other batch
+    reads and removes): Mooncake answers per key, so an invalid one answers alone."""
+    assert store.put_batch(["good1", "good2"], [b"one", b"two"]) == 0
+    batch = ["good1", "", "good2", "bad\x00key"]
+    assert store.get_batch(batch) == [b"one", b"", b"two", b""]
+    handles = store.batch_get_buffer(batch)
+    assert [None if h is None else bytes(h) for h in handles] == [b"one", None, b"two", None]
+    assert store.batch_is_exist(batch) == [1, ErrorCode.INVALID_KEY, 1, ErrorCode.INVALID_KEY]
+    out, out_ptr = c_buffer(64)
+    assert store.register_buffer(out_ptr, 64) == 0
+    assert store.batch_get_into(["good1", ""], [out_ptr, out_ptr + 32], [32, 32]) == [3, ErrorCode.INVALID_KEY]
+    assert bytes(out[:3]) == b"one"
+    assert store.batch_remove(batch) == [0, ErrorCode.INVALID_KEY, 0, ErrorCode.INVALID_KEY]
+    assert store.get_batch(["good1", "good2"]) == [b"", b""]
+
+
 def test_upsert_calls_replace_atomically(store):
     assert store.put("weights", b"old-bytes") == 0
     assert store.put("weights", b"ignored") == 0  # a put never overwrites, as in Mooncake
