@@ -17,6 +17,13 @@ import grpc
 from kvtier.proto.auth import AUTH_METADATA, CLUSTER_PRINCIPAL, make_token, principal_problem, read_secret
 from kvtier.proto.rpcframe import MESSAGE_LIMIT
 
+# While a call is open (an event stream most of all: it may carry nothing for hours), a ping every
+# 20 s, and a master that does not answer one within 10 s is gone: the call breaks (UNAVAILABLE)
+# instead of waiting for good on a frozen or cut-off host that sent no reset. The master takes a
+# ping without data every 10 s at most (kvtier.master.server.MIN_CLIENT_PING_INTERVAL_MS).
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
@@ -27,6 +34,13 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # The wait for a ping's acknowledgement is this one in the gRPC core we run (default 60 s; the
+    # keepalive timeout above alone left a stopped master's stream open for 60 s more).
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),  # idle channels: the master closes them (idle_timeout_s)
+    ("grpc.http2.max_pings_without_data", 0),  # an idle stream sends no data: keep pinging it
 ]
 
 

@@ -84,6 +84,7 @@ def grpc_options(config: MasterConfig) -> list[tuple[str, int]]:
         ("grpc.max_connection_idle_ms", int(config.idle_timeout_s * 1000)),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # the ping's own wait (default 60 s)
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
         ("grpc.so_reuseport", 0),  # a second master on the same port must fail, not share it

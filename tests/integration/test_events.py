@@ -468,3 +468,28 @@ def test_opening_a_stream_to_a_stopped_master_ends_within_the_clients_timeout(cl
         assert raised.value.status == Status.TIMEOUT
     finally:
         cluster.master.popen.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_an_open_stream_to_a_master_that_stops_answering_breaks(cluster: Cluster):
+    """An open stream whose master stopped answering (SIGSTOP: a frozen host, or one cut off with
+    no reset) blocked its reader for good, so a router never went looking for the new leader. The
+    client's channels ping while a call is open (gRPC keepalive): an unanswered ping breaks the
+    stream (ConnectError, as a restart does) within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS."""
+    import signal
+    import time
+
+    from kvtier.common.channels import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+
+    client = cluster.client()
+    reader = Reader(client.watch_events())
+    client.put("before", b"b")
+    reader.take(1)
+    cluster.master.popen.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        broken = reader._queue.get(timeout=(KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 15)
+        assert isinstance(broken, ConnectError), repr(broken)
+        assert time.monotonic() - started < (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 5
+    finally:
+        cluster.master.popen.send_signal(signal.SIGCONT)
