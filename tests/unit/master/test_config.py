@@ -230,3 +230,21 @@ def test_etcd_security_options_need_etcd_and_go_together(tmp_path):
         MasterConfig(etcd="127.0.0.1:2379", etcd_cert_file=str(pem), etcd_key_file=str(pem)).validate()
     ok = MasterConfig(etcd="127.0.0.1:2379", etcd_ca_file=str(pem), etcd_cert_file=str(pem), etcd_key_file=str(pem))
     assert ok.validate().etcd_security.tls
+
+
+def test_a_put_backpressure_past_half_the_write_grant_is_a_warning_at_start(caplog):
+    """A put waits for offload at most half its write grant (min(put_timeout_s, lease_s) / 2): a
+    longer put_backpressure_s was cut silently, and the operator believed puts waited that long."""
+    import logging
+
+    from kvtier.master.server import check_startup
+
+    config = MasterConfig(listen="127.0.0.1:0", state_dir="none", put_backpressure_s=20.0, lease_s=10.0)
+    with caplog.at_level(logging.WARNING, logger="kvtier.master.server"):
+        check_startup(config.validate())
+    [warning] = [r.getMessage() for r in caplog.records if "put_backpressure_s" in r.getMessage()]
+    assert "5" in warning and "lease_s" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.master.server"):
+        check_startup(MasterConfig(listen="127.0.0.1:0", state_dir="none", put_backpressure_s=4.0).validate())
+    assert not [r for r in caplog.records if "put_backpressure_s" in r.getMessage()]
