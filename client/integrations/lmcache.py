@@ -186,8 +186,10 @@ def key_world_size(config: Any, metadata: Any) -> int:
     return int(metadata.world_size)
 
 
-def lmcache_identity(config: Any, metadata: Any, *, revision: str = "") -> Identity:
+def lmcache_identity(config: Any, metadata: Any, *, revision: str = "", variant: str = "") -> Identity:
     """The identity of a connector's chunks, from LMCache's engine config and metadata; validated.
+    `variant`: what else the engine's KV depends on that LMCache does not say (the operator's
+    `model_variant`: weight quantization, RoPE overrides), as text.
 
     Raises LMCacheIdentityError for an unseeded hash, layer-wise storage or the cachegen serde.
     """
@@ -226,6 +228,7 @@ def lmcache_identity(config: Any, metadata: Any, *, revision: str = "") -> Ident
         tp_size=world,
         tp_rank=0 if use_mla else int(metadata.worker_id),
         rankless=use_mla,
+        extra=f"variant={variant}" if variant else "",
     )
     try:
         return identity.validate()
@@ -290,7 +293,12 @@ class KvtierConnector(RemoteConnector):
         if not self.settings.enabled:
             logger.info("kvtier lmcache connector disabled (enabled=false or KVTIER_DISABLE): nothing stored or found")
             return
-        self.identity = lmcache_identity(config, metadata, revision=str(options.get("kvtier_model_revision", "")))
+        self.identity = lmcache_identity(
+            config,
+            metadata,
+            revision=str(options.get("kvtier_model_revision", "")),
+            variant=str(options.get("kvtier_model_variant", "")),
+        )
         self.namespace = self.identity.namespace(self.settings.namespace_prefix)
         self._client = self.settings.client(self.namespace, rank=self._worker)
         threads = max(1, int(options.get("kvtier_threads", DEFAULT_THREADS)))

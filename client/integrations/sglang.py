@@ -246,9 +246,11 @@ def sglang_identity(storage_config: HiCacheStorageConfig, pool: Any, extra: dict
         f"flat={flat.numel() * flat.element_size()}",
     ]
     # The served model name is an alias the operator picks (two checkpoints may share it): the
-    # weights' path and quantization, where SGLang publishes them, tell such deployments apart.
-    for name, key in (("model_path", "path"), ("quantization", "quant")):
-        if value := _engine_model_setting(name):
+    # weights' path and quantization, where SGLang publishes them, tell such deployments apart; and
+    # overrides of the model's config (--json-model-override-args: rope scaling or theta change every
+    # cached key's rotation) make other KV from the same weights.
+    for name, key in (("model_path", "path"), ("quantization", "quant"), ("json_model_override_args", "overrides")):
+        if (value := _engine_model_setting(name)) and value != "{}":
             parts.append(f"{key}={value}")
     cp_size = getattr(storage_config, "attn_cp_size", 1)
     if cp_size > 1:

@@ -134,6 +134,11 @@ def vllm_identity(config: OffloadingConfig) -> Identity:
         "pcp_size": config.parallel.pcp_size,
         "dcp_size": config.parallel.dcp_size,
     }
+    # Other KV from the same checkpoint path (forward_engine_config): quantized weights, and RoPE
+    # scaling or theta overridden (the cached keys are rotated with them).
+    for name in ("quantization", "rope"):
+        if value := _option(extra, name, ""):
+            detail[name] = str(value)
     return Identity(
         engine="vllm",
         model=config.model.name,
@@ -720,7 +725,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
 def forward_engine_config(vllm_config: Any, extra: dict[str, Any]) -> dict[str, Any]:
     """Put what vLLM 0.33 does not hand an OffloadingSpec into its extra config: the prefix hash
-    scheme and model revision vLLM really runs with (IdentityError when the config says otherwise),
+    scheme, model revision, weight quantization and RoPE settings vLLM really runs with (IdentityError
+    when the config says otherwise),
     the spec to load, and failed loads reported as invalid blocks."""
     extra.setdefault("spec_name", "KvtierOffloadingSpec")
     extra.setdefault("spec_module_path", __name__)
@@ -728,6 +734,8 @@ def forward_engine_config(vllm_config: Any, extra: dict[str, Any]) -> dict[str, 
     facts = {
         "prefix_caching_hash_algo": str(vllm_config.cache_config.prefix_caching_hash_algo),
         "model_revision": str(getattr(model, "revision", None) or ""),
+        "quantization": str(getattr(model, "quantization", None) or ""),
+        "rope": _rope_of(model),
     }
     for name, value in facts.items():
         given = _option(extra, name, None)
@@ -736,6 +744,18 @@ def forward_engine_config(vllm_config: Any, extra: dict[str, Any]) -> dict[str, 
         extra[name] = value
     extra["fold_load_errors"] = True
     return extra
+
+
+def _rope_of(model: Any) -> str:
+    """The RoPE settings vLLM runs the model with (its HF text config, --hf-overrides applied), as
+    canonical JSON; "" when there are none to see."""
+    config = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    rope = {
+        name: value
+        for name in ("rope_parameters", "rope_scaling", "rope_theta")
+        if (value := getattr(config, name, None)) is not None
+    }
+    return json.dumps(rope, sort_keys=True, separators=(",", ":"), default=str) if rope else ""
 
 
 def _connector_class() -> type:

@@ -565,7 +565,9 @@ def test_same_identity_shares_other_dtype_or_world_size_only_misses(cluster, eng
     fp16 = engines(cluster.master_address, dtype=torch.float16)
     tp2 = engines(cluster.master_address, world_size=2, worker_id=0)
     other_model = engines(cluster.master_address, model="kvtier-test/other")
-    for other in (fp16, tp2, other_model):
+    # quantized weights or a RoPE override of the same model name: LMCache's metadata does not tell
+    quantized = engines(cluster.master_address, settings={"model_variant": "quantization=fp8"})
+    for other in (fp16, tp2, other_model, quantized):
         own = other.keys(tokens(5))
         assert [k.chunk_hash for k in own] == [k.chunk_hash for k in keys]  # the hashes collide...
         assert other.lookup(own) == 0  # ...the identity keeps them apart

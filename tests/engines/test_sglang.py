@@ -302,6 +302,23 @@ def test_same_identity_shares_and_another_dtype_layout_tp_or_model_gets_only_mis
         assert not pool.kv_buffer.view(torch.uint8).any(), f"{what}: bytes of another identity were loaded"
 
 
+def test_model_overrides_and_quantization_sglang_runs_with_reach_the_identity(cluster, attach, monkeypatch):
+    """One model path with --json-model-override-args (a RoPE scaling, say) makes other KV than
+    without: such deployments shared a namespace. What SGLang publishes of them reaches the identity."""
+    import kvtier.client.integrations.sglang as adapter
+
+    plain = attach(mha_pool())
+    settings = {"model_path": "/models/llama", "json_model_override_args": "{}"}
+    monkeypatch.setattr(adapter, "_engine_model_setting", lambda name: settings.get(name))
+    with_path = attach(mha_pool())
+    assert with_path.namespace != plain.namespace, "the weights' path is part of it"
+    settings["json_model_override_args"] = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
+    overridden = attach(mha_pool())
+    settings["quantization"] = "fp8"
+    quantized = attach(mha_pool())
+    assert len({with_path.namespace, overridden.namespace, quantized.namespace}) == 3
+
+
 def test_mla_pages_are_shared_by_every_tp_rank_and_size_but_not_across_pp_stages(cluster, attach):
     pool_a = mla_pool()
     randomize(pool_a)

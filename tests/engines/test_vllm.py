@@ -8,6 +8,7 @@ with CPU tensors as the KV cache.
 from __future__ import annotations
 
 import importlib
+import json
 import pickle
 import signal
 import sys
@@ -331,6 +332,25 @@ def _vllm_connector_modules() -> SimpleNamespace:
         get_hash_fn_by_name=get_hash_fn_by_name,
         kv_cache_utils=kv_cache_utils,
     )
+
+
+def test_quantization_and_rope_vllm_runs_with_reach_the_identity(cluster, engines):
+    """Two deployments of one checkpoint path differing only in weight quantization or RoPE scaling
+    (the cached keys are rotated with it) shared a namespace: one read the other's KV as its own."""
+    vllm = _vllm_connector_modules()
+    text_config = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0}, rope_theta=None)
+    model = SimpleNamespace(revision="", quantization="fp8", hf_text_config=text_config)
+    extra = forward_engine_config(SimpleNamespace(cache_config=vllm.CacheConfig(), model_config=model), {})
+    assert extra["quantization"] == "fp8"
+    assert json.loads(extra["rope"]) == {"rope_parameters": {"factor": 4.0, "rope_type": "yarn"}}
+
+    keys = prefix_keys(2)
+    writer = engines(cluster)
+    writer.fill([0, 1], seed=3)
+    assert writer.store(keys, [0, 1]).success
+    others = [engines(cluster, {"quantization": "fp8"}), engines(cluster, {"rope": extra["rope"]})]
+    assert [o.lookup(keys) for o in others] == [0, 0]
+    assert engines(cluster).lookup(keys) == 2
 
 
 def test_kvtier_connector_turns_failed_loads_into_blocks_vllm_recomputes(cluster, engines):
