@@ -90,6 +90,8 @@ def segment_dict(s: Any) -> dict[str, Any]:
         "heartbeat_age_ms": s.heartbeat_age_ms,
         "ssd_capacity": s.ssd_capacity,
         "ssd_used": s.ssd_used,
+        # what the SSD tier can hold now: ssd_capacity, or less when its file system has less room
+        "ssd_usable": s.ssd_usable,
         "ssd_objects": s.ssd_objects,
         "disk_engine": s.disk_engine,
         "offload": s.offload,
@@ -105,6 +107,14 @@ def segment_dict(s: Any) -> dict[str, Any]:
         "quarantined": s.quarantined,
         "quarantine_left_s": round(s.quarantine_left_s, 1),
     }
+
+
+def ssd_text(s: dict[str, Any]) -> str:
+    """The SSD column: the tier's capacity, and what its file system holds when that is less."""
+    text = format_size(s["ssd_capacity"])
+    if 0 < s["ssd_usable"] < s["ssd_capacity"]:
+        text += f" (fs: {format_size(s['ssd_usable'])})"
+    return text
 
 
 def state_text(s: dict[str, Any]) -> str:
@@ -184,7 +194,7 @@ def cmd_status(opts: argparse.Namespace) -> int:
                 format_size(s["dram_capacity"]),
                 format_size(s["dram_used"]),
                 str(s["objects"]),
-                f"{format_size(ssd)} ({s['disk_engine'] or '?'})" if ssd else "-",
+                f"{ssd_text(s)} ({s['disk_engine'] or '?'})" if ssd else "-",
                 format_size(s["ssd_used"]) if ssd else "-",
                 str(s["ssd_objects"]) if ssd else "-",
                 f"{s['heartbeat_age_ms']}ms",
@@ -221,9 +231,9 @@ def cmd_segments(opts: argparse.Namespace) -> int:
                 format_size(s["dram_used"]),
                 percent(s["dram_used"], s["dram_capacity"]),
                 str(s["objects"]),
-                format_size(ssd) if ssd else "-",
+                ssd_text(s) if ssd else "-",
                 format_size(s["ssd_used"]) if ssd else "-",
-                percent(s["ssd_used"], ssd),
+                percent(s["ssd_used"], min(ssd, s["ssd_usable"] or ssd)),
                 str(s["ssd_objects"]) if ssd else "-",
                 f"{s['heartbeat_age_ms']}ms",
                 format_size(s["dram_bytes_served"]),

@@ -20,13 +20,15 @@ from kvtier.proto.status import Status
 
 logger = logging.getLogger(__name__)
 
-# Per-segment byte counters a heartbeat carries and Status repeats (see HeartbeatRequest).
+# Per-segment byte counters (and the SSD tier's room now) a heartbeat carries and Status repeats
+# (see HeartbeatRequest).
 _IO_COUNTERS = (
     "dram_bytes_served",
     "ssd_bytes_served",
     "disk_bytes_read",
     "ssd_bytes_offloaded",
     "direct_reads_served",
+    "ssd_usable",
 )
 
 

@@ -192,7 +192,7 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served")
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served", "ssd_usable")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SSD_USED_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class HeartbeatRequest(_message.Message):
     WALL_CLOCK_MS_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SSD_USABLE_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     ssd_used: int
     dram_bytes_served: int
@@ -213,7 +214,8 @@ class HeartbeatRequest(_message.Message):
     wall_clock_ms: int
     rtt_ms: int
     direct_reads_served: int
-    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ...) -> None: ...
+    ssd_usable: int
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms", "direct_read_lease_ms")
@@ -646,7 +648,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "direct_reads_served", "clock_skew_s", "clock_skewed", "quarantined", "quarantine_left_s")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "direct_reads_served", "ssd_usable", "clock_skew_s", "clock_skewed", "quarantined", "quarantine_left_s")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +668,7 @@ class SegmentInfo(_message.Message):
     DISK_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    SSD_USABLE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEW_S_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEWED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
@@ -689,11 +692,12 @@ class SegmentInfo(_message.Message):
     disk_bytes_read: int
     ssd_bytes_offloaded: int
     direct_reads_served: int
+    ssd_usable: int
     clock_skew_s: float
     clock_skewed: bool
     quarantined: bool
     quarantine_left_s: float
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., quarantine_left_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., quarantine_left_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only", "eviction_policy")

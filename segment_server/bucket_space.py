@@ -79,6 +79,12 @@ class BucketSpace:
         ignores an ask that deleting every sealed bucket could not give)."""
         self._wanted = max(self._wanted, needed)
 
+    @property
+    def usable(self) -> int:
+        """What the tier can hold now (`_ceiling`), for status: --ssd-size alone overstated a tier
+        whose file system holds less."""
+        return self._ceiling()
+
     def _ceiling(self) -> int:
         """What the tier can hold now: its capacity, or less when its file system has less room left
         (smaller than --ssd-size, or shared): ENOSPC below the watermarks must free buckets too."""

@@ -250,6 +250,14 @@ class SegmentCollector(Collector):
                 self._name,
                 self._store.used,
             )
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_ssd_usable_bytes",
+                "Bytes the SSD tier can hold now: its capacity, or less when its file system has less room "
+                "(bucket files plus the file system's free space).",
+                self._name,
+                self._store.usable,
+            )
         feed = self._feed()
         yield _one(
             GaugeMetricFamily,

@@ -465,6 +465,7 @@ def _report(
     return {
         "direct_reads_served": keyed.stats.served,
         "ssd_used": store.used if store is not None else 0,
+        "ssd_usable": store.usable if store is not None else 0,
         "dram_bytes_served": stats.bytes_read,
         "ssd_bytes_served": stats.ssd_bytes_served,
         "disk_bytes_read": _disk_bytes_read(),

@@ -479,3 +479,35 @@ def test_a_device_failing_writes_under_the_file_system_leaves_no_visible_copy(fa
         assert bare_cluster.wait_for(lambda: "reported disk inventory" in proc.tail(400), timeout=15)
         sources(client, keys)
         assert client.batch_get(doomed) == [None] * len(doomed), "a removed key came back"
+
+
+def test_status_says_what_an_ssd_tier_on_a_smaller_file_system_can_hold(small_fs, bare_cluster):
+    """`kvtier status` and the segment's metrics said 256 MiB for a tier whose file system holds
+    10 MiB: ssd_usable (heartbeat, status, `kvtier segments --json`, a gauge) says what it can hold."""
+    import json
+    import sys
+
+    bare_cluster.start_master()
+    segment = start_segment(bare_cluster, small_fs, ssd_size="256MiB")
+    with bare_cluster.client() as client:
+        assert bare_cluster.wait_for(lambda: segment_info(client).ssd_usable > 0, timeout=15)
+        info = segment_info(client)
+        assert info.ssd_capacity == 256 * MiB
+        assert 0 < info.ssd_usable <= 10 * MiB
+        listed = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", "segments", "--json", "--master", bare_cluster.master_address],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        )
+        [row] = json.loads(listed.stdout)
+        assert row["ssd_capacity"] == 256 * MiB and 0 < row["ssd_usable"] <= 10 * MiB
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", "status", "--master", bare_cluster.master_address],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout.decode()
+        assert "256.0 MiB (fs: " in shown, shown
+    samples = scrape(segment.info["metrics"])
+    assert 0 < value(samples, "kvtier_segment_ssd_usable_bytes", segment="ssd0") <= 10 * MiB
