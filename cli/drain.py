@@ -53,6 +53,8 @@ def drain_segment(
     while time.monotonic() < deadline:
         start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
         if not start.keys:
+            if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
+                continue
             if not left:
                 break
             time.sleep(0.2)  # only pending puts remain: wait for them to finish or be reclaimed

@@ -33,6 +33,7 @@ tables through MasterState's public methods (see its module docstring).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 
 _OK = int(Status.OK)
 _NOT_FOUND = int(Status.NOT_FOUND)
+# Names a drain's walk takes from the name index at a time: its time bound is checked between steps.
+_WALK_STEP = 64
 
 
 @dataclass(slots=True)
@@ -76,6 +79,9 @@ class MigrationBatch:
     # Keyed batches (`migrate_keys`): request position -> why that key does not move; the other
     # positions are `items`, in request order.
     refused: dict[int, int] = field(default_factory=dict)
+    # A drain's batch: its walk of the object names stopped at its time bound, not at the end (ask
+    # again, even when this batch is empty).
+    more: bool = False
 
 
 class Drainer:
@@ -85,6 +91,8 @@ class Drainer:
         self._moving: set[int] = set()  # id() of records with a migration in flight (a move: until its source goes)
         self._ids = itertools.count(1)
         self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
+        # Per draining segment, the last object name its walk visited ("" = from the start).
+        self._cursors: dict[int, str] = {}
 
     def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
@@ -98,6 +106,7 @@ class Drainer:
             segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
+        self._cursors.pop(segment.segment_id, None)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
         left, used, disk = segment.objects, segment.used, segment.ssd_objects
@@ -112,7 +121,14 @@ class Drainer:
         return bool(incarnation) and (name, incarnation) in self.drained
 
     def migrate_start(self, name: str, max_objects: int) -> tuple[Status, MigrationBatch | None]:
-        """Up to `max_objects` complete objects on draining segment `name`, with targets and source leases."""
+        """Up to `max_objects` complete objects on draining segment `name`, with targets and source leases.
+
+        The objects are found by a walk of the object names in order (kvtier.master.name_index) that
+        each call continues from where the last one stopped, for at most `list_page_ms` (the
+        batch's `more` then says so): every call walked every object from the start, on the event
+        loop, 1.5 s per batch at 1M objects, and a drain was quadratic in the object count. A walk
+        that reaches the end starts again at the next call (objects skipped, pending or moving,
+        are met again)."""
         segment = self._by_name(name)
         if segment is None:
             return Status.SEGMENT_NOT_FOUND, None
@@ -121,36 +137,55 @@ class Drainer:
         state = self.state
         now = state.clock()
         lease_until = now + state.config.lease_s
-        batch = MigrationBatch(next(self._ids), segment.segment_id, now)
+        batch = MigrationBatch(next(self._ids), segment.segment_id, now, more=True)
         targets = [s for s in state.segments.values() if s.placeable]
-        dram = segment.segment_id << 2 | TIER_DRAM
-        for record in state.records():
-            if len(batch.items) >= max_objects:
-                break
-            if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
-                continue
-            source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
-            if source is None:
-                source = self._last_disk_copy(record, segment.segment_id)
-                if source is None:
+        segment_id = segment.segment_id
+        dram = segment_id << 2 | TIER_DRAM
+        lookup = state.lookup
+        cursor = self._cursors.get(segment_id, "")
+        until = time.perf_counter() + state.config.list_page_ms / 1000
+        while len(batch.items) < max_objects:
+            names = state.names_after(cursor, "", _WALK_STEP)
+            for name_ in names:
+                cursor = name_
+                record = lookup(name_)
+                if record is None or record.state is not ObjectState.COMPLETE or id(record) in self._moving:
                     continue
-            holders = {replica_segment(r) for r in record.replicas}
-            # Quarantined segments last (kvtier.master.quarantine): the mover could not write there.
-            candidates = sorted(
-                (s for s in targets if s.segment_id not in holders),
-                key=lambda s: (
-                    s.segment_id in state.quarantined_ids,
-                    s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
-                ),
-            )
-            target = None
-            for candidate in candidates:
-                target = self._reserve(record, candidate, lease_until)
-                if target is not None:
+                source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
+                if source is None:
+                    source = self._last_disk_copy(record, segment_id)
+                    if source is None:
+                        continue
+                batch.items.append(Migration(record, source, self._target(record, targets, lease_until)))
+                if len(batch.items) >= max_objects:
                     break
-            batch.items.append(Migration(record, source, target))
+            if len(names) < _WALK_STEP and (not names or cursor == names[-1]):
+                batch.more, cursor = False, ""  # the end: the next call walks again from the start
+                break
+            if time.perf_counter() > until:
+                break
+        self._cursors[segment_id] = cursor
         self._batches[batch.migration_id] = batch
         return Status.OK, batch
+
+    def _target(self, record: ObjectRecord, targets: list[SegmentRecord], lease_until: float) -> int | None:
+        """A range for `record` on the ACTIVE segment holding none of its replicas that is least full
+        (quarantined ones last), reserved (`_reserve`); None: no room anywhere right now."""
+        state = self.state
+        holders = {replica_segment(r) for r in record.replicas}
+        # Quarantined segments last (kvtier.master.quarantine): the mover could not write there.
+        candidates = sorted(
+            (s for s in targets if s.segment_id not in holders),
+            key=lambda s: (
+                s.segment_id in state.quarantined_ids,
+                s.allocator.used / s.allocator.capacity if s.allocator.capacity else 1.0,
+            ),
+        )
+        for candidate in candidates:
+            target = self._reserve(record, candidate, lease_until)
+            if target is not None:
+                return target
+        return None
 
     def migrate_keys(
         self, namespace: str, keys: list[str], source_name: str, target_name: str, keep_source: bool
