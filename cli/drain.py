@@ -5,9 +5,9 @@ batches of objects with a leased source range and an allocated target range
 on another segment; this process copies each object over the data plane,
 verifies its CRC32C against the checksum recorded at PutEnd, writes it to
 the target and reports which moved. Bytes never pass through the master.
-When nothing is left (or nothing more can move, or the timeout passes) the
-segment is unmounted; objects that could not move are dropped, which for a
-cache means a later recompute, never a wrong answer.
+When nothing is left (or nothing moved for --stall-timeout seconds, or the
+timeout passes) the segment is unmounted; objects that could not move are
+dropped, which for a cache means a later recompute, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from kvtier.client.client import Client
 from kvtier.client.replicas import copy_batch
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.errors import KvtierError
+from kvtier.proto.status import Status
 
 _OK = 0
 
@@ -28,11 +30,34 @@ class DrainReport:
     segment: str
     moved: int = 0
     moved_bytes: int = 0
-    failed: int = 0  # copy, verification or the target's acknowledgement failed (the object stays where it was)
-    no_space: int = 0  # migrations refused for lack of room elsewhere
+    # Objects, not attempts (a retried object counts once), that had not moved when the drain ended:
+    failed: int = 0  # the copy, its verification or the target's acknowledgement failed
+    no_space: int = 0  # no room on any other segment
     dropped: int = 0  # DRAM replicas still on the segment when it was unmounted
-    dropped_ssd: int = 0  # disk copies on its SSD tier of objects held elsewhere too (or not moved): gone with it
+    dropped_ssd: int = 0  # disk copies left on its SSD tier: of objects held elsewhere too, or not moved
     state: str = ""
+
+
+class _Unmoved:
+    """Objects of the drain that have not moved (yet), each under the last reason: the summary counts
+    objects, where counting attempts said `no_space: 48` for 24 objects tried twice."""
+
+    def __init__(self, report: DrainReport) -> None:
+        self.report = report
+        self._why: dict[tuple[str, str], str] = {}
+
+    def note(self, key: tuple[str, str], why: str) -> None:
+        before = self._why.get(key)
+        if before != why:
+            if before is not None:
+                setattr(self.report, before, getattr(self.report, before) - 1)
+            self._why[key] = why
+            setattr(self.report, why, getattr(self.report, why) + 1)
+
+    def moved(self, key: tuple[str, str]) -> None:
+        before = self._why.pop(key, None)
+        if before is not None:
+            setattr(self.report, before, getattr(self.report, before) - 1)
 
 
 def drain_segment(
@@ -41,44 +66,63 @@ def drain_segment(
     *,
     batch: int = 256,
     timeout: float = 300.0,
+    stall_timeout: float = 30.0,
     progress: Callable[[DrainReport, int], None] | None = None,
 ) -> DrainReport:
-    """Drain `segment` and unmount it; raises KvtierError if the master refuses."""
+    """Drain `segment` and unmount it; raises KvtierError if the master refuses. Objects that find no
+    room or fail to copy are tried again while others move (a target's DRAM frees up as it offloads
+    to its SSD); after `stall_timeout` seconds in which nothing moved, the rest is given up."""
     master = client._master
     report = DrainReport(segment)
+    unmoved = _Unmoved(report)
     left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
     deadline = time.monotonic() + timeout
+    last_move = time.monotonic()
     # `left` counts DRAM objects; disk-only objects (moved too) show up in MigrateStart's batches only,
-    # so the last call to find nothing is MigrateStart's.
+    # and so do objects that cannot move yet (`waiting`): the last word is MigrateStart's.
     while time.monotonic() < deadline:
         start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
         if not start.keys:
             if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
                 continue
-            if not left:
+            if not left and not start.waiting:
                 break
-            time.sleep(0.2)  # only pending puts remain: wait for them to finish or be reclaimed
+            # pending puts, or copies, moves, promotions of the segment's objects in flight: they end,
+            # or are reclaimed, and the next walk meets what they left
+            time.sleep(0.2)
         else:
-            moved = _copy_batch(client, start, report)
-            ended = master.call(
-                "MigrateEnd",
-                pb.MigrateEndRequest(
-                    migration_id=start.migration_id,
-                    namespaces=list(start.namespaces),
-                    keys=list(start.keys),
-                    moved=moved,
-                ),
-            )
+            moved = _copy_batch(client, start, unmoved)
+            try:
+                statuses = master.call(
+                    "MigrateEnd",
+                    pb.MigrateEndRequest(
+                        migration_id=start.migration_id,
+                        namespaces=list(start.namespaces),
+                        keys=list(start.keys),
+                        moved=moved,
+                    ),
+                ).statuses
+            except KvtierError as exc:
+                if exc.status != Status.NOT_PENDING:
+                    raise
+                # The batch outlived its lease (a segment or this mover stalled): the master released
+                # it, and its objects are where they were, for a later walk.
+                statuses = [int(Status.NOT_PENDING)] * len(moved)
             # Moved is what the master answered OK: a copy whose target went before acknowledging it
             # (SEGMENT_NOT_FOUND), or whose object changed meanwhile, left the object where it was.
-            for i, (copied, status) in enumerate(zip(moved, ended.statuses, strict=True)):
+            for i, (copied, status) in enumerate(zip(moved, statuses, strict=True)):
+                key = (start.namespaces[i], start.keys[i])
                 if copied and status == _OK:
                     report.moved += 1
                     report.moved_bytes += start.sizes[i]
+                    unmoved.moved(key)
+                    last_move = time.monotonic()
                 elif copied:
-                    report.failed += 1
-            if not any(moved):  # nothing could move (no room, or copies failing): stop trying
-                break
+                    unmoved.note(key, "failed")
+            if not any(m and s == _OK for m, s in zip(moved, statuses, strict=True)):
+                if time.monotonic() - last_move > stall_timeout:
+                    break  # nothing moved for that long (no room elsewhere, copies failing): give up
+                time.sleep(0.5)
         left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
         if progress is not None:
             progress(report, left)
@@ -89,14 +133,14 @@ def drain_segment(
     return report
 
 
-def _copy_batch(client: Client, start: pb.MigrateStartResponse, report: DrainReport) -> list[bool]:
+def _copy_batch(client: Client, start: pb.MigrateStartResponse, unmoved: _Unmoved) -> list[bool]:
     """Copy and verify the batch (kvtier.client.replicas.copy_batch, shared with `kvtier replica`);
     which keys were copied (the master counts them moved, `drain_segment`)."""
     statuses = copy_batch(client, start)
     moved = [status == _OK for status in statuses]
-    for status, ok in zip(start.statuses, moved, strict=True):
+    for i, (status, ok) in enumerate(zip(start.statuses, moved, strict=True)):
         if status != _OK:
-            report.no_space += 1
+            unmoved.note((start.namespaces[i], start.keys[i]), "no_space")
         elif not ok:
-            report.failed += 1
+            unmoved.note((start.namespaces[i], start.keys[i]), "failed")
     return moved

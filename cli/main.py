@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drain.add_argument("--batch", type=_positive_int, default=256, help="objects per migration batch")
     drain.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up on the rest")
+    drain.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in which no object moved (no room elsewhere, copies failing) before giving up on the rest; "
+        "until then they are tried again (a target's DRAM frees up as it offloads to its SSD, once the copies "
+        "it just took are out of their migration lease, the master's lease_s)",
+    )
     drain.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
     from kvtier.cli.replica import add_parser as add_replica_parser

@@ -382,7 +382,12 @@ def cmd_drain(opts: argparse.Namespace) -> int:
     with client_cm as client:
         try:
             report = drain_segment(
-                client, opts.segment, batch=opts.batch, timeout=opts.timeout, progress=report_progress
+                client,
+                opts.segment,
+                batch=opts.batch,
+                timeout=opts.timeout,
+                stall_timeout=opts.stall_timeout,
+                progress=report_progress,
             )
         finally:
             progress.done()

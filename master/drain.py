@@ -82,6 +82,10 @@ class MigrationBatch:
     # A drain's batch: its walk of the object names stopped at its time bound, not at the end (ask
     # again, even when this batch is empty).
     more: bool = False
+    # A drain's batch ending a walk: the walk met objects of the segment that cannot move now (a put
+    # in progress, a copy, move or drain of them in flight, a promotion into the segment's DRAM):
+    # ask again after a while; finishing now would drop them with the segment.
+    waiting: bool = False
 
 
 class Drainer:
@@ -91,8 +95,10 @@ class Drainer:
         self._moving: set[int] = set()  # id() of records with a migration in flight (a move: until its source goes)
         self._ids = itertools.count(1)
         self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
-        # Per draining segment, the last object name its walk visited ("" = from the start).
+        # Per draining segment, the last object name its walk visited ("" = from the start), and how
+        # many of its objects this walk met that could not move then (MigrationBatch.waiting).
         self._cursors: dict[int, str] = {}
+        self._waiting: dict[int, int] = {}
 
     def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
@@ -107,6 +113,7 @@ class Drainer:
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
         self._cursors.pop(segment.segment_id, None)
+        self._waiting.pop(segment.segment_id, None)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
         left, used, disk = segment.objects, segment.used, segment.ssd_objects
@@ -143,28 +150,37 @@ class Drainer:
         dram = segment_id << 2 | TIER_DRAM
         lookup = state.lookup
         cursor = self._cursors.get(segment_id, "")
+        waiting = self._waiting.get(segment_id, 0)
         until = time.perf_counter() + state.config.list_page_ms / 1000
         while len(batch.items) < max_objects:
             names = state.names_after(cursor, "", _WALK_STEP)
             for name_ in names:
                 cursor = name_
                 record = lookup(name_)
-                if record is None or record.state is not ObjectState.COMPLETE or id(record) in self._moving:
+                if record is None:
+                    continue
+                if record.state is not ObjectState.COMPLETE or id(record) in self._moving:
+                    # Counted: a drain that finished past it dropped a disk-only object whose copy
+                    # (or whose drain by a second `kvtier drain`) was in flight, though it would
+                    # have been kept.
+                    waiting += on_segment(record.replicas, segment_id)
                     continue
                 source = next((r for r in record.replicas if r >> TIER_SHIFT == dram), None)
                 if source is None:
-                    source = self._last_disk_copy(record, segment_id)
+                    source, promoting = self._last_disk_copy(record, segment_id)
                     if source is None:
+                        waiting += promoting
                         continue
                 batch.items.append(Migration(record, source, self._target(record, targets, lease_until)))
                 if len(batch.items) >= max_objects:
                     break
             if len(names) < _WALK_STEP and (not names or cursor == names[-1]):
-                batch.more, cursor = False, ""  # the end: the next call walks again from the start
+                # The end: the next call walks again from the start.
+                batch.more, batch.waiting, cursor, waiting = False, waiting > 0, "", 0
                 break
             if time.perf_counter() > until:
                 break
-        self._cursors[segment_id] = cursor
+        self._cursors[segment_id], self._waiting[segment_id] = cursor, waiting
         self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
@@ -223,17 +239,18 @@ class Drainer:
             self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
-    def _last_disk_copy(self, record: ObjectRecord, segment_id: int) -> int | None:
+    def _last_disk_copy(self, record: ObjectRecord, segment_id: int) -> tuple[int | None, bool]:
         """The disk copy on draining segment `segment_id` of an object with no copy anywhere else (a
-        drain dropped those with the segment: acknowledged puts lost while others had room); None when
-        a copy elsewhere outlives the drain, or a promotion into this segment's DRAM is in flight (its
-        DRAM copy moves in a later batch)."""
+        drain dropped those with the segment: acknowledged puts lost while others had room), and
+        whether it must wait: (None, False) when a copy elsewhere outlives the drain; (None, True)
+        while a promotion into this segment's DRAM is in flight (its DRAM copy, or if the promotion
+        fails its disk copy, moves in a later batch)."""
         if any(replica_segment(r) != segment_id for r in record.replicas):
-            return None
+            return None, False
         if self.state.tiering.promotion_of(record.name) is not None:
-            return None
+            return None, True
         ssd = segment_id << 2 | TIER_SSD
-        return next((r for r in record.replicas if r >> TIER_SHIFT == ssd), None)
+        return next((r for r in record.replicas if r >> TIER_SHIFT == ssd), None), False
 
     def _source(self, record: ObjectRecord, segment_id: int) -> int | None:
         """A replica of `record` to read from, on `segment_id` or (0) on any live segment: a DRAM one,

@@ -51,7 +51,11 @@ class AdminCalls:
                 reason = "is not draining" if status == Status.INVALID_ARGUMENT else "does not exist"
                 return pb.MigrateStartResponse(status=status, error=f"segment {request.segment!r} {reason}")
         reply = pb.MigrateStartResponse(
-            status=Status.OK, migration_id=batch.migration_id, source_segment=batch.source_segment, more=batch.more
+            status=Status.OK,
+            migration_id=batch.migration_id,
+            source_segment=batch.source_segment,
+            more=batch.more,
+            waiting=batch.waiting,
         )
         no_space = int(Status.NO_SPACE)
         items = iter(batch.items)

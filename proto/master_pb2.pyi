@@ -526,7 +526,7 @@ class MigrateStartRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., max_objects: _Optional[int] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., target: _Optional[str] = ..., keep_source: _Optional[bool] = ...) -> None: ...
 
 class MigrateStartResponse(_message.Message):
-    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment", "source_tags", "target_tags", "tag_expiry_ms", "source_segments", "source_tiers", "more")
+    __slots__ = ("status", "error", "migration_id", "namespaces", "keys", "sizes", "checksums", "source_offsets", "statuses", "target_segments", "target_offsets", "segments", "source_segment", "source_tags", "target_tags", "tag_expiry_ms", "source_segments", "source_tiers", "more", "waiting")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -546,6 +546,7 @@ class MigrateStartResponse(_message.Message):
     SOURCE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIERS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     migration_id: int
@@ -565,7 +566,8 @@ class MigrateStartResponse(_message.Message):
     source_segments: _containers.RepeatedScalarFieldContainer[int]
     source_tiers: _containers.RepeatedScalarFieldContainer[Tier]
     more: bool
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ..., source_tags: _Optional[bytes] = ..., target_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ..., source_segments: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    waiting: bool
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., migration_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., source_offsets: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., target_segments: _Optional[_Iterable[int]] = ..., target_offsets: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[_Union[SegmentEndpoint, _Mapping]]] = ..., source_segment: _Optional[int] = ..., source_tags: _Optional[bytes] = ..., target_tags: _Optional[bytes] = ..., tag_expiry_ms: _Optional[int] = ..., source_segments: _Optional[_Iterable[int]] = ..., source_tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., more: _Optional[bool] = ..., waiting: _Optional[bool] = ...) -> None: ...
 
 class MigrateEndRequest(_message.Message):
     __slots__ = ("migration_id", "namespaces", "keys", "moved")

@@ -362,3 +362,23 @@ def test_a_drain_walks_the_objects_in_bounded_slices_continuing_where_it_stopped
     assert calls == 7, "405 names, 64 a call, each call going on from the last"
     assert sum(visited) <= 405 + drain._WALK_STEP
     assert_consistent(state)
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_drain_waits_for_a_copy_of_a_disk_only_object_in_flight(state, copied):
+    """A walk skipped a disk-only object whose copy or move (or another drain's batch) was in flight,
+    and `kvtier drain` finished past it: the object went with the segment though the copy would have
+    kept it. The walk now says it is waiting; once the copy ends, the object is held elsewhere (or,
+    the copy failed, the next walk takes it)."""
+    a = seg(state, "a")
+    assert state.tiering.report_disk_objects(a, [NS], ["d"], [KiB], [7], [1]) == [OK]
+    status, keyed = state.drainer.migrate_keys(NS, ["d"], "a", "b", True)
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert batch.items == [] and not batch.more and batch.waiting
+    assert state.drainer.migrate_end(keyed.migration_id, {(NS, "d"): copied})[1] == [
+        OK if copied else 0 or Status.NOT_PENDING
+    ]
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert not batch.waiting
+    assert [i.record.key for i in batch.items] == ([] if copied else ["d"])

@@ -808,3 +808,24 @@ def test_forgets_of_a_segment_that_leaves_are_owed(state):
     state.unmount_segment(seg)
     assert state.tiering.owed_forgets() == ({"a": [(1, object_name(NS, "k0"))]}, set())
     assert state.state_generation > state.durable_generation
+
+
+def test_a_drain_waits_for_a_promotion_into_the_draining_segment(state):
+    """A disk-only object being promoted into the draining segment's DRAM was skipped by the walk and
+    the drain finished past it, dropping it with the segment. The walk says it is waiting; the
+    promoted DRAM copy moves in the next batch."""
+    seg, disk = offloaded_k0(state)
+    mount_ssd(state, "b", 64 * KiB, offload=False)
+    read(state, "k0")
+    read(state, "k0")
+    [task] = disk.poll()
+    assert task.kind is TaskKind.PROMOTE
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 256)
+    assert "k0" not in [item.record.key for item in batch.items]
+    assert not batch.more and batch.waiting
+    state.drainer.migrate_end(batch.migration_id, {})  # nothing reported moved: every target released
+    assert disk.complete([task]) == [OK]
+    status, batch = state.drainer.migrate_start("a", 256)
+    assert "k0" in [item.record.key for item in batch.items] and not batch.waiting
+    assert_consistent(state)
