@@ -81,7 +81,12 @@ def drain_segment(
     # `left` counts DRAM objects; disk-only objects (moved too) show up in MigrateStart's batches only,
     # and so do objects that cannot move yet (`waiting`): the last word is MigrateStart's.
     while time.monotonic() < deadline:
-        start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
+        try:
+            start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
+        except KvtierError as exc:
+            if exc.status != Status.SEGMENT_NOT_FOUND:
+                raise
+            break  # another `kvtier drain` of it finished (the summary says DRAINED), or it went away
         if not start.keys:
             if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
                 continue

@@ -173,3 +173,30 @@ def test_objects_without_room_now_are_tried_again_while_the_target_offloads(bare
     assert report["state"] == "DRAINED"
     assert report["moved"] == len(keys) and report["dropped"] == 0 and report["no_space"] == 0, report
     assert client.batch_get(keys) == [value_for(k, MiB) for k in keys]
+
+
+def test_two_drains_of_one_segment_both_end_drained_and_lose_nothing(bare_cluster, tmp_path):
+    """Two `kvtier drain` runs at once: one finished while the other's batch was in flight, dropping
+    disk-only objects it was moving (`dropped: 0`), and the other failed SEGMENT_NOT_FOUND."""
+    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+
+    bare_cluster.start_master()
+    start_ssd_segment(bare_cluster, tmp_path / "ssd")
+    client = bare_cluster.client(transport="tcp")
+    keys = [f"ssd/{i}" for i in range(24)]
+    put_and_offload(bare_cluster, client, keys)
+    bare_cluster.start_segment("seg1", "128MiB")
+    runs = [
+        subprocess.Popen(
+            drain_args(bare_cluster, "ssd0", "--batch", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    reports = []
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err.decode()
+        reports.append(json.loads(out))
+    assert [r["state"] for r in reports] == ["DRAINED", "DRAINED"]
+    assert sum(r["moved"] for r in reports) == len(keys), reports
+    assert client.batch_get(keys) == [value_for(k, MiB) for k in keys]
