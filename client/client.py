@@ -57,7 +57,7 @@ from kvtier.client.transport.shm import local_host_id
 from kvtier.common.latency import LatencyHistogram
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError, TransportError
-from kvtier.proto.keys import check_key
+from kvtier.proto.keys import check_key, check_prefix
 from kvtier.proto.status import Status, to_status
 
 logger = logging.getLogger(__name__)
@@ -761,7 +761,8 @@ class Client(
     def remove_prefix(self, prefix: str) -> int:
         """Remove every object of this namespace whose key starts with `prefix`; the count removed.
         Put-time leases do not hold it back (as `force`)."""
-        reply = self._master.call("RemovePrefix", pb.RemovePrefixRequest(namespace=self.namespace, prefix=prefix))
+        request = pb.RemovePrefixRequest(namespace=self.namespace, prefix=check_prefix(prefix))
+        reply = self._master.call("RemovePrefix", request)
         return reply.removed
 
     @traced

@@ -24,6 +24,7 @@ import grpc
 
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import ConnectError, KvtierError
+from kvtier.proto.keys import check_prefix
 from kvtier.proto.status import Status, to_status
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ class EventWatching:
             values.append(KIND_VALUES[kind])
         request = pb.WatchEventsRequest(
             namespace="" if all_namespaces else self.namespace,
-            prefix=prefix,
+            prefix=check_prefix(prefix),
             since=since,
             epoch=epoch,
             kinds=values,

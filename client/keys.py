@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.proto import master_pb2 as pb
-from kvtier.proto.keys import check_key
+from kvtier.proto.keys import check_key, check_prefix
 from kvtier.proto.status import Status
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class KeyInspection:
             raise ValueError(f"limit must be at least 1, got {limit}")
         request = pb.ListKeysRequest(
             namespace=self.namespace,
-            prefix=prefix,
+            prefix=check_prefix(prefix),
             start_after=start_after,
             limit=limit,
             include_pending=include_pending,

@@ -93,6 +93,16 @@ def check_key(key: object) -> str:
     return key  # type: ignore[return-value]
 
 
+def check_prefix(prefix: object) -> str:
+    """Return a key prefix if some key could start with it ("" = every key), else raise
+    InvalidKeyError: a prefix no key can have (NUL, longer than a key, not UTF-8) listed, removed or
+    watched nothing, silently."""
+    problem = key_problem(prefix, what="prefix") if prefix != "" else None
+    if problem:
+        raise InvalidKeyError(f"{problem}: {prefix!r:.80}")
+    return prefix  # type: ignore[return-value]
+
+
 def check_namespace(namespace: object) -> str:
     """Return `namespace` if valid, else raise InvalidKeyError with the reason."""
     problem = key_problem(namespace, limit=MAX_NAMESPACE_BYTES, what="namespace")

@@ -54,6 +54,21 @@ def test_an_invalid_key_is_refused_by_every_call_before_anything_is_sent(client:
     assert client.stats() == {}, "nothing was counted: nothing was tried"
 
 
+@pytest.mark.parametrize("prefix", BAD_KEYS[1:], ids=BAD_KEY_IDS[1:])
+def test_a_prefix_no_key_can_have_is_refused_before_anything_is_sent(client: Client, prefix: str):
+    """A prefix with NUL or longer than any key listed, removed and watched nothing, silently (the
+    master was asked, and answered 0). "" stays every key."""
+    calls = [
+        lambda: client.list_keys(prefix),
+        lambda: next(client.iter_keys(prefix)),
+        lambda: client.remove_prefix(prefix),
+        lambda: client.watch_events(prefix),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidKeyError, match="prefix"):
+            call()
+
+
 def test_a_key_that_is_not_a_string_is_invalid(client: Client):
     with pytest.raises(InvalidKeyError):
         client.batch_put([b"bytes"], [b"v"])
