@@ -23,6 +23,7 @@ from kvtier.proto.errors import KvtierError
 from kvtier.proto.status import Status
 
 _OK = 0
+_NOT_FOUND = int(Status.NOT_FOUND)
 
 
 @dataclass
@@ -54,7 +55,8 @@ class _Unmoved:
             self._why[key] = why
             setattr(self.report, why, getattr(self.report, why) + 1)
 
-    def moved(self, key: tuple[str, str]) -> None:
+    def forget(self, key: tuple[str, str]) -> None:
+        """`key` moved, or is not the drain's to move any more (removed, put again)."""
         before = self._why.pop(key, None)
         if before is not None:
             setattr(self.report, before, getattr(self.report, before) - 1)
@@ -78,24 +80,33 @@ def drain_segment(
     left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
     deadline = time.monotonic() + timeout
     last_move = time.monotonic()
+    walk_found = False  # the master's current walk has handed out objects (MigrateStart's `more`)
     # `left` counts DRAM objects; disk-only objects (moved too) show up in MigrateStart's batches only,
-    # and so do objects that cannot move yet (`waiting`): the last word is MigrateStart's.
+    # and so do objects that cannot move yet (`waiting`): the last word is a whole walk's that found
+    # nothing. (The empty call that ends a walk says nothing of objects handed out earlier in it.)
     while time.monotonic() < deadline:
         try:
             start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
         except KvtierError as exc:
             if exc.status != Status.SEGMENT_NOT_FOUND:
                 raise
-            break  # another `kvtier drain` of it finished (the summary says DRAINED), or it went away
-        if not start.keys:
-            if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
-                continue
+            # Another `kvtier drain` of it finished: the finish below answers DRAINED, with what this
+            # drain moved (the other reports what it dropped); or it went away: the finish raises.
+            break
+        if start.keys:
+            walk_found = start.more  # a batch that ends its walk: the next call begins another
+        elif start.more:  # the master's walk stopped at its time bound: it goes on at the next call
+            continue
+        else:
+            found, walk_found = walk_found, False
+            if found:
+                continue  # the next walk meets again what the last one handed out and did not move
             if not left and not start.waiting:
                 break
             # pending puts, or copies, moves, promotions of the segment's objects in flight: they end,
             # or are reclaimed, and the next walk meets what they left
             time.sleep(0.2)
-        else:
+        if start.keys:
             moved = _copy_batch(client, start, unmoved)
             try:
                 statuses = master.call(
@@ -110,17 +121,19 @@ def drain_segment(
             except KvtierError as exc:
                 if exc.status != Status.NOT_PENDING:
                     raise
-                # The batch outlived its lease (a segment or this mover stalled): the master released
-                # it, and its objects are where they were, for a later walk.
+                # The batch outlived the put timeout (a segment or this mover stalled): the master
+                # released it, and its objects are where they were, for a later walk.
                 statuses = [int(Status.NOT_PENDING)] * len(moved)
             # Moved is what the master answered OK: a copy whose target went before acknowledging it
             # (SEGMENT_NOT_FOUND), or whose object changed meanwhile, left the object where it was.
             for i, (copied, status) in enumerate(zip(moved, statuses, strict=True)):
                 key = (start.namespaces[i], start.keys[i])
-                if copied and status == _OK:
+                if status == _NOT_FOUND:  # removed or put again meanwhile: not the drain's to move
+                    unmoved.forget(key)
+                elif copied and status == _OK:
                     report.moved += 1
                     report.moved_bytes += start.sizes[i]
-                    unmoved.moved(key)
+                    unmoved.forget(key)
                     last_move = time.monotonic()
                 elif copied:
                     unmoved.note(key, "failed")

@@ -14,7 +14,7 @@ SEGMENT_NOT_FOUND (kvtier.master.commit_wait). Anything else releases the
 target. An object whose only copy is on the draining segment's SSD tier moves
 too: the drainer reads the disk copy (READ_DISK, verified) into a DRAM range
 elsewhere, and the disk copy is tombstoned once the target acknowledged; a disk
-copy of an object held elsewhere goes with the segment. `drain(finish=True)`
+copy of an object held on a segment that stays goes with the segment. `drain(finish=True)`
 unmounts the segment; objects that could not be moved are dropped (a cache can
 always recompute them). The drained
 incarnation (name + region nonce) is refused if its process mounts again, so
@@ -112,8 +112,6 @@ class Drainer:
             segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         self.drained.add((name, segment.incarnation))
-        self._cursors.pop(segment.segment_id, None)
-        self._waiting.pop(segment.segment_id, None)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
         left, used, disk = segment.objects, segment.used, segment.ssd_objects
@@ -175,14 +173,34 @@ class Drainer:
                 if len(batch.items) >= max_objects:
                     break
             if len(names) < _WALK_STEP and (not names or cursor == names[-1]):
-                # The end: the next call walks again from the start.
-                batch.more, batch.waiting, cursor, waiting = False, waiting > 0, "", 0
+                # The end: the next call walks again from the start. Waiting too: objects of the
+                # segment in another mover's batch (a second `kvtier drain` taking them earlier in
+                # this same walk, which a drain finishing now would drop under it).
+                batch.more, cursor = False, ""
+                batch.waiting = waiting > 0 or self._in_flight_from(segment_id, batch)
+                waiting = 0
                 break
             if time.perf_counter() > until:
                 break
         self._cursors[segment_id], self._waiting[segment_id] = cursor, waiting
-        self._batches[batch.migration_id] = batch
+        if batch.items:  # else nothing to end or release: an empty batch was kept until the put timeout
+            self._batches[batch.migration_id] = batch
         return Status.OK, batch
+
+    def _in_flight_from(self, segment_id: int, besides: MigrationBatch) -> bool:
+        """Whether a batch other than `besides`, not ended yet, reads an object from `segment_id`."""
+        return any(
+            replica_segment(item.source) == segment_id
+            for batch in self._batches.values()
+            if batch is not besides
+            for item in batch.items
+            if item.target is not None
+        )
+
+    def segment_dropped(self, segment_id: int) -> None:
+        """Its walk's state goes with it (a draining segment expelled or unmounted, or drained)."""
+        self._cursors.pop(segment_id, None)
+        self._waiting.pop(segment_id, None)
 
     def _target(self, record: ObjectRecord, targets: list[SegmentRecord], lease_until: float) -> int | None:
         """A range for `record` on the ACTIVE segment holding none of its replicas that is least full
@@ -240,13 +258,17 @@ class Drainer:
         return Status.OK, batch
 
     def _last_disk_copy(self, record: ObjectRecord, segment_id: int) -> tuple[int | None, bool]:
-        """The disk copy on draining segment `segment_id` of an object with no copy anywhere else (a
-        drain dropped those with the segment: acknowledged puts lost while others had room), and
-        whether it must wait: (None, False) when a copy elsewhere outlives the drain; (None, True)
-        while a promotion into this segment's DRAM is in flight (its DRAM copy, or if the promotion
-        fails its disk copy, moves in a later batch)."""
-        if any(replica_segment(r) != segment_id for r in record.replicas):
-            return None, False
+        """The disk copy on draining segment `segment_id` of an object with no copy that outlives the
+        drain (a drain dropped those with the segment: acknowledged puts lost while others had
+        room), and whether it must wait: (None, False) when a copy on a segment that stays holds it
+        (not draining too, not dropped and still being swept); (None, True) while a promotion into
+        this segment's DRAM is in flight (its DRAM copy, or if the promotion fails its disk copy,
+        moves in a later batch)."""
+        segments = self.state.segments
+        for packed in record.replicas:
+            holder = segments.get(replica_segment(packed))
+            if holder is not None and holder.segment_id != segment_id and holder.state is not SegmentState.DRAINING:
+                return None, False
         if self.state.tiering.promotion_of(record.name) is not None:
             return None, True
         ssd = segment_id << 2 | TIER_SSD

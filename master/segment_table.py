@@ -265,6 +265,7 @@ class SegmentTable:
         if self._segments_by_name.get(segment.name) == segment_id:
             del self._segments_by_name[segment.name]
         self.tiering.segment_dropped(segment_id)
+        self.drainer.segment_dropped(segment_id)
         self.upserts.segment_dropped(segment_id)  # new versions written there can never complete
         if reason in EXPULSIONS:
             self.lease_expiries["segment"] += 1

@@ -1,0 +1,144 @@
+"""`kvtier drain`'s loop (kvtier.cli.drain) against the master's Drainer in process: when it may stop.
+
+The master's calls are routed to a real `MasterState` (its Drainer, its tables); only the data
+plane's copy is played (every object with a target copies), and time is a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cli import drain as cli_drain
+from kvtier.master.records import TIER_SSD, replica_tier
+from kvtier.proto import master_pb2 as pb
+from kvtier.proto.status import Status
+from tests.unit.master.accounting import assert_consistent, segment_indexes
+from tests.unit.master.test_eviction import NS, KiB, make_state, put
+from tests.unit.master.test_state import FakeClock
+from tests.unit.master.test_tiering import mount_ssd
+
+OK = Status.OK
+
+
+@pytest.fixture
+def state():
+    state = make_state(FakeClock())
+    for name in ("a", "b", "c"):
+        mount_ssd(state, name, 16 * KiB, offload=False)
+    return state
+
+
+def seg(state, name: str) -> int:
+    return state.segment_named(name).segment_id
+
+
+class InProcessMaster:
+    """The drain's three calls, answered by `state.drainer` as the master's handlers would."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.starts: list[list[str]] = []
+
+    def call(self, method: str, request):
+        drainer = self.state.drainer
+        if method == "DrainSegment":
+            status, left, _, name, disk = drainer.drain(request.segment, request.finish)
+            return pb.DrainSegmentResponse(status=status, objects_left=left, state=name, ssd_objects_left=disk)
+        if method == "MigrateStart":
+            status, batch = drainer.migrate_start(request.segment, request.max_objects)
+            reply = pb.MigrateStartResponse(status=status, migration_id=batch.migration_id)
+            reply.more, reply.waiting = batch.more, batch.waiting
+            for item in batch.items:
+                reply.namespaces.append(item.record.namespace)
+                reply.keys.append(item.record.key)
+                reply.sizes.append(item.record.size)
+                reply.statuses.append(OK if item.target is not None else Status.NO_SPACE)
+            self.starts.append(list(reply.keys))
+            return reply
+        if method == "MigrateEnd":
+            moved = dict(zip(zip(request.namespaces, request.keys, strict=True), request.moved, strict=True))
+            status, statuses, _ = drainer.migrate_end(request.migration_id, moved)
+            segment_indexes(self.state)  # the targets acknowledge
+            return pb.KeyStatusResponse(status=status, statuses=statuses)
+        raise AssertionError(method)
+
+
+class Client:
+    def __init__(self, master: InProcessMaster) -> None:
+        self._master = master
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(cli_drain, "time", fake)
+    # the data plane: every object that got a target copies
+    monkeypatch.setattr(cli_drain, "copy_batch", lambda client, start: [int(s) for s in start.statuses])
+    return fake
+
+
+def test_disk_only_objects_without_room_are_tried_again_until_the_stall_timeout(state, clock):
+    """The empty call that ends a walk said nothing of the objects the walk handed out before it: the
+    drain stopped there, after one try of two disk-only objects that found no room, not after
+    --stall-timeout (objects of other segments after them in name order end such walks)."""
+    a = seg(state, "a")
+    assert state.tiering.report_disk_objects(a, [NS, NS], ["d0", "d1"], [32 * KiB] * 2, [7, 7], [1, 2]) == [OK, OK]
+    for i in range(3):
+        put(state, f"z{i}", preferred_segment="b")
+    master = InProcessMaster(state)
+    report = cli_drain.drain_segment(Client(master), "a", batch=2, stall_timeout=30.0, timeout=600)
+    assert report.state == "DRAINED"
+    assert report.no_space == 2 and report.dropped_ssd == 2, "two objects, however often they were tried"
+    assert clock.now >= 30.0 and master.starts.count(["d0", "d1"]) > 2
+
+
+def test_a_drain_ending_a_walk_another_drain_took_objects_in_is_told_to_wait(state):
+    """Two drains share the segment's walk: the second's call that ended it found nothing and said
+    nothing waited, so it finished the segment under the first one's batch (both objects lost)."""
+    a = seg(state, "a")
+    assert state.tiering.report_disk_objects(a, [NS, NS], ["d0", "d1"], [KiB] * 2, [7, 7], [1, 2]) == [OK, OK]
+    for i in range(3):
+        put(state, f"z{i}", preferred_segment="b")
+    drainer = state.drainer
+    assert drainer.drain("a", finish=False)[0] == OK
+    _, first = drainer.migrate_start("a", 2)
+    assert [item.record.key for item in first.items] == ["d0", "d1"]
+    _, second = drainer.migrate_start("a", 2)
+    assert second.items == [] and not second.more and second.waiting
+    assert drainer.migrate_end(first.migration_id, {(NS, "d0"): True, (NS, "d1"): True})[1] == [OK, OK]
+    segment_indexes(state)
+    _, third = drainer.migrate_start("a", 2)
+    assert third.items == [] and not third.waiting
+    assert state.get_replicas(NS, ["d0", "d1"]).statuses == [OK, OK]
+    assert_consistent(state)
+
+
+def test_a_disk_copy_whose_other_copies_drain_too_or_went_is_moved(state):
+    """A disk copy counted as 'held elsewhere' if any other replica existed: on a segment draining
+    too (each drain left it to the other), or on a dropped segment not swept yet. Both lost it."""
+    a, b = seg(state, "a"), seg(state, "b")
+    assert state.tiering.report_disk_objects(a, [NS], ["x"], [KiB], [7], [1]) == [OK]
+    assert state.tiering.report_disk_objects(b, [NS], ["x"], [KiB], [7], [1]) == [OK]
+    put(state, "y", preferred_segment="b")
+    assert state.tiering.report_disk_objects(a, [NS], ["y"], [KiB], [7], [2]) == [OK]
+    assert state.drainer.drain("b", finish=False)[0] == OK
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    _, batch = state.drainer.migrate_start("a", 10)
+    taken = {item.record.key: replica_tier(item.source) for item in batch.items}
+    assert taken == {"x": TIER_SSD, "y": TIER_SSD}, "b drains too: its copies do not outlive a's drain"
+    state.drainer.migrate_end(batch.migration_id, {})
+
+    state.sweep_inline = False  # as the server runs: a dropped segment's copies are swept in slices
+    state.drop_segment(b, reason="heartbeat expired")
+    _, batch = state.drainer.migrate_start("a", 10)
+    assert {item.record.key for item in batch.items} == {"x", "y"}, "b is gone, its copies with it"
