@@ -354,7 +354,7 @@ def check_startup(config: MasterConfig) -> FileStateStore | None:
     if config.history_log:
         check_file_creatable(config.history_log, "--history-log")
     grant_s = min(config.put_timeout_s, config.lease_s)
-    if config.put_backpressure_s > grant_s / 2:
+    if config.dram_full_policy == "wait" and config.put_backpressure_s > grant_s / 2:
         logger.warning(
             "puts wait for offload at most %.3g s, not put_backpressure_s = %.3g: half their write grant, "
             "min(put_timeout_s, lease_s) = %.3g s (raise lease_s and put_timeout_s to wait longer)",

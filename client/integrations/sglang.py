@@ -41,6 +41,7 @@ Contracts:
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import threading
 import time
@@ -184,6 +185,17 @@ def _pick(config: dict, name: str, default: Any = None) -> Any:
     return config.get(f"kvtier_{name}", config.get(name, default))
 
 
+def _canonical(value: Any) -> Any:
+    """A JSON text in one spelling (sorted keys, no spaces), so equal overrides written apart give one
+    identity; anything else as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            return value
+    return value
+
+
 def _engine_model_setting(name: str) -> Any:
     """A model setting SGLang published for this process (`--kv-cache-dtype`, `--revision`), or None
     when there is none (a test, or an SGLang without the runtime context)."""
@@ -250,7 +262,7 @@ def sglang_identity(storage_config: HiCacheStorageConfig, pool: Any, extra: dict
     # overrides of the model's config (--json-model-override-args: rope scaling or theta change every
     # cached key's rotation) make other KV from the same weights.
     for name, key in (("model_path", "path"), ("quantization", "quant"), ("json_model_override_args", "overrides")):
-        if (value := _engine_model_setting(name)) and value != "{}":
+        if (value := _canonical(_engine_model_setting(name))) and value != "{}":
             parts.append(f"{key}={value}")
     cp_size = getattr(storage_config, "attn_cp_size", 1)
     if cp_size > 1:

@@ -314,6 +314,9 @@ def test_model_overrides_and_quantization_sglang_runs_with_reach_the_identity(cl
     assert with_path.namespace != plain.namespace, "the weights' path is part of it"
     settings["json_model_override_args"] = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
     overridden = attach(mha_pool())
+    settings["json_model_override_args"] = '{"rope_scaling":{"factor":4.0,"rope_type":"yarn"}}'
+    assert attach(mha_pool()).namespace == overridden.namespace, "the same overrides, spelt otherwise"
+    settings["json_model_override_args"] = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}'
     settings["quantization"] = "fp8"
     quantized = attach(mha_pool())
     assert len({with_path.namespace, overridden.namespace, quantized.namespace}) == 3

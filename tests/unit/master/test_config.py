@@ -247,4 +247,6 @@ def test_a_put_backpressure_past_half_the_write_grant_is_a_warning_at_start(capl
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvtier.master.server"):
         check_startup(MasterConfig(listen="127.0.0.1:0", state_dir="none", put_backpressure_s=4.0).validate())
+        dropping = MasterConfig(listen="127.0.0.1:0", state_dir="none", put_backpressure_s=20.0, lease_s=10.0)
+        check_startup(dataclasses.replace(dropping, dram_full_policy="drop").validate())  # puts never wait
     assert not [r for r in caplog.records if "put_backpressure_s" in r.getMessage()]
