@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 
 _OK = int(Status.OK)
 _NOT_FOUND = int(Status.NOT_FOUND)
+# Drained incarnations remembered (and saved): a drained process mounts again within a heartbeat
+# interval or two and exits, so only recent ones matter; this bounds what a long-lived cluster keeps.
+MAX_DRAINED = 1024
 # Names a drain's walk takes from the name index at a time: its time bound is checked between steps.
 _WALK_STEP = 64
 
@@ -94,7 +97,9 @@ class Drainer:
         self._batches: dict[int, MigrationBatch] = {}
         self._moving: set[int] = set()  # id() of records with a migration in flight (a move: until its source goes)
         self._ids = itertools.count(1)
-        self.drained: set[tuple[str, str]] = set()  # (segment name, incarnation)
+        # (segment name, incarnation) -> None, oldest first: saved with the master's state
+        # (kvtier.master.persist), so a restart right after a drain does not let it mount again.
+        self.drained: dict[tuple[str, str], None] = {}
         # Per draining segment, the last object name its walk visited ("" = from the start), and how
         # many of its objects this walk met that could not move then (MigrationBatch.waiting).
         self._cursors: dict[int, str] = {}
@@ -111,12 +116,18 @@ class Drainer:
         if not finish:
             segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
-        self.drained.add((name, segment.incarnation))
+        self.remember_drained(name, segment.incarnation)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
         left, used, disk = segment.objects, segment.used, segment.ssd_objects
         self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED", disk
+
+    def remember_drained(self, name: str, incarnation: str) -> None:
+        """Refuse this incarnation of `name` from now on (the most recent MAX_DRAINED are kept)."""
+        self.drained[(name, incarnation)] = None
+        while len(self.drained) > MAX_DRAINED:
+            del self.drained[next(iter(self.drained))]
 
     def moving(self, record: ObjectRecord) -> bool:
         """Whether a copy, move or drain of `record` is in flight (a move: until its source went)."""

@@ -13,6 +13,9 @@ registers), off the event loop:
   index is stale: told to discard it when they mount again, in any later
   incarnation (saved before the calls that waited on them answer);
 - `epoch`: standalone only, so the next incarnation's epoch is larger;
+- `drained`: [segment name, incarnation] of segments drained lately (kvtier.master.drain): a drained
+  process that mounts again is told SEGMENT_DRAINED and exits, also after a master restart (it came
+  back ACTIVE when the restart fell between the drain's end and its process noticing);
 - `direct_read_lease_ms`: the longest direct-read lease a segment may still hold from this
   incarnation (or, until its own fence passed, from one before it): the next incarnation answers
   no change before that long, whatever its own `heartbeat_interval_s` (docs/architecture.md,
@@ -58,6 +61,7 @@ class SavedState:
     expelled: list[str] = field(default_factory=list)  # segments whose DRAM index is stale
     direct_read_lease_ms: int = 0  # the longest lease a segment may hold from the incarnations so far
     owed_forgets: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # segment -> (location, name)
+    drained: list[tuple[str, str]] = field(default_factory=list)  # (segment name, incarnation), oldest first
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -75,6 +79,7 @@ class SavedState:
                 str(segment): [(int(location), str(name)) for location, name in pairs]
                 for segment, pairs in raw.get("owed_forgets", {}).items()
             },
+            drained=[(str(name), str(incarnation)) for name, incarnation in raw.get("drained", [])],
         )
 
 

@@ -202,6 +202,8 @@ class Roles:
                     logger.error("saved registration of instance %s is invalid: %s", instance, exc)
         if saved is not None:
             state.tiering.restore_owed(saved.owed_forgets)
+            for name, incarnation in saved.drained:
+                state.drainer.remember_drained(name, incarnation)
         if loaded and not isinstance(self.store, NoStateStore):
             state.begin_recovery(
                 set(saved.segments) if saved else set(),
@@ -276,6 +278,7 @@ class Roles:
                 expelled=sorted(state.expelled | overflowed),
                 direct_read_lease_ms=math.ceil(lease_s * 1000),
                 owed_forgets=owed,
+                drained=list(state.drainer.drained),
             )
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.store.save, saved)

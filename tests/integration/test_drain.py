@@ -200,3 +200,28 @@ def test_two_drains_of_one_segment_both_end_drained_and_lose_nothing(bare_cluste
     assert [r["state"] for r in reports] == ["DRAINED", "DRAINED"]
     assert sum(r["moved"] for r in reports) == len(keys), reports
     assert client.batch_get(keys) == [value_for(k, MiB) for k in keys]
+
+
+def test_a_drained_segment_stays_drained_across_a_master_restart(bare_cluster):
+    """A master restarted between a drain's end and its segment noticing had forgotten the drain: the
+    drained process mounted again, ACTIVE, and took new objects its host was about to take away."""
+    import signal
+    import time
+
+    bare_cluster.start_master()
+    seg0 = bare_cluster.start_segment("seg0", "64MiB")
+    bare_cluster.start_segment("seg1", "64MiB")
+    client = bare_cluster.client()
+    master = client._master
+    assert master.call("DrainSegment", pb.DrainSegmentRequest(segment="seg0")).state == "DRAINING"
+    seg0.popen.send_signal(signal.SIGSTOP)  # it cannot notice the drain's end before the restart
+    try:
+        assert master.call("DrainSegment", pb.DrainSegmentRequest(segment="seg0", finish=True)).state == "DRAINED"
+        saved = bare_cluster.state_dir("master") / "master-state.json"
+        assert bare_cluster.wait_for(lambda: "seg0" not in json.loads(saved.read_text())["segments"], timeout=10)
+        bare_cluster.restart_master()
+    finally:
+        seg0.popen.send_signal(signal.SIGCONT)
+    assert seg0.popen.wait(timeout=60) == 0, "told SEGMENT_DRAINED again, it exits"
+    time.sleep(1)
+    assert [s.name for s in bare_cluster.client().cluster_status().segments] == ["seg1"]

@@ -25,6 +25,7 @@ def saved() -> SavedState:
         expelled=["seg-old"],
         direct_read_lease_ms=8000,
         owed_forgets={"seg1": [(1 << 20 | 5, "default\x00k")]},
+        drained=[("seg-gone", "a1b2c3")],
     )
 
 
