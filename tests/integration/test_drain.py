@@ -39,6 +39,22 @@ def value_of(key: str, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def offloaded(cluster, tmp_path, target_dram: str = "128MiB") -> tuple:
+    """A master, an SSD segment `ssd0` holding 24 objects of 1 MiB put at a pace its offload keeps
+    (some on SSD only), then a segment `seg1` of `target_dram`: (client, keys, the SSD-only keys)."""
+    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment
+
+    cluster.start_master()
+    start_ssd_segment(cluster, tmp_path / "ssd")
+    client = cluster.client(transport="tcp")
+    keys = [f"ssd/{i}" for i in range(24)]
+    put_and_offload(cluster, client, keys)
+    cluster.start_segment("seg1", target_dram)
+    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
+    assert len(disk_only) >= 2, "some objects live on SSD only"
+    return client, keys, disk_only
+
+
 def test_drain_moves_every_object_then_the_segment_exits(cluster):
     client = cluster.client(transport="tcp")
     keys = [f"d/{i}" for i in range(20)]
@@ -103,16 +119,9 @@ def test_disk_only_objects_move_into_dram_elsewhere_and_only_redundant_disk_copi
     """A drain moved DRAM copies only: every SSD-only object went with the segment (acknowledged puts
     lost while another segment had room for them). Their disk copies are read (READ_DISK, verified)
     and written to DRAM elsewhere now; only disk copies of objects that moved anyway are dropped."""
-    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+    from tests.integration.test_ssd_tier import value_for
 
-    bare_cluster.start_master()
-    start_ssd_segment(bare_cluster, tmp_path / "ssd")
-    client = bare_cluster.client(transport="tcp")
-    keys = [f"ssd/{i}" for i in range(24)]
-    put_and_offload(bare_cluster, client, keys)
-    bare_cluster.start_segment("seg1", "256MiB")  # room for every object
-    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
-    assert disk_only, "some objects live on SSD only"
+    client, keys, disk_only = offloaded(bare_cluster, tmp_path, "256MiB")  # room for every object
     disk_copies = sum(1 for k in keys if "ssd" in [r["tier"] for r in client.locate(k)])
     report = drain(bare_cluster, "ssd0")
     assert report["state"] == "DRAINED"
@@ -127,15 +136,9 @@ def test_a_drain_waits_for_a_copy_of_a_disk_only_object_in_flight(bare_cluster, 
     batch) was in flight: the object went with the segment, `dropped: 0`, though the copy would have
     kept it. The drain now waits for the copy, and the object lives on."""
     from kvtier.client.replicas import copy_batch
-    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+    from tests.integration.test_ssd_tier import value_for
 
-    bare_cluster.start_master()
-    start_ssd_segment(bare_cluster, tmp_path / "ssd")
-    client = bare_cluster.client(transport="tcp")
-    keys = [f"ssd/{i}" for i in range(24)]
-    put_and_offload(bare_cluster, client, keys)
-    bare_cluster.start_segment("seg1", "128MiB")
-    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
+    client, keys, disk_only = offloaded(bare_cluster, tmp_path)
     slow = disk_only[0]
     request = pb.MigrateStartRequest(namespace=client.namespace, keys=[slow], segment="ssd0", target="seg1")
     start = client._master.call("MigrateStart", request)  # a slow copier's copy of it, in flight
@@ -178,14 +181,9 @@ def test_objects_without_room_now_are_tried_again_while_the_target_offloads(bare
 def test_two_drains_of_one_segment_both_end_drained_and_lose_nothing(bare_cluster, tmp_path):
     """Two `kvtier drain` runs at once: one finished while the other's batch was in flight, dropping
     disk-only objects it was moving (`dropped: 0`), and the other failed SEGMENT_NOT_FOUND."""
-    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+    from tests.integration.test_ssd_tier import value_for
 
-    bare_cluster.start_master()
-    start_ssd_segment(bare_cluster, tmp_path / "ssd")
-    client = bare_cluster.client(transport="tcp")
-    keys = [f"ssd/{i}" for i in range(24)]
-    put_and_offload(bare_cluster, client, keys)
-    bare_cluster.start_segment("seg1", "128MiB")
+    client, keys, _ = offloaded(bare_cluster, tmp_path)
     runs = [
         subprocess.Popen(
             drain_args(bare_cluster, "ssd0", "--batch", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE

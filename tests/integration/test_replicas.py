@@ -263,19 +263,12 @@ def test_ssd_only_objects_are_copied_and_moved_from_their_disk_copies_with_capab
     """An object whose only copy is on SSD answered REPLICA_NOT_FOUND to a copy or move. The copier
     reads the disk copy now (READ_DISK, under its own tag when the cluster has a secret) into a
     DRAM replica elsewhere; a move then tombstones the disk copy."""
+    from tests.integration.test_drain import offloaded
     from tests.integration.test_security import secret_file
-    from tests.integration.test_ssd_tier import put_and_offload, start_ssd_segment, value_for
+    from tests.integration.test_ssd_tier import value_for
 
-    cluster = bare_cluster
-    cluster.secret_file = secret_file(tmp_path, "cluster.secret")
-    cluster.start_master()
-    start_ssd_segment(cluster, tmp_path / "ssd")
-    client = cluster.client(transport="tcp")
-    keys = [f"ssd/{i}" for i in range(24)]
-    put_and_offload(cluster, client, keys)
-    cluster.start_segment("seg1", "64MiB")
-    disk_only = [k for k in keys if [r["tier"] for r in client.locate(k)] == ["ssd"]]
-    assert len(disk_only) >= 2, "some objects live on SSD only"
+    bare_cluster.secret_file = secret_file(tmp_path, "cluster.secret")
+    client, _, disk_only = offloaded(bare_cluster, tmp_path, "64MiB")
     copied, moved = disk_only[0], disk_only[1]
 
     assert client.copy_replica(copied, "seg1") == Status.OK
