@@ -148,6 +148,22 @@ class Cluster:
         """Send `sig` and wait (10 s at most) for the process to exit."""
         proc.kill(sig, timeout=10)
 
+    def freeze(self, proc: Proc) -> None:
+        """SIGSTOP `proc` and wait (5 s at most) until every thread of it is stopped: on a loaded
+        machine the signal takes effect only once each thread is scheduled again, and a call made
+        meanwhile could still be answered by the process meant to be frozen."""
+        proc.popen.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{proc.popen.pid}/task")
+
+        def stopped() -> bool:
+            try:
+                states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()]
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                return True  # gone: nothing of it runs
+            return all(state in ("T", "t") for state in states)
+
+        assert self.wait_for(stopped, timeout=5.0, interval=0.005), f"{proc} did not stop"
+
     def region_file(self, segment: str) -> Path:
         return Path(self.segments[segment].info["region"])
 

@@ -189,7 +189,7 @@ def test_a_stopped_segment_resumed_past_its_ttl_gets_back_every_untouched_object
     with cluster.client() as client:
         put_objects(client, [*keys, removed, reput], "s0")
         segment = cluster.segments["s0"]
-        segment.popen.send_signal(signal.SIGSTOP)
+        cluster.freeze(segment)
         try:
             assert cluster.wait_for(lambda: "s0" not in segment_names(client), timeout=cluster.segment_ttl_s * 5)
             client.remove(removed)  # already lost with s0 (NOT_FOUND), but removed all the same
@@ -248,7 +248,7 @@ def test_a_segment_stopped_before_acknowledging_its_relayed_puts_gets_them_back_
         assert relayed_put(client, [removed])
         assert relayed_put(client, keys)
         segment = cluster.segments["s0"]
-        segment.popen.send_signal(signal.SIGSTOP)  # before its acknowledgement can go
+        cluster.freeze(segment)  # before its acknowledgement can go
         try:
             assert cluster.wait_for(lambda: "s0" not in segment_names(client), timeout=cluster.segment_ttl_s * 5)
             client.remove(removed)  # lost with s0 (NOT_FOUND), but removed all the same
@@ -292,7 +292,7 @@ def test_a_put_answered_segment_not_found_does_not_come_back_with_its_segment(ba
     with cluster.client(transport="shm", timeout=cluster.segment_ttl_s * 5) as client:
         client.put("k", value_for("k"))
         segment = cluster.segments["s0"]
-        segment.popen.send_signal(signal.SIGSTOP)
+        cluster.freeze(segment)
         try:
             write = client.batch_upsert if how == "upsert" else client.batch_put
             key = "k" if how == "upsert" else "fresh"
