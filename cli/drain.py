@@ -77,13 +77,15 @@ def drain_segment(
     master = client._master
     report = DrainReport(segment)
     unmoved = _Unmoved(report)
-    left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
+    left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left  # marks it DRAINING
     deadline = time.monotonic() + timeout
     last_move = time.monotonic()
-    walk_found = False  # the master's current walk has handed out objects (MigrateStart's `more`)
-    # `left` counts DRAM objects; disk-only objects (moved too) show up in MigrateStart's batches only,
-    # and so do objects that cannot move yet (`waiting`): the last word is a whole walk's that found
-    # nothing. (The empty call that ends a walk says nothing of objects handed out earlier in it.)
+    walk_found = walk_moved = False  # what the master's current walk handed out, and moved
+    # What to move and what to wait for (`waiting`: pending puts, copies, moves, promotions in flight)
+    # is MigrateStart's to say: `left` (DRAM objects, for the progress line) has neither the disk-only
+    # objects nor knows which replicas need no move. Every decision is taken where a walk ends
+    # (`more` false): the empty call that ends a walk says nothing of objects handed out earlier in
+    # it, and giving up in the middle of one never reached the objects after it (which might fit).
     while time.monotonic() < deadline:
         try:
             start = master.call("MigrateStart", pb.MigrateStartRequest(segment=segment, max_objects=batch))
@@ -94,61 +96,70 @@ def drain_segment(
             # drain moved (the other reports what it dropped); or it went away: the finish raises.
             break
         if start.keys:
-            walk_found = start.more  # a batch that ends its walk: the next call begins another
-        elif start.more:  # the master's walk stopped at its time bound: it goes on at the next call
+            walk_found = True
+            if _move_batch(client, start, report, unmoved):
+                walk_moved, last_move = True, time.monotonic()
+            left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
+            if progress is not None:
+                progress(report, left)
+        if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
             continue
-        else:
-            found, walk_found = walk_found, False
-            if found:
-                continue  # the next walk meets again what the last one handed out and did not move
-            if not left and not start.waiting:
+        found, moved, walk_found, walk_moved = walk_found, walk_moved, False, False
+        if found and not moved:
+            # A whole walk handed out objects and moved none (no room elsewhere, copies failing):
+            # the next one tries them again after a pause, until nothing moved for stall_timeout.
+            if time.monotonic() - last_move > stall_timeout:
+                break
+            time.sleep(0.5)
+        elif not found:
+            if not start.waiting:
+                # A whole walk found nothing to move and nothing to wait for. (DRAM objects may be
+                # left: replicas of objects every other segment holds already.)
                 break
             # pending puts, or copies, moves, promotions of the segment's objects in flight: they end,
             # or are reclaimed, and the next walk meets what they left
             time.sleep(0.2)
-        if start.keys:
-            moved = _copy_batch(client, start, unmoved)
-            try:
-                statuses = master.call(
-                    "MigrateEnd",
-                    pb.MigrateEndRequest(
-                        migration_id=start.migration_id,
-                        namespaces=list(start.namespaces),
-                        keys=list(start.keys),
-                        moved=moved,
-                    ),
-                ).statuses
-            except KvtierError as exc:
-                if exc.status != Status.NOT_PENDING:
-                    raise
-                # The batch outlived the put timeout (a segment or this mover stalled): the master
-                # released it, and its objects are where they were, for a later walk.
-                statuses = [int(Status.NOT_PENDING)] * len(moved)
-            # Moved is what the master answered OK: a copy whose target went before acknowledging it
-            # (SEGMENT_NOT_FOUND), or whose object changed meanwhile, left the object where it was.
-            for i, (copied, status) in enumerate(zip(moved, statuses, strict=True)):
-                key = (start.namespaces[i], start.keys[i])
-                if status == _NOT_FOUND:  # removed or put again meanwhile: not the drain's to move
-                    unmoved.forget(key)
-                elif copied and status == _OK:
-                    report.moved += 1
-                    report.moved_bytes += start.sizes[i]
-                    unmoved.forget(key)
-                    last_move = time.monotonic()
-                elif copied:
-                    unmoved.note(key, "failed")
-            if not any(m and s == _OK for m, s in zip(moved, statuses, strict=True)):
-                if time.monotonic() - last_move > stall_timeout:
-                    break  # nothing moved for that long (no room elsewhere, copies failing): give up
-                time.sleep(0.5)
-        left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
-        if progress is not None:
-            progress(report, left)
     finished = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, finish=True))
     report.dropped = finished.objects_left
     report.dropped_ssd = finished.ssd_objects_left
     report.state = finished.state
     return report
+
+
+def _move_batch(client: Client, start: pb.MigrateStartResponse, report: DrainReport, unmoved: _Unmoved) -> bool:
+    """Copy a batch and report it (MigrateEnd); whether any object of it moved."""
+    moved = _copy_batch(client, start, unmoved)
+    try:
+        statuses = client._master.call(
+            "MigrateEnd",
+            pb.MigrateEndRequest(
+                migration_id=start.migration_id,
+                namespaces=list(start.namespaces),
+                keys=list(start.keys),
+                moved=moved,
+            ),
+        ).statuses
+    except KvtierError as exc:
+        if exc.status != Status.NOT_PENDING:
+            raise
+        # The batch outlived the put timeout (a segment or this mover stalled): the master released
+        # it, and its objects are where they were, for a later walk.
+        statuses = [int(Status.NOT_PENDING)] * len(moved)
+    # Moved is what the master answered OK: a copy whose target went before acknowledging it
+    # (SEGMENT_NOT_FOUND), or whose object changed meanwhile, left the object where it was.
+    any_moved = False
+    for i, (copied, status) in enumerate(zip(moved, statuses, strict=True)):
+        key = (start.namespaces[i], start.keys[i])
+        if status == _NOT_FOUND:  # removed or put again meanwhile: not the drain's to move
+            unmoved.forget(key)
+        elif copied and status == _OK:
+            report.moved += 1
+            report.moved_bytes += start.sizes[i]
+            unmoved.forget(key)
+            any_moved = True
+        elif copied:
+            unmoved.note(key, "failed")
+    return any_moved
 
 
 def _copy_batch(client: Client, start: pb.MigrateStartResponse, unmoved: _Unmoved) -> list[bool]:

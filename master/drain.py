@@ -180,7 +180,10 @@ class Drainer:
                     if source is None:
                         waiting += promoting
                         continue
-                batch.items.append(Migration(record, source, self._target(record, targets, lease_until)))
+                target = self._target(record, targets, lease_until)
+                if target is None and self._nowhere_else_to_go(record, segment_id, targets):
+                    continue  # every other segment holds a copy already: this one just goes with it
+                batch.items.append(Migration(record, source, target))
                 if len(batch.items) >= max_objects:
                     break
             if len(names) < _WALK_STEP and (not names or cursor == names[-1]):
@@ -199,14 +202,15 @@ class Drainer:
         return Status.OK, batch
 
     def _in_flight_from(self, segment_id: int, besides: MigrationBatch) -> bool:
-        """Whether a batch other than `besides`, not ended yet, reads an object from `segment_id`."""
+        """Whether a batch other than `besides`, not ended yet, reads an object from `segment_id`, or an
+        upsert's new version written there is still pending (it is in no table the walk sees)."""
         return any(
             replica_segment(item.source) == segment_id
             for batch in self._batches.values()
             if batch is not besides
             for item in batch.items
             if item.target is not None
-        )
+        ) or any(on_segment(record.replicas, segment_id) for record in self.state.upserts.pending.values())
 
     def segment_dropped(self, segment_id: int) -> None:
         """Its walk's state goes with it (a draining segment expelled or unmounted, or drained)."""
@@ -268,6 +272,23 @@ class Drainer:
             self._batches[batch.migration_id] = batch
         return Status.OK, batch
 
+    def _stays_elsewhere(self, record: ObjectRecord, segment_id: int) -> bool:
+        """Whether `record` has a copy on a segment that outlives the drain of `segment_id`: mounted
+        (not dropped and still being swept), not draining too."""
+        segments = self.state.segments
+        for packed in record.replicas:
+            holder = segments.get(replica_segment(packed))
+            if holder is not None and holder.segment_id != segment_id and holder.state is not SegmentState.DRAINING:
+                return True
+        return False
+
+    def _nowhere_else_to_go(self, record: ObjectRecord, segment_id: int, targets: list[SegmentRecord]) -> bool:
+        """No segment a copy could go to holds none of `record` (every placeable one has a replica),
+        and a replica stays: the drain has nothing to do for it (a replicated object on two
+        segments, one draining, waited for --stall-timeout and was counted `no_space`)."""
+        holders = {replica_segment(r) for r in record.replicas}
+        return all(s.segment_id in holders for s in targets) and self._stays_elsewhere(record, segment_id)
+
     def _last_disk_copy(self, record: ObjectRecord, segment_id: int) -> tuple[int | None, bool]:
         """The disk copy on draining segment `segment_id` of an object with no copy that outlives the
         drain (a drain dropped those with the segment: acknowledged puts lost while others had
@@ -275,11 +296,8 @@ class Drainer:
         (not draining too, not dropped and still being swept); (None, True) while a promotion into
         this segment's DRAM is in flight (its DRAM copy, or if the promotion fails its disk copy,
         moves in a later batch)."""
-        segments = self.state.segments
-        for packed in record.replicas:
-            holder = segments.get(replica_segment(packed))
-            if holder is not None and holder.segment_id != segment_id and holder.state is not SegmentState.DRAINING:
-                return None, False
+        if self._stays_elsewhere(record, segment_id):
+            return None, False
         if self.state.tiering.promotion_of(record.name) is not None:
             return None, True
         ssd = segment_id << 2 | TIER_SSD

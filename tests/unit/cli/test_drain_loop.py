@@ -142,3 +142,29 @@ def test_a_disk_copy_whose_other_copies_drain_too_or_went_is_moved(state):
     state.drop_segment(b, reason="heartbeat expired")
     _, batch = state.drainer.migrate_start("a", 10)
     assert {item.record.key for item in batch.items} == {"x", "y"}, "b is gone, its copies with it"
+
+
+def test_giving_up_waits_for_the_end_of_a_walk_so_objects_after_the_full_ones_still_move(state, clock):
+    """Every batch that moved nothing slept and checked the stall timeout, mid-walk: objects without
+    room that sorted first used up --stall-timeout before the walk reached objects that fit (all 50 of
+    them lost in the tester's run). The timeout is checked only where a walk ends."""
+    a = seg(state, "a")
+    big = [f"a/{i}" for i in range(6)]  # no room anywhere (32 KiB each; the others hold 16 KiB)
+    assert state.tiering.report_disk_objects(a, [NS] * 6, big, [32 * KiB] * 6, [7] * 6, list(range(1, 7))) == [OK] * 6
+    small = [f"b/{i}" for i in range(4)]
+    for key in small:
+        put(state, key, size=64, preferred_segment="a")
+    report = cli_drain.drain_segment(Client(InProcessMaster(state)), "a", batch=1, stall_timeout=1.0, timeout=600)
+    assert report.moved == len(small) and report.no_space == len(big)
+    assert state.get_replicas(NS, small).statuses == [OK] * len(small)
+    assert clock.now >= 1.0, "the objects without room were tried again until the stall timeout"
+
+
+def test_an_object_every_other_segment_holds_already_is_no_work_for_a_drain(state, clock):
+    """A replicated object with a copy on every segment a copy could go to got no target, was counted
+    `no_space` and held the drain for --stall-timeout, though it loses nothing with the segment."""
+    put(state, "r", replicas=3)
+    report = cli_drain.drain_segment(Client(InProcessMaster(state)), "a", batch=4, stall_timeout=30.0, timeout=600)
+    assert (report.moved, report.no_space, report.dropped) == (0, 0, 1)
+    assert clock.now < 1.0
+    assert state.get_replicas(NS, ["r"]).statuses == [OK]
