@@ -77,7 +77,7 @@ def drain_segment(
     master = client._master
     report = DrainReport(segment)
     unmoved = _Unmoved(report)
-    left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left  # marks it DRAINING
+    master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment))  # marks it DRAINING
     deadline = time.monotonic() + timeout
     last_move = time.monotonic()
     walk_found = walk_moved = False  # what the master's current walk handed out, and moved

@@ -14,11 +14,11 @@ SEGMENT_NOT_FOUND (kvtier.master.commit_wait). Anything else releases the
 target. An object whose only copy is on the draining segment's SSD tier moves
 too: the drainer reads the disk copy (READ_DISK, verified) into a DRAM range
 elsewhere, and the disk copy is tombstoned once the target acknowledged; a disk
-copy of an object held on a segment that stays goes with the segment. `drain(finish=True)`
-unmounts the segment; objects that could not be moved are dropped (a cache can
-always recompute them). The drained
-incarnation (name + region nonce) is refused if its process mounts again, so
-it exits instead of coming back; a restarted process has a new nonce.
+copy of an object held on a segment that stays goes with the segment.
+`drain(finish=True)` unmounts the segment; objects that could not be moved are
+dropped (a cache can always recompute them). The drained incarnation (name +
+region nonce) is refused if its process mounts again, so it exits instead of
+coming back; a restarted process has a new nonce.
 
 Replica copies and moves (issue 21, kvtier.client.replicas, `kvtier replica`) use the same
 batches: `migrate_keys` names the keys, the target segment and optionally the source, and a copy
@@ -86,8 +86,9 @@ class MigrationBatch:
     # again, even when this batch is empty).
     more: bool = False
     # A drain's batch ending a walk: the walk met objects of the segment that cannot move now (a put
-    # in progress, a copy, move or drain of them in flight, a promotion into the segment's DRAM):
-    # ask again after a while; finishing now would drop them with the segment.
+    # in progress, a copy, move or drain of them in flight, a promotion into the segment's DRAM), or
+    # another mover's batch reads from it, or an upsert's new version there is pending
+    # (`_in_flight_from`): ask again after a while; finishing now would drop them with the segment.
     waiting: bool = False
 
 
