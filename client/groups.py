@@ -19,7 +19,8 @@ without their side-pool entry computes garbage, so neither must be returned with
   (`KeysRequest.group`); and when any member's bytes cannot be read or verified here, every key
   is a miss. So: every value, or None (a negative Status for `_into`) for every key. A member
   evicted, removed or lost with its segment makes the group a miss until it is put again; after a
-  master restart the group reads whole again once every member is back from a segment's DRAM.
+  master restart the group reads whole again once every member is back from a segment's DRAM or SSD
+  tier (a disk record keeps its member's group id).
 - The members stay ordinary objects: `get`, `exists`, `remove` work on each.
 """
 

@@ -22,10 +22,12 @@ may put such objects as one group (`PutEndRequest.group`) and read them back as 
   nothing.
 - A master restart (or a standby taking over) rebuilds records from the segments' inventories. Each
   group has a random 63-bit id; a member's commit notice names it and the member count (`tag_of`), the
-  segment keeps both in its DRAM index and reports them with the member (kvtier.segment_server.dram_index).
+  segment keeps both in its DRAM index and reports them with the member (kvtier.segment_server.dram_index);
+  an OFFLOAD names them too, and the disk record keeps them (kvtier.segment_server.bucket_format, version 2)
+  for the disk inventory (kvtier.master.tiering.report_disk_objects).
   The new incarnation forms the group again (`adopted`) once every one of its members was adopted
   under that id, each still the visible complete record adopted: a member missing (evicted, removed,
-  upserted, lost, offloaded: disk copies carry no id), or any member not adopted but known otherwise,
+  upserted, lost, offloaded before it joined the group), or any member not adopted but known otherwise,
   and the group stays unformed, a miss for every member, never a partial group. Members already
   stored when the group was put keep the id of the notice that committed them (their first group's,
   or none): such a group is not rebuilt (a miss until put again).

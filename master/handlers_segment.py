@@ -12,6 +12,7 @@ from kvtier.master.gates import rpc
 from kvtier.master.groups import GroupTable
 from kvtier.master.records import ObjectRecord
 from kvtier.master.recovery import DramObjects, inventory_done, report_dram_objects
+from kvtier.master.tier_tasks import TaskKind
 from kvtier.master.tiering import PROMOTE_WRITE_SHARE
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.auth import wall_ms
@@ -118,7 +119,11 @@ class SegmentCalls:
         reply = pb.PollTierTasksResponse(
             status=Status.OK, task_ttl_ms=ttl_ms, promote_by_ms=wall_ms() + int(ttl_ms * PROMOTE_WRITE_SHARE)
         )
+        groups = self.state.groups
+        tags: list[tuple[int, int]] = []
         for task in self.state.tiering.poll(request.segment_id, request.max_tasks or 256):
+            # An offloaded member keeps its group's tag on disk: a successor forms the group from it.
+            tags.append(groups.tag_of(task.record) if task.kind == TaskKind.OFFLOAD and task.record else (0, 0))
             namespace, key = split_name(task.name)
             reply.task_ids.append(task.task_id)
             reply.kinds.append(int(task.kind))
@@ -128,6 +133,9 @@ class SegmentCalls:
             reply.checksums.append(task.checksum)
             reply.dram_offsets.append(task.dram_offset)
             reply.disk_locations.append(task.disk_location)
+        if any(group_id for group_id, _ in tags):  # groups are rare: the columns only when one is there
+            reply.group_ids.extend(group_id for group_id, _ in tags)
+            reply.group_sizes.extend(size for _, size in tags)
         return reply
 
     @rpc(pb.KeyStatusResponse)
@@ -153,7 +161,7 @@ class SegmentCalls:
             == len(request.sizes)
             == len(request.checksums)
             == len(request.disk_locations)
-        ):
+        ) or not len(request.group_ids) == len(request.group_sizes) in (0, n):
             return pb.KeyStatusResponse(status=Status.INVALID_ARGUMENT, error="parallel arrays differ in length")
         return self._too_many(request.keys, pb.KeyStatusResponse)
 
@@ -168,6 +176,7 @@ class SegmentCalls:
             list(request.sizes),
             list(request.checksums),
             list(request.disk_locations),
+            list(zip(request.group_ids, request.group_sizes, strict=True)),
         )
         return pb.KeyStatusResponse(status=Status.OK, statuses=statuses)
 

@@ -515,11 +515,13 @@ class Tiering(ForgetBook):
         sizes: list[int],
         checksums: list[int],
         locations: list[int],
+        groups: list[tuple[int, int]] | None = None,
     ) -> list[int]:
         """Register a segment's disk copies. Per copy: OK (now a replica, or already one);
         CHECKSUM_MISMATCH (the master knows the key with other bytes: the segment must forget the
         copy); PUT_IN_PROGRESS (a put of the key is pending: not registered); INVALID_KEY; INVALID_ARGUMENT
-        (a size no segment could hold)."""
+        (a size no segment could hold). `groups`: empty, or per copy the group tag its record carries
+        (id, member count): a copy registered joins the forming of its group (GroupTable.adopted)."""
         state = self.state
         segment = state.segments[segment_id]
         now = state.clock()
@@ -560,6 +562,7 @@ class Tiering(ForgetBook):
                 out.append(int(Status.CHECKSUM_MISMATCH))
                 continue
             elif packed in record.replicas:
+                self._adopt_member(record, groups, len(out))
                 out.append(_OK)
                 continue
             elif any(r >> TIER_SHIFT == ssd_key(segment_id) for r in record.replicas):
@@ -569,10 +572,18 @@ class Tiering(ForgetBook):
                 record.replicas = (*record.replicas, packed)
                 state.events.changed(record, "recovered")
             segment.ssd_objects += 1
+            self._adopt_member(record, groups, len(out))
             out.append(_OK)
         if fence is not None:
             state.fences.readopted += out.count(_OK)
         return out
+
+    def _adopt_member(self, record: ObjectRecord, groups: list[tuple[int, int]] | None, index: int) -> None:
+        """The copy `index` of a disk inventory was registered as `record`: if its record carries a
+        group tag, the record counts toward forming that group again (after a master restart, or a
+        segment's return)."""
+        if groups and (tag := groups[index])[0]:
+            self.state.groups.adopted(record, *tag)
 
     def drop_disk_replicas(self, segment_id: int, namespaces: list[str], keys: list[str], locations: list[int]) -> int:
         """The segment is deleting these disk copies; objects left without replicas go. Copies dropped."""

@@ -904,7 +904,7 @@ class PollTierTasksRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., max_tasks: _Optional[int] = ..., wait_ms: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PollTierTasksResponse(_message.Message):
-    __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations", "task_ttl_ms", "promote_by_ms")
+    __slots__ = ("status", "error", "task_ids", "kinds", "namespaces", "keys", "sizes", "checksums", "dram_offsets", "disk_locations", "task_ttl_ms", "promote_by_ms", "group_ids", "group_sizes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TASK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -917,6 +917,8 @@ class PollTierTasksResponse(_message.Message):
     DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     TASK_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_BY_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     task_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -929,7 +931,9 @@ class PollTierTasksResponse(_message.Message):
     disk_locations: _containers.RepeatedScalarFieldContainer[int]
     task_ttl_ms: int
     promote_by_ms: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., task_ttl_ms: _Optional[int] = ..., promote_by_ms: _Optional[int] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., task_ids: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[_Union[TierTaskKind, str]]] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., dram_offsets: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., task_ttl_ms: _Optional[int] = ..., promote_by_ms: _Optional[int] = ..., group_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TierTasksDoneRequest(_message.Message):
     __slots__ = ("segment_id", "task_ids", "statuses", "disk_locations", "error", "epoch")
@@ -948,7 +952,7 @@ class TierTasksDoneRequest(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., task_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DiskObjectsRequest(_message.Message):
-    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "disk_locations", "epoch")
+    __slots__ = ("segment_id", "namespaces", "keys", "sizes", "checksums", "disk_locations", "epoch", "group_ids", "group_sizes")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -956,6 +960,8 @@ class DiskObjectsRequest(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DISK_LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     namespaces: _containers.RepeatedScalarFieldContainer[str]
     keys: _containers.RepeatedScalarFieldContainer[str]
@@ -963,7 +969,9 @@ class DiskObjectsRequest(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     disk_locations: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment_id: _Optional[int] = ..., namespaces: _Optional[_Iterable[str]] = ..., keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., disk_locations: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., group_ids: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PollCommitsRequest(_message.Message):
     __slots__ = ("segment_id", "acked_seq", "wait_ms", "max_notices", "epoch")

@@ -14,7 +14,12 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   (payload bytes), payload_crc u32 (CRC32C of the payload), cluster_crc u32 (CRC32C of the UTF-8
   cluster id), header_crc u32 (CRC32C of the header bytes with this field set to zero), then namespace
   bytes and key bytes (UTF-8). Field offsets: magic 0, version 4, flags 6, header_len 8, namespace_len
-  12, key_len 14, size 16, payload_crc 24, cluster_crc 28, header_crc 32, names 36. The payload
+  12, key_len 14, size 16, payload_crc 24, cluster_crc 28, header_crc 32, names 36.
+  Version 2 (an object put as a member of a group, kvtier.master.groups) is version 1 with a group
+  tag after the key: group id u64 (never 0) and member count u32, so header_len is 48 +
+  namespace_len + key_len; a master rebuilding from the disk inventory forms the group again.
+  Ungrouped objects and tombstones are written as version 1, which older readers keep reading (they
+  refuse a version 2 record, which then reads as a miss). The payload
   follows the header immediately (at record offset + header_len). The next record starts at the next
   4096-aligned offset after the payload. The bucket header holds the full cluster id; each record
   holds a CRC32C tag of it, so a record can be recognised as this cluster's on its own (recovery drops
@@ -48,6 +53,7 @@ import crc32c
 
 ALIGN = 4096
 FORMAT_VERSION = 1
+GROUPED_VERSION = 2  # a record with a group tag after its names (see the module docstring)
 FLAG_OBJECT = 0
 FLAG_TOMBSTONE = 1
 BUCKET_MAGIC = b"KVTB"
@@ -71,7 +77,8 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _TOMBSTONE_TARGET = _U64.size  # bytes per location in a tombstone payload
 _MAX_TOMBSTONE_TARGETS = 8192  # locations per tombstone record written (64 KiB of payload)
-_MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES
+_GROUP_TAG = struct.Struct("<QI")  # group id, member count: after the names of a GROUPED_VERSION record
+_MAX_HEADER_LEN = _RECORD_HEAD.size + 2 * MAX_NAME_BYTES + _GROUP_TAG.size
 _NAME_RE = re.compile(r"bucket-([0-9a-f]{16})\.kvb")
 # Space set aside on the file system for the writes that must not fail when it is full: tombstones
 # (a FORGET, a stale copy refused at mount), a new open bucket and a footer at recovery. Given back
@@ -90,6 +97,12 @@ class DiskRecord:
     key: str
     size: int  # payload bytes
     checksum: int  # CRC32C of the payload (== the object's checksum in the master)
+    group_id: int = 0  # the group it was put with (0: none) and its member count, from its header
+    group_size: int = 0
+
+    @property
+    def header_len(self) -> int:
+        return record_header_len(len(self.namespace.encode()), len(self.key.encode()), self.group_id)
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +128,8 @@ class Slot:
     namespace: str
     key: str
     checksum: int
+    group_id: int = 0
+    group_size: int = 0
 
     @property
     def location(self) -> int:
@@ -136,6 +151,8 @@ class _Head:
     cluster_crc: int  # CRC32C of the writer's cluster id: checked by the caller, not by _parse_header
     namespace: str
     key: str
+    group_id: int = 0  # GROUPED_VERSION: its group tag; 0 otherwise
+    group_size: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -173,13 +190,31 @@ def _header_crc(header: bytes | memoryview) -> int:
     return crc32c.crc32c(header[_HEADER_CRC_AT + 4 :], value=value)
 
 
-def _record_header(flags: int, namespace: bytes, key: bytes, size: int, payload_crc: int, cluster_crc: int) -> bytes:
+def record_header_len(namespace_len: int, key_len: int, group_id: int = 0) -> int:
+    """Bytes of an object record's header: its fixed part, its names and, when grouped, its group tag."""
+    return _RECORD_HEAD.size + namespace_len + key_len + (_GROUP_TAG.size if group_id else 0)
+
+
+def _record_header(
+    flags: int,
+    namespace: bytes,
+    key: bytes,
+    size: int,
+    payload_crc: int,
+    cluster_crc: int,
+    group: tuple[int, int] = (0, 0),
+) -> bytes:
+    """A record header; `group` (id, member count) with a non-zero id makes it a GROUPED_VERSION one."""
     n, k = len(namespace), len(key)
-    header_len = _RECORD_HEAD.size + n + k
+    group_id, group_size = group
+    header_len = record_header_len(n, k, group_id)
+    version = GROUPED_VERSION if group_id else FORMAT_VERSION
     header = bytearray(
-        _RECORD_HEAD.pack(RECORD_MAGIC, FORMAT_VERSION, flags, header_len, n, k, size, payload_crc, cluster_crc, 0)
+        _RECORD_HEAD.pack(RECORD_MAGIC, version, flags, header_len, n, k, size, payload_crc, cluster_crc, 0)
     )
     header += namespace + key
+    if group_id:
+        header += _GROUP_TAG.pack(group_id, group_size)
     _U32.pack_into(header, _HEADER_CRC_AT, crc32c.crc32c(header))
     return bytes(header)
 
@@ -193,12 +228,13 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
     )
     if magic != RECORD_MAGIC:
         raise RecordError(f"bad record magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, GROUPED_VERSION):
         raise RecordError(f"unknown record version {version}")
-    if flags not in (FLAG_OBJECT, FLAG_TOMBSTONE):
-        raise RecordError(f"unknown record flags {flags}")
-    if header_len != _RECORD_HEAD.size + ns_len + key_len:
-        raise RecordError(f"header_len {header_len} does not match name lengths {ns_len}+{key_len}")
+    if flags not in (FLAG_OBJECT, FLAG_TOMBSTONE) or (version == GROUPED_VERSION and flags != FLAG_OBJECT):
+        raise RecordError(f"unknown record flags {flags} (version {version})")
+    tag = _GROUP_TAG.size if version == GROUPED_VERSION else 0
+    if header_len != _RECORD_HEAD.size + ns_len + key_len + tag:
+        raise RecordError(f"header_len {header_len} does not match name lengths {ns_len}+{key_len} (version {version})")
     if len(buf) < header_len:
         raise RecordError(f"record header truncated: {len(buf)} of {header_len} bytes")
     if _header_crc(buf[:header_len]) != header_crc:
@@ -208,10 +244,15 @@ def _parse_header(buf: bytes | memoryview) -> _Head:
     names = _RECORD_HEAD.size
     try:
         namespace = bytes(buf[names : names + ns_len]).decode()
-        key = bytes(buf[names + ns_len : header_len]).decode()
+        key = bytes(buf[names + ns_len : names + ns_len + key_len]).decode()
     except UnicodeDecodeError as exc:
         raise RecordError(f"record name is not UTF-8: {exc}") from None
-    return _Head(flags, header_len, size, payload_crc, cluster_crc, namespace, key)
+    group_id = group_size = 0
+    if tag:
+        group_id, group_size = _GROUP_TAG.unpack_from(buf, header_len - tag)
+        if not group_id or not group_size:
+            raise RecordError(f"group tag {group_id:#x}/{group_size} names no group")
+    return _Head(flags, header_len, size, payload_crc, cluster_crc, namespace, key, group_id, group_size)
 
 
 def _read_index(fd: int, file_len: int) -> tuple[int | None, list[_Entry] | None]:

@@ -357,7 +357,9 @@ class BucketRecovery:
         if head.flags == FLAG_OBJECT:
             # Its payload is verified later, in the background (kvtier.segment_server.verifier); until
             # then every reader checks it against the master's checksum anyway.
-            bucket.live[location] = DiskRecord(location, head.namespace, head.key, head.size, head.payload_crc)
+            bucket.live[location] = DiskRecord(
+                location, head.namespace, head.key, head.size, head.payload_crc, head.group_id, head.group_size
+            )
             return
         payload = pages.pread(head.size, offset + head.header_len)
         if len(payload) == head.size and crc32c.crc32c(payload) == head.payload_crc:

@@ -31,7 +31,6 @@ from kvtier.segment_server.bucket_format import (
     _LOCATOR_BODY,
     _LOCATOR_SIZE,
     _MAX_TOMBSTONE_TARGETS,
-    _RECORD_HEAD,
     _U32,
     _U64,
     ALIGN,
@@ -441,21 +440,24 @@ class BucketStore(BucketSpace, BucketRecovery):
 
     # --- group appends (kvtier.segment_server.group_writer) -----------------------------------
 
-    def reserve(self, namespace: str, key: str, size: int, checksum: int) -> Slot | None:
+    def reserve(
+        self, namespace: str, key: str, size: int, checksum: int, group: tuple[int, int] = (0, 0)
+    ) -> Slot | None:
         """Reserve the next record's room in the open bucket; the caller writes header + payload at
         `slot.offset` (through `group_fd`) and then calls `commit`. Slots are contiguous.
 
         None when the record needs a new bucket while slots are outstanding: commit them, then ask
         again (a bucket is sealed only after every record in it is written). Raises DiskFull when
         the record (with reserved ones) would exceed capacity, ValueError for a name too long, and
-        the errors of rolling over to a new bucket.
+        the errors of rolling over to a new bucket. `group`: the object's group tag (id, member count),
+        kept in its header (kvtier.segment_server.bucket_format, version 2) when the id is not 0.
         """
         self._check_state()
         assert self._open is not None
         ns, kb = namespace.encode(), key.encode()
         if len(ns) > MAX_NAME_BYTES or len(kb) > MAX_NAME_BYTES:
             raise ValueError(f"namespace and key must be at most {MAX_NAME_BYTES} UTF-8 bytes")
-        header = _record_header(FLAG_OBJECT, ns, kb, size, checksum, self._cluster_crc)
+        header = _record_header(FLAG_OBJECT, ns, kb, size, checksum, self._cluster_crc, group)
         span = _align(len(header) + size)
         bucket = self._open
         start = self._slots[-1].offset + self._slots[-1].span if self._slots else bucket.end
@@ -474,7 +476,7 @@ class BucketStore(BucketSpace, BucketRecovery):
         if roll:
             bucket = self._roll()
             start = bucket.end
-        slot = Slot(bucket.bucket_id, start, header, size, span, namespace, key, checksum)
+        slot = Slot(bucket.bucket_id, start, header, size, span, namespace, key, checksum, *group)
         self._slots.append(slot)
         return slot
 
@@ -534,7 +536,8 @@ class BucketStore(BucketSpace, BucketRecovery):
         for slot, alive in zip(slots[:written], live, strict=True):
             if alive:
                 bucket.entries.append((slot.offset, len(slot.header), slot.size, FLAG_OBJECT))
-                records.append(DiskRecord(slot.location, slot.namespace, slot.key, slot.size, slot.checksum))
+                tag = (slot.group_id, slot.group_size)
+                records.append(DiskRecord(slot.location, slot.namespace, slot.key, slot.size, slot.checksum, *tag))
                 continue
             # Its header names the object's checksum over bytes that fail it, and mounting reads
             # headers only (payloads are verified later): a failed write must never be listed, so its
@@ -577,7 +580,7 @@ class BucketStore(BucketSpace, BucketRecovery):
         record = bucket.live.get(location) if bucket is not None else None
         if bucket is None or record is None:
             raise KeyError(location)
-        header_len = _RECORD_HEAD.size + len(record.namespace.encode()) + len(record.key.encode())
+        header_len = record.header_len
         plan = ReadPlan(
             bucket.read_fd, (location & 0xFFFFF) * ALIGN, _align(header_len + record.size), header_len, record.size
         )

@@ -54,6 +54,7 @@ class OffloadItem:
     key: str
     payload: memoryview | bytes
     checksum: int
+    group: tuple[int, int] = (0, 0)  # (group id, member count) its commit named, kept in its record header
 
 
 Outcome = int | Exception  # a location, or why the record was not written (RecordError, DiskFull, OSError, ...)
@@ -156,10 +157,10 @@ class GroupWriter:
             payload = _bytes_of(item.payload)
             size = len(payload)
             try:
-                slot = self._store.reserve(item.namespace, item.key, size, item.checksum)
+                slot = self._store.reserve(item.namespace, item.key, size, item.checksum, item.group)
                 if slot is None:  # the bucket rolls: its records are written and committed first
                     staging = self._finish_run(run, staging, out)
-                    slot = self._store.reserve(item.namespace, item.key, size, item.checksum)
+                    slot = self._store.reserve(item.namespace, item.key, size, item.checksum, item.group)
             except DiskFull as exc:
                 staging = self._finish_run(run, staging, out)
                 if asked_for_room or on_full is None or not self._make_room(on_full):
@@ -167,7 +168,7 @@ class GroupWriter:
                     continue
                 asked_for_room = True
                 try:
-                    slot = self._store.reserve(item.namespace, item.key, size, item.checksum)
+                    slot = self._store.reserve(item.namespace, item.key, size, item.checksum, item.group)
                 except (OSError, ValueError) as retry_exc:
                     out[index] = retry_exc
                     continue

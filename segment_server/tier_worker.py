@@ -349,6 +349,7 @@ class TierWorker:
         items: list[OffloadItem] = []
         indexes: list[int] = []
         out: dict[int, Outcome] = {}
+        tagged = len(reply.group_ids) == len(reply.kinds)  # else no task of the batch names a group
         for i, kind in enumerate(reply.kinds):
             if kind != pb.OFFLOAD:
                 continue
@@ -356,11 +357,9 @@ class TierWorker:
             if offset + size > len(self._region):
                 out[i] = _BadRange(f"offload range {offset}+{size} outside the region")
                 continue
-            items.append(
-                OffloadItem(
-                    reply.namespaces[i], reply.keys[i], self._region[offset : offset + size], reply.checksums[i]
-                )
-            )
+            group = (reply.group_ids[i], reply.group_sizes[i]) if tagged and reply.group_ids[i] else (0, 0)
+            region = self._region[offset : offset + size]
+            items.append(OffloadItem(reply.namespaces[i], reply.keys[i], region, reply.checksums[i], group))
             indexes.append(i)
         if items:
             with self._store_lock:  # the master link writes tombstones and reports during a mount
@@ -465,7 +464,7 @@ class TierWorker:
 
 
 def _disk_objects(segment_id: int, epoch: int, records: list[DiskRecord]) -> pb.DiskObjectsRequest:
-    return pb.DiskObjectsRequest(
+    request = pb.DiskObjectsRequest(
         segment_id=segment_id,
         epoch=epoch,
         namespaces=[r.namespace for r in records],
@@ -474,3 +473,7 @@ def _disk_objects(segment_id: int, epoch: int, records: list[DiskRecord]) -> pb.
         checksums=[r.checksum for r in records],
         disk_locations=[r.location for r in records],
     )
+    if any(r.group_id for r in records):  # groups are rare: the columns only when one is there
+        request.group_ids.extend(r.group_id for r in records)
+        request.group_sizes.extend(r.group_size for r in records)
+    return request

@@ -222,3 +222,40 @@ def test_a_member_failing_verification_makes_the_whole_group_a_miss_and_counts_h
     assert after["group_misses"] - before.get("group_misses", 0) == 1
     assert not any(k.startswith("served_") and v != before.get(k, 0) for k, v in after.items())
     assert client.batch_get(keys[:2]) == values[:2]  # the sound members stay readable one by one
+
+
+@pytest.mark.parametrize("restarted", ["master", "segment"])
+def test_a_group_whose_members_live_on_ssd_reads_whole_again_after_a_restart(bare_cluster, tmp_path, restarted):
+    """Members offloaded to the SSD tier (some on disk only) keep their group's id in their disk
+    records: after kill -9 of the master (its successor rebuilds from the inventories) or of the
+    segment (it mounts again from its buckets), every group reads whole, none partial."""
+    from tests.integration.test_ssd_tier import segment_info, start_ssd_segment
+
+    bare_cluster.start_master("--promote-after-reads", "0")
+    ssd_dir = tmp_path / "ssd"
+    segment = start_ssd_segment(bare_cluster, ssd_dir)
+    client = bare_cluster.client(transport="tcp")
+    groups = [_members(i) for i in range(24)]  # 24 MiB through a 16 MiB region
+    values = [[os.urandom(700 * 1024), os.urandom(300 * 1024), os.urandom(4096 + i)] for i in range(24)]
+    for members, member_values in zip(groups, values, strict=True):
+        assert client.put_group(members, member_values) == [Status.OK] * 3
+        # at the offload's pace: no member is evicted before its disk copy exists
+        assert bare_cluster.wait_for(lambda: (s := segment_info(client)).dram_used <= 0.9 * s.dram_capacity, timeout=20)
+    tiers = {key: [r["tier"] for r in client.locate(key)] for members in groups for key in members}
+    disk_only = [members for members in groups if all(tiers[k] == ["ssd"] for k in members)]
+    assert disk_only, f"no group lives on SSD only: {tiers}"
+    inventories = lambda: segment.tail(2000).count("reported disk inventory")  # noqa: E731
+    if restarted == "master":
+        bare_cluster.restart_master("--promote-after-reads", "0")
+        assert bare_cluster.wait_for(lambda: inventories() >= 2, timeout=20), "the segment mounted on the new master"
+    else:
+        bare_cluster.kill(segment)
+        segment = start_ssd_segment(bare_cluster, ssd_dir)
+        assert bare_cluster.wait_for(lambda: inventories() >= 1, timeout=20), "the segment mounted again"
+    with bare_cluster.client(transport="tcp") as reader:
+        for members, member_values in zip(groups, values, strict=True):
+            got = reader.get_group(members)
+            if members in disk_only or restarted == "master":  # every copy came back
+                assert got == member_values, f"{members} on {[tiers[k] for k in members]}"
+            else:  # a DRAM copy may be lost with the segment: then a miss for every member
+                assert got in (member_values, [None] * 3), members

@@ -242,3 +242,33 @@ def test_a_group_missing_a_member_or_reported_with_other_counts_is_never_formed(
     report_dram_objects(other, other_id, _inventory(state, ["a", "b", "c"], odd))
     assert other.groups.groups_rebuilt == 0
     assert other.groups.get_replicas(NS, ["b", "c"]).statuses == [MISS] * 2
+
+
+def test_a_successor_forms_a_group_from_disk_copies_and_dram_copies_alike(state):
+    """Offloaded members keep their tag in their disk records (kvtier.segment_server.bucket_format,
+    version 2): a successor forms the group from a disk inventory, from a DRAM one, or from both."""
+    put_group(state, ["a", "b", "c"])
+    tags = {k: state.groups.tag_of(state.record(NS, k)) for k in "abc"}
+    fresh = MasterState(state.config, clock=state.clock)
+    fresh.begin_recovery({"seg0"}, timeout_s=60.0)
+    mounted = fresh.mount_segment(
+        "unit", "seg0", "host-seg0", ["tcp://127.0.0.1:9/seg0"], 1 << 20, inventory=True, ssd_capacity=1 << 30
+    )
+    segment_id = mounted.segment.segment_id
+    disk = ["a", "b"]
+    records = [state.record(NS, k) for k in disk]
+    statuses = fresh.tiering.report_disk_objects(
+        segment_id, [NS] * 2, disk, [r.size for r in records], [r.checksum for r in records], [1, 2],
+        [tags["a"], tags["b"]],
+    )  # fmt: skip
+    assert statuses == [OK, OK]
+    assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [MISS] * 3  # c not reported yet
+    assert report_dram_objects(fresh, segment_id, _inventory(state, ["c"], tags)) == [OK]
+    assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [OK] * 3
+    assert fresh.groups.groups_rebuilt == 1
+    # a copy reported again (a second inventory of the same records) changes nothing
+    again = fresh.tiering.report_disk_objects(
+        segment_id, [NS], ["a"], [records[0].size], [records[0].checksum], [1], [tags["a"]]
+    )
+    assert again == [OK] and fresh.groups.groups_rebuilt == 1
+    assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [OK] * 3

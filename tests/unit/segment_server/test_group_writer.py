@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import crc32c
@@ -101,6 +102,54 @@ def test_group_writes_are_direct_on_a_disk_that_takes_them(opened, tmp_path):
     assert os.fstat(fd).st_ino == os.stat(next(tmp_path.glob("bucket-*.kvb"))).st_ino
     store.sync()
     assert recovered(opened, store, tmp_path) == {item.key: bytes(item.payload) for item in items}
+
+
+def test_a_group_tag_survives_recovery_sealed_or_open_and_ungrouped_records_keep_version_1(opened, tmp_path):
+    """An offloaded group member's record carries its group tag (version 2): recovery, from a sealed
+    bucket's footer or by scanning the open one, reports it, and the data plane reads the record.
+    Ungrouped records stay version 1, byte for byte what older readers take."""
+    store = open_store(opened, tmp_path, bucket_size=16 * ALIGN, bucket_keys=3)
+    writer = open_writer(opened, store)
+    tags = {f"k{i}": (0x5EED0000 + i, 3) for i in (0, 2, 3, 5, 6)}
+    plain = items_of([5000, 100, 0, 9000, 7000, 4096, 300])
+    items = [replace(item, group=tags.get(item.key, (0, 0))) for item in plain]
+    outcomes = writer.write(items)
+    assert all(isinstance(o, int) for o in outcomes), outcomes
+    store.sync()
+    assert store.bucket_count >= 2  # sealed buckets (3 records each) and the open one
+    assert {r.key: (r.group_id, r.group_size) for r in store.records()} == {i.key: i.group for i in items}
+    got = recovered(opened, store, tmp_path, bucket_size=16 * ALIGN, bucket_keys=3)
+    assert got == {item.key: bytes(item.payload) for item in items}
+    again = opened[-1]
+    assert {r.key: (r.group_id, r.group_size) for r in again.records()} == {i.key: i.group for i in items}
+    for record in again.records():
+        plan = again.plan_read(record.location)
+        version = int.from_bytes(os.pread(plan.fd, 2, plan.file_offset + 4), "little")
+        assert version == (2 if record.key in tags else 1), record
+
+
+def test_a_group_tag_is_covered_by_the_header_crc_and_must_name_a_group():
+    from kvtier.segment_server.bucket_format import (
+        FLAG_OBJECT,
+        FLAG_TOMBSTONE,
+        _parse_header,
+        _record_header,
+    )
+
+    header = _record_header(FLAG_OBJECT, b"ns", b"key", 10, 1, 2, (0xABCDEF, 4))
+    head = _parse_header(header)
+    assert (head.namespace, head.key, head.group_id, head.group_size) == ("ns", "key", 0xABCDEF, 4)
+    assert head.header_len == len(header) == 36 + 5 + 12
+    flipped = bytearray(header)
+    flipped[-3] ^= 1  # inside the tag
+    with pytest.raises(RecordError, match="CRC"):
+        _parse_header(bytes(flipped))
+    with pytest.raises(RecordError, match="names no group"):
+        _parse_header(_record_header(FLAG_OBJECT, b"ns", b"key", 10, 1, 2, (7, 0)))
+    with pytest.raises(RecordError, match="flags"):
+        _parse_header(_record_header(FLAG_TOMBSTONE, b"", b"", 8, 1, 2, (7, 1)))
+    plain = _record_header(FLAG_OBJECT, b"ns", b"key", 10, 1, 2)
+    assert len(plain) == 36 + 5 and _parse_header(plain).group_id == 0
 
 
 @pytest.mark.parametrize("bad", [1, 4], ids=["inside-one-buffer", "spanning-buffers"])
