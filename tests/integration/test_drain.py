@@ -223,3 +223,37 @@ def test_a_drained_segment_stays_drained_across_a_master_restart(bare_cluster):
     assert seg0.popen.wait(timeout=60) == 0, "told SEGMENT_DRAINED again, it exits"
     time.sleep(1)
     assert [s.name for s in bare_cluster.client().cluster_status().segments] == ["seg1"]
+
+
+def test_a_copy_on_a_segment_that_went_silent_does_not_count_as_staying(bare_cluster, tmp_path):
+    """Objects on the drained SSD segment (some on its disk only) with their other replica on a
+    segment SIGKILLed before the drain, within its TTL: the master still lists that replica, but a
+    holder that stopped heartbeating is no place an object stays. The drain moves them; once the
+    dead holder is expelled every object still reads back (the drain finished within the TTL and
+    dropped them: lost)."""
+    from tests.integration.test_ssd_tier import segment_info, start_ssd_segment
+
+    cluster = bare_cluster
+    cluster.segment_ttl_s = 8.0  # the drain ends well within the dead one's TTL
+    cluster.start_master()
+    start_ssd_segment(cluster, tmp_path / "ssd")
+    holder = cluster.start_segment("holder", "64MiB")
+    client = cluster.client(transport="tcp")
+    keys = [f"two/{i}" for i in range(20)]
+    for key in keys:  # at the offload's pace (as put_and_offload), two replicas: ssd0 and holder
+        assert client.batch_put([key], [value_of(key, MiB)], replicas=2, preferred_segment="ssd0") == [0]
+        assert cluster.wait_for(lambda: (s := segment_info(client)).dram_used <= 0.9 * s.dram_capacity, timeout=20)
+    where = {k: sorted((r["segment"], r["tier"]) for r in client.locate(k)) for k in keys}
+    assert [k for k in keys if where[k] == [("holder", "dram"), ("ssd0", "ssd")]], where
+    cluster.start_segment("seg2", "64MiB")
+    cluster.kill(holder)
+    # silent past the master's suspicion (3 heartbeats, at least 1 s), far from its TTL
+    age = lambda: next(s for s in client.cluster_status().segments if s.name == "holder").heartbeat_age_ms  # noqa: E731
+    assert cluster.wait_for(lambda: age() > 1500, timeout=10)
+    report = drain(cluster, "ssd0")
+    assert report["state"] == "DRAINED", report
+    assert cluster.wait_for(lambda: not any(s.name == "holder" for s in client.cluster_status().segments), 20)
+    got = client.batch_get(keys)
+    lost = [k for k, v in zip(keys, got, strict=True) if v is None]
+    assert not lost, f"lost {len(lost)} of {len(keys)}: {report}"
+    assert got == [value_of(k, MiB) for k in keys]

@@ -829,3 +829,23 @@ def test_a_drain_waits_for_a_promotion_into_the_draining_segment(state):
     status, batch = state.drainer.migrate_start("a", 256)
     assert "k0" in [item.record.key for item in batch.items] and not batch.waiting
     assert_consistent(state)
+
+
+def test_a_copy_on_a_silent_holder_does_not_keep_a_drain_from_moving_the_disk_only_one(state, clock):
+    """The draining segment's disk copy of an object whose other copy is on a segment that stopped
+    heartbeating (SIGKILLed, still mounted until its TTL): moved, not left to go with the segment."""
+    a = mount_ssd(state, "a", 4 * KiB)
+    mount_ssd(state, "holder", 4 * KiB, offload=False)
+    put(state, "k", preferred_segment="holder")
+    assert state.tiering.report_disk_objects(a, [NS], ["k"], [KiB], [7], [1]) == [OK]
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert status == OK and batch.items == [] and not batch.waiting  # the holder keeps it
+    target = mount_ssd(state, "target", 4 * KiB, offload=False)
+    clock.advance(state.config.segment_suspect_s + 0.1)  # every segment but the holder heartbeats
+    for segment_id in (a, target):
+        assert state.heartbeat(segment_id) == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert [(item.record.key, replica_tier(item.source)) for item in batch.items] == [("k", TIER_SSD)]
+    assert batch.items[0].target is not None
+    assert_consistent(state)
