@@ -10,9 +10,10 @@ network blip must not wipe a segment). Some are wrong: their key was removed
 or put again with other bytes while the segment was away, or the segment had
 not yet acknowledged a notice or a FORGET about them.
 
-A fence, opened when the segment is dropped and kept by segment name, is the
-set of object names whose state may differ from what that segment last
-acknowledged:
+A fence, opened when the segment is dropped and kept by segment name (or, empty,
+when a new incarnation's recovery ends without a segment it expected: every
+change from then on is one the segment has not seen), is the set of object names
+whose state may differ from what that segment last acknowledged:
 - seeded with the names of its unacknowledged commit-log notices (commits and
   drops, kvtier.master.commits) that name a version which is no longer the
   key's when the segment is dropped (removed, replaced, evicted), and its

@@ -235,7 +235,7 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
             segment.objects,
             segment.used,
         )
-        state.recovery.check(state.clock(), mid_inventory=state.mid_inventory())
+        state.check_recovery()
 
 
 def _pin_until(pin: int, pin_ttl_ms: int, now: float) -> float:

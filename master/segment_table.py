@@ -175,7 +175,23 @@ class SegmentTable:
         self.recovery = Recovery(
             started_at=self.clock(), expected=set(expected), timeout_s=timeout_s, max_s=max(max_s, timeout_s)
         )
-        self.recovery.check(self.clock())
+        self.check_recovery()
+
+    def check_recovery(self) -> None:
+        """Finish the recovery when it is due (kvtier.master.recovery.Recovery.check). An expected
+        segment not mounted by then (dead, stopped, slower than recovery_timeout_s) is treated as
+        one this incarnation expelled: a fence records every key changed from now on, and its name is
+        saved as expelled. Otherwise it returned to a master that knew nothing of it, and its SSD
+        copies came back unchecked: a key put again and removed meanwhile read its old version."""
+        if not self.recovery.check(self.clock(), mid_inventory=self.mid_inventory()):
+            return
+        missing = sorted(self.recovery.expected - self.recovery.reported - self._segments_by_name.keys())
+        for name in missing:
+            self.fences.open(name, ())
+            self.expelled.add(name)
+        if missing:
+            self.state_generation += 1  # what changes a key from now on is answered once this is saved
+            self.saved_state_stale = True
 
     def forgive_deafness(self, gap_s: float) -> None:
         """The master did not run for `gap_s` (SIGSTOP, a stalled loop, a suspended VM): it heard

@@ -725,7 +725,7 @@ class MasterState(ObjectTables, SegmentTable, RangeBook):
         self.tiering.tick(now)
         if self.quarantine.expire():
             self.refresh_quarantine()
-        self.recovery.check(now, mid_inventory=self.mid_inventory())
+        self.check_recovery()
         high, target = self.config.high_watermark, self.config.high_watermark - self.config.eviction_ratio
         offload_at = self.config.offload_watermark
         for segment in list(self.segments.values()):

@@ -350,3 +350,45 @@ def test_under_load_every_key_answered_ok_after_a_segment_kill_is_readable(bare_
     assert any(s != Status.OK for _, _, statuses in batches for s in statuses), (
         "no put met the dead segment: the test did not test anything"
     )
+
+
+# ---------------------------------------------------------------- a segment that missed the recovery
+
+
+@pytest.mark.parametrize("change", ["removed", "lost"])
+def test_a_segment_that_missed_a_master_restart_brings_back_no_key_changed_since(bare_cluster, tmp_path, change):
+    """s1 dies; the master is killed before s1's TTL (so never saved as expelled) and its successor
+    finishes recovery without s1. The key s1 held on SSD is then put again on s0 and removed, or its
+    new version lost with s0: when s1 returns on its SSD directory, its old copy must not come back
+    (it did: the acknowledged upsert and remove undone). A key nothing touched comes back."""
+    cluster = bare_cluster
+    cluster.start_master()
+    s1 = start_ssd_segment(cluster, "s1", tmp_path / "ssd")
+    client = cluster.client(transport="tcp", timeout=15)
+    on_disk = ["victim", "kept"]
+    assert client.batch_put(on_disk, [value_for(k, 256 * KiB) for k in on_disk], preferred_segment="s1") == [0, 0]
+    info = lambda: next(s for s in client.cluster_status().segments if s.name == "s1")  # noqa: E731
+    for i in range(30):  # at the offload's pace, until both live on s1's SSD only
+        assert client.batch_put([f"fill/{i}"], [value_for(f"fill/{i}", MiB)], preferred_segment="s1") == [0]
+        assert cluster.wait_for(lambda: info().dram_used <= 0.9 * info().dram_capacity, timeout=20)
+    tiers = lambda key: [(r["segment"], r["tier"]) for r in client.locate(key)]  # noqa: E731
+    assert cluster.wait_for(lambda: all(tiers(k) == [("s1", "ssd")] for k in on_disk), timeout=20), [
+        tiers(k) for k in on_disk
+    ]
+    s0 = cluster.start_segment("s0", "32MiB")
+    assert client.put("on-s0", b"x", preferred_segment="s0") is None  # s0's name is saved
+    cluster.kill(s1)
+    cluster.restart_master("--recovery-timeout-s", "1")  # within s1's TTL: s1 was never expelled
+    assert client.batch_upsert(["victim"], [value_for("victim", 256 * KiB, version=2)]) == [Status.OK]
+    assert tiers("victim") == [("s0", "dram")]
+    if change == "removed":
+        assert client.remove("victim")
+    else:  # its only copy lived in s0's DRAM
+        cluster.kill(s0)
+        cluster.start_segment("s0", "32MiB")
+        assert cluster.wait_for(lambda: mounted(client, "s0"), timeout=15)
+    assert client.get("victim") is None
+    start_ssd_segment(cluster, "s1", tmp_path / "ssd")
+    assert cluster.wait_for(lambda: mounted(client, "s1"), timeout=15)
+    assert client.get("victim") is None, f"the old version came back from s1: {tiers('victim')}"
+    assert client.get("kept") == value_for("kept", 256 * KiB)  # untouched: s1's copy is still good

@@ -283,6 +283,37 @@ def test_a_segment_away_across_a_master_restart_can_prove_nothing():
     assert state.record(NS, "k") is None
 
 
+def test_a_segment_that_missed_the_recovery_returns_through_a_fence_of_what_changed_since():
+    """An expected segment not back when the recovery ends is fenced as if this incarnation expelled
+    it (and saved as expelled): when it returns, copies of keys changed since are refused, the rest
+    re-adopted, DRAM and SSD alike. Without it, its disk copy of a key put again and removed
+    meanwhile came back (nothing checked a segment this incarnation had never seen)."""
+    clock = FakeClock()
+    state = new_state(clock)
+    state.begin_recovery({"a", "b"}, timeout_s=3.0)
+    inventory_done(state, mount(state, "a", inventory=True))
+    generation = state.state_generation
+    clock.advance(3.0)
+    state.tick()
+    assert state.serving and "b" in state.expelled and state.fences.get("b") is not None
+    assert state.state_generation > generation and state.saved_state_stale  # saved before a change answers
+    for key in ("removed", "replaced"):
+        started = state.put_start(NS, [key], [10], 1)
+        assert state.put_end(NS, [key], [2], started.put_id) == [OK]
+    assert state.remove(NS, ["removed"]) == [OK]
+    result = state.mount_segment("unit", "b", "host-b", ["tcp://127.0.0.1:9"], MiB, inventory=True)
+    assert not result.discard_index and not result.segment.disk_refused
+    b = result.segment.segment_id
+    assert report_dram_objects(state, b, chunk([("in-dram", 10, 1, 0)])) == [OK]
+    statuses = state.tiering.report_disk_objects(
+        b, [NS] * 3, ["removed", "replaced", "on-disk"], [10] * 3, [1] * 3, [4096, 8192, 12288]
+    )
+    assert statuses == [Status.CHECKSUM_MISMATCH] * 2 + [OK]
+    assert state.record(NS, "removed") is None and state.record(NS, "replaced").checksum == 2
+    inventory_done(state, b)
+    assert "b" not in state.expelled and state.fences.get("b") is None
+
+
 def test_dram_inventories_are_taken_only_while_recovering():
     clock = FakeClock()
     state = new_state(clock)
