@@ -86,6 +86,7 @@ def segment_dict(s: Any) -> dict[str, Any]:
         "state": s.state,
         "dram_capacity": s.dram_capacity,
         "dram_used": s.dram_used,
+        "dram_releasing": s.dram_releasing,  # of dram_used: copies gone, ranges not reusable yet
         "objects": s.objects,
         "heartbeat_age_ms": s.heartbeat_age_ms,
         "ssd_capacity": s.ssd_capacity,

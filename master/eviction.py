@@ -79,7 +79,10 @@ def evict_to_watermark(state: MasterState, segment: SegmentRecord, need: int) ->
     (their bytes are freed when the copy is durable), else drop their copies there."""
     tiering = state.tiering
     segment_id = segment.segment_id
-    need -= tiering.evicting_bytes(segment_id)  # already on their way out
+    # Already on their way out: offloads that free their copies once durable, and ranges of copies
+    # gone that are reusable once their leases and margin end. Evicting live objects for those
+    # freed nothing sooner: a writer of leased objects had every live one evicted, again and again.
+    need -= tiering.evicting_bytes(segment_id) + segment.releasing
     if need <= 0:
         return
     on_segment = state.has_dram_on(segment_id)

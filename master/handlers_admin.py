@@ -158,6 +158,7 @@ class AdminCalls:
                 endpoints=s.endpoints,
                 dram_capacity=s.capacity,
                 dram_used=s.used,
+                dram_releasing=s.releasing,
                 objects=s.objects,
                 heartbeat_age_ms=int((now - s.last_heartbeat) * 1000),
                 state=s.state.name,

@@ -114,6 +114,7 @@ class MasterCollector(Collector):
                     s.clock_skew_s,
                     s.clock_skewed,
                     state.quarantine.is_quarantined(s.name),
+                    s.releasing,
                 )
                 for s in snap.segments
             ],
@@ -220,6 +221,12 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
     used = GaugeMetricFamily(
         "kvtier_segment_used_bytes", "Bytes in use per segment and tier.", labels=["segment", "tier"]
     )
+    dram_releasing = GaugeMetricFamily(
+        "kvtier_segment_dram_releasing_bytes",
+        "Of the DRAM in use: ranges of copies gone whose read leases, write grants or clock-skew margin "
+        "have not ended yet (reusable then).",
+        labels=["segment"],
+    )
     copies = GaugeMetricFamily(
         "kvtier_segment_objects", "Object copies per segment and tier.", labels=["segment", "tier"]
     )
@@ -255,7 +262,9 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
         clock_skew,
         clock_skewed,
         quarantined,
+        releasing,
     ) in s.segments:
+        dram_releasing.add_metric([name], releasing)
         in_quarantine.add_metric([name], 1 if quarantined else 0)
         skew.add_metric([name], clock_skew)
         skewed.add_metric([name], 1 if clock_skewed else 0)
@@ -268,7 +277,7 @@ def _families(s: _Snapshot) -> Iterable[Metric]:
             copies.add_metric([name, "ssd"], ssd_objects)
         age.add_metric([name], heartbeat)
         state.add_metric([name, seg_state.lower()], 1)
-    yield from (capacity, used, copies, age, state, skew, skewed, in_quarantine)
+    yield from (capacity, used, dram_releasing, copies, age, state, skew, skewed, in_quarantine)
     yield counter(
         "kvtier_master_segment_failure_reports",
         "Data-plane failures clients reported on the segment (ReportSegmentFailures), by kind: connect, "

@@ -84,7 +84,10 @@ def place(
         if placed is not None:
             return placed
     order = sorted(active, key=rank)
-    placed: list[int] = []
+    # Every replica's place first, then the evictions: a put refused for its second replica had
+    # already evicted objects for its first (3 of them, for nothing, in the tester's run).
+    placed: list[int] = []  # replicas allocated without eviction
+    evicting: list[tuple[SegmentRecord, list[ObjectRecord]]] = []  # segments that need victims evicted first
     used_hosts: set[str] = set()
     used_segments: set[int] = set()
     for _ in range(replicas):
@@ -92,20 +95,46 @@ def place(
         others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
         candidates = fresh_host + others
         # Shunned segments only once the others cannot take the range even by eviction.
-        segment, offset = allocate_on(state, [s for s in candidates if not static[s.segment_id][0]], size)
+        segment, where = room_on(state, [s for s in candidates if not static[s.segment_id][0]], size)
         if segment is None:
-            segment, offset = allocate_on(state, [s for s in candidates if static[s.segment_id][0]], size)
+            segment, where = room_on(state, [s for s in candidates if static[s.segment_id][0]], size)
         if segment is None:
+            state.release_ranges(placed, size)
+            return None
+        if isinstance(where, int):
+            placed.append(replica(segment.segment_id, where))
+            segment.objects += 1
+        else:
+            evicting.append((segment, where))
+        used_segments.add(segment.segment_id)
+        used_hosts.add(segment.host_id)
+    for segment, victims in evicting:
+        offset = evict_for(state, segment, victims, size)
+        if offset is None:  # fits_after said it would: not expected, but never leave ranges behind
             state.release_ranges(placed, size)
             return None
         placed.append(replica(segment.segment_id, offset))
         segment.objects += 1
-        used_segments.add(segment.segment_id)
-        used_hosts.add(segment.host_id)
     return tuple(placed)
 
 
 def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
+    """A range of `size` bytes on the first candidate with room, by eviction where it will work."""
+    segment, where = room_on(state, candidates, size)
+    if segment is None:
+        return None, 0
+    if isinstance(where, int):
+        return segment, where
+    offset = evict_for(state, segment, where, size)
+    return (segment, offset) if offset is not None else (None, 0)
+
+
+def room_on(
+    state: MasterState, candidates: list[SegmentRecord], size: int
+) -> tuple[SegmentRecord | None, int | list[ObjectRecord]]:
+    """Where `size` bytes go among `candidates`, in their order: (segment, offset) of a range
+    allocated there now, else (segment, victims) for the first one where evicting the victims makes
+    room (nothing evicted yet: `evict_for`), else (None, 0)."""
     if size == 0:  # nothing to store, but the object still lives on a segment
         return (candidates[0], 0) if candidates else (None, 0)
     for segment in candidates:
@@ -113,50 +142,69 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
         if offset is not None:
             return segment, offset
     need = state.aligned(size)
-    pressure = state.pressure
     for segment in candidates:
-        if segment.capacity < need or segment.segment_id in pressure.blocked:
-            continue
-        # Evict only where it will work: the victims' ranges plus the free extents must
-        # form a contiguous run of `need` bytes (a refused put must not destroy anything).
-        # The least recently used victims that add up to `need` usually do; otherwise
-        # check everything evictable here; if even that cannot make room, evict nothing.
-        on_segment = state.has_dram_on(segment.segment_id)
-        # Under dram_full_policy "wait", an object's only copy that the SSD tier could take is
-        # never dropped for room (kvtier.master.backpressure): the put waits for offload instead.
-        protected = pressure.protected(segment)
-        if protected is None:
-            eligible = on_segment
-        else:
-            eligible = lambda r, on_segment=on_segment, protected=protected: on_segment(r) and not protected(r)  # noqa: E731
-        now = state.clock()
-        # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
-        # go first: dropping them loses nothing. A bounded look only, then the eviction policy's order.
-        victims = pick_victims(
-            state.dram_lru(),
-            now,
-            need,
-            state.replica_bytes,
-            lambda r, on_segment=on_segment: len(r.replicas) > 1 and on_segment(r),
-            scan_limit=REDUNDANT_SCAN,
-        )
-        if not fits_after(state, segment, victims, need):
-            victims = state.policy.victims(now, need, state.replica_bytes, eligible)
-        if not fits_after(state, segment, victims, need):
-            victims = state.policy.victims(now, segment.capacity, state.replica_bytes, eligible)
-            if not fits_after(state, segment, victims, need):
-                if protected is not None:
-                    everything = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, on_segment)
-                    if fits_after(state, segment, everything, need):
-                        pressure.behind(segment, need)  # room once offload catches up: the put waits
-                continue
-        # One victim at a time, least recently used first, stopping as soon as it fits.
-        for victim in victims:
-            state.evict_one(victim, "allocation", segment.segment_id)
-            offset = segment.allocator.allocate(size)
-            if offset is not None:
-                return segment, offset
+        victims = victims_for(state, segment, need)
+        if victims is not None:
+            return segment, victims
     return None, 0
+
+
+def victims_for(state: MasterState, segment: SegmentRecord, need: int) -> list[ObjectRecord] | None:
+    """The objects whose DRAM copies on `segment`, evicted, leave a contiguous free run of `need` bytes
+    there; None when no choice can (then nothing is evicted: a refused put must not destroy anything).
+    Only copies whose ranges go back to the allocator at once count: one still under a lease, a
+    write grant or the clock-skew margin (kvtier.master.range_book) frees nothing now, and evicting
+    it for room lost it for nothing."""
+    pressure = state.pressure
+    if segment.capacity < need or segment.segment_id in pressure.blocked:
+        return None
+    # The least recently used victims that add up to `need` usually do; otherwise check everything
+    # evictable here; if even that cannot make room, evict nothing.
+    now = state.clock()
+    on_segment = state.has_dram_on(segment.segment_id)
+    frees_now = state.frees_now
+
+    def here(record: ObjectRecord) -> bool:
+        return on_segment(record) and frees_now(record, now)
+
+    # Under dram_full_policy "wait", an object's only copy that the SSD tier could take is
+    # never dropped for room (kvtier.master.backpressure): the put waits for offload instead.
+    protected = pressure.protected(segment)
+    eligible = here if protected is None else lambda r: here(r) and not protected(r)
+    # Copies that are redundant (the object has another replica, e.g. offloaded to SSD)
+    # go first: dropping them loses nothing. A bounded look only, then the eviction policy's order.
+    victims = pick_victims(
+        state.dram_lru(),
+        now,
+        need,
+        state.replica_bytes,
+        lambda r: len(r.replicas) > 1 and here(r),
+        scan_limit=REDUNDANT_SCAN,
+    )
+    if fits_after(state, segment, victims, need):
+        return victims
+    victims = state.policy.victims(now, need, state.replica_bytes, eligible)
+    if fits_after(state, segment, victims, need):
+        return victims
+    victims = state.policy.victims(now, segment.capacity, state.replica_bytes, eligible)
+    if fits_after(state, segment, victims, need):
+        return victims
+    if protected is not None:
+        everything = pick_victims(state.dram_lru(), now, segment.capacity, state.replica_bytes, here)
+        if fits_after(state, segment, everything, need):
+            pressure.behind(segment, need)  # room once offload catches up: the put waits
+    return None
+
+
+def evict_for(state: MasterState, segment: SegmentRecord, victims: list[ObjectRecord], size: int) -> int | None:
+    """Evict `victims` (from `victims_for`) one at a time, least recently used first, until `size`
+    bytes fit on `segment`: the offset allocated, None if they never did."""
+    for victim in victims:
+        state.evict_one(victim, "allocation", segment.segment_id)
+        offset = segment.allocator.allocate(size)
+        if offset is not None:
+            return offset
+    return None
 
 
 def fits_after(state: MasterState, segment: SegmentRecord, victims: list[ObjectRecord], need: int) -> bool:

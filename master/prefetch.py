@@ -109,13 +109,18 @@ def _dram_range(state: MasterState, segment: SegmentRecord, size: int) -> int | 
     need = max(aligned, int(allocator.used + aligned - limit))
     on_segment = state.has_dram_on(segment.segment_id)
     offloading = state.tiering.offloading
+    now = state.clock()
 
     def redundant(victim: ObjectRecord) -> bool:
-        return len(victim.replicas) > 1 and victim.name not in offloading and on_segment(victim)
+        # and its range free at once (kvtier.master.placement.victims_for): else dropped for nothing
+        return (
+            len(victim.replicas) > 1
+            and victim.name not in offloading
+            and on_segment(victim)
+            and state.frees_now(victim, now)
+        )
 
-    victims = pick_victims(
-        state.dram_lru(), state.clock(), need, state.replica_bytes, redundant, scan_limit=REDUNDANT_SCAN
-    )
+    victims = pick_victims(state.dram_lru(), now, need, state.replica_bytes, redundant, scan_limit=REDUNDANT_SCAN)
     if sum(state.replica_bytes(v) for v in victims) < need or not fits_after(state, segment, victims, aligned):
         return None
     for victim in victims:

@@ -36,12 +36,19 @@ class RangeBook:
             until = max(until, record.started_at + self.capability_ttl_s)
         return until + self.reuse_margin_s
 
+    def frees_now(self, record: ObjectRecord, now: float) -> bool:
+        """Whether dropping `record`'s DRAM copies gives their ranges back at once (eviction for room
+        takes only those: the others free nothing before `_reuse_at`)."""
+        return self._reuse_at(record) <= now
+
     def free_after_leases(
         self, segment_id: int, offset: int, size: int, until: float, record: ObjectRecord | None = None
     ) -> None:
         """Free a DRAM range when the read leases on it end (tick); until then nobody reuses it.
         A range of `record` under releasable leases waits for their readers instead, and is
         freed when the last one releases (`_ranges_unread`), or at `until` when they never do."""
+        if (segment := self.segments.get(segment_id)) is not None:
+            segment.releasing += self.aligned(size)  # until `_ranges_unread` or the tick frees it
         if record is not None and self.leases.park(record, segment_id, offset, size):
             return
         heapq.heappush(self._deferred, (until, next(self._seq), segment_id, offset, size))
@@ -58,6 +65,7 @@ class RangeBook:
                 heapq.heappush(self._deferred, (reuse_at, next(self._seq), segment_id, offset, size))
             else:
                 segment.allocator.release(offset, size)
+                segment.releasing -= self.aligned(size)
 
     def release_ranges(self, replicas: Iterable[int], size: int) -> None:
         """Give the DRAM ranges of `replicas` (each `size` bytes) back to their allocators now: the

@@ -721,6 +721,7 @@ class MasterState(ObjectTables, SegmentTable, RangeBook):
             segment = self.segments.get(segment_id)
             if segment is not None:
                 segment.allocator.release(offset, size)
+                segment.releasing -= self.aligned(size)
         self.drainer.tick(now)
         self.tiering.tick(now)
         if self.quarantine.expire():

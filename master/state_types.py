@@ -37,6 +37,10 @@ class SegmentRecord:
     ssd_used: int = 0  # as last reported by its heartbeat, like the counters below
     io_counters: dict[str, int] = field(default_factory=dict)
     ssd_objects: int = 0  # disk replicas on it
+    # DRAM bytes of copies gone (evicted, removed, replaced) whose ranges are not reusable yet: read
+    # leases, write grants, the clock-skew margin (kvtier.master.range_book). Counted in `used`, and
+    # on their way back: the watermark pass does not evict live objects for them.
+    releasing: int = 0
     inventory_accepted: bool = False  # RECOVERING: its DRAM inventory is taken (else it discards its index)
     # RECOVERING: its SSD copies are refused (nothing can be proven about its previous life:
     # kvtier.master.fences)

@@ -652,7 +652,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "direct_reads_served", "ssd_usable", "clock_skew_s", "clock_skewed", "quarantined", "quarantine_left_s")
+    __slots__ = ("segment_id", "name", "host_id", "endpoints", "dram_capacity", "dram_used", "objects", "heartbeat_age_ms", "state", "ssd_capacity", "ssd_used", "ssd_objects", "disk_engine", "offload", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "direct_reads_served", "ssd_usable", "dram_releasing", "clock_skew_s", "clock_skewed", "quarantined", "quarantine_left_s")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -673,6 +673,7 @@ class SegmentInfo(_message.Message):
     SSD_BYTES_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READS_SERVED_FIELD_NUMBER: _ClassVar[int]
     SSD_USABLE_FIELD_NUMBER: _ClassVar[int]
+    DRAM_RELEASING_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEW_S_FIELD_NUMBER: _ClassVar[int]
     CLOCK_SKEWED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
@@ -697,11 +698,12 @@ class SegmentInfo(_message.Message):
     ssd_bytes_offloaded: int
     direct_reads_served: int
     ssd_usable: int
+    dram_releasing: int
     clock_skew_s: float
     clock_skewed: bool
     quarantined: bool
     quarantine_left_s: float
-    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., quarantine_left_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., dram_used: _Optional[int] = ..., objects: _Optional[int] = ..., heartbeat_age_ms: _Optional[int] = ..., state: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., ssd_used: _Optional[int] = ..., ssd_objects: _Optional[int] = ..., disk_engine: _Optional[str] = ..., offload: _Optional[bool] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., dram_releasing: _Optional[int] = ..., clock_skew_s: _Optional[float] = ..., clock_skewed: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., quarantine_left_s: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "master_epoch", "objects", "pending_puts", "capacity", "used", "segments", "uptime_s", "status", "error", "rpc_requests", "rpc_failures", "quotas", "evictions", "tiering", "epoch", "role", "leader", "recovery", "lookup_keys", "lookup_hits", "lookup_hits_disk_only", "eviction_policy")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -94,3 +95,32 @@ def test_changing_the_policy_across_a_restart_keeps_every_object_and_rebuilds_th
     if after == "s3fifo":  # every recovered object is in the order: the small FIFO (one read since)
         entries = "kvtier_master_eviction_queue_entries"
         assert value(metrics, entries, queue="small") + value(metrics, entries, queue="main") == 20
+
+
+@pytest.mark.parametrize("case", ["second_replica", "ranges_not_free_yet"])
+def test_a_put_refused_no_space_evicts_nothing(bare_cluster, case):
+    """A refused put must not destroy anything: not a replicated put whose second replica found no room
+    (its first had evicted 3 objects), nor a put whose victims' ranges were still inside their lease's
+    clock-skew margin (evicted 2 objects for room that only came 2 s later)."""
+    MiB = 1 << 20
+    cluster = bare_cluster
+    cluster.start_master("--lease-s", "1")
+    cluster.start_segment("s0", "8MiB")
+    client = cluster.client()
+    if case == "second_replica":
+        cluster.start_segment("s1", "8MiB")
+        for i in range(7):
+            assert client.batch_put([f"pin{i}"], [bytes(MiB)], pin="hard", preferred_segment="s1") == [0]
+        keep = [f"keep{i}" for i in range(6)]
+        for key in keep:
+            assert client.batch_put([key], [bytes(MiB)], preferred_segment="s0") == [0]
+        status = client.batch_put(["big"], [bytes(3 * MiB)], replicas=2)
+    else:
+        keep = [f"k{i}" for i in range(7)]
+        for key in keep:
+            assert client.batch_put([key], [bytes(MiB)], lease_s=1.0) == [0]
+        time.sleep(1.2)  # the put-time leases are over; their ranges' 2 s margin is not
+        status = client.batch_put(["big"], [bytes(2 * MiB)])
+    assert status == [Status.NO_SPACE]
+    assert client.batch_exists(keep) == [True] * len(keep), "the refused put evicted objects"
+    assert not [e for e in client.cluster_status().evictions if e.objects]

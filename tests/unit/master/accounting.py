@@ -127,18 +127,25 @@ def assert_consistent(state: MasterState) -> None:
         if task.size and task.segment_id in ranges:
             used[task.segment_id] += aligned(task.size)
             ranges[task.segment_id].append((task.dram_offset, aligned(task.size), "<promoting>"))
+    releasing: Counter[int] = Counter()  # what SegmentRecord.releasing must say
     for _, _, segment_id, offset, size in state._deferred:
         used[segment_id] += aligned(size)
+        releasing[segment_id] += aligned(size)
         ranges[segment_id].append((offset, aligned(size), "<deferred>"))
     for segment_id, offset, size in state.leases.parked():  # waiting for their readers to release
         if segment_id in ranges:
             used[segment_id] += aligned(size)
+            releasing[segment_id] += aligned(size)
             ranges[segment_id].append((offset, aligned(size), "<parked>"))
     for segment_id, segment in state.segments.items():
         allocator = segment.allocator
         assert segment.used == used[segment_id], (
             f"segment {segment.name}: allocator says {segment.used} used, its replicas and deferred ranges "
             f"add up to {used[segment_id]}"
+        )
+        assert segment.releasing == releasing[segment_id], (
+            f"segment {segment.name}: releasing={segment.releasing}, deferred and parked ranges add up to "
+            f"{releasing[segment_id]}"
         )
         assert sum(size for _, size in allocator.free_spans()) == allocator.capacity - allocator.used
         tiles = ranges[segment_id] + [(start, size, "<free>") for start, size in allocator.free_spans()]

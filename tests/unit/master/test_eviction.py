@@ -342,6 +342,32 @@ def test_tick_evicts_a_segment_above_the_high_watermark_down_to_high_minus_ratio
     assert_consistent(state)
 
 
+def test_the_watermark_counts_ranges_on_their_way_back_and_evicts_no_live_object_for_them(state, clock):
+    """Replaced objects under put-time leases keep their ranges until the leases and the margin end
+    (counted in `used`). The watermark pass evicted every live object for that room, which they did
+    not hold (the tester's writer of 30 leased keys: 0 live objects left, again and again)."""
+    state.reuse_margin_s = 2.0
+    capacity = 100 * KiB
+    a = mount(state, "a", capacity)
+    keys = [f"k{i:02d}" for i in range(32)]
+    for key in keys:
+        put(state, key, lease_s=1.0)
+    for _ in range(2):  # each replaced version's range waits 1 s + the margin
+        for key in keys:
+            started = state.put_start(NS, [key], [KiB], 1, PutOptions(lease_s=1.0, overwrite=True))
+            assert started.statuses == [OK]
+            assert state.put_end(NS, [key], [8], started.put_id) == [OK]
+    assert segment(state, a).used == 96 * KiB and segment(state, a).releasing == 64 * KiB  # above 0.90
+    advance_alive(state, clock, 1.1)  # the live versions' leases are over, the margin of the old ones is not
+    state.tick()
+    assert stored(state) == set(keys) and state.evictions == {}, "live objects evicted for leased garbage"
+    advance_alive(state, clock, 2.0)
+    state.tick()
+    assert segment(state, a).used == 32 * KiB and segment(state, a).releasing == 0
+    assert stored(state) == set(keys)
+    assert_consistent(state)
+
+
 def test_tick_leaves_a_segment_at_exactly_the_high_watermark_alone(state):
     seg = mount(state, "a", 10 * KiB)
     for i in range(9):
@@ -441,6 +467,39 @@ def test_a_put_refused_for_space_evicts_nothing(state):
     put(state, "pinned-b", 2 * KiB, pin=PIN_HARD, preferred_segment="b")
     assert put_status(state, "x", 2 * KiB) == Status.NO_SPACE
     assert "plain" in stored(state), "the refused put destroyed 'plain' for nothing"
+
+
+def test_a_put_evicts_nothing_whose_range_is_not_free_yet(state, clock):
+    """A victim's range goes back to the allocator only after its leases, plus the clock-skew margin
+    (kvtier.master.range_book): evicting objects still inside that window freed nothing now, and a
+    put refused NO_SPACE had destroyed them (k0 and k1 in the tester's run)."""
+    state.reuse_margin_s = 2.0  # as the server sets it (CLOCK_SKEW_MS)
+    mount(state, "a", 8 * KiB)
+    for i in range(7):
+        put(state, f"k{i}", lease_s=1.0)
+    advance_alive(state, clock, 1.3)  # the put-time leases are over, their margin is not
+    assert put_status(state, "big", 2 * KiB) == Status.NO_SPACE
+    assert stored(state) == {f"k{i}" for i in range(7)}, "evicted for room that was not there"
+    assert state.evictions == {}
+    advance_alive(state, clock, 2.0)  # past the margin: eviction frees room at once
+    assert put_status(state, "big", 2 * KiB) == Status.OK
+    assert stored(state) == {"big"} | {f"k{i}" for i in range(2, 7)}  # k0 and k1 make a 2 KiB run
+    assert_consistent(state)
+
+
+def test_a_replicated_put_refused_for_its_second_replica_evicts_nothing_for_its_first(state):
+    """Room for the first replica by eviction on one segment, none for the second anywhere: the put
+    is refused and nothing is evicted (the first replica's victims went before the second failed)."""
+    mount(state, "s0", 8 * KiB)
+    mount(state, "s1", 8 * KiB)
+    for i in range(7):
+        put(state, f"pinned{i}", pin=PIN_HARD, preferred_segment="s1")
+    for i in range(6):
+        put(state, f"keep{i}", preferred_segment="s0")
+    assert put_status(state, "x", 3 * KiB, replicas=2) == Status.NO_SPACE
+    assert {f"keep{i}" for i in range(6)} <= stored(state), "the refused put evicted objects on s0"
+    assert state.evictions == {}
+    assert_consistent(state)
 
 
 def test_a_put_evicts_nothing_on_a_segment_where_it_cannot_fit(state):
