@@ -92,9 +92,18 @@ def drain_segment(
         except KvtierError as exc:
             if exc.status != Status.SEGMENT_NOT_FOUND:
                 raise
-            # Another `kvtier drain` of it finished: the finish below answers DRAINED, with what this
-            # drain moved (the other reports what it dropped); or it went away: the finish raises.
-            break
+            # Another `kvtier drain` of it finished (DRAINED: the finish below answers so, with what
+            # this drain moved), or it is away: expelled or restarting, it mounts again DRAINING
+            # and the walk starts over (finishing here dropped a segment that came back meanwhile
+            # with objects no walk had seen); unknown to the master, the call raises.
+            marked = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment))
+            if marked.state != "AWAY":
+                if marked.state == "DRAINED":
+                    break
+                continue  # back already (and DRAINING again)
+            walk_found = walk_moved = False
+            time.sleep(0.5)
+            continue
         if start.keys:
             walk_found = True
             if _move_batch(client, start, report, unmoved):

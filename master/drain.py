@@ -105,6 +105,11 @@ class Drainer:
         # many of its objects this walk met that could not move then (MigrationBatch.waiting).
         self._cursors: dict[int, str] = {}
         self._waiting: dict[int, int] = {}
+        # Names an operator asked to drain and not finished yet: a segment expelled mid-drain (a
+        # blip, a stall past its TTL) mounts again DRAINING, not ACTIVE taking new objects, and the
+        # drain goes on. In memory only (a restarted master forgets it: the drain then stops with
+        # INVALID_ARGUMENT and the operator runs it again). At most one entry per segment name.
+        self.draining: set[str] = set()
 
     def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
@@ -113,16 +118,31 @@ class Drainer:
         if segment is None:
             if any(drained_name == name for drained_name, _ in self.drained):
                 return Status.OK, 0, 0, "DRAINED", 0
+            if name in self.draining and not finish:
+                # Expelled or restarting mid-drain: it mounts again DRAINING (`mounted_state`).
+                return Status.OK, 0, 0, "AWAY", 0
             return Status.SEGMENT_NOT_FOUND, 0, 0, "", 0
         if not finish:
-            segment.state = SegmentState.DRAINING
+            self.draining.add(name)
+            if segment.state is not SegmentState.RECOVERING:  # else DRAINING once its inventory is in
+                segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
+        if segment.state is not SegmentState.DRAINING:
+            # Mounted again as ACTIVE since this drain began (a master restart forgot the drain):
+            # finishing it dropped objects no walk had seen, new puts among them.
+            return Status.INVALID_ARGUMENT, segment.objects, segment.used, segment.state.name, segment.ssd_objects
+        self.draining.discard(name)
         self.remember_drained(name, segment.incarnation)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
         left, used, disk = segment.objects, segment.used, segment.ssd_objects
         self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED", disk
+
+    def mounted_state(self, name: str) -> SegmentState:
+        """The state a segment called `name` takes once mounted (its inventory done): DRAINING while
+        an operator's drain of it is not finished, else ACTIVE."""
+        return SegmentState.DRAINING if name in self.draining else SegmentState.ACTIVE
 
     def remember_drained(self, name: str, incarnation: str) -> None:
         """Refuse this incarnation of `name` from now on (the most recent MAX_DRAINED are kept)."""
@@ -149,6 +169,9 @@ class Drainer:
         segment = self._by_name(name)
         if segment is None:
             return Status.SEGMENT_NOT_FOUND, None
+        if segment.state is SegmentState.RECOVERING and name in self.draining:
+            # Mounted again mid-drain, still reporting its inventory: DRAINING once it is in.
+            return Status.OK, MigrationBatch(0, segment.segment_id, self.state.clock(), waiting=True)
         if segment.state is not SegmentState.DRAINING:
             return Status.INVALID_ARGUMENT, None
         state = self.state

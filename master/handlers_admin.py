@@ -20,7 +20,10 @@ class AdminCalls:
     @rpc(pb.DrainSegmentResponse)
     def DrainSegment(self, request):
         status, objects_left, bytes_left, state, disk_left = self.state.drainer.drain(request.segment, request.finish)
-        error = "" if status == Status.OK else f"no segment named {request.segment!r}"
+        if status == Status.INVALID_ARGUMENT:
+            error = f"segment {request.segment!r} is {state}, not DRAINING (it mounted again since): drain it again"
+        else:
+            error = "" if status == Status.OK else f"no segment named {request.segment!r}"
         return pb.DrainSegmentResponse(
             status=status,
             error=error,

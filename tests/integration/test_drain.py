@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -257,3 +258,31 @@ def test_a_copy_on_a_segment_that_went_silent_does_not_count_as_staying(bare_clu
     lost = [k for k, v in zip(keys, got, strict=True) if v is None]
     assert not lost, f"lost {len(lost)} of {len(keys)}: {report}"
     assert got == [value_of(k, MiB) for k in keys]
+
+
+def test_a_segment_expelled_mid_drain_comes_back_draining_and_the_drain_finishes_it(cluster):
+    """SIGSTOP the drained segment past its TTL while `kvtier drain` runs: the master expels it, and
+    when it resumes it mounts again (its copies re-adopted through its fence) DRAINING, not ACTIVE
+    taking new puts; the drain waits for it and moves everything (it stopped with an error, or
+    finished a segment that had come back with objects no walk had seen)."""
+    client = cluster.client(transport="tcp")
+    keys = [f"blip/{i}" for i in range(16)]
+    values = [value_of(k, MiB) for k in keys]
+    assert not any(client.batch_put(keys, values, preferred_segment="seg0"))
+    segment = cluster.segments["seg0"]
+    cluster.freeze(segment)
+    mover = subprocess.Popen(drain_args(cluster, "seg0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert cluster.wait_for(lambda: "seg0" not in {s.name for s in client.cluster_status().segments}, 20)
+        assert client.put("meanwhile", b"m") is None  # lands on seg1: seg0 is away
+    finally:
+        segment.popen.send_signal(signal.SIGCONT)
+    assert cluster.wait_for(lambda: "seg0" in {s.name for s in client.cluster_status().segments}, 20)
+    assert client.put("after", b"a", preferred_segment="seg0") is None
+    out, err = mover.communicate(timeout=120)
+    assert mover.returncode == 0, err.decode()[-2000:]
+    report = json.loads(out)
+    assert report["state"] == "DRAINED" and report["dropped"] == 0, report
+    assert client.batch_get(keys) == values
+    assert client.get("after") == b"a" and client.get("meanwhile") == b"m"
+    assert [s.name for s in client.cluster_status().segments] == ["seg1"]

@@ -10,6 +10,7 @@ import pytest
 from kvtier.cli import drain as cli_drain
 from kvtier.master.records import TIER_SSD, replica_tier
 from kvtier.proto import master_pb2 as pb
+from kvtier.proto.errors import KvtierError
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent, segment_indexes
 from tests.unit.master.test_eviction import NS, KiB, make_state, put
@@ -39,12 +40,20 @@ class InProcessMaster:
         self.starts: list[list[str]] = []
 
     def call(self, method: str, request):
+        reply = self._answer(method, request)
+        if reply.status != OK:  # as the client's MasterClient.call
+            raise KvtierError(Status(reply.status), f"{method}: {reply.error}")
+        return reply
+
+    def _answer(self, method: str, request):
         drainer = self.state.drainer
         if method == "DrainSegment":
             status, left, _, name, disk = drainer.drain(request.segment, request.finish)
             return pb.DrainSegmentResponse(status=status, objects_left=left, state=name, ssd_objects_left=disk)
         if method == "MigrateStart":
             status, batch = drainer.migrate_start(request.segment, request.max_objects)
+            if batch is None:
+                return pb.MigrateStartResponse(status=status)
             reply = pb.MigrateStartResponse(status=status, migration_id=batch.migration_id)
             reply.more, reply.waiting = batch.more, batch.waiting
             for item in batch.items:
@@ -168,3 +177,46 @@ def test_an_object_every_other_segment_holds_already_is_no_work_for_a_drain(stat
     assert (report.moved, report.no_space, report.dropped) == (0, 0, 1)
     assert clock.now < 1.0
     assert state.get_replicas(NS, ["r"]).statuses == [OK]
+
+
+def test_a_segment_expelled_mid_drain_mounts_again_draining_and_the_drain_goes_on(state, clock):
+    """The drained segment is expelled between two batches (a blip, a stall past its TTL) and mounts
+    again at once. It used to come back ACTIVE, take new puts, and the drain's next call (segment not
+    found) went straight to the finish, which dropped it with every object no walk had seen: now it
+    mounts DRAINING, takes no new object, and the drain walks it again before it finishes."""
+    for i in range(4):
+        put(state, f"k{i}", preferred_segment="a")
+
+    class Blip(InProcessMaster):
+        blipped = False
+
+        def _answer(self, method, request):
+            reply = super()._answer(method, request)
+            if method == "MigrateEnd" and not self.blipped:
+                self.blipped = True
+                state.drop_segment(seg(state, "a"), reason="heartbeat_expired")  # the next call misses it
+            elif method == "MigrateStart" and reply.status == Status.SEGMENT_NOT_FOUND:
+                mount_ssd(state, "a", 16 * KiB, offload=False)  # its process mounts again right after
+                put(state, "late", preferred_segment="a")  # lands elsewhere while a is DRAINING
+            return reply
+
+    master = Blip(state)
+    report = cli_drain.drain_segment(Client(master), "a", batch=2, stall_timeout=30.0, timeout=600)
+    assert master.blipped and report.state == "DRAINED" and report.dropped == 0, report
+    assert state.segment_named("a") is None
+    assert state.get_replicas(NS, ["late"]).statuses == [OK], "a put on the returning segment was dropped"
+    assert_consistent(state)
+
+
+def test_finishing_a_drain_of_a_segment_that_mounted_again_active_is_refused(state):
+    """A master restart forgets a drain: the segment mounts ACTIVE and takes new objects. A finish
+    from the drain that began before must not drop them."""
+    drainer = state.drainer
+    assert drainer.drain("a", finish=False)[0] == OK
+    drainer.draining.clear()  # what a master restart forgets
+    state.drop_segment(seg(state, "a"), reason="heartbeat_expired")
+    mount_ssd(state, "a", 16 * KiB, offload=False)
+    put(state, "new", preferred_segment="a")
+    status, left, _, name, _ = drainer.drain("a", finish=True)
+    assert status == Status.INVALID_ARGUMENT and name == "ACTIVE" and left == 1
+    assert state.get_replicas(NS, ["new"]).statuses == [OK]
