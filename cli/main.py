@@ -7,7 +7,8 @@
     kvtier keys [--prefix P] [--limit N] [--start-after K] [--namespace NS] [--json]
                                                              keys in key order, size, state, tiers, pin
     kvtier stat KEY [--namespace NS] [--json]                one object: replicas, size, tiers, lease, pin
-    kvtier drain SEGMENT|--segment-config PATH [--json]      move a segment's objects away, unmount it
+    kvtier drain SEGMENT|--segment-config PATH [--cancel] [--json]
+                                                             move a segment's objects away, unmount it
     kvtier replica remove|copy|move KEY SEGMENT [--namespace NS] [--json]
                                                              one replica of a key: drop, add a verified copy, move
     kvtier evict --prefix P [--namespace NS] [--include-pinned] [--dry-run] [--json]
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "it just took are out of their migration lease, the master's lease_s)",
     )
     drain.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    drain.add_argument(
+        "--cancel",
+        action="store_true",
+        help="stop draining the segment (a drain interrupted, or not wanted any more): it takes new objects "
+        "again, and mounts ACTIVE when it restarts; objects already moved stay moved",
+    )
 
     from kvtier.cli.replica import add_parser as add_replica_parser
 

@@ -380,6 +380,16 @@ def cmd_drain(opts: argparse.Namespace) -> int:
         _drain_usage_error("name the segment, or give --segment-config")
     else:
         client_cm = _client(opts, timeout=30.0)
+    if opts.cancel:
+        from kvtier.proto import master_pb2 as pb
+
+        with client_cm as client:
+            reply = client._master.call("DrainSegment", pb.DrainSegmentRequest(segment=opts.segment, cancel=True))
+        if opts.json:
+            print(json.dumps({"segment": opts.segment, "state": reply.state, "objects": reply.objects_left}))
+        else:
+            print(f"drain of {opts.segment} cancelled: {reply.state}, {reply.objects_left} objects")
+        return 0
     with client_cm as client:
         try:
             report = drain_segment(

@@ -139,6 +139,19 @@ class Drainer:
         self.state.drop_segment(segment.segment_id, reason="drained")
         return Status.OK, left, used, "DRAINED", disk
 
+    def cancel(self, name: str) -> tuple[Status, int, int, str, int]:
+        """Stop draining `name` (`kvtier drain --cancel`): it takes new objects again. Objects moved
+        stay moved. (status, objects, bytes, state, disk copies) as `drain` answers."""
+        segment = self._by_name(name)
+        known = name in self.draining
+        self.draining.discard(name)
+        if segment is None:
+            return (Status.OK, 0, 0, "AWAY", 0) if known else (Status.SEGMENT_NOT_FOUND, 0, 0, "", 0)
+        if segment.state is SegmentState.DRAINING:
+            segment.state = SegmentState.ACTIVE
+            self.segment_dropped(segment.segment_id)  # its walk: a later drain starts afresh
+        return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
+
     def mounted_state(self, name: str) -> SegmentState:
         """The state a segment called `name` takes once mounted (its inventory done): DRAINING while
         an operator's drain of it is not finished, else ACTIVE."""

@@ -19,7 +19,11 @@ class AdminCalls:
 
     @rpc(pb.DrainSegmentResponse)
     def DrainSegment(self, request):
-        status, objects_left, bytes_left, state, disk_left = self.state.drainer.drain(request.segment, request.finish)
+        drainer = self.state.drainer
+        if request.cancel:
+            status, objects_left, bytes_left, state, disk_left = drainer.cancel(request.segment)
+        else:
+            status, objects_left, bytes_left, state, disk_left = drainer.drain(request.segment, request.finish)
         if status == Status.INVALID_ARGUMENT:
             error = f"segment {request.segment!r} is {state}, not DRAINING (it mounted again since): drain it again"
         else:

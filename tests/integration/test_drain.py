@@ -286,3 +286,19 @@ def test_a_segment_expelled_mid_drain_comes_back_draining_and_the_drain_finishes
     assert client.batch_get(keys) == values
     assert client.get("after") == b"a" and client.get("meanwhile") == b"m"
     assert [s.name for s in client.cluster_status().segments] == ["seg1"]
+
+
+def test_drain_cancel_makes_the_segment_take_new_objects_again(cluster):
+    """`kvtier drain --cancel`: a drain interrupted (or not wanted any more) leaves the segment DRAINING,
+    and a blip now brings it back DRAINING too; cancelling makes it ACTIVE again."""
+    client = cluster.client()
+    client._master.call("DrainSegment", pb.DrainSegmentRequest(segment="seg0"))  # what a drain starts with
+    client.put("while-draining", b"x", preferred_segment="seg0")
+    assert [r["segment"] for r in client.locate("while-draining")] == ["seg1"]
+    result = subprocess.run(drain_args(cluster, "seg0", "--cancel"), capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr.decode()
+    assert json.loads(result.stdout) == {"segment": "seg0", "state": "ACTIVE", "objects": 0}
+    client.put("after-cancel", b"y", preferred_segment="seg0")
+    assert [r["segment"] for r in client.locate("after-cancel")] == ["seg0"]
+    unknown = subprocess.run(drain_args(cluster, "nope", "--cancel"), capture_output=True, timeout=60)
+    assert unknown.returncode != 0 and b"nope" in unknown.stderr
