@@ -29,8 +29,10 @@ may put such objects as one group (`PutEndRequest.group`) and read them back as 
   under that id, each still the visible complete record adopted: a member missing (evicted, removed,
   upserted, lost, offloaded before it joined the group), or any member not adopted but known otherwise,
   and the group stays unformed, a miss for every member, never a partial group. Members already
-  stored when the group was put keep the id of the notice that committed them (their first group's,
-  or none): such a group is not rebuilt (a miss until put again).
+  stored when the group was put keep, in the DRAM index, the id of the notice that committed them
+  (their first group's, or none): such a group is not rebuilt from DRAM (a miss until put again); an
+  offload after it joined writes the later group's id to disk, and the id a member is adopted under
+  first decides.
 - Eviction takes members one by one, like any object; the first one gone makes the group a miss.
 """
 

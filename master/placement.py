@@ -87,17 +87,21 @@ def place(
     # Every replica's place first, then the evictions: a put refused for its second replica had
     # already evicted objects for its first (3 of them, for nothing, in the tester's run).
     placed: list[int] = []  # replicas allocated without eviction
-    evicting: list[tuple[SegmentRecord, list[ObjectRecord]]] = []  # segments that need victims evicted first
+    plan: list[tuple[SegmentRecord, int | list[ObjectRecord]]] = []  # per replica, in preference order
     used_hosts: set[str] = set()
     used_segments: set[int] = set()
+    # Records planned as victims on an earlier segment are not planned again: each plan saw the other's
+    # copy still there ("redundant", not an only copy that offload should take), and the two
+    # evictions dropped both copies of one object.
+    taken: set[int] = set()
     for _ in range(replicas):
         fresh_host = [s for s in order if s.segment_id not in used_segments and s.host_id not in used_hosts]
         others = [s for s in order if s.segment_id not in used_segments and s.host_id in used_hosts]
         candidates = fresh_host + others
         # Shunned segments only once the others cannot take the range even by eviction.
-        segment, where = room_on(state, [s for s in candidates if not static[s.segment_id][0]], size)
+        segment, where = room_on(state, [s for s in candidates if not static[s.segment_id][0]], size, taken)
         if segment is None:
-            segment, where = room_on(state, [s for s in candidates if static[s.segment_id][0]], size)
+            segment, where = room_on(state, [s for s in candidates if static[s.segment_id][0]], size, taken)
         if segment is None:
             state.release_ranges(placed, size)
             return None
@@ -105,17 +109,22 @@ def place(
             placed.append(replica(segment.segment_id, where))
             segment.objects += 1
         else:
-            evicting.append((segment, where))
+            taken.update(map(id, where))
+        plan.append((segment, where))
         used_segments.add(segment.segment_id)
         used_hosts.add(segment.host_id)
-    for segment, victims in evicting:
-        offset = evict_for(state, segment, victims, size)
-        if offset is None:  # fits_after said it would: not expected, but never leave ranges behind
-            state.release_ranges(placed, size)
-            return None
-        placed.append(replica(segment.segment_id, offset))
-        segment.objects += 1
-    return tuple(placed)
+    out = []  # in preference order, as planned
+    for segment, where in plan:
+        if not isinstance(where, int):
+            offset = evict_for(state, segment, where, size)
+            if offset is None:  # fits_after said it would: not expected, but never leave ranges behind
+                state.release_ranges(placed, size)
+                return None
+            placed.append(replica(segment.segment_id, offset))
+            segment.objects += 1
+            where = offset
+        out.append(replica(segment.segment_id, where))
+    return tuple(out)
 
 
 def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) -> tuple[SegmentRecord | None, int]:
@@ -130,11 +139,12 @@ def allocate_on(state: MasterState, candidates: list[SegmentRecord], size: int) 
 
 
 def room_on(
-    state: MasterState, candidates: list[SegmentRecord], size: int
+    state: MasterState, candidates: list[SegmentRecord], size: int, taken: Container[int] = frozenset()
 ) -> tuple[SegmentRecord | None, int | list[ObjectRecord]]:
     """Where `size` bytes go among `candidates`, in their order: (segment, offset) of a range
     allocated there now, else (segment, victims) for the first one where evicting the victims makes
-    room (nothing evicted yet: `evict_for`), else (None, 0)."""
+    room (nothing evicted yet: `evict_for`; none of the records whose id() is in `taken`), else
+    (None, 0)."""
     if size == 0:  # nothing to store, but the object still lives on a segment
         return (candidates[0], 0) if candidates else (None, 0)
     for segment in candidates:
@@ -143,13 +153,15 @@ def room_on(
             return segment, offset
     need = state.aligned(size)
     for segment in candidates:
-        victims = victims_for(state, segment, need)
+        victims = victims_for(state, segment, need, taken)
         if victims is not None:
             return segment, victims
     return None, 0
 
 
-def victims_for(state: MasterState, segment: SegmentRecord, need: int) -> list[ObjectRecord] | None:
+def victims_for(
+    state: MasterState, segment: SegmentRecord, need: int, taken: Container[int] = frozenset()
+) -> list[ObjectRecord] | None:
     """The objects whose DRAM copies on `segment`, evicted, leave a contiguous free run of `need` bytes
     there; None when no choice can (then nothing is evicted: a refused put must not destroy anything).
     Only copies whose ranges go back to the allocator at once count: one still under a lease, a
@@ -165,7 +177,7 @@ def victims_for(state: MasterState, segment: SegmentRecord, need: int) -> list[O
     frees_now = state.frees_now
 
     def here(record: ObjectRecord) -> bool:
-        return on_segment(record) and frees_now(record, now)
+        return on_segment(record) and frees_now(record, now) and id(record) not in taken
 
     # Under dram_full_policy "wait", an object's only copy that the SSD tier could take is
     # never dropped for room (kvtier.master.backpressure): the put waits for offload instead.

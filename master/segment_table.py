@@ -185,10 +185,18 @@ class SegmentTable:
         copies came back unchecked: a key put again and removed meanwhile read its old version."""
         if not self.recovery.check(self.clock(), mid_inventory=self.mid_inventory()):
             return
-        missing = sorted(self.recovery.expected - self.recovery.reported - self._segments_by_name.keys())
+        # Not those expelled already (saved so by an earlier incarnation): without a fence their copies
+        # are refused, and a fence opened now would admit what changed before it.
+        expelled = self.expelled
+        missing = sorted(self.recovery.expected - self.recovery.reported - self._segments_by_name.keys() - expelled)
         for name in missing:
             self.fences.open(name, ())
-            self.expelled.add(name)
+            expelled.add(name)
+        # Segments still reporting their inventories (past recovery_max_s, or not expected) go on
+        # reporting through a fence too: their disk copies were taken unchecked once the master served.
+        for segment in self.segments.values():
+            if segment.state is SegmentState.RECOVERING and segment.name not in expelled:
+                self.fences.open(segment.name, ())
         if missing:
             self.state_generation += 1  # what changes a key from now on is answered once this is saved
             self.saved_state_stale = True

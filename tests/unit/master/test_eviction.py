@@ -502,6 +502,20 @@ def test_a_replicated_put_refused_for_its_second_replica_evicts_nothing_for_its_
     assert_consistent(state)
 
 
+def test_a_replicated_put_never_plans_both_copies_of_one_object_as_victims(state, clock):
+    """Every replica's victims are planned before any is evicted: each plan saw the LRU object's other
+    copy still there (redundant), and both copies went, the object with them (review finding)."""
+    mount(state, "a", 4 * KiB)
+    mount(state, "b", 4 * KiB)
+    for i in range(4):
+        put(state, f"r{i}", replicas=2)
+    end_leases(state, clock)
+    put(state, "x", replicas=2)
+    assert {f"r{i}" for i in range(4)} - stored(state) == set(), "an object lost both its copies"
+    assert sorted(len(state.record(NS, f"r{i}").replicas) for i in range(4)) == [1, 1, 2, 2]
+    assert_consistent(state)
+
+
 def test_a_put_evicts_nothing_on_a_segment_where_it_cannot_fit(state):
     # a: u1 | hard pin | u2 (no 2 KiB range even when empty of evictable objects); b: v1 | v2
     mount(state, "a", 3 * KiB)

@@ -345,3 +345,43 @@ def test_a_moved_object_leaves_the_source_index_only_after_the_target_acknowledg
     assert [drop for _, _, drop in state.commits.poll(b, 0, 100).items] == [False]
     state.commits.poll(b, 1, 100)  # the target acknowledges its commit
     assert [drop for _, _, drop in state.commits.poll(a, 1, 100).items] == [True]
+
+
+def test_a_segment_already_expelled_that_misses_the_recovery_gets_no_fence_and_proves_nothing():
+    """A name saved both as a segment and as expelled (a mounted segment whose owed FORGETs overflowed,
+    a crash while an expelled one reported its inventory): an empty fence opened at the recovery's end
+    re-adopted its SSD copies, of keys removed in its earlier life among them (review finding)."""
+    clock = FakeClock()
+    state = new_state(clock)
+    state.begin_recovery({"a", "b"}, timeout_s=3.0, expelled={"b"})
+    inventory_done(state, mount(state, "a", inventory=True))
+    clock.advance(3.0)
+    state.tick()
+    assert state.serving and state.fences.get("b") is None
+    result = state.mount_segment("unit", "b", "host-b", ["tcp://127.0.0.1:9"], MiB, inventory=True)
+    assert result.discard_index and result.segment.disk_refused
+    statuses = state.tiering.report_disk_objects(result.segment.segment_id, [NS], ["stale"], [10], [1], [4096])
+    assert statuses == [Status.CHECKSUM_MISMATCH] and state.record(NS, "stale") is None
+
+
+def test_a_segment_still_reporting_when_the_recovery_ends_reports_the_rest_through_a_fence():
+    """Mounted, still RECOVERING when recovery_max_s ends the recovery: its disk copies were taken
+    unchecked from then on, a key put and removed meanwhile among them (review finding)."""
+    clock = FakeClock()
+    state = new_state(clock)
+    state.begin_recovery({"a", "b"}, timeout_s=3.0, max_s=10.0)
+    inventory_done(state, mount(state, "a", inventory=True))
+    b = mount(state, "b", inventory=True)
+    clock.advance(10.0)
+    state.segments[b].last_heartbeat = clock()
+    state.tick()
+    assert state.serving and state.fences.get("b") is not None
+    for key in ("removed", "kept-elsewhere"):
+        started = state.put_start(NS, [key], [10], 1)
+        assert state.put_end(NS, [key], [2], started.put_id) == [OK]
+    assert state.remove(NS, ["removed"]) == [OK]
+    assert report_dram_objects(state, b, chunk([("untouched", 10, 1, 0)])) == [OK]
+    statuses = state.tiering.report_disk_objects(b, [NS] * 2, ["removed", "on-disk"], [10] * 2, [1] * 2, [4096, 8192])
+    assert statuses == [Status.CHECKSUM_MISMATCH, OK]
+    inventory_done(state, b)
+    assert state.fences.get("b") is None and state.record(NS, "removed") is None
