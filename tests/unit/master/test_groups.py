@@ -272,3 +272,33 @@ def test_a_successor_forms_a_group_from_disk_copies_and_dram_copies_alike(state)
     )
     assert again == [OK] and fresh.groups.groups_rebuilt == 1
     assert fresh.groups.get_replicas(NS, ["a", "b", "c"]).statuses == [OK] * 3
+
+
+def test_an_offload_of_a_group_member_names_its_group_and_other_tasks_none():
+    """PollTierTasks: an OFFLOAD of a member carries its group's tag (kept in its disk record); a plain
+    object's carries 0; a batch naming no group has no group columns."""
+    from kvtier.master.handlers import MasterHandlers
+
+    config = MasterConfig(cluster_id="unit", segment_ttl_s=10.0, heartbeat_interval_s=1.0).validate()
+    state = MasterState(config, clock=FakeClock())
+    result = state.mount_segment(
+        "unit", "ssd", "host", ["tcp://127.0.0.1:9/ssd"], 1 << 20, ssd_capacity=1 << 30, offload=True
+    )
+    segment = result.segment
+    handlers = MasterHandlers(state, 1)
+    request = pb.PollTierTasksRequest(segment_id=segment.segment_id, max_tasks=16, epoch=1)
+    started = state.put_start(NS, ["plain"], [1000], 1)
+    assert state.put_end(NS, ["plain"], [7], started.put_id) == [OK]
+    assert state.tiering.offload(state.record(NS, "plain"), segment)
+    alone = handlers.PollTierTasks(request)
+    assert list(alone.keys) == ["plain"] and not alone.group_ids and not alone.group_sizes
+    assert put_group(state, ["kv", "side"]) == [OK, OK]
+    group_id, size = state.groups.tag_of(state.record(NS, "kv"))
+    for key in ("kv", "side"):
+        assert state.tiering.offload(state.record(NS, key), segment)
+    started = state.put_start(NS, ["plain2"], [1000], 1)
+    assert state.put_end(NS, ["plain2"], [7], started.put_id) == [OK]
+    assert state.tiering.offload(state.record(NS, "plain2"), segment)
+    reply = handlers.PollTierTasks(request)
+    tags = dict(zip(reply.keys, zip(reply.group_ids, reply.group_sizes, strict=True), strict=True))
+    assert tags == {"kv": (group_id, 2), "side": (group_id, 2), "plain2": (0, 0)} and size == 2

@@ -152,6 +152,29 @@ def test_an_offload_is_reported_only_after_its_copy_is_durable(worker, store, ss
     assert restarted(worker, store, ssd) == {loc: f"k{i}" for i, loc in enumerate(locations)}
 
 
+def test_an_offloaded_group_member_keeps_its_group_tag_on_disk_and_in_the_inventory(worker, store, region, master):
+    """The OFFLOAD names the member's group (PollTierTasksResponse.group_ids): its record carries it
+    (bucket format version 2) and the disk inventory reports it; a batch naming no group writes
+    version 1 records whose inventory has no group columns."""
+    data = [blob(i, 5000 + i) for i in range(3)]
+    for i, payload in enumerate(data):
+        region[i * 65536 : i * 65536 + len(payload)] = payload
+    batch = tasks(*((20 + i, pb.OFFLOAD, f"m{i}", len(p), crc32c.crc32c(p), i * 65536, 0) for i, p in enumerate(data)))
+    batch.group_ids.extend([0xABC, 0, 0xABC])
+    batch.group_sizes.extend([2, 0, 2])
+    master.batches.put(batch)
+    assert list(master.report().statuses) == [OK] * 3
+    assert {r.key: (r.group_id, r.group_size) for r in store.records()} == {
+        "m0": (0xABC, 2),
+        "m1": (0, 0),
+        "m2": (0xABC, 2),
+    }
+    request = tw._disk_objects(SEGMENT_ID, EPOCH, sorted(store.records(), key=lambda r: r.key))
+    assert list(request.group_ids) == [0xABC, 0, 0xABC] and list(request.group_sizes) == [2, 0, 2]
+    plain = tw._disk_objects(SEGMENT_ID, EPOCH, [r for r in store.records() if r.key == "m1"])
+    assert not plain.group_ids and not plain.group_sizes
+
+
 def test_an_offload_whose_dram_bytes_changed_is_refused_and_nothing_is_stored(worker, store, region, master):
     payload = blob(1, 5000)
     region[:5000] = payload
