@@ -128,7 +128,7 @@ def drain_segment(
             # pending puts, or copies, moves, promotions of the segment's objects in flight: they end,
             # or are reclaimed, and the next walk meets what they left
             time.sleep(0.2)
-    finished = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, finish=True))
+    finished = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, finish=True, if_draining=True))
     report.dropped = finished.objects_left
     report.dropped_ssd = finished.ssd_objects_left
     report.state = finished.state

@@ -111,7 +111,7 @@ class Drainer:
         # INVALID_ARGUMENT and the operator runs it again). At most one entry per segment name.
         self.draining: set[str] = set()
 
-    def drain(self, name: str, finish: bool) -> tuple[Status, int, int, str, int]:
+    def drain(self, name: str, finish: bool, if_draining: bool = False) -> tuple[Status, int, int, str, int]:
         """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
         state, disk copies left: those of objects held elsewhere, and last copies not moved yet)."""
         segment = self._by_name(name)
@@ -127,7 +127,7 @@ class Drainer:
             if segment.state is not SegmentState.RECOVERING:  # else DRAINING once its inventory is in
                 segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
-        if segment.state is not SegmentState.DRAINING:
+        if if_draining and segment.state is not SegmentState.DRAINING:
             # Mounted again as ACTIVE since this drain began (a master restart forgot the drain):
             # finishing it dropped objects no walk had seen, new puts among them.
             return Status.INVALID_ARGUMENT, segment.objects, segment.used, segment.state.name, segment.ssd_objects

@@ -23,7 +23,9 @@ class AdminCalls:
         if request.cancel:
             status, objects_left, bytes_left, state, disk_left = drainer.cancel(request.segment)
         else:
-            status, objects_left, bytes_left, state, disk_left = drainer.drain(request.segment, request.finish)
+            status, objects_left, bytes_left, state, disk_left = drainer.drain(
+                request.segment, request.finish, request.if_draining
+            )
         if status == Status.INVALID_ARGUMENT:
             error = f"segment {request.segment!r} is {state}, not DRAINING (it mounted again since): drain it again"
         else:

@@ -486,14 +486,16 @@ class RemoveResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., removed: _Optional[int] = ...) -> None: ...
 
 class DrainSegmentRequest(_message.Message):
-    __slots__ = ("segment", "finish", "cancel")
+    __slots__ = ("segment", "finish", "cancel", "if_draining")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    IF_DRAINING_FIELD_NUMBER: _ClassVar[int]
     segment: str
     finish: bool
     cancel: bool
-    def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    if_draining: bool
+    def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ..., cancel: _Optional[bool] = ..., if_draining: _Optional[bool] = ...) -> None: ...
 
 class DrainSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "objects_left", "bytes_left", "state", "ssd_objects_left")

@@ -48,7 +48,7 @@ class InProcessMaster:
     def _answer(self, method: str, request):
         drainer = self.state.drainer
         if method == "DrainSegment":
-            status, left, _, name, disk = drainer.drain(request.segment, request.finish)
+            status, left, _, name, disk = drainer.drain(request.segment, request.finish, request.if_draining)
             return pb.DrainSegmentResponse(status=status, objects_left=left, state=name, ssd_objects_left=disk)
         if method == "MigrateStart":
             status, batch = drainer.migrate_start(request.segment, request.max_objects)
@@ -217,6 +217,6 @@ def test_finishing_a_drain_of_a_segment_that_mounted_again_active_is_refused(sta
     state.drop_segment(seg(state, "a"), reason="heartbeat_expired")
     mount_ssd(state, "a", 16 * KiB, offload=False)
     put(state, "new", preferred_segment="a")
-    status, left, _, name, _ = drainer.drain("a", finish=True)
+    status, left, _, name, _ = drainer.drain("a", finish=True, if_draining=True)
     assert status == Status.INVALID_ARGUMENT and name == "ACTIVE" and left == 1
     assert state.get_replicas(NS, ["new"]).statuses == [OK]
