@@ -37,6 +37,7 @@ from kvtier.segment_server.bucket_format import (
     ALIGN,
     BUCKET_MAGIC,
     FLAG_OBJECT,
+    FLAG_TOMBSTONE,
     FORMAT_VERSION,
     MAX_BUCKET_ID,
     MAX_CLUSTER_ID_BYTES,
@@ -337,8 +338,21 @@ class BucketRecovery:
                     end,
                     exc,
                 )
+                if flags == FLAG_TOMBSTONE and header_len:
+                    self._tombstone_unreadable(bucket, offset)
             items.append((offset, head, end))
         return items
+
+    def _tombstone_unreadable(self, bucket: _Bucket, offset: int) -> None:
+        """A tombstone record failed its checks (the footer says what it was, or its payload CRC): counted
+        and logged. Each is written twice (BucketStore._append_tombstones), so one damaged copy loses
+        nothing; both lost would bring the objects it named back."""
+        self.tombstones_unreadable += 1
+        logger.error(
+            "tombstone record unreadable path=%s offset=%d: its copy on the next page keeps the removal",
+            bucket.path,
+            offset,
+        )
 
     def _admit(self, bucket: _Bucket, pages: _Pages, offset: int, head: _Head) -> None:
         """Keep a record with a valid header as live (payload unverified) or apply its tombstone (whose
@@ -366,3 +380,4 @@ class BucketRecovery:
             bucket.tombstones += [target for (target,) in _U64.iter_unpack(payload)]
             return
         logger.warning("tombstone dropped: payload CRC mismatch path=%s offset=%d", bucket.path, offset)
+        self._tombstone_unreadable(bucket, offset)

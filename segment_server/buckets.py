@@ -163,6 +163,9 @@ class BucketStore(BucketSpace, BucketRecovery):
         # recover); appended records are verified as they are written and never enter it.
         self._unverified: dict[int, DiskRecord] = {}
         self._unverified_bytes = 0
+        # Tombstone records found unreadable at mount (known from a sealed bucket's footer, or by their
+        # payload CRC): each is written twice, so one of them loses nothing (bucket_mount).
+        self.tombstones_unreadable = 0
         self._reserve_path = os.path.join(self._dir, RESERVE_NAME)
         # At most an eighth of the tier and a quarter of its file system: on an 8 MiB file system the
         # 4 MiB reserve took half, and every offload failed ENOSPC with the tier reporting 0% used. (Given
@@ -254,13 +257,24 @@ class BucketStore(BucketSpace, BucketRecovery):
                 self._drop_unverified(location)
 
     def _append_tombstones(self, targets: Sequence[int]) -> None:
-        """Write one tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations (into the reserve's
-        space when the file system is full: a removed object must not come back for want of a page)."""
+        """Write a tombstone record for 1 to _MAX_TOMBSTONE_TARGETS locations, twice (into the reserve's
+        space when the file system is full: a removed object must not come back for want of a page).
+
+        Twice, on separate pages: after a master restart the tombstone is the only record of an
+        acknowledged removal, and a damaged page of it (a flipped bit fails its header CRC: recovery
+        drops the stretch, or cuts it as a torn tail) brought every object it named back. An object
+        record that fails its checks is a miss; a tombstone that does is a wrong answer. A page costs
+        little: one record names up to 8192 locations."""
         payload = b"".join(_U64.pack(target) for target in targets)
-        holder, _ = self._must_write(
-            self._write_record, FLAG_TOMBSTONE, b"", b"", payload, crc32c.crc32c(payload), check_capacity=False
-        )
-        holder.tombstones += [target for target in targets if target >> 20 != holder.bucket_id]
+        crc = crc32c.crc32c(payload)
+        holders: list[_Bucket] = []
+        for _ in range(2):
+            holder, _ = self._must_write(
+                self._write_record, FLAG_TOMBSTONE, b"", b"", payload, crc, check_capacity=False
+            )
+            if holder not in holders:  # (the second copy may open a new bucket)
+                holders.append(holder)
+                holder.tombstones += [target for target in targets if target >> 20 != holder.bucket_id]
         self._seal_if_full()
 
     def _write_record(

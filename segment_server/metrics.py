@@ -217,6 +217,15 @@ class SegmentCollector(Collector):
             )
             yield _one(
                 GaugeMetricFamily,
+                "kvtier_segment_ssd_tombstones_unreadable",
+                "Tombstone records found damaged when the SSD tier was mounted (a sealed bucket's footer says "
+                "what they were, or their payload CRC failed). Each is written twice: one damaged copy loses "
+                "nothing; both would bring the objects it named back. Alert on it.",
+                self._name,
+                verifier.store.tombstones_unreadable,
+            )
+            yield _one(
+                GaugeMetricFamily,
                 "kvtier_segment_ssd_verify_backlog_bytes",
                 "Payload bytes of live records found at mount that are not verified yet.",
                 self._name,
