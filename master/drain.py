@@ -121,6 +121,9 @@ class Drainer:
             if name in self.draining and not finish:
                 # Expelled or restarting mid-drain: it mounts again DRAINING (`mounted_state`).
                 return Status.OK, 0, 0, "AWAY", 0
+            # A drain ending with its segment still away (gone for good?) ends its intent too: a
+            # replacement under the name must not come up DRAINING.
+            self.draining.discard(name)
             return Status.SEGMENT_NOT_FOUND, 0, 0, "", 0
         if not finish:
             self.draining.add(name)

@@ -220,3 +220,24 @@ def test_finishing_a_drain_of_a_segment_that_mounted_again_active_is_refused(sta
     status, left, _, name, _ = drainer.drain("a", finish=True, if_draining=True)
     assert status == Status.INVALID_ARGUMENT and name == "ACTIVE" and left == 1
     assert state.get_replicas(NS, ["new"]).statuses == [OK]
+
+
+def test_a_drain_whose_segment_never_comes_back_fails_and_leaves_no_intent_behind(state, clock):
+    """The segment is expelled mid-drain and never mounts again: the drain waits (AWAY) until its timeout,
+    then fails naming the segment; a replacement under the name is not DRAINING."""
+    for i in range(4):
+        put(state, f"k{i}", preferred_segment="a")
+
+    class Gone(InProcessMaster):
+        def _answer(self, method, request):
+            reply = super()._answer(method, request)
+            if method == "MigrateEnd" and state.segment_named("a") is not None:
+                state.drop_segment(seg(state, "a"), reason="heartbeat_expired")
+            return reply
+
+    with pytest.raises(KvtierError) as failure:
+        cli_drain.drain_segment(Client(Gone(state)), "a", batch=2, stall_timeout=30.0, timeout=20)
+    assert failure.value.status == Status.SEGMENT_NOT_FOUND and clock.now >= 20
+    assert "a" not in state.drainer.draining
+    mount_ssd(state, "a", 16 * KiB, offload=False)  # a replacement under the name
+    assert state.segment_named("a").state.name == "ACTIVE"
