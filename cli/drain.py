@@ -77,7 +77,9 @@ def drain_segment(
     master = client._master
     report = DrainReport(segment)
     unmoved = _Unmoved(report)
-    master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment))  # marks it DRAINING
+    # Marks it DRAINING. Every later DrainSegment of this drain only asks (`status_only`): marking again
+    # undid a `kvtier drain --cancel`. Its process (`incarnation`) tells its end from an earlier one's.
+    mine = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).incarnation
     deadline = time.monotonic() + timeout
     last_move = time.monotonic()
     walk_found = walk_moved = False  # what the master's current walk handed out, and moved
@@ -93,24 +95,31 @@ def drain_segment(
             if exc.status != Status.SEGMENT_NOT_FOUND:
                 raise
             # Another `kvtier drain` of it finished (DRAINED: the finish below answers so, with what
-            # this drain moved), or it is away: expelled or restarting, it mounts again DRAINING
-            # and the walk starts over (finishing here dropped a segment that came back meanwhile
-            # with objects no walk had seen); unknown to the master, the call raises.
-            marked = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment))
-            if marked.state != "AWAY":
-                if marked.state == "DRAINED":
-                    break
-                continue  # back already (and DRAINING again)
-            walk_found = walk_moved = False
-            time.sleep(0.5)
-            continue
+            # this drain moved), or it is away: expelled, it mounts again DRAINING and the walk starts
+            # over (finishing here dropped a segment that came back meanwhile with objects no walk had
+            # seen). Anything else ends the drain with an error: the name unknown (the call raises),
+            # its drain cancelled, or another process under the name (a restart: it mounts ACTIVE).
+            now = _status(master, segment)
+            if now.state == "AWAY" and now.incarnation == mine:
+                walk_found = walk_moved = False
+                last_move = time.monotonic()  # time away is no stall: the walk has not seen it back
+                time.sleep(0.5)
+                continue
+            if now.state == "DRAINED" and now.incarnation == mine:
+                break
+            if now.incarnation == mine and now.state in ("DRAINING", "RECOVERING"):
+                continue  # back already
+            raise KvtierError(
+                Status.SEGMENT_NOT_FOUND,
+                f"segment {segment!r} went away during its drain and is not being drained any more "
+                f"({now.state}{'' if now.incarnation == mine else ', another process'}): drain it again",
+            ) from None
         if start.keys:
             walk_found = True
             if _move_batch(client, start, report, unmoved):
                 walk_moved, last_move = True, time.monotonic()
-            left = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment)).objects_left
             if progress is not None:
-                progress(report, left)
+                progress(report, _status(master, segment).objects_left)
         if start.more:  # the master's walk stopped at its time bound: it goes on at the next call
             continue
         found, moved, walk_found, walk_moved = walk_found, walk_moved, False, False
@@ -125,14 +134,21 @@ def drain_segment(
                 # A whole walk found nothing to move and nothing to wait for. (DRAM objects may be
                 # left: replicas of objects every other segment holds already.)
                 break
-            # pending puts, or copies, moves, promotions of the segment's objects in flight: they end,
-            # or are reclaimed, and the next walk meets what they left
+            # pending puts, or copies, moves, promotions of the segment's objects in flight (or the
+            # segment still reporting its inventory): they end, or are reclaimed, and the next walk
+            # meets what they left. No stall meanwhile: nothing was there to move.
+            last_move = time.monotonic()
             time.sleep(0.2)
     finished = master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, finish=True, if_draining=True))
     report.dropped = finished.objects_left
     report.dropped_ssd = finished.ssd_objects_left
     report.state = finished.state
     return report
+
+
+def _status(master, segment: str) -> pb.DrainSegmentResponse:
+    """How the segment stands, nothing changed (the segment unknown to the master: raises)."""
+    return master.call("DrainSegment", pb.DrainSegmentRequest(segment=segment, status_only=True))
 
 
 def _move_batch(client: Client, start: pb.MigrateStartResponse, report: DrainReport, unmoved: _Unmoved) -> bool:

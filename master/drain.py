@@ -105,28 +105,37 @@ class Drainer:
         # many of its objects this walk met that could not move then (MigrationBatch.waiting).
         self._cursors: dict[int, str] = {}
         self._waiting: dict[int, int] = {}
-        # Names an operator asked to drain and not finished yet: a segment expelled mid-drain (a
-        # blip, a stall past its TTL) mounts again DRAINING, not ACTIVE taking new objects, and the
-        # drain goes on. In memory only (a restarted master forgets it: the drain then stops with
+        # Segments an operator asked to drain, not finished yet: name -> the incarnation (region nonce)
+        # being drained. That process expelled mid-drain (a blip, a stall past its TTL) mounts again
+        # DRAINING, not ACTIVE taking new objects, and the drain goes on; a new process under the name
+        # (a restart) mounts ACTIVE: a failed drain-on-stop must not leave its successor out of
+        # placement. In memory only (a restarted master forgets it: the drain then stops with
         # INVALID_ARGUMENT and the operator runs it again). At most one entry per segment name.
-        self.draining: set[str] = set()
+        self.draining: dict[str, str] = {}
 
-    def drain(self, name: str, finish: bool, if_draining: bool = False) -> tuple[Status, int, int, str, int]:
-        """Mark `name` DRAINING, or with `finish` unmount it. (status, DRAM objects left, bytes left,
-        state, disk copies left: those of objects held elsewhere, and last copies not moved yet)."""
+    def drain(
+        self, name: str, finish: bool, if_draining: bool = False, status_only: bool = False
+    ) -> tuple[Status, int, int, str, int]:
+        """Mark `name` DRAINING, or with `finish` unmount it, or with `status_only` just say how it
+        stands (the drain's progress and its checks: marking there undid a `cancel`). (status, DRAM
+        objects left, bytes left, state, disk copies left: those of objects held elsewhere, and last
+        copies not moved yet). `incarnation_of` says which process the answer is about."""
         segment = self._by_name(name)
         if segment is None:
-            if any(drained_name == name for drained_name, _ in self.drained):
-                return Status.OK, 0, 0, "DRAINED", 0
-            if name in self.draining and not finish:
-                # Expelled or restarting mid-drain: it mounts again DRAINING (`mounted_state`).
-                return Status.OK, 0, 0, "AWAY", 0
-            # A drain ending with its segment still away (gone for good?) ends its intent too: a
-            # replacement under the name must not come up DRAINING.
-            self.draining.discard(name)
+            if name in self.draining:
+                if not finish:
+                    # Expelled or restarting mid-drain: it mounts again DRAINING (`mounted_state`).
+                    return Status.OK, 0, 0, "AWAY", 0
+                # A drain ending with its segment still away (gone for good?) ends its intent: the
+                # process must not come back DRAINING with no drain running.
+                del self.draining[name]
+            elif any(drained_name == name for drained_name, _ in self.drained):
+                return Status.OK, 0, 0, "DRAINED", 0  # (of which incarnation: `incarnation_of`)
             return Status.SEGMENT_NOT_FOUND, 0, 0, "", 0
+        if status_only:
+            return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
         if not finish:
-            self.draining.add(name)
+            self.draining[name] = segment.incarnation
             if segment.state is not SegmentState.RECOVERING:  # else DRAINING once its inventory is in
                 segment.state = SegmentState.DRAINING
             return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
@@ -134,7 +143,7 @@ class Drainer:
             # Mounted again as ACTIVE since this drain began (a master restart forgot the drain):
             # finishing it dropped objects no walk had seen, new puts among them.
             return Status.INVALID_ARGUMENT, segment.objects, segment.used, segment.state.name, segment.ssd_objects
-        self.draining.discard(name)
+        self.draining.pop(name, None)
         self.remember_drained(name, segment.incarnation)
         # Counted with them: sources of moves whose target has not acknowledged yet (the object lives
         # on only if the target does; told apart they would hide a loss when it does not).
@@ -146,8 +155,7 @@ class Drainer:
         """Stop draining `name` (`kvtier drain --cancel`): it takes new objects again. Objects moved
         stay moved. (status, objects, bytes, state, disk copies) as `drain` answers."""
         segment = self._by_name(name)
-        known = name in self.draining
-        self.draining.discard(name)
+        known = self.draining.pop(name, None) is not None
         if segment is None:
             return (Status.OK, 0, 0, "AWAY", 0) if known else (Status.SEGMENT_NOT_FOUND, 0, 0, "", 0)
         if segment.state is SegmentState.DRAINING:
@@ -155,10 +163,22 @@ class Drainer:
             self.segment_dropped(segment.segment_id)  # its walk: a later drain starts afresh
         return Status.OK, segment.objects, segment.used, segment.state.name, segment.ssd_objects
 
-    def mounted_state(self, name: str) -> SegmentState:
-        """The state a segment called `name` takes once mounted (its inventory done): DRAINING while
-        an operator's drain of it is not finished, else ACTIVE."""
-        return SegmentState.DRAINING if name in self.draining else SegmentState.ACTIVE
+    def mounted_state(self, name: str, incarnation: str) -> SegmentState:
+        """The state a segment takes once mounted (its inventory done): DRAINING while an operator's
+        drain of this very process is not finished, else ACTIVE."""
+        draining = self.draining.get(name)
+        return SegmentState.DRAINING if draining is not None and draining == incarnation else SegmentState.ACTIVE
+
+    def incarnation_of(self, name: str) -> str:
+        """The process a DrainSegment answer about `name` is about: the one mounted, else the one being
+        drained (AWAY), else the one drained last under the name (DRAINED): a drain tells its own
+        segment's end from an earlier drain of the name (drain-on-stop drains every restart)."""
+        segment = self._by_name(name)
+        if segment is not None:
+            return segment.incarnation
+        if name in self.draining:
+            return self.draining[name]
+        return next((inc for drained_name, inc in reversed(self.drained) if drained_name == name), "")
 
     def remember_drained(self, name: str, incarnation: str) -> None:
         """Refuse this incarnation of `name` from now on (the most recent MAX_DRAINED are kept)."""
@@ -185,7 +205,7 @@ class Drainer:
         segment = self._by_name(name)
         if segment is None:
             return Status.SEGMENT_NOT_FOUND, None
-        if segment.state is SegmentState.RECOVERING and name in self.draining:
+        if segment.state is SegmentState.RECOVERING and self.draining.get(name) == segment.incarnation:
             # Mounted again mid-drain, still reporting its inventory: DRAINING once it is in.
             return Status.OK, MigrationBatch(0, segment.segment_id, self.state.clock(), waiting=True)
         if segment.state is not SegmentState.DRAINING:

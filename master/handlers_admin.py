@@ -24,10 +24,13 @@ class AdminCalls:
             status, objects_left, bytes_left, state, disk_left = drainer.cancel(request.segment)
         else:
             status, objects_left, bytes_left, state, disk_left = drainer.drain(
-                request.segment, request.finish, request.if_draining
+                request.segment, request.finish, request.if_draining, request.status_only
             )
         if status == Status.INVALID_ARGUMENT:
-            error = f"segment {request.segment!r} is {state}, not DRAINING (it mounted again since): drain it again"
+            error = (
+                f"segment {request.segment!r} is {state}, not DRAINING (its drain was cancelled, it is still "
+                "reporting its inventory, or it mounted again since): drain it again"
+            )
         else:
             error = "" if status == Status.OK else f"no segment named {request.segment!r}"
         return pb.DrainSegmentResponse(
@@ -37,6 +40,7 @@ class AdminCalls:
             bytes_left=bytes_left,
             state=state,
             ssd_objects_left=disk_left,
+            incarnation=drainer.incarnation_of(request.segment),
         )
 
     @rpc(pb.MigrateStartResponse)

@@ -221,7 +221,8 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
     """The segment reported everything: it takes allocations from now on."""
     segment = state.segments[segment_id]
     if segment.state is SegmentState.RECOVERING:
-        segment.state = state.drainer.mounted_state(segment.name)  # DRAINING while a drain of it goes on
+        # DRAINING while a drain of this process goes on
+        segment.state = state.drainer.mounted_state(segment.name, segment.incarnation)
         if segment.name in state.expelled:
             # It emptied its stale index, or re-adopted what its fence admitted: consistent again.
             state.expelled.discard(segment.name)

@@ -116,7 +116,7 @@ class SegmentTable:
             offload=offload and ssd_capacity > 0,
             disk_engine=disk_engine,
             ssd_max_object=ssd_max_object,
-            state=SegmentState.RECOVERING if inventory else self.drainer.mounted_state(name),
+            state=SegmentState.RECOVERING if inventory else self.drainer.mounted_state(name, incarnation),
             inventory_accepted=accepted,
             disk_refused=inventory and disk_refused,
             saved=not self.save_mounts,

@@ -486,32 +486,36 @@ class RemoveResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[_status_pb2.Status, str]]] = ..., removed: _Optional[int] = ...) -> None: ...
 
 class DrainSegmentRequest(_message.Message):
-    __slots__ = ("segment", "finish", "cancel", "if_draining")
+    __slots__ = ("segment", "finish", "cancel", "if_draining", "status_only")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     IF_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STATUS_ONLY_FIELD_NUMBER: _ClassVar[int]
     segment: str
     finish: bool
     cancel: bool
     if_draining: bool
-    def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ..., cancel: _Optional[bool] = ..., if_draining: _Optional[bool] = ...) -> None: ...
+    status_only: bool
+    def __init__(self, segment: _Optional[str] = ..., finish: _Optional[bool] = ..., cancel: _Optional[bool] = ..., if_draining: _Optional[bool] = ..., status_only: _Optional[bool] = ...) -> None: ...
 
 class DrainSegmentResponse(_message.Message):
-    __slots__ = ("status", "error", "objects_left", "bytes_left", "state", "ssd_objects_left")
+    __slots__ = ("status", "error", "objects_left", "bytes_left", "state", "ssd_objects_left", "incarnation")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_LEFT_FIELD_NUMBER: _ClassVar[int]
     BYTES_LEFT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SSD_OBJECTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     status: _status_pb2.Status
     error: str
     objects_left: int
     bytes_left: int
     state: str
     ssd_objects_left: int
-    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ..., ssd_objects_left: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ..., objects_left: _Optional[int] = ..., bytes_left: _Optional[int] = ..., state: _Optional[str] = ..., ssd_objects_left: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class MigrateStartRequest(_message.Message):
     __slots__ = ("segment", "max_objects", "namespace", "keys", "target", "keep_source")

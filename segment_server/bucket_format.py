@@ -25,12 +25,12 @@ On-disk format (all integers little-endian, ALIGN = 4096):
   holds a CRC32C tag of it, so a record can be recognised as this cluster's on its own (recovery drops
   a record whose tag is not ours, like one whose payload CRC fails).
 - A tombstone record (empty namespace and key) has a payload of N >= 1 u64 locations (size a positive
-  multiple of 8), each naming a record it declares dead. Writers write each tombstone record twice, the
-  copy on the next page (or in the next bucket): a damaged page must not bring removed objects back;
-  readers apply both (the second changes nothing) (written when the master removes objects that
+  multiple of 8), each naming a record it declares dead (written when the master removes objects that
   had a disk copy, so a restart does not resurrect them). One record carries many locations, so a mass
-  removal costs a page per 8192 locations (writers cap a record at 64 KiB of locations; readers accept
-  any count). A tombstone whose size is not a positive multiple of 8 is an invalid record.
+  removal costs 64 KiB per 8192 locations (writers cap a record at 64 KiB of locations; readers accept
+  any count). Writers write each tombstone record twice, the copy right after it (or at the start of
+  the next bucket): a damaged page of it must not bring removed objects back; readers apply both (the
+  second changes nothing). A tombstone whose size is not a positive multiple of 8 is an invalid record.
 - Sealing: when a bucket reaches ``bucket_size`` bytes or ``bucket_keys`` records (whichever first),
   it is sealed: an index footer is appended at a 4096-aligned offset: magic ``b"KVTI"``, count u32,
   then per record (offset u64, header_len u32, size u64, flags u16), then CRC32C u32 over the footer;

@@ -349,7 +349,7 @@ class BucketRecovery:
         nothing; both lost would bring the objects it named back."""
         self.tombstones_unreadable += 1
         logger.error(
-            "tombstone record unreadable path=%s offset=%d: its copy on the next page keeps the removal",
+            "tombstone record unreadable path=%s offset=%d: its copy keeps the removal unless damaged too",
             bucket.path,
             offset,
         )

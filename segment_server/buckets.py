@@ -226,7 +226,8 @@ class BucketStore(BucketSpace, BucketRecovery):
         Unknown, already dead and repeated locations are ignored; nothing is written if none is left.
         Tombstones are not held to `capacity` (they free space later and must not fail for lack of it);
         a file system ENOSPC raises DiskFull and leaves the records of the failed record live (those of
-        records written before it are dead).
+        records written before it are dead; if the first of its two copies was written, they are dead
+        after a restart too: a miss, never a removed object back).
         """
         targets = []
         for location in dict.fromkeys(locations):

@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.cli import drain as cli_drain
 from kvtier.master.records import TIER_SSD, replica_tier
+from kvtier.master.state_types import SegmentState
 from kvtier.proto import master_pb2 as pb
 from kvtier.proto.errors import KvtierError
 from kvtier.proto.status import Status
@@ -48,8 +49,16 @@ class InProcessMaster:
     def _answer(self, method: str, request):
         drainer = self.state.drainer
         if method == "DrainSegment":
-            status, left, _, name, disk = drainer.drain(request.segment, request.finish, request.if_draining)
-            return pb.DrainSegmentResponse(status=status, objects_left=left, state=name, ssd_objects_left=disk)
+            status, left, _, name, disk = drainer.drain(
+                request.segment, request.finish, request.if_draining, request.status_only
+            )
+            return pb.DrainSegmentResponse(
+                status=status,
+                objects_left=left,
+                state=name,
+                ssd_objects_left=disk,
+                incarnation=drainer.incarnation_of(request.segment),
+            )
         if method == "MigrateStart":
             status, batch = drainer.migrate_start(request.segment, request.max_objects)
             if batch is None:
@@ -241,3 +250,87 @@ def test_a_drain_whose_segment_never_comes_back_fails_and_leaves_no_intent_behin
     assert "a" not in state.drainer.draining
     mount_ssd(state, "a", 16 * KiB, offload=False)  # a replacement under the name
     assert state.segment_named("a").state.name == "ACTIVE"
+
+
+def _mount(state, name: str, incarnation: str):
+    result = state.mount_segment(
+        "unit", name, f"host-{name}", [f"tcp://127.0.0.1:9/{name}"], 16 * KiB,
+        incarnation=incarnation, ssd_capacity=1 << 30, offload=False,
+    )  # fmt: skip
+    assert result.status == OK, result.error
+    return result
+
+
+def test_an_earlier_drain_of_the_name_is_not_this_drains_end(state, clock):
+    """Drain-on-stop drains a name at every restart: with an earlier process of the name drained, this
+    drain's segment expelled mid-drain was answered DRAINED (by name), and the drain reported success,
+    dropped 0, two objects never moved; the process then mounted again DRAINING for good (review)."""
+    _mount(state, "d", "nonce-1")
+    assert state.drainer.drain("d", finish=True)[3] == "DRAINED"
+    _mount(state, "d", "nonce-2")
+    for i in range(4):
+        put(state, f"k{i}", preferred_segment="d")
+
+    class Blip(InProcessMaster):
+        def _answer(self, method, request):
+            reply = super()._answer(method, request)
+            if method == "MigrateEnd" and state.segment_named("d") is not None:
+                state.drop_segment(seg(state, "d"), reason="heartbeat_expired")
+            return reply
+
+    with pytest.raises(KvtierError) as failure:
+        cli_drain.drain_segment(Client(Blip(state)), "d", batch=2, stall_timeout=30.0, timeout=20)
+    assert failure.value.status == Status.SEGMENT_NOT_FOUND  # waited for it (AWAY), then the finish failed
+    assert "d" not in state.drainer.draining
+    assert _mount(state, "d", "nonce-2").segment is not None and state.segment_named("d").state.name == "ACTIVE"
+
+
+def test_a_cancel_during_a_running_drain_stops_it_and_the_segment_stays(state, clock):
+    """The drain's progress call marked the segment DRAINING again: a cancel answered ACTIVE, and the
+    drain then finished the segment anyway (review)."""
+    for i in range(4):
+        put(state, f"k{i}", preferred_segment="a")
+
+    class Cancel(InProcessMaster):
+        cancelled = None
+
+        def _answer(self, method, request):
+            if method == "MigrateEnd" and self.cancelled is None:
+                self.cancelled = self.state.drainer.cancel("a")
+            return super()._answer(method, request)
+
+    master = Cancel(state)
+    with pytest.raises(KvtierError) as failure:
+        cli_drain.drain_segment(Client(master), "a", batch=2, stall_timeout=30.0, timeout=600)
+    assert failure.value.status == Status.INVALID_ARGUMENT  # MigrateStart: the segment is not draining
+    assert master.cancelled[3] == "ACTIVE"
+    assert state.segment_named("a") is not None and state.segment_named("a").state.name == "ACTIVE"
+
+
+def test_time_away_is_no_stall(state, clock):
+    """Away longer than --stall-timeout, back with objects that find no room at first: the drain gave
+    up at its first walk after the return (the time away counted as a stall) (review)."""
+    for i in range(4):
+        put(state, f"k{i}", preferred_segment="a")
+    times: dict[str, float] = {}
+
+    class Away(InProcessMaster):
+        def _answer(self, method, request):
+            if method == "MigrateStart" and "away" not in times:
+                times["away"] = clock.now
+                state.drop_segment(seg(state, "a"), reason="heartbeat_expired")
+                for other in ("b", "c"):  # no room anywhere (for the rest of the test)
+                    state.segment_named(other).state = SegmentState.DRAINING
+            elif method == "DrainSegment" and "away" in times and "back" not in times and clock.now >= 40:
+                times["back"] = clock.now
+                mount_ssd(state, "a", 16 * KiB, offload=False)  # the same process mounts again: DRAINING
+                a = state.segment_named("a")
+                a.state = SegmentState.ACTIVE  # (its objects, played as puts)
+                for i in range(4):
+                    put(state, f"r{i}", preferred_segment="a")
+                a.state = SegmentState.DRAINING
+            return super()._answer(method, request)
+
+    report = cli_drain.drain_segment(Client(Away(state)), "a", batch=2, stall_timeout=30.0, timeout=600)
+    assert report.no_space == 4 and report.state == "DRAINED"
+    assert clock.now - times["back"] >= 30.0, "gave up before --stall-timeout after the segment came back"

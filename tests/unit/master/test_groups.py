@@ -299,6 +299,9 @@ def test_an_offload_of_a_group_member_names_its_group_and_other_tasks_none():
     started = state.put_start(NS, ["plain2"], [1000], 1)
     assert state.put_end(NS, ["plain2"], [7], started.put_id) == [OK]
     assert state.tiering.offload(state.record(NS, "plain2"), segment)
+    statuses = state.tiering.report_disk_objects(segment.segment_id, [NS], ["gone"], [100], [5], [4096])
+    assert statuses == [OK] and state.remove(NS, ["gone"]) == [OK]  # a FORGET of its disk copy
     reply = handlers.PollTierTasks(request)
+    assert pb.FORGET in reply.kinds
     tags = dict(zip(reply.keys, zip(reply.group_ids, reply.group_sizes, strict=True), strict=True))
-    assert tags == {"kv": (group_id, 2), "side": (group_id, 2), "plain2": (0, 0)} and size == 2
+    assert tags == {"kv": (group_id, 2), "side": (group_id, 2), "plain2": (0, 0), "gone": (0, 0)} and size == 2
