@@ -80,6 +80,20 @@ class InProcessMaster:
         raise AssertionError(method)
 
 
+class ExpelledAfterABatch(InProcessMaster):
+    """The drained segment is expelled once a batch of it was reported, and never mounts again."""
+
+    def __init__(self, state, segment: str) -> None:
+        super().__init__(state)
+        self.segment = segment
+
+    def _answer(self, method: str, request):
+        reply = super()._answer(method, request)
+        if method == "MigrateEnd" and self.state.segment_named(self.segment) is not None:
+            self.state.drop_segment(seg(self.state, self.segment), reason="heartbeat_expired")
+        return reply
+
+
 class Client:
     def __init__(self, master: InProcessMaster) -> None:
         self._master = master
@@ -237,15 +251,8 @@ def test_a_drain_whose_segment_never_comes_back_fails_and_leaves_no_intent_behin
     for i in range(4):
         put(state, f"k{i}", preferred_segment="a")
 
-    class Gone(InProcessMaster):
-        def _answer(self, method, request):
-            reply = super()._answer(method, request)
-            if method == "MigrateEnd" and state.segment_named("a") is not None:
-                state.drop_segment(seg(state, "a"), reason="heartbeat_expired")
-            return reply
-
     with pytest.raises(KvtierError) as failure:
-        cli_drain.drain_segment(Client(Gone(state)), "a", batch=2, stall_timeout=30.0, timeout=20)
+        cli_drain.drain_segment(Client(ExpelledAfterABatch(state, "a")), "a", batch=2, stall_timeout=30.0, timeout=20)
     assert failure.value.status == Status.SEGMENT_NOT_FOUND and clock.now >= 20
     assert "a" not in state.drainer.draining
     mount_ssd(state, "a", 16 * KiB, offload=False)  # a replacement under the name
@@ -271,15 +278,8 @@ def test_an_earlier_drain_of_the_name_is_not_this_drains_end(state, clock):
     for i in range(4):
         put(state, f"k{i}", preferred_segment="d")
 
-    class Blip(InProcessMaster):
-        def _answer(self, method, request):
-            reply = super()._answer(method, request)
-            if method == "MigrateEnd" and state.segment_named("d") is not None:
-                state.drop_segment(seg(state, "d"), reason="heartbeat_expired")
-            return reply
-
     with pytest.raises(KvtierError) as failure:
-        cli_drain.drain_segment(Client(Blip(state)), "d", batch=2, stall_timeout=30.0, timeout=20)
+        cli_drain.drain_segment(Client(ExpelledAfterABatch(state, "d")), "d", batch=2, stall_timeout=30.0, timeout=20)
     assert failure.value.status == Status.SEGMENT_NOT_FOUND  # waited for it (AWAY), then the finish failed
     assert "d" not in state.drainer.draining
     assert _mount(state, "d", "nonce-2").segment is not None and state.segment_named("d").state.name == "ACTIVE"
