@@ -152,6 +152,32 @@ class OffsetAllocator:
             self._allocated[offset] = size
         return True
 
+    def reserve_free(self, offset: int, size: int) -> list[tuple[int, int]]:
+        """Mark allocated whatever of [offset, offset + size) (widened to the alignment) is free now;
+        the (start, size) pieces taken, each released later like any allocation of its size. For
+        ranges something outside the books may still write (kvtier.master.range_book): a scan of the
+        free extents, so for the rare caller, never the allocation path."""
+        start = max(offset - offset % self.alignment, 0)
+        end = min(self.aligned(offset + size), self.capacity)
+        if start >= end:
+            return []
+        self._flush()
+        taken = []
+        for extent_start, extent in [(s, n) for s, n in self._free_by_start.items() if s < end and start < s + n]:
+            cut_start, cut_end = max(extent_start, start), min(extent_start + extent, end)
+            self._remove(extent_start, extent)
+            if cut_start > extent_start:
+                self._insert(extent_start, cut_start - extent_start)
+            if extent_start + extent > cut_end:
+                self._insert(cut_end, extent_start + extent - cut_end)
+            self.used += cut_end - cut_start
+            if self._allocated is not None:
+                self._allocated[cut_start] = cut_end - cut_start
+            taken.append((cut_start, cut_end - cut_start))
+        if taken:
+            self._changed()
+        return taken
+
     def release(self, offset: int, size: int) -> None:
         """Return a range obtained from `allocate(size)`; merges with free neighbours."""
         size = self.aligned(size)

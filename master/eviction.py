@@ -82,7 +82,9 @@ def evict_to_watermark(state: MasterState, segment: SegmentRecord, need: int) ->
     # Already on their way out: offloads that free their copies once durable, and ranges of copies
     # gone that are reusable once their leases and margin end. Evicting live objects for those
     # freed nothing sooner: a writer of leased objects had every live one evicted, again and again.
-    need -= tiering.evicting_bytes(segment_id) + segment.releasing
+    # Not ranges held for a same-host writer stopped mid-copy: those come back only when it goes on.
+    held = sum(state.aligned(size) for _, _, _, size in segment.held)
+    need -= tiering.evicting_bytes(segment_id) + segment.releasing - held
     if need <= 0:
         return
     on_segment = state.has_dram_on(segment_id)

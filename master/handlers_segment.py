@@ -66,6 +66,9 @@ class SegmentCalls:
         direct = request.keyed_reads and config.direct_reads and not self.auth.tenants
         result.segment.direct_reads = direct
         result.segment.mount_sessions = request.mount_sessions
+        result.segment.writer_slots = request.writer_slots
+        writers = list(zip(request.writer_offsets, request.writer_lengths, strict=False))
+        self.state.writers_at_mount(result.segment.segment_id, writers)
         self.state.note_clock_skew(
             result.segment.segment_id, read_skew(request.wall_clock_ms, received_ms, 0, config.clock_skew_tolerance_s)
         )
@@ -101,6 +104,9 @@ class SegmentCalls:
             tolerance_s = self.state.config.clock_skew_tolerance_s
             reading = read_skew(request.wall_clock_ms, received_ms, request.rtt_ms, tolerance_s)
             self.state.note_clock_skew(request.segment_id, reading)
+            if request.writers_sampled_ms:
+                writers = list(zip(request.writer_offsets, request.writer_lengths, strict=False))
+                self.state.writers_reported(request.segment_id, request.writers_sampled_ms, writers)
         reply = pb.HeartbeatResponse(
             status=status, master_epoch=str(self.epoch), epoch=self.epoch, wall_clock_ms=wall_ms()
         )

@@ -4,7 +4,14 @@ the bytes a record's replicas take. A mixin of `MasterState` (kvtier.master.stat
 
 A range is reused only once nothing issued for its previous life can still act on it: read leases
 (releasable ones end when their readers hand them back, kvtier.master.leases), the PutStart's write
-grant (`capability_ttl_s`), and the clock skew a segment may have (`reuse_margin_s`).
+grant (`capability_ttl_s`), the clock skew a segment may have (`reuse_margin_s`), and a same-host
+writer still copying into it: a client that maps the region copies without the segment and cannot
+be stopped by it, so where the segment reports its writers (writer slots, kvtier.proto.region) the
+range of a put that never completed is `held` until a report taken after its grant's end shows no
+copy in it (`writers_reported`); one stopped mid-copy (SIGSTOP) keeps it from other objects for as
+long as it lives, and its death gives it back. A range a report names as being written that the books
+have free (the master restarted, or the segment mounted again, while a writer was stopped) is taken
+out of the free space the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from kvtier.master.records import (
     replica_offset,
     replica_segment,
 )
+from kvtier.master.state_types import SegmentRecord, SegmentState
 from kvtier.master.tier_tasks import dram_key, is_dram
+from kvtier.proto.auth import wall_ms
 
 _PENDING = ObjectState.PENDING
 
@@ -67,6 +76,63 @@ class RangeBook:
                 segment.allocator.release(offset, size)
                 segment.releasing -= self.aligned(size)
 
+    def held_for_writers(self, replicas: Iterable[int], size: int, wait_s: float) -> list[int]:
+        """Hold the DRAM ranges (`size` bytes each) of a put that never completed on segments that report
+        their same-host writers, until a report taken at least `wait_s` from now (its grant and the clock
+        skew margin) shows no writer in them (`writers_reported`). The replicas not held (other segments)."""
+        rest = []
+        wait_s = max(wait_s, 0.0)
+        reuse_at, due_ms = self.clock() + wait_s, wall_ms() + int(wait_s * 1000) + 1
+        for packed in replicas:
+            segment = self.segments.get(replica_segment(packed))
+            if segment is None or not segment.writer_slots or not size:
+                rest.append(packed)
+                continue
+            segment.objects -= 1
+            segment.releasing += self.aligned(size)
+            segment.held.append((reuse_at, due_ms, replica_offset(packed), size))
+        return rest
+
+    def writers_reported(self, segment_id: int, sampled_ms: int, ranges: list[tuple[int, int]]) -> None:
+        """A segment's report of the same-host copies in progress at `sampled_ms` (its wall clock, the
+        one its writers judge their grants by). Held ranges due by then (and by this master's clock:
+        tcp frames are judged on that) that no copy touches are freed; free ranges a copy is in are held
+        (what a restarted master, or a segment mounted again, never allocated but a stopped writer is
+        still in)."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not segment.writer_slots:
+            return
+        segment.writer_ranges = tuple(ranges)
+        if segment.held:
+            now = self.clock()
+            keep = []
+            for entry in segment.held:
+                reuse_at, due_ms, offset, size = entry
+                if reuse_at <= now and due_ms <= sampled_ms and not _touches(offset, self.aligned(size), ranges):
+                    segment.allocator.release(offset, size)
+                    segment.releasing -= self.aligned(size)
+                else:
+                    keep.append(entry)
+            segment.held = keep
+        if segment.state is not SegmentState.RECOVERING:
+            self._hold_free(segment, ranges)
+
+    def writers_at_mount(self, segment_id: int, ranges: list[tuple[int, int]]) -> None:
+        """The copies in progress a segment named when it mounted: what of them the books have free is
+        held now, or (a segment reporting its inventory) once its inventory is in (`inventory_done`)."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not segment.writer_slots:
+            return
+        segment.writer_ranges = tuple(ranges)
+        if segment.state is not SegmentState.RECOVERING:
+            self._hold_free(segment, ranges)
+
+    def _hold_free(self, segment: SegmentRecord, ranges: Iterable[tuple[int, int]]) -> None:
+        for offset, length in ranges:
+            for start, size in segment.allocator.reserve_free(offset, length):
+                segment.releasing += size
+                segment.held.append((0.0, 0, start, size))
+
     def release_ranges(self, replicas: Iterable[int], size: int) -> None:
         """Give the DRAM ranges of `replicas` (each `size` bytes) back to their allocators now: the
         caller knows no lease or write grant covers them (else `free_after_leases`)."""
@@ -96,3 +162,9 @@ class RangeBook:
         """A predicate: whether a record has a DRAM replica on `segment_id` (eviction's filter)."""
         dram = dram_key(segment_id)
         return lambda record: any(r >> TIER_SHIFT == dram for r in record.replicas)
+
+
+def _touches(offset: int, size: int, ranges: list[tuple[int, int]]) -> bool:
+    """Whether [offset, offset + size) overlaps any (start, length) of `ranges`."""
+    end = offset + size
+    return any(start < end and offset < start + length for start, length in ranges)

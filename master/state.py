@@ -617,8 +617,11 @@ class MasterState(ObjectTables, SegmentTable, RangeBook):
                 self.quotas.forget_idle(record.owner)
         now = self.clock()
         reuse_at = self._reuse_at(record)
+        replicas = record.replicas
+        if record.state is _PENDING and record.size:  # a writer of it may still be copying (range_book)
+            replicas = self.held_for_writers(replicas, record.size, reuse_at - now)
         if reuse_at > now:
-            for packed in record.replicas:
+            for packed in replicas:
                 segment_id = packed >> SEGMENT_SHIFT
                 segment = self.segments.get(segment_id)
                 if segment is not None:
@@ -626,7 +629,7 @@ class MasterState(ObjectTables, SegmentTable, RangeBook):
                     if record.size:
                         self.free_after_leases(segment_id, packed & OFFSET_MASK, record.size, reuse_at, record)
         else:
-            self.release_ranges(record.replicas, record.size)
+            self.release_ranges(replicas, record.size)
 
     def evict_one(self, record: ObjectRecord, reason: str, segment_id: int = 0) -> int:
         """Evict one object (or, with `segment_id` and other replicas left, its copy there); bytes freed."""

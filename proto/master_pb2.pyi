@@ -108,7 +108,7 @@ class SegmentEndpoint(_message.Message):
     def __init__(self, segment_id: _Optional[int] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., quarantined: _Optional[bool] = ..., direct_reads: _Optional[bool] = ..., session: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants", "mount_sessions")
+    __slots__ = ("cluster_id", "name", "host_id", "endpoints", "dram_capacity", "incarnation", "ssd_capacity", "offload", "disk_engine", "ssd_max_object", "inventory", "wall_clock_ms", "previous_segment_id", "previous_applied_seq", "previous_epoch", "keyed_reads", "lease_grants", "mount_sessions", "writer_slots", "writer_offsets", "writer_lengths")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,9 @@ class MountSegmentRequest(_message.Message):
     KEYED_READS_FIELD_NUMBER: _ClassVar[int]
     LEASE_GRANTS_FIELD_NUMBER: _ClassVar[int]
     MOUNT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     name: str
     host_id: str
@@ -145,7 +148,10 @@ class MountSegmentRequest(_message.Message):
     keyed_reads: bool
     lease_grants: bool
     mount_sessions: bool
-    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ..., mount_sessions: _Optional[bool] = ...) -> None: ...
+    writer_slots: bool
+    writer_offsets: _containers.RepeatedScalarFieldContainer[int]
+    writer_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cluster_id: _Optional[str] = ..., name: _Optional[str] = ..., host_id: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., dram_capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., ssd_capacity: _Optional[int] = ..., offload: _Optional[bool] = ..., disk_engine: _Optional[str] = ..., ssd_max_object: _Optional[int] = ..., inventory: _Optional[bool] = ..., wall_clock_ms: _Optional[int] = ..., previous_segment_id: _Optional[int] = ..., previous_applied_seq: _Optional[int] = ..., previous_epoch: _Optional[int] = ..., keyed_reads: _Optional[bool] = ..., lease_grants: _Optional[bool] = ..., mount_sessions: _Optional[bool] = ..., writer_slots: _Optional[bool] = ..., writer_offsets: _Optional[_Iterable[int]] = ..., writer_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("status", "error", "segment_id", "heartbeat_interval_ms", "ttl_ms", "master_epoch", "epoch", "discard_index", "wall_clock_ms", "direct_read_lease_ms", "mount_sessions", "name_frees_in_ms")
@@ -192,7 +198,7 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served", "ssd_usable")
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served", "ssd_usable", "writers_sampled_ms", "writer_offsets", "writer_lengths")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SSD_USED_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +210,9 @@ class HeartbeatRequest(_message.Message):
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_READS_SERVED_FIELD_NUMBER: _ClassVar[int]
     SSD_USABLE_FIELD_NUMBER: _ClassVar[int]
+    WRITERS_SAMPLED_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     ssd_used: int
     dram_bytes_served: int
@@ -215,7 +224,10 @@ class HeartbeatRequest(_message.Message):
     rtt_ms: int
     direct_reads_served: int
     ssd_usable: int
-    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ...) -> None: ...
+    writers_sampled_ms: int
+    writer_offsets: _containers.RepeatedScalarFieldContainer[int]
+    writer_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., writers_sampled_ms: _Optional[int] = ..., writer_offsets: _Optional[_Iterable[int]] = ..., writer_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms", "direct_read_lease_ms")

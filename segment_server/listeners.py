@@ -24,6 +24,7 @@ from kvtier.segment_server.master_clock import MasterClock
 from kvtier.segment_server.mount_session import CapabilityCheck, MountSession
 from kvtier.segment_server.protocol import DataProtocol
 from kvtier.segment_server.shm_grant import MAX_CONNECTIONS, TIMEOUT_S, GrantServer, GrantStats, reopen
+from kvtier.segment_server.shm_writers import WriterTable
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class ShmListener:
     fd, and the nonce in the mapped header (kvtier.client.transport.shm).
     Allowed: this process's uid and `allowed_uids`. `region_fd` is reopened
     (a second open file description, without the region's lock) and that one
-    is what clients receive; it is closed at stop.
+    is what clients receive; it is closed at stop. With `writers`, each granted
+    client holds a block of its writer slots while it maps the region.
     """
 
     scheme = "shm"
@@ -128,8 +130,10 @@ class ShmListener:
         *,
         timeout_s: float = TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        writers: WriterTable | None = None,
     ) -> None:
         self.socket_path = socket_path
+        self._writers = writers
         self.stats = stats if stats is not None else GrantStats()
         self._region_fd = region_fd
         self._nonce = nonce
@@ -151,6 +155,7 @@ class ShmListener:
             self.stats,
             timeout_s=self._timeout_s,
             max_connections=self._max_connections,
+            writers=self._writers,
         )
         try:
             await server.start()

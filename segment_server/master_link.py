@@ -120,9 +120,11 @@ class MasterLink:
         clock: MasterClock | None = None,
         lease: DirectReadLease | None = None,
         mount: MountSession | None = None,
+        writers: Callable[[], list[tuple[int, int]]] | None = None,
     ) -> None:
-        """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters) for each
-        heartbeat; `report_disk(stub, segment_id, epoch)` sends the SSD inventory; `lease` is
+        """`report` returns extra HeartbeatRequest fields (SSD usage, byte counters, writers) for each
+        heartbeat; `writers` the (offset, length) of same-host copies in progress, sent with each mount
+        (kvtier.segment_server.shm_writers); `report_disk(stub, segment_id, epoch)` sends the SSD inventory; `lease` is
         started by each mount and renewed by each acknowledged heartbeat (direct reads); `mount`
         is the data plane's view of the mount: ended before the next mount is asked for, set as
         soon as the master answers it (kvtier.segment_server.mount_session)."""
@@ -136,6 +138,7 @@ class MasterLink:
         self._on_fatal = on_fatal
         self._report = report
         self._report_disk = report_disk
+        self._writers = writers
         self._clock = clock or MasterClock()  # fed the master's wall clock by every reply
         self._poller = MasterPoller(
             "master link",
@@ -252,6 +255,11 @@ class MasterLink:
         self._request.previous_segment_id = previous_id
         self._request.previous_epoch = previous_epoch
         self._request.previous_applied_seq = previous_applied
+        if self._writers is not None:  # read after the mount ended: a copy that starts later is refused
+            del self._request.writer_offsets[:], self._request.writer_lengths[:]
+            for offset, length in self._writers():
+                self._request.writer_offsets.append(offset)
+                self._request.writer_lengths.append(length)
         sent, lease_sent = local_s(), self._lease.now()
         reply = stub.MountSegment(self._request, timeout=_RPC_TIMEOUT_S)
         self._clock.observe(sent, local_s(), reply.wall_clock_ms)

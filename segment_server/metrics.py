@@ -24,6 +24,7 @@ from kvtier.segment_server.dram_index import CommitFeed
 from kvtier.segment_server.keyed_reads import KeyedReads, KeyedStats
 from kvtier.segment_server.protocol import DataPlaneStats
 from kvtier.segment_server.shm_grant import GrantStats
+from kvtier.segment_server.shm_writers import WriterTable
 from kvtier.segment_server.tier_worker import TierWorker
 
 
@@ -40,8 +41,10 @@ class SegmentCollector(Collector):
         grants: GrantStats | None = None,
         relay: CommitRelay | None = None,
         keyed: KeyedReads | None = None,
+        writers: WriterTable | None = None,
     ) -> None:
         self._name = name
+        self._writers = writers
         self._relay = relay
         self._keyed = keyed
         self._stats = stats
@@ -128,6 +131,22 @@ class SegmentCollector(Collector):
             for result, count in self._grants.results.items():
                 grants.add_metric([self._name, result], count)
             yield grants
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_shm_clients",
+                "Same-host clients mapping the region now (each holds a block of writer slots).",
+                self._name,
+                self._grants.held,
+            )
+        if self._writers is not None and self._writers.last is not None:
+            yield _one(
+                GaugeMetricFamily,
+                "kvtier_segment_shm_writes_stalled",
+                "Same-host copies into the region still in progress past the grant they started under, at the "
+                "last heartbeat (a writer stopped mid-copy: the master keeps their ranges from other objects).",
+                self._name,
+                self._writers.last.stalled,
+            )
         yield _one(
             CounterMetricFamily,
             "kvtier_segment_range_errors",

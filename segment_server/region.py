@@ -1,7 +1,7 @@
 """A segment's DRAM region: a sealed memfd, mapped for the process's life, plus a lock file naming it.
 
-Region layout: a 4 KiB header (format in `kvtier.proto.region`, shared with the
-shm connector that reads it), then the data area the master allocates from
+Region layout: a 64 KiB header (format in `kvtier.proto.region`, shared with the
+shm connector that reads it: identity, mount session, writer slots), then the data area the master allocates from
 (offsets on the wire are relative to the data area).
 
 The bytes live in an anonymous memfd (`memfd_create`, MFD_ALLOW_SEALING),
@@ -83,7 +83,7 @@ class DramRegion:
         self._lock = -1  # the lock file, flocked
         self._map: mmap.mmap | None = None
         self.view: memoryview  # the data area, writable
-        self.header: memoryview  # the header page, writable (kvtier.proto.region)
+        self.header: memoryview  # the header, writable (kvtier.proto.region)
 
     def open(self) -> DramRegion:
         remove_if_orphaned(self.path)
@@ -121,7 +121,7 @@ class DramRegion:
         self._fd = memfd
         self._map[: HEADER.size] = header
         self.view = memoryview(self._map)[HEADER_SIZE:]
-        self.header = memoryview(self._map)[:HEADER_SIZE]  # the mount session is rewritten there
+        self.header = memoryview(self._map)[:HEADER_SIZE]  # mount session and writer slots live there
         logger.info("region created path=%s capacity=%d", self.path, self.capacity)
         return self
 

@@ -49,6 +49,7 @@ from kvtier.segment_server.region import (
     remove_stale_socket,
 )
 from kvtier.segment_server.shm_grant import GrantStats, parse_uids
+from kvtier.segment_server.shm_writers import WriterTable
 from kvtier.segment_server.tier_worker import TierWorker
 from kvtier.segment_server.verifier import Verifier
 
@@ -86,6 +87,7 @@ async def serve(config: SegmentConfig) -> int:
         # With a cluster secret the data plane serves only ranges the master granted (capabilities),
         # keyed by the epoch of the current mount (the index's session).
         mount = MountSession(region.header)  # the master link's mount, as grants name it
+        writers = WriterTable(region.header)  # same-host copies in progress (kvtier.segment_server.shm_writers)
         caps = CapabilityCheck(secret, config.name, mount, region.nonce.hex()) if secret else None
         clock = MasterClock()  # grants are judged on the master's clock (kvtier.segment_server.master_clock)
         credentials = config.credentials()
@@ -113,6 +115,7 @@ async def serve(config: SegmentConfig) -> int:
                 region.nonce,
                 parse_uids(config.shm_allowed_uids),
                 grants,
+                writers=writers,
             ),
         ]
         endpoints = []
@@ -151,12 +154,14 @@ async def serve(config: SegmentConfig) -> int:
                 keyed_reads=True,  # READ_KEYED on the tcp listener (kvtier.segment_server.keyed_reads)
                 lease_grants=True,  # serves under the lease granted once the master saved it
                 mount_sessions=True,  # judges grants by their mount (kvtier.segment_server.mount_session)
+                writer_slots=True,  # reports same-host copies in progress (kvtier.segment_server.shm_writers)
             ),
             index=index,
             lease=keyed.lease,
             on_mounted=on_mounted,
             on_fatal=on_fatal,
-            report=lambda: _report(stats, store, worker, keyed),
+            report=lambda: _report(stats, store, worker, keyed, writers),
+            writers=lambda: list(writers.sample().ranges),
             report_disk=lambda stub, segment_id, epoch: (
                 worker.report_inventory(stub, segment_id, epoch) if worker is not None else None
             ),
@@ -193,6 +198,7 @@ async def serve(config: SegmentConfig) -> int:
                 grants,
                 relay,
                 keyed,
+                writers,
             )
             try:
                 metrics_address = serve_metrics(config.metrics, collector, readiness=link.readiness)
@@ -459,10 +465,20 @@ def _disk_bytes_read() -> int:
 
 
 def _report(
-    stats: DataPlaneStats, store: BucketStore | None, worker: TierWorker | None, keyed: KeyedReads
-) -> dict[str, int]:
-    """Heartbeat fields: SSD usage, the per-tier byte counters, kept apart, and direct reads served."""
+    stats: DataPlaneStats,
+    store: BucketStore | None,
+    worker: TierWorker | None,
+    keyed: KeyedReads,
+    writers: WriterTable,
+) -> dict[str, object]:
+    """Heartbeat fields: SSD usage, the per-tier byte counters, kept apart, direct reads served, and
+    the copies same-host writers have in progress (kvtier.segment_server.shm_writers)."""
+    sample = writers.sample()
+    writers.last = sample
     return {
+        "writers_sampled_ms": sample.sampled_ms,
+        "writer_offsets": [offset for offset, _ in sample.ranges],
+        "writer_lengths": [length for _, length in sample.ranges],
         "direct_reads_served": keyed.stats.served,
         "ssd_used": store.used if store is not None else 0,
         "ssd_usable": store.usable if store is not None else 0,

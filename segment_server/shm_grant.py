@@ -6,9 +6,17 @@ the file descriptor, on the segment's grant socket (`grant_socket_path`:
 `<shm_dir>/kvtier.<cluster>.<segment>.sock`, mode 0666: who gets the region is
 decided here from the peer's kernel-reported credentials, not by file modes):
 
-    client -> server   b"KVTSHM1 <nonce hex>\\n"                    the region it was told about
-    server -> client   b"OK <nonce hex>\\n" + the fd (SCM_RIGHTS)   granted
+    client -> server   b"KVTSHM1 <nonce hex> writer\\n"             the region it was told about
+    server -> client   b"OK <nonce hex> writer <block>\\n" + the fd (SCM_RIGHTS)   granted
                        b"ERR <reason>\\n", then close                refused
+
+A granted client keeps the connection open for as long as it maps the region: `block` is the
+block of writer slots in the region's header it marks its copies in (kvtier.proto.region,
+kvtier.segment_server.shm_writers), its own until the connection closes (the client unmapped
+the region, or its process died: the kernel closes the socket either way), when the block's
+slots are zeroed and go to the next client. A request without `writer` (a client of an earlier
+release) is answered `OK <nonce hex>` and closed, as before; so is every request when the
+server was given no writer table.
 
 Granted when the peer's uid (SO_PEERCRED, taken by the kernel at connect) is
 in `allowed_uids` (the service's own uid plus `shm_allowed_uids`) and the nonce
@@ -20,7 +28,9 @@ and must not make a dead server's region look alive.
 
 Bounded: at most `max_connections` conversations at once (more are refused at
 once with `busy`), each answered or cut off within `timeout_s`, so a silent or
-slow peer holds one socket for that long and nothing else. Every conversation
+slow peer holds one socket for that long and nothing else; granted connections
+held open are at most the region's writer blocks (WRITER_BLOCKS: a client asking
+when all are held is refused `no_writer_slots` and uses its next transport). Every conversation
 ends in exactly one `Outcome`, counted in `GrantStats` (exported as
 `kvtier_segment_shm_grants_total{result}`). The wire literals are repeated in
 kvtier.client.transport.shm (the client imports no segment code); the unit
@@ -39,8 +49,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.common.logs import LogBudget
-from kvtier.proto.region import GRANT_REQUEST
+from kvtier.proto.region import GRANT_REQUEST, GRANT_WRITER
 from kvtier.segment_server.region import remove_stale_socket
+from kvtier.segment_server.shm_writers import WriterTable
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +71,7 @@ class Outcome(Enum):
     REFUSED_UID = "refused_uid"  # the peer's uid is neither the service's nor in shm_allowed_uids
     REFUSED_NONCE = "refused_nonce"  # the peer asked for another region (an endpoint of an earlier incarnation)
     BUSY = "busy"  # max_connections conversations were already running
+    NO_WRITER_SLOTS = "no_writer_slots"  # every block of writer slots is held by a mapped client
     TIMEOUT = "timeout"  # no complete request within timeout_s
     MALFORMED = "malformed"  # not a grant request
     ERROR = "error"  # the peer hung up, or the socket failed
@@ -71,6 +83,7 @@ class GrantStats:
 
     results: dict[str, int] = field(default_factory=lambda: {outcome.value: 0 for outcome in Outcome})
     active: int = 0
+    held: int = 0  # granted connections kept open (clients mapping the region, each with a writer block)
 
 
 def parse_uids(text: str) -> frozenset[int]:
@@ -124,8 +137,10 @@ class GrantServer:
         *,
         timeout_s: float = TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        writers: WriterTable | None = None,
     ) -> None:
         self.path = path
+        self._writers = writers
         self._fd = fd
         self._nonce = nonce
         self._granted_reply = b"OK " + nonce.hex().encode() + b"\n"
@@ -138,6 +153,7 @@ class GrantServer:
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
         self._acceptor: asyncio.Task | None = None
         self._conversations: set[asyncio.Task] = set()
+        self._held: set[asyncio.Task] = set()  # granted connections, each holding a writer block
 
     async def start(self) -> None:
         remove_stale_socket(self.path)
@@ -168,7 +184,7 @@ class GrantServer:
 
     async def stop(self) -> None:
         """Stop accepting, cut the conversations in progress, remove the socket file. Safe to call twice."""
-        tasks = [t for t in (self._acceptor, *self._conversations) if t is not None]
+        tasks = [t for t in (self._acceptor, *self._conversations, *self._held) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,6 +223,7 @@ class GrantServer:
             task.add_done_callback(self._conversations.discard)
 
     async def _converse(self, conn: socket.socket) -> None:
+        held = False  # handed to _hold, which closes it
         try:
             try:
                 line = await asyncio.wait_for(self._read_request(conn), self._timeout_s)
@@ -220,8 +237,9 @@ class GrantServer:
                 self._finish(conn, Outcome.ERROR, "", detail="peer hung up before asking")
                 return
             words = line.split()
-            if len(words) != 2 or words[0] != REQUEST:
-                self._finish(conn, Outcome.MALFORMED, f"malformed request: expected {REQUEST.decode()} <nonce hex>")
+            if not 2 <= len(words) <= 3 or words[0] != REQUEST or words[2:] not in ([], [GRANT_WRITER]):
+                expected = f"{REQUEST.decode()} <nonce hex> [{GRANT_WRITER.decode()}]"
+                self._finish(conn, Outcome.MALFORMED, f"malformed request: expected {expected}")
                 return
             _pid, uid, _gid = peer_credentials(conn)
             if uid not in self._allowed:
@@ -231,15 +249,46 @@ class GrantServer:
             if words[1] != self._nonce.hex().encode():
                 self._finish(conn, Outcome.REFUSED_NONCE, "nonce mismatch: this socket serves another region")
                 return
+            block = None
+            if words[2:] and self._writers is not None:
+                block = self._writers.assign()
+                if block is None:
+                    reason = f"no_writer_slots: all {self._writers.capacity} writer blocks are held by mapped clients"
+                    self._finish(conn, Outcome.NO_WRITER_SLOTS, reason)
+                    return
+            reply = self._granted_reply if block is None else self._granted_reply[:-1] + b" writer %d\n" % block
             try:
-                socket.send_fds(conn, [self._granted_reply], [self._fd])
+                socket.send_fds(conn, [reply], [self._fd])
             except OSError as exc:  # the peer is gone (a fresh socket's buffer always takes a few bytes)
                 self._finish(conn, Outcome.ERROR, "", detail=str(exc))
+                if block is not None:
+                    self._writers.release(block)
                 return
             self._finish(conn, Outcome.GRANTED, "")
+            if block is not None:  # the block is the client's while it keeps the connection open
+                task = asyncio.create_task(self._hold(conn, block))
+                self._held.add(task)
+                task.add_done_callback(self._held.discard)
+                held = True
         finally:
-            conn.close()
+            if not held:
+                conn.close()
             self._stats.active -= 1
+
+    async def _hold(self, conn: socket.socket, block: int) -> None:
+        """Keep `block` assigned until the client closes its end (or dies: the kernel closes it)."""
+        loop = asyncio.get_running_loop()
+        self._stats.held += 1
+        try:
+            while await loop.sock_recv(conn, 64):
+                pass  # a client says nothing after its request: whatever it sends is ignored
+        except OSError:
+            pass  # reset: gone all the same
+        finally:
+            self._stats.held -= 1
+            assert self._writers is not None
+            self._writers.release(block)
+            conn.close()
 
     async def _read_request(self, conn: socket.socket) -> bytes | None:
         """The request line without its newline; None if the peer hung up first; at most MAX_REQUEST bytes."""

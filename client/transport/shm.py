@@ -6,8 +6,15 @@ open it by path, it asks the segment's grant socket for it, and the server
 sends the file descriptor (SCM_RIGHTS) only if this process's uid is the
 service's or one it allows (kvtier.segment_server.shm_grant):
 
-    client -> server   b"KVTSHM1 <nonce hex>\n"
-    server -> client   b"OK <nonce hex>\n" + the fd, or b"ERR <reason>\n"
+    client -> server   b"KVTSHM1 <nonce hex> writer\n"
+    server -> client   b"OK <nonce hex> writer <block>\n" + the fd, or b"ERR <reason>\n"
+
+The connection stays open while the region is mapped: `block` is this connector's block of writer
+slots in the region's header (kvtier.proto.region), and each copy into the region is announced in
+one of its slots (offset, length, the grant's cutoff; state odd) from before its grant is checked
+until its last byte is copied. The segment reports those to the master, which keeps the range of a
+put that never completed from other objects while a writer (stopped mid-copy, say) is still in it.
+A segment of an earlier release answers `OK <nonce hex>` and closes: no slots (and no such guard).
 
 It is used only when it is proven to be the same region, and one nobody can resize: the host id
 (machine id + boot id, never a hostname) must equal this machine's before
@@ -54,7 +61,21 @@ from kvtier.client.transport.base import Buffer, Caps
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.chunks import CHUNK_BYTES
 from kvtier.proto.errors import ConnectError
-from kvtier.proto.region import GRANT_REQUEST, HEADER, MAGIC, SESSION, SESSION_OFFSET, SESSIONS_FORMAT
+from kvtier.proto.region import (
+    GRANT_REQUEST,
+    GRANT_WRITER,
+    HEADER,
+    MAGIC,
+    SESSION,
+    SESSION_OFFSET,
+    SESSIONS_FORMAT,
+    SLOTS_PER_BLOCK,
+    WRITER_BLOCKS,
+    WRITER_SLOT,
+    WRITER_STATE,
+    WRITERS_FORMAT,
+    writer_slot,
+)
 from kvtier.proto.region import host_id as local_host_id
 from kvtier.proto.status import Status
 
@@ -71,6 +92,10 @@ _NONCE_SIZE = 16  # bytes, as in the region header
 # Seals a region must carry before it is mapped: nobody can change its size (and so unmap pages under us).
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _FD_SPACE = socket.CMSG_LEN(4)  # room for exactly one fd: more are cut off (MSG_CTRUNC) and closed by the kernel
+# A writer slot past its state word (kvtier.proto.region WRITER_SLOT), and the cutoff of a copy under no grant.
+_SLOT_FIELDS = struct.Struct("<QQQ")
+assert WRITER_STATE.size + _SLOT_FIELDS.size == WRITER_SLOT.size
+_NO_CUTOFF = 2**64 - 1
 
 
 # Copies run in chunks that fit in L2, each checksummed right after it is copied while it
@@ -137,13 +162,28 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
-    """Ask the grant socket at `path` for the region with `nonce`: its fd (the caller closes it).
+    """Ask the grant socket at `path` for the region with `nonce`, without writer slots (to read it):
+    its fd, the caller closing it. ConnectError as `request_writer_grant`."""
+    return _request(path, nonce, owner, timeout, writer=False)[0]
 
-    ConnectError when there is no such socket, its server is not uid `owner`, it
-    refuses (with the server's reason), or it answers anything but one fd and `OK <nonce>`.
+
+def request_writer_grant(path: str, nonce: bytes, owner: int, timeout: float) -> tuple[int, socket.socket | None, int]:
+    """Ask the grant socket at `path` for the region with `nonce` and a block of writer slots:
+    (its fd, the grant connection, the block), the caller closing the fd, and the connection when it
+    unmaps the region (which gives the block back); (fd, None, -1) from a segment without writer slots.
+
+    ConnectError when there is no such socket, its server is not uid `owner`, it refuses (with the
+    server's reason), or it answers anything but one fd and `OK <nonce>` (`writer <block>`).
     """
+    return _request(path, nonce, owner, timeout, writer=True)
+
+
+def _request(
+    path: str, nonce: bytes, owner: int, timeout: float, writer: bool
+) -> tuple[int, socket.socket | None, int]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     fds: list[int] = []
+    keep = False
     try:
         sock.settimeout(timeout)
         reply = b""
@@ -152,7 +192,8 @@ def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
             if (server_uid := _peer_uid(sock)) != owner:
                 raise ConnectError(f"grant socket {path} is served by uid {server_uid}, not the segment's uid {owner}")
             try:
-                sock.sendall(GRANT_REQUEST + b" " + nonce.hex().encode() + b"\n")
+                ask = b" " + GRANT_WRITER if writer else b""
+                sock.sendall(GRANT_REQUEST + b" " + nonce.hex().encode() + ask + b"\n")
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused at once (busy): the reason is waiting to be read
             while b"\n" not in reply and len(reply) < _GRANT_REPLY_MAX:
@@ -174,13 +215,19 @@ def request_region(path: str, nonce: bytes, owner: int, timeout: float) -> int:
         line = reply.partition(b"\n")[0].decode(errors="replace")
         if line.startswith("ERR "):
             raise ConnectError(f"the segment refused to grant its region: {line[4:]}")
-        if line != f"OK {nonce.hex()}" or len(fds) != 1:
+        words = line.split()
+        block = int(words[3]) if len(words) == 4 and words[2] == "writer" and words[3].isdigit() else -1
+        if words[:2] != ["OK", nonce.hex()] or len(words) not in (2, 4) or len(words) == 4 and block < 0:
             raise ConnectError(f"unexpected answer from the grant socket {path}: {line[:80]!r} with {len(fds)} fds")
-        return fds.pop()
+        if len(fds) != 1:
+            raise ConnectError(f"unexpected answer from the grant socket {path}: {line[:80]!r} with {len(fds)} fds")
+        keep = block >= 0
+        return fds.pop(), sock if keep else None, block
     finally:
         for fd in fds:
             os.close(fd)
-        sock.close()
+        if not keep:
+            sock.close()
 
 
 def check_sealed(fd: int, path: str) -> None:
@@ -222,7 +269,17 @@ class ShmConnector:
                 raise ValueError
         except ValueError:
             raise ConnectError(f"malformed nonce or uid in the shm endpoint {endpoint}") from None
-        fd = request_region(path, nonce, owner, config.timeout)
+        fd, grant, block = request_writer_grant(path, nonce, owner, config.timeout)
+        try:
+            self._map_region(fd, path, nonce, owner, grant, block)
+        except BaseException:
+            if grant is not None:
+                grant.close()
+            raise
+
+    def _map_region(
+        self, fd: int, path: str, nonce: bytes, owner: int, grant: socket.socket | None, block: int
+    ) -> None:
         try:
             check_sealed(fd, path)
             info = os.fstat(fd)
@@ -249,6 +306,14 @@ class ShmConnector:
         self._users = 0
         self._closed = False
         self._base = ctypes.addressof(self._anchor) + data_offset
+        # Writer slots (FORMAT 3): the block the grant gave us, held while `_grant` stays open; each
+        # write call announces its copies in one slot of it (`_take_slot`), a slot's state counting up.
+        self._grant = grant
+        slots = fmt >= WRITERS_FORMAT and 0 <= block < WRITER_BLOCKS
+        indexes = reversed(range(SLOTS_PER_BLOCK)) if slots else ()
+        self._free_slots = [writer_slot(block, index) for index in indexes]  # pop(): the first slot first
+        self._slot_states = dict.fromkeys(self._free_slots, 0)
+        self._slots = threading.Condition(threading.Lock()) if slots else None
 
     # A copy runs between _enter and _leave (try/finally: a generator context manager would cost
     # more than a small copy): the mapping stays alive; the last user of a closed connector unmaps it.
@@ -266,8 +331,9 @@ class ShmConnector:
             self._unmap()
 
     # A mapped region needs no capability tags (the process that maps it is trusted: same uid), but
-    # the grant's expiry still bounds this connector's copies: no range is started after it ends
-    # (a process paused in the middle of one copy is the trust model's business, docs/security.md).
+    # the grant's expiry still bounds this connector's copies: no range is started after it ends,
+    # and one under way is announced in a writer slot, so a process paused in the middle of it keeps
+    # the range from other objects until it goes on or dies (kvtier.master.range_book).
     def write(
         self,
         ranges: Sequence[tuple[int, Buffer]],
@@ -277,10 +343,28 @@ class ShmConnector:
     ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         self._enter()
+        slot = self._take_slot()
         try:
-            return self._transfer(ranges, checksums, into_region=True, caps=caps, chunks=chunks)
+            return self._transfer(ranges, checksums, into_region=True, caps=caps, chunks=chunks, slot=slot)
         finally:
+            self._give_slot(slot)
             self._leave()
+
+    def _take_slot(self) -> int:
+        """A free writer slot of our block (its offset in the region), waiting for one when every
+        slot is in use by other threads' writes; -1 when the segment has no writer slots."""
+        if self._slots is None:
+            return -1
+        with self._slots:
+            while not self._free_slots:
+                self._slots.wait()
+            return self._free_slots.pop()
+
+    def _give_slot(self, slot: int) -> None:
+        if self._slots is not None and slot >= 0:
+            with self._slots:
+                self._free_slots.append(slot)
+                self._slots.notify()
 
     def read_into(
         self, ranges: Sequence[tuple[int, Buffer]], checksums: list[int | None] | None = None, caps: Caps = None
@@ -343,34 +427,50 @@ class ShmConnector:
         into_region: bool,
         caps: Caps = None,
         chunks: list[bytes | None] | None = None,
+        slot: int = -1,
     ) -> list[int]:
         """Copy each buffer into (or out of) the region; the CRC is of the destination's bytes. A range
         whose grant (caps' expiry + CLOCK_SKEW_MS) has ended, or whose grant belongs to a mount of
         the segment other than the one the region's header names now (it was dropped and mounted
         again, or its master restarted: the range may be another object's), is not copied, or not
-        copied further, or (read) not taken if the mount ended during the copy: LEASE_EXPIRED."""
+        copied further, or (read) not taken if the mount ended during the copy: LEASE_EXPIRED.
+        With `slot` (a write's writer slot), each range is announced there from before its grant is
+        checked until its last byte is copied."""
         region, capacity = self._view, self._capacity
         granted = self._grant_check(caps)
+        header = self._map
+        cutoff = caps[0] + CLOCK_SKEW_MS if caps is not None else _NO_CUTOFF
+        state = self._slot_states[slot] if slot >= 0 else 0
         out = []
         for index, (offset, buf) in enumerate(ranges):
             end = offset + len(buf)
             if end > capacity:
                 out.append(_BAD_RANGE)
                 continue
-            if not granted():
-                out.append(_EXPIRED)
-                continue
-            stored = region[offset:end]
-            if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
-                sums = ChunkSums()
-                crc = _copy(stored, self._base + offset, buf, None, stored, sums, granted)
-                chunks[index] = sums.blob()
-            elif into_region:
-                crc = _copy(stored, self._base + offset, buf, None, stored, granted=granted)
-            else:
-                crc = _copy(buf, None, stored, self._base + offset, buf, granted=granted)
-                if crc is not None and not granted():  # the bytes read may be the next mount's
-                    crc = None
+            if slot >= 0:  # announced before the grant check: a writer stopped after it is seen
+                _SLOT_FIELDS.pack_into(header, slot + WRITER_STATE.size, offset, len(buf), cutoff)
+                state += 1
+                WRITER_STATE.pack_into(header, slot, state)
+            try:
+                if not granted():
+                    out.append(_EXPIRED)
+                    continue
+                stored = region[offset:end]
+                if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
+                    sums = ChunkSums()
+                    crc = _copy(stored, self._base + offset, buf, None, stored, sums, granted)
+                    chunks[index] = sums.blob()
+                elif into_region:
+                    crc = _copy(stored, self._base + offset, buf, None, stored, granted=granted)
+                else:
+                    crc = _copy(buf, None, stored, self._base + offset, buf, granted=granted)
+                    if crc is not None and not granted():  # the bytes read may be the next mount's
+                        crc = None
+            finally:
+                if slot >= 0:
+                    state += 1
+                    WRITER_STATE.pack_into(header, slot, state)
+                    self._slot_states[slot] = state
             if crc is None:
                 out.append(_EXPIRED)
                 continue
@@ -393,3 +493,6 @@ class ShmConnector:
         del self._anchor  # the ctypes view exports the mapping: drop it before closing
         self._view.release()
         self._map.close()
+        if self._grant is not None:  # after the mapping: no copy of ours can be in the region now
+            self._grant.close()
+            self._grant = None

@@ -137,6 +137,11 @@ def assert_consistent(state: MasterState) -> None:
             used[segment_id] += aligned(size)
             releasing[segment_id] += aligned(size)
             ranges[segment_id].append((offset, aligned(size), "<parked>"))
+    for segment_id, segment in state.segments.items():  # kept from reuse while a writer may be in them
+        for _, _, offset, size in segment.held:
+            used[segment_id] += aligned(size)
+            releasing[segment_id] += aligned(size)
+            ranges[segment_id].append((offset, aligned(size), "<held>"))
     for segment_id, segment in state.segments.items():
         allocator = segment.allocator
         assert segment.used == used[segment_id], (

@@ -318,3 +318,30 @@ def test_fills_from_the_bump_extent_interleaved_with_releases_keep_the_region_ti
     for offset, size in list(live.items()):
         alloc.release(offset, size)
     assert_empty(alloc)
+
+
+def test_reserve_free_takes_only_the_free_parts_of_a_range_and_they_release_like_allocations():
+    allocator = OffsetAllocator(1 << 16, alignment=64)
+    first = allocator.allocate(1024)  # [0, 1024)
+    second = allocator.allocate(1024)  # [1024, 2048)
+    allocator.release(first, 1024)
+    # a range over [0, 3000): [0, 1024) is free, [1024, 2048) allocated, [2048, 3008) free once aligned
+    taken = allocator.reserve_free(10, 2990)
+    assert sorted(taken) == [(0, 1024), (2048, 960)]
+    assert allocator.used == 1024 + 1024 + 960
+    assert allocator.reserve_free(0, 3000) == [], "nothing of it is free any more"
+    assert all(allocator.allocate(64) >= 3008 for _ in range(4))
+    for start, size in taken:
+        allocator.release(start, size)
+    allocator.release(second, 1024)
+    assert allocator.reserve_free(1 << 16, 64) == [] and allocator.reserve_free(-64, 64) == []
+    assert allocator.used == 4 * 64
+
+
+def test_reserve_free_keeps_a_tracked_allocator_exact():
+    allocator = OffsetAllocator(1 << 12, alignment=64, track=True)
+    assert allocator.reserve_free(100, 100) == [(64, 192)]
+    with pytest.raises(ValueError):
+        allocator.release(64, 64)  # not what was taken
+    allocator.release(64, 192)
+    assert allocator.used == 0 and allocator.free_extents == 1

@@ -96,7 +96,7 @@ def test_create_maps_a_private_file_with_a_readable_header(shm, regions):
     assert len(region.nonce) == 16
     assert header["capacity"] == CAPACITY
     assert header["data_offset"] == HEADER_SIZE
-    assert header["format"] == 2  # 2: the header publishes the mount session
+    assert header["format"] == 3  # 2: the header publishes the mount session; 3: and writer slots
 
 
 def test_view_is_the_writable_data_area_after_the_header(shm, regions):

@@ -199,7 +199,7 @@ def test_malformed_requests_are_refused_at_once(region, grants, sock_path, sent)
     with raw_peer(sock_path) as peer:
         peer.sendall(sent)
         data, fds = reply_of(peer)
-    assert data == b"ERR malformed request: expected KVTSHM1 <nonce hex>\n" and fds == []
+    assert data == b"ERR malformed request: expected KVTSHM1 <nonce hex> [writer]\n" and fds == []
     assert time.monotonic() - started < 5.0, "refused without waiting for the timeout"
     assert wait_until(lambda: results(listener.stats) == {"malformed": 1})
 
