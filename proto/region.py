@@ -21,8 +21,8 @@ taken back. A writer stopped in the middle of one (SIGSTOP, a frozen cgroup, a d
 grant would finish it on whatever the range holds by then. So each writer says what it is copying:
 the grant socket hands a client that asks one block of slots (held for as long as its grant socket
 connection stays open: until it unmaps the region, or its process dies), and around each range it
-copies into the region it fills a slot (offset, length, the grant's cutoff) and then makes `state`
-odd, and even again after the copy. The segment reads the slots it handed out and reports the
+copies into the region it writes a slot whole (`state` odd, offset, length, the grant's cutoff), and
+makes `state` even again after the copy. The segment reads the slots it handed out and reports the
 ranges of odd ones to the master with the wall time of the reading (HeartbeatRequest.writer_*);
 the master does not reuse the range of a put that never completed until a reading taken after the
 grant's cutoff shows no writer in it (kvtier.master.range_book). A slot is odd from before the

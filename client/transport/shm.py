@@ -92,9 +92,9 @@ _NONCE_SIZE = 16  # bytes, as in the region header
 # Seals a region must carry before it is mapped: nobody can change its size (and so unmap pages under us).
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _FD_SPACE = socket.CMSG_LEN(4)  # room for exactly one fd: more are cut off (MSG_CTRUNC) and closed by the kernel
-# A writer slot past its state word (kvtier.proto.region WRITER_SLOT), and the cutoff of a copy under no grant.
-_SLOT_FIELDS = struct.Struct("<QQQ")
-assert WRITER_STATE.size + _SLOT_FIELDS.size == WRITER_SLOT.size
+# The cutoff a writer slot names for a copy under no grant (kvtier.proto.region WRITER_SLOT). A slot is
+# written whole (state and fields in one store): a reading torn by a copy starting at that moment can only
+# name a range nobody relies on (its writer checks its grant after; a stopped writer's stores are old).
 _NO_CUTOFF = 2**64 - 1
 
 
@@ -441,42 +441,46 @@ class ShmConnector:
         header = self._map
         cutoff = caps[0] + CLOCK_SKEW_MS if caps is not None else _NO_CUTOFF
         state = self._slot_states[slot] if slot >= 0 else 0
+        announce, done = WRITER_SLOT.pack_into, WRITER_STATE.pack_into
         out = []
-        for index, (offset, buf) in enumerate(ranges):
-            end = offset + len(buf)
-            if end > capacity:
-                out.append(_BAD_RANGE)
-                continue
-            if slot >= 0:  # announced before the grant check: a writer stopped after it is seen
-                _SLOT_FIELDS.pack_into(header, slot + WRITER_STATE.size, offset, len(buf), cutoff)
-                state += 1
-                WRITER_STATE.pack_into(header, slot, state)
-            try:
-                if not granted():
-                    out.append(_EXPIRED)
+        try:
+            for index, (offset, buf) in enumerate(ranges):
+                end = offset + len(buf)
+                if end > capacity:
+                    out.append(_BAD_RANGE)
                     continue
-                stored = region[offset:end]
-                if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
-                    sums = ChunkSums()
-                    crc = _copy(stored, self._base + offset, buf, None, stored, sums, granted)
-                    chunks[index] = sums.blob()
-                elif into_region:
-                    crc = _copy(stored, self._base + offset, buf, None, stored, granted=granted)
+                if slot >= 0:  # announced before the grant check: a writer stopped after it is seen
+                    state += 1
+                    announce(header, slot, state, offset, end - offset, cutoff)
+                if not granted():
+                    crc = None
                 else:
-                    crc = _copy(buf, None, stored, self._base + offset, buf, granted=granted)
-                    if crc is not None and not granted():  # the bytes read may be the next mount's
-                        crc = None
-            finally:
+                    stored = region[offset:end]
+                    if into_region and chunks is not None and len(buf) > CHUNK_BYTES:  # chunk CRCs: same pass
+                        sums = ChunkSums()
+                        crc = _copy(stored, self._base + offset, buf, None, stored, sums, granted)
+                        chunks[index] = sums.blob()
+                    elif into_region:
+                        crc = _copy(stored, self._base + offset, buf, None, stored, granted=granted)
+                    else:
+                        crc = _copy(buf, None, stored, self._base + offset, buf, granted=granted)
+                        if crc is not None and not granted():  # the bytes read may be the next mount's
+                            crc = None
                 if slot >= 0:
                     state += 1
-                    WRITER_STATE.pack_into(header, slot, state)
-                    self._slot_states[slot] = state
-            if crc is None:
-                out.append(_EXPIRED)
-                continue
-            if checksums is not None:
-                checksums[index] = crc
-            out.append(_OK)
+                    done(header, slot, state)
+                if crc is None:
+                    out.append(_EXPIRED)
+                    continue
+                if checksums is not None:
+                    checksums[index] = crc
+                out.append(_OK)
+        finally:
+            if slot >= 0:
+                if state & 1:  # a copy that raised (a bad buffer): it is over all the same
+                    state += 1
+                    done(header, slot, state)
+                self._slot_states[slot] = state
         return out
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ table reads them (kvtier.segment_server.shm_writers). Real listener, real region
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 from pathlib import Path
@@ -169,5 +170,19 @@ def test_writes_of_one_connector_share_its_slots_and_wait_when_all_are_in_use(re
         assert results == [[0]] and state_of(region, 0, 3) == 2, "it took the slot given back"
         for slot in slots[:3] + slots[4:]:
             connector._give_slot(slot)
+    finally:
+        connector.close()
+
+
+def test_a_copy_that_raises_leaves_no_slot_saying_it_is_still_copying(region, grants, sock_path):
+    table = WriterTable(region.header)
+    url, _ = grants.serve(sock_path, region.fileno(), region.nonce, writers=table)
+    connector = ShmConnector(url, CONFIG)
+    try:
+        wrong = memoryview(array.array("i", [1, 2]))  # items of 4 bytes: not a byte buffer
+        with pytest.raises((ValueError, TypeError)):
+            connector.write([(0, wrong)])
+        assert table.sample().ranges == () and state_of(region, 0) == 2
+        assert connector.write([(0, b"ok")]) == [0] and state_of(region, 0) == 4, "the slot is in use again"
     finally:
         connector.close()
