@@ -449,6 +449,9 @@ class Drainer:
         # The migrator's write grant on the target ends with the lease migrate_start set: a stalled
         # writer's frames may act on the range until then (plus clock skew), so no reuse before.
         until = record.lease_until + state.reuse_margin_s
+        if record.size and target_segment is not None:  # the migrator may be a same-host writer stopped mid-copy
+            if not state.held_for_writers([target], record.size, until - state.clock()):
+                return False
         if record.size and target_segment is not None and until > state.clock():
             target_segment.objects -= 1
             state.free_after_leases(replica_segment(target), replica_offset(target), record.size, until, record)

@@ -83,8 +83,7 @@ def evict_to_watermark(state: MasterState, segment: SegmentRecord, need: int) ->
     # gone that are reusable once their leases and margin end. Evicting live objects for those
     # freed nothing sooner: a writer of leased objects had every live one evicted, again and again.
     # Not ranges held for a same-host writer stopped mid-copy: those come back only when it goes on.
-    held = sum(state.aligned(size) for _, _, _, size in segment.held)
-    need -= tiering.evicting_bytes(segment_id) + segment.releasing - held
+    need -= tiering.evicting_bytes(segment_id) + segment.releasing - state.stalled_held_bytes(segment)
     if need <= 0:
         return
     on_segment = state.has_dram_on(segment_id)

@@ -106,7 +106,12 @@ class SegmentCalls:
             self.state.note_clock_skew(request.segment_id, reading)
             if request.writers_sampled_ms:
                 writers = list(zip(request.writer_offsets, request.writer_lengths, strict=False))
-                self.state.writers_reported(request.segment_id, request.writers_sampled_ms, writers)
+                stalled = [
+                    w
+                    for w, cutoff in zip(writers, request.writer_cutoffs_ms, strict=False)
+                    if cutoff < request.writers_sampled_ms
+                ]
+                self.state.writers_reported(request.segment_id, request.writers_sampled_ms, writers, stalled)
         reply = pb.HeartbeatResponse(
             status=status, master_epoch=str(self.epoch), epoch=self.epoch, wall_clock_ms=wall_ms()
         )

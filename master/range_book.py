@@ -93,12 +93,19 @@ class RangeBook:
             segment.held.append((reuse_at, due_ms, replica_offset(packed), size))
         return rest
 
-    def writers_reported(self, segment_id: int, sampled_ms: int, ranges: list[tuple[int, int]]) -> None:
+    def writers_reported(
+        self,
+        segment_id: int,
+        sampled_ms: int,
+        ranges: list[tuple[int, int]],
+        stalled: list[tuple[int, int]] | None = None,
+    ) -> None:
         """A segment's report of the same-host copies in progress at `sampled_ms` (its wall clock, the
-        one its writers judge their grants by). Held ranges due by then (and by this master's clock:
-        tcp frames are judged on that) that no copy touches are freed; free ranges a copy is in are held
-        (what a restarted master, or a segment mounted again, never allocated but a stopped writer is
-        still in)."""
+        one its writers judge their grants by), and of those the ones past their grant (`stalled`).
+        Held ranges due by then (and by this master's clock: tcp frames are judged on that) that no
+        copy touches are freed. Free ranges a stalled copy is in are held: a copy within its grant is
+        in a range allocated to its put (or held since), and the ranges a restarted master or a
+        segment mounted again never allocated are named at its mount (`writers_at_mount`)."""
         segment = self.segments.get(segment_id)
         if segment is None or not segment.writer_slots:
             return
@@ -114,18 +121,34 @@ class RangeBook:
                 else:
                     keep.append(entry)
             segment.held = keep
-        if segment.state is not SegmentState.RECOVERING:
-            self._hold_free(segment, ranges)
+        if stalled and segment.state is not SegmentState.RECOVERING:
+            self._hold_free(segment, stalled)
 
     def writers_at_mount(self, segment_id: int, ranges: list[tuple[int, int]]) -> None:
-        """The copies in progress a segment named when it mounted: what of them the books have free is
-        held now, or (a segment reporting its inventory) once its inventory is in (`inventory_done`)."""
+        """The copies in progress a segment named when it mounted (all of the previous mount's grants):
+        what of them the books have free is held now, or (a segment reporting its inventory, rebuilt in
+        offset order) once its inventory is in (`inventory_done` calls `writers_after_inventory`)."""
         segment = self.segments.get(segment_id)
         if segment is None or not segment.writer_slots:
             return
-        segment.writer_ranges = tuple(ranges)
-        if segment.state is not SegmentState.RECOVERING:
+        if segment.state is SegmentState.RECOVERING:
+            segment.mount_writers = tuple(ranges)
+        else:
             self._hold_free(segment, ranges)
+
+    def writers_after_inventory(self, segment_id: int) -> None:
+        segment = self.segments.get(segment_id)
+        if segment is not None and segment.mount_writers:
+            self._hold_free(segment, segment.mount_writers)
+            segment.mount_writers = ()
+
+    def stalled_held_bytes(self, segment: SegmentRecord) -> int:
+        """Bytes of held ranges a writer was still in at the last report (stopped mid-copy: they come
+        back only when it goes on or dies; the other held ranges leave at the next report)."""
+        ranges = segment.writer_ranges
+        return sum(
+            self.aligned(size) for _, _, offset, size in segment.held if _touches(offset, self.aligned(size), ranges)
+        )
 
     def _hold_free(self, segment: SegmentRecord, ranges: Iterable[tuple[int, int]]) -> None:
         for offset, length in ranges:

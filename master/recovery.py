@@ -229,7 +229,7 @@ def inventory_done(state: MasterState, segment_id: int) -> None:
             state.saved_state_stale = True
         state.fences.close(segment.name)
         state.recovery.reported.add(segment.name)
-        state.writers_at_mount(segment_id, list(segment.writer_ranges))  # what its books left free
+        state.writers_after_inventory(segment_id)  # copies named at its mount, in what its books left free
         logger.info(
             "segment inventory complete id=%d name=%s objects=%d used=%d",
             segment_id,

@@ -66,6 +66,7 @@ class SegmentRecord:
     writer_slots: bool = False
     held: list[tuple[float, int, int, int]] = field(default_factory=list)
     writer_ranges: tuple[tuple[int, int], ...] = ()
+    mount_writers: tuple[tuple[int, int], ...] = ()  # named at mount, held once its inventory is in
 
     @property
     def placeable(self) -> bool:

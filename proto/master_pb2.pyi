@@ -198,7 +198,7 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[_status_pb2.Status, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served", "ssd_usable", "writers_sampled_ms", "writer_offsets", "writer_lengths")
+    __slots__ = ("segment_id", "ssd_used", "dram_bytes_served", "ssd_bytes_served", "disk_bytes_read", "ssd_bytes_offloaded", "epoch", "wall_clock_ms", "rtt_ms", "direct_reads_served", "ssd_usable", "writers_sampled_ms", "writer_offsets", "writer_lengths", "writer_cutoffs_ms")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SSD_USED_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class HeartbeatRequest(_message.Message):
     WRITERS_SAMPLED_MS_FIELD_NUMBER: _ClassVar[int]
     WRITER_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     WRITER_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_CUTOFFS_MS_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     ssd_used: int
     dram_bytes_served: int
@@ -227,7 +228,8 @@ class HeartbeatRequest(_message.Message):
     writers_sampled_ms: int
     writer_offsets: _containers.RepeatedScalarFieldContainer[int]
     writer_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., writers_sampled_ms: _Optional[int] = ..., writer_offsets: _Optional[_Iterable[int]] = ..., writer_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    writer_cutoffs_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segment_id: _Optional[int] = ..., ssd_used: _Optional[int] = ..., dram_bytes_served: _Optional[int] = ..., ssd_bytes_served: _Optional[int] = ..., disk_bytes_read: _Optional[int] = ..., ssd_bytes_offloaded: _Optional[int] = ..., epoch: _Optional[int] = ..., wall_clock_ms: _Optional[int] = ..., rtt_ms: _Optional[int] = ..., direct_reads_served: _Optional[int] = ..., ssd_usable: _Optional[int] = ..., writers_sampled_ms: _Optional[int] = ..., writer_offsets: _Optional[_Iterable[int]] = ..., writer_lengths: _Optional[_Iterable[int]] = ..., writer_cutoffs_ms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("status", "master_epoch", "error", "epoch", "wall_clock_ms", "direct_read_lease_ms")

@@ -479,6 +479,7 @@ def _report(
         "writers_sampled_ms": sample.sampled_ms,
         "writer_offsets": [offset for offset, _ in sample.ranges],
         "writer_lengths": [length for _, length in sample.ranges],
+        "writer_cutoffs_ms": list(sample.cutoffs),
         "direct_reads_served": keyed.stats.served,
         "ssd_used": store.used if store is not None else 0,
         "ssd_usable": store.usable if store is not None else 0,

@@ -26,11 +26,13 @@ _STABLE_TRIES = 8  # re-reads of a slot caught mid-change before it is taken as 
 @dataclass(frozen=True, slots=True)
 class WriterSample:
     """What the slots said at `sampled_ms` (this host's wall clock, the one writers judge their
-    grants by): the (offset, length) of every copy in progress, and how many of those had run past
-    the grant they started under (`stalled`: a writer stopped mid-copy)."""
+    grants by): the (offset, length) of every copy in progress and the cutoff of the grant each
+    started under (`cutoffs`, parallel), and how many had run past it (`stalled`: a writer stopped
+    mid-copy)."""
 
     sampled_ms: int
     ranges: tuple[tuple[int, int], ...]
+    cutoffs: tuple[int, ...]
     stalled: int
 
 
@@ -42,7 +44,7 @@ class WriterTable:
         self._free = list(range(blocks - 1, -1, -1))  # pop() hands out the lowest first
         self._assigned: set[int] = set()
         self.last: WriterSample | None = None  # the heartbeat's latest sample (for metrics)
-        for block in range(blocks):  # a region reused from a crashed run starts idle
+        for block in range(blocks):  # idle from the start, whatever the header held
             self._zero(block)
 
     @property
@@ -77,6 +79,7 @@ class WriterTable:
         started after `sampled_ms`, so it checked its grant after that (and refused an ended one)."""
         now = wall_ms()
         ranges = []
+        cutoffs = []
         stalled = 0
         header, unpack = self._header, WRITER_SLOT.unpack_from
         for block in list(self._assigned):
@@ -88,5 +91,6 @@ class WriterTable:
                         break  # idle, or a copy whose fields did not change while read
                 if state & 1:
                     ranges.append((offset, length))
+                    cutoffs.append(cutoff_ms)
                     stalled += cutoff_ms < now
-        return WriterSample(now, tuple(ranges), stalled)
+        return WriterSample(now, tuple(ranges), tuple(cutoffs), stalled)

@@ -14,7 +14,8 @@ slots in the region's header (kvtier.proto.region), and each copy into the regio
 one of its slots (offset, length, the grant's cutoff; state odd) from before its grant is checked
 until its last byte is copied. The segment reports those to the master, which keeps the range of a
 put that never completed from other objects while a writer (stopped mid-copy, say) is still in it.
-A segment of an earlier release answers `OK <nonce hex>` and closes: no slots (and no such guard).
+A segment of an earlier release refuses the request as malformed; the client then asks as before
+(`KVTSHM1 <nonce hex>`) and gets the region without slots (and without that guard).
 
 It is used only when it is proven to be the same region, and one nobody can resize: the host id
 (machine id + boot id, never a hostname) must equal this machine's before
@@ -175,7 +176,13 @@ def request_writer_grant(path: str, nonce: bytes, owner: int, timeout: float) ->
     ConnectError when there is no such socket, its server is not uid `owner`, it refuses (with the
     server's reason), or it answers anything but one fd and `OK <nonce>` (`writer <block>`).
     """
-    return _request(path, nonce, owner, timeout, writer=True)
+    try:
+        return _request(path, nonce, owner, timeout, writer=True)
+    except ConnectError as exc:
+        if "malformed request" not in str(exc):
+            raise
+    # A segment of an earlier release refuses the `writer` word as malformed: the region without slots.
+    return _request(path, nonce, owner, timeout, writer=False)
 
 
 def _request(
@@ -343,8 +350,9 @@ class ShmConnector:
     ) -> list[int]:
         ranges = [(offset, memoryview(buf)) for offset, buf in ranges]
         self._enter()
-        slot = self._take_slot()
+        slot = -1
         try:
+            slot = self._take_slot()
             return self._transfer(ranges, checksums, into_region=True, caps=caps, chunks=chunks, slot=slot)
         finally:
             self._give_slot(slot)

@@ -98,7 +98,7 @@ def stop_mid_copy(cluster, writer: subprocess.Popen, header: mmap.mmap) -> tuple
     for _ in range(200):
         deadline = time.monotonic() + 5.0
         while not (seen := [c for c in copies(header) if c[1] == STALLED]) and time.monotonic() < deadline:
-            pass
+            time.sleep(0.0005)  # a copy of STALLED bytes takes milliseconds; the writer needs the CPU
         assert seen, "the writer never announced its copy in a writer slot"
         writer.send_signal(signal.SIGSTOP)
         assert cluster.wait_for(lambda: stopped(writer.pid), timeout=5.0)

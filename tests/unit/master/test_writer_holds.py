@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.master.config import MasterConfig
+from kvtier.master.records import replica_offset
 from kvtier.master.recovery import inventory_done
 from kvtier.master.state import MasterState
 from kvtier.proto.auth import wall_ms
@@ -101,12 +102,14 @@ def test_a_complete_objects_range_is_not_held_for_writers(state, clock):
     assert state.segments[segment_id].releasing == 0, "its writer finished before PutEnd"
 
 
-def test_a_free_range_a_writer_is_in_is_taken_out_of_the_free_space_until_it_leaves(state, clock):
+def test_a_free_range_a_stalled_writer_is_in_is_taken_out_of_the_free_space_until_it_leaves(state, clock):
     # a master restarted (or a segment mounted again) while a writer was stopped: its books have it free
     segment_id = writer_segment(state)
     segment = state.segments[segment_id]
     assert state.config.alignment == 64
-    state.writers_reported(segment_id, wall_ms(), [(100, 5000)])  # [64, 5120) once aligned
+    state.writers_reported(segment_id, wall_ms(), [(100, 5000)])  # within its grant: in a range its put has
+    assert segment.releasing == 0, "a copy within its grant takes nothing out of the free space"
+    state.writers_reported(segment_id, wall_ms(), [(100, 5000)], [(100, 5000)])  # past it: [64, 5120) aligned
     assert segment.releasing == 5120 - 64
     assert all(next_offset(state, f"k{i}") >= 5120 for i in range(4)), "nothing placed where the writer is"
     assert_consistent(state)
@@ -129,8 +132,9 @@ def test_copies_named_at_mount_are_held_at_once_or_once_the_inventory_is_in(stat
     assert_consistent(state)
 
 
-def test_a_held_range_is_not_counted_as_room_on_its_way_back_by_the_watermark_pass(clock):
-    # a writer may stay stopped for good: live objects are evicted for the room it holds
+def test_only_a_held_range_a_writer_is_still_in_is_not_counted_as_room_on_its_way_back(clock):
+    # a writer may stay stopped for good: live objects are evicted for the room it holds; a held range
+    # nobody is in leaves at the next report, and evicting for it would evict for nothing
     config = MasterConfig(cluster_id="unit", lease_s=TTL, put_timeout_s=TTL, high_watermark=0.5).validate()
     state = MasterState(config, clock=clock)
     state.capability_ttl_s, state.reuse_margin_s = TTL, MARGIN
@@ -144,5 +148,33 @@ def test_a_held_range_is_not_counted_as_room_on_its_way_back_by_the_watermark_pa
     clock.advance(TTL + 1)  # "stuck" is reclaimed (its half of the region held), and the region is over 50%
     state.tick()
     assert segment.releasing == MiB // 2
+    live_left = segment.used - MiB // 2
+    assert live_left >= MiB // 4, "evicted for a held range no writer was reported in"
+    writer = [(stuck.replica_offsets[0], 100)]
+    state.writers_reported(segment_id, wall_ms() - LATER_MS, writer, writer)  # before its due: it stays held
+    state.tick()
     assert segment.used == MiB // 2, "the live objects were evicted: the held half is not coming back"
+    assert_consistent(state)
+
+
+def test_a_drain_targets_range_a_migrator_did_not_fill_is_held_like_a_puts(state, clock):
+    # given an object moving from a to b, whose migrator (a same-host writer of b) reports it not moved
+    mount(state, "a")
+    started = state.put_start(NS, ["x"], [SIZE], 1)
+    assert state.put_end(NS, ["x"], [7], started.put_id) == [OK]
+    b = writer_segment(state, "b")
+    assert state.drainer.drain("a", finish=False)[0] == OK
+    status, batch = state.drainer.migrate_start("a", 10)
+    assert status == OK and batch.items[0].target is not None
+    target = replica_offset(batch.items[0].target)
+    assert state.drainer.migrate_end(batch.migration_id, {(NS, "x"): False})[0] == OK
+    # when its grant and the margin are over but a report still shows it in the target range
+    clock.advance(state.config.lease_s + MARGIN + 1)
+    state.tick()
+    state.writers_reported(b, wall_ms() + LATER_MS, [(target, 10)], [(target, 10)])
+    # then the range goes to no other object
+    assert state.segments[b].releasing == SIZE
+    assert_consistent(state)
+    state.writers_reported(b, wall_ms() + LATER_MS, [])
+    assert state.segments[b].releasing == 0
     assert_consistent(state)

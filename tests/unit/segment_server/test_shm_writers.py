@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import array
 import os
+import socket
 import threading
 from pathlib import Path
+from urllib.parse import quote, urlencode
 
 import pytest
 
@@ -15,7 +17,7 @@ import kvtier.client.transport.shm as shm
 from kvtier.client.config import ClientConfig
 from kvtier.client.transport.shm import ShmConnector, request_region, request_writer_grant
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
-from kvtier.proto.region import SLOTS_PER_BLOCK, WRITER_BLOCKS, WRITER_SLOT, WRITER_STATE, writer_slot
+from kvtier.proto.region import SLOTS_PER_BLOCK, WRITER_BLOCKS, WRITER_SLOT, WRITER_STATE, host_id, writer_slot
 from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
 from kvtier.segment_server.shm_writers import WriterTable
 from tests.grants import GrantLoop, wait_until
@@ -72,11 +74,12 @@ def test_a_sample_names_copies_in_progress_and_those_past_their_grant(region):
     sample = table.sample()
     assert sorted(sample.ranges) == [(0, 100), (4096, 200)] and sample.stalled == 1
     assert sample.sampled_ms >= now
-    other = WRITER_SLOT.pack_into(region.header, writer_slot(block + 1, 0), 1, 0, 1, 0)  # a block nobody holds
-    assert other is None and sorted(table.sample().ranges) == [(0, 100), (4096, 200)]
+    assert sorted(zip(sample.ranges, sample.cutoffs, strict=True)) == [((0, 100), now + 60_000), ((4096, 200), now - 1)]
+    WRITER_SLOT.pack_into(region.header, writer_slot(block + 1, 0), 1, 0, 1, 0)  # a block nobody holds
+    assert sorted(table.sample().ranges) == [(0, 100), (4096, 200)]
 
 
-def test_a_region_reused_from_a_crashed_run_starts_with_idle_slots(region):
+def test_a_table_starts_with_every_slot_idle_whatever_the_header_held(region):
     WRITER_SLOT.pack_into(region.header, writer_slot(5, 0), 9, 0, 4096, 0)
     table = WriterTable(region.header)
     assert state_of(region, 5) == 0 and table.capacity == WRITER_BLOCKS
@@ -186,3 +189,46 @@ def test_a_copy_that_raises_leaves_no_slot_saying_it_is_still_copying(region, gr
         assert connector.write([(0, b"ok")]) == [0] and state_of(region, 0) == 4, "the slot is in use again"
     finally:
         connector.close()
+
+
+class EarlierGrantServer:
+    """A grant socket as a segment of the release before writer slots answers: two words or malformed."""
+
+    def __init__(self, path: str, region) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(4)
+        self.region, self.requests = region, []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for _ in range(2):
+            conn, _ = self.listener.accept()
+            with conn:
+                line = conn.recv(128).partition(b"\n")[0]
+                self.requests.append(line)
+                if len(line.split()) != 2:
+                    conn.sendall(b"ERR malformed request: expected KVTSHM1 <nonce hex>\n")
+                else:
+                    socket.send_fds(conn, [b"OK " + self.region.nonce.hex().encode() + b"\n"], [self.region.fileno()])
+
+    def close(self) -> None:
+        self.thread.join(10.0)
+        self.listener.close()
+
+
+def test_a_segment_of_an_earlier_release_is_asked_again_without_writer_slots(region, sock_path):
+    earlier = EarlierGrantServer(sock_path, region)
+    query = urlencode({"host": host_id(), "nonce": region.nonce.hex(), "uid": ME})
+    connector = ShmConnector(f"shm://{quote(sock_path)}?{query}", CONFIG)
+    try:
+        assert earlier.requests == [
+            b"KVTSHM1 " + region.nonce.hex().encode() + b" writer",
+            b"KVTSHM1 " + region.nonce.hex().encode(),
+        ]
+        assert connector.write([(0, b"still same-host")]) == [0] and bytes(region.view[:15]) == b"still same-host"
+        assert state_of(region, 0) == 0, "no block was granted: no slot is written"
+    finally:
+        connector.close()
+        earlier.close()
