@@ -39,29 +39,10 @@ from kvtier.segment_server.region import (
     remove_stale_socket,
 )
 from kvtier.segment_server.shm_grant import GrantServer, GrantStats, parse_uids, reopen
-from tests.grants import GrantLoop, wait_until
+from tests.grants import wait_until
 
 CONFIG = ClientConfig(master="127.0.0.1:1", timeout=5.0)
 ME = os.geteuid()
-
-
-@pytest.fixture
-def region(tmp_path: Path):
-    region = DramRegion(region_path(str(tmp_path), "tg", "seg0"), 1 << 20, "tg", "seg0").open()
-    yield region
-    region.close()
-
-
-@pytest.fixture
-def grants():
-    loop = GrantLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
-def sock_path(tmp_path: Path) -> str:
-    return grant_socket_path(str(tmp_path), "tg", "seg0")
 
 
 def raw_peer(path: str) -> socket.socket:

@@ -8,7 +8,6 @@ import array
 import os
 import socket
 import threading
-from pathlib import Path
 from urllib.parse import quote, urlencode
 
 import pytest
@@ -18,32 +17,12 @@ from kvtier.client.config import ClientConfig
 from kvtier.client.transport.shm import ShmConnector, request_region, request_writer_grant
 from kvtier.proto.auth import CLOCK_SKEW_MS, wall_ms
 from kvtier.proto.region import SLOTS_PER_BLOCK, WRITER_BLOCKS, WRITER_SLOT, WRITER_STATE, host_id, writer_slot
-from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
 from kvtier.segment_server.shm_writers import WriterTable
-from tests.grants import GrantLoop, wait_until
+from tests.grants import wait_until
 
 CONFIG = ClientConfig(master="127.0.0.1:1", timeout=5.0)
 ME = os.geteuid()
 MiB = 1 << 20
-
-
-@pytest.fixture
-def region(tmp_path: Path):
-    region = DramRegion(region_path(str(tmp_path), "tw", "seg0"), 4 * MiB, "tw", "seg0").open()
-    yield region
-    region.close()
-
-
-@pytest.fixture
-def grants():
-    loop = GrantLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
-def sock_path(tmp_path: Path) -> str:
-    return grant_socket_path(str(tmp_path), "tw", "seg0")
 
 
 def state_of(region, block: int, index: int = 0) -> int:
@@ -95,8 +74,9 @@ def test_a_writer_grant_holds_its_block_until_the_client_hangs_up(region, grants
     os.close(fd)
     assert connection is not None and block == 0
     assert wait_until(lambda: listener.stats.held == 1 and table.assigned == 1)
-    _, other, second = request_writer_grant(sock_path, region.nonce, ME, 5.0)
-    assert second == 1, "each client its own block"
+    other_fd, other, second = request_writer_grant(sock_path, region.nonce, ME, 5.0)
+    os.close(other_fd)
+    assert other is not None and second == 1, "each client its own block"
     WRITER_STATE.pack_into(region.header, writer_slot(block, 0), 1)  # it dies in the middle of a copy
     connection.close()
     assert wait_until(lambda: listener.stats.held == 1 and table.assigned == 1)
@@ -156,39 +136,39 @@ def test_every_copy_into_the_region_is_announced_from_before_its_grant_check_to_
         connector.close()
 
 
-def test_writes_of_one_connector_share_its_slots_and_wait_when_all_are_in_use(region, grants, sock_path):
+@pytest.fixture
+def slotted(region, grants, sock_path):
+    """A writer table served on the grant socket, and a connector holding its first block."""
     table = WriterTable(region.header)
     url, _ = grants.serve(sock_path, region.fileno(), region.nonce, writers=table)
     connector = ShmConnector(url, CONFIG)
-    try:
-        slots = [connector._take_slot() for _ in range(SLOTS_PER_BLOCK)]  # as many threads' writes at once
-        assert sorted(slots) == [writer_slot(0, i) for i in range(SLOTS_PER_BLOCK)]
-        results: list[list[int]] = []
-        late = threading.Thread(target=lambda: results.append(connector.write([(0, b"x" * 64)])))
-        late.start()
-        late.join(0.3)
-        assert late.is_alive() and not results, "a ninth write waits for a slot"
-        connector._give_slot(slots[3])
-        late.join(5.0)
-        assert results == [[0]] and state_of(region, 0, 3) == 2, "it took the slot given back"
-        for slot in slots[:3] + slots[4:]:
-            connector._give_slot(slot)
-    finally:
-        connector.close()
+    yield table, connector
+    connector.close()
 
 
-def test_a_copy_that_raises_leaves_no_slot_saying_it_is_still_copying(region, grants, sock_path):
-    table = WriterTable(region.header)
-    url, _ = grants.serve(sock_path, region.fileno(), region.nonce, writers=table)
-    connector = ShmConnector(url, CONFIG)
-    try:
-        wrong = memoryview(array.array("i", [1, 2]))  # items of 4 bytes: not a byte buffer
-        with pytest.raises((ValueError, TypeError)):
-            connector.write([(0, wrong)])
-        assert table.sample().ranges == () and state_of(region, 0) == 2
-        assert connector.write([(0, b"ok")]) == [0] and state_of(region, 0) == 4, "the slot is in use again"
-    finally:
-        connector.close()
+def test_writes_of_one_connector_share_its_slots_and_wait_when_all_are_in_use(region, slotted):
+    _, connector = slotted
+    slots = [connector._take_slot() for _ in range(SLOTS_PER_BLOCK)]  # as many threads' writes at once
+    assert sorted(slots) == [writer_slot(0, i) for i in range(SLOTS_PER_BLOCK)]
+    results: list[list[int]] = []
+    late = threading.Thread(target=lambda: results.append(connector.write([(0, b"x" * 64)])))
+    late.start()
+    late.join(0.3)
+    assert late.is_alive() and not results, "a ninth write waits for a slot"
+    connector._give_slot(slots[3])
+    late.join(5.0)
+    assert results == [[0]] and state_of(region, 0, 3) == 2, "it took the slot given back"
+    for slot in slots[:3] + slots[4:]:
+        connector._give_slot(slot)
+
+
+def test_a_copy_that_raises_leaves_no_slot_saying_it_is_still_copying(region, slotted):
+    table, connector = slotted
+    wrong = memoryview(array.array("i", [1, 2]))  # items of 4 bytes: not a byte buffer
+    with pytest.raises((ValueError, TypeError)):
+        connector.write([(0, wrong)])
+    assert table.sample().ranges == () and state_of(region, 0) == 2
+    assert connector.write([(0, b"ok")]) == [0] and state_of(region, 0) == 4, "the slot is in use again"
 
 
 class EarlierGrantServer:
