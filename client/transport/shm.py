@@ -51,6 +51,7 @@ import socket
 import stat
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -253,6 +254,22 @@ def check_sealed(fd: int, path: str) -> None:
         raise ConnectError(reason)
 
 
+def _forked() -> None:
+    """A forked child copies nothing into a region (its clients refuse calls made there): the grant
+    connections it inherited are closed in it, so that the blocks of writer slots they hold go back
+    when the parent lets go of them, not when the last child ends (a fork pool's lifetime)."""
+    for connector in list(_HOLDING_BLOCKS):
+        grant, connector._grant = connector._grant, None
+        if grant is not None:
+            grant.close()
+
+
+# Connectors whose grant connection holds a block of writer slots (closed in a forked child).
+_HOLDING_BLOCKS: weakref.WeakSet[ShmConnector] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 class ShmConnector:
     scheme = "shm"
     # A transfer is a copy in the calling thread; objects at least this large are copied and
@@ -316,6 +333,8 @@ class ShmConnector:
         # Writer slots (FORMAT 3): the block the grant gave us, held while `_grant` stays open; each
         # write call announces its copies in one slot of it (`_take_slot`), a slot's state counting up.
         self._grant = grant
+        if grant is not None:
+            _HOLDING_BLOCKS.add(self)
         slots = fmt >= WRITERS_FORMAT and 0 <= block < WRITER_BLOCKS
         indexes = reversed(range(SLOTS_PER_BLOCK)) if slots else ()
         self._free_slots = [writer_slot(block, index) for index in indexes]  # pop(): the first slot first

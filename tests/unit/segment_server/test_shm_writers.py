@@ -212,3 +212,21 @@ def test_a_segment_of_an_earlier_release_is_asked_again_without_writer_slots(reg
     finally:
         connector.close()
         earlier.close()
+
+
+def test_a_forked_child_does_not_keep_its_parents_block(region, slotted):
+    table, connector = slotted
+    assert table.assigned == 1
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child lives on, holding whatever it inherited, until the parent lets it go
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        connector.close()
+        assert wait_until(lambda: table.assigned == 0), "the child kept the block of a connector it cannot use"
+    finally:
+        os.close(write_end)
+        os.waitpid(child, 0)
