@@ -86,7 +86,8 @@ def copies(header: mmap.mmap) -> list[tuple[int, int]]:
 
 
 def releasing(client) -> int:
-    return next(s.dram_releasing for s in client.cluster_status().segments if s.name == "seg0")
+    """seg0's dram_releasing; -1 while it is not mounted (a restarted master it has not reached yet)."""
+    return next((s.dram_releasing for s in client.cluster_status().segments if s.name == "seg0"), -1)
 
 
 def stopped(pid: int) -> bool:
@@ -108,7 +109,28 @@ def stop_mid_copy(cluster, writer: subprocess.Popen, header: mmap.mmap) -> tuple
     raise AssertionError("never stopped the writer in the middle of a copy")
 
 
-def test_a_writer_stopped_mid_copy_keeps_its_range_from_other_objects_until_it_dies(cluster, tmp_path):
+def fill_and_check(cluster, client, header, writer, offset: int, length: int) -> None:
+    """New objects take what is free (below the eviction watermark), none of them where the stopped writer
+    is; when it goes on and finishes its copy, every one of them reads back intact."""
+    keys = [f"fill/{i:02d}" for i in range(FILL_OBJECTS)]
+    values = {key: os.urandom(FILL) for key in keys}
+    assert client.batch_put(keys, list(values.values())) == [Status.OK] * len(keys)
+    placed = [(r["offset"], r["size"]) for key in keys for r in client.locate(key)]
+    assert len(placed) == len(keys)
+    assert not [p for p in placed if p[0] < offset + length and offset < p[0] + p[1]], (
+        f"objects were placed in the range [{offset}, {offset + length}) a stopped writer is copying into"
+    )
+    writer.send_signal(signal.SIGCONT)
+    assert cluster.wait_for(lambda: not [c for c in copies(header) if c == (offset, length)], timeout=10.0)
+    got = client.batch_get(keys)
+    assert [g == values[k] for k, g in zip(keys, got, strict=True)] == [True] * len(keys), (
+        "an object stored after the writer's grant ended was damaged by its late copy"
+    )
+
+
+@pytest.fixture
+def stopped_writer(cluster, tmp_path):
+    """A same-host writer process stopped in the middle of a copy: (it, the mapped header, offset, length)."""
     header = writer_slots(cluster)
     go = tmp_path / "go"
     go.touch()
@@ -119,31 +141,33 @@ def test_a_writer_stopped_mid_copy_keeps_its_range_from_other_objects_until_it_d
         assert writer.stdout.readline().strip() == "ready"
         offset, length = stop_mid_copy(cluster, writer, header)
         go.unlink()  # continued, it finishes the round it is in and puts nothing more
-        client = cluster.client()  # tcp: another host's engine, say
-        # when its put is reclaimed and its grant is long over (put timeout 1 s, grant 1 s, margin 2 s)
-        assert cluster.wait_for(lambda: releasing(client) >= length, timeout=15.0), "the range was not held"
-        time.sleep(2 * PUT_TIMEOUT_S + 2.0 + 1.0)
-        assert releasing(client) >= length, "a stopped writer's range went back to the free space"
-        # then new objects take what is free (below the eviction watermark), none of them where the writer is
-        keys = [f"fill/{i:02d}" for i in range(FILL_OBJECTS)]
-        values = {key: os.urandom(FILL) for key in keys}
-        assert client.batch_put(keys, list(values.values())) == [Status.OK] * len(keys)
-        placed = [(r["offset"], r["size"]) for key in keys for r in client.locate(key)]
-        assert len(placed) == len(keys)
-        assert not [p for p in placed if p[0] < offset + length and offset < p[0] + p[1]], (
-            f"objects were placed in the range [{offset}, {offset + length}) a stopped writer is copying into"
-        )
-        # and when the writer goes on and finishes its copy, every object stored reads back intact
-        writer.send_signal(signal.SIGCONT)
-        assert cluster.wait_for(lambda: not [c for c in copies(header) if c == (offset, length)], timeout=10.0)
-        got = client.batch_get(keys)
-        assert [g == values[k] for k, g in zip(keys, got, strict=True)] == [True] * len(keys), (
-            "an object stored after the writer's grant ended was damaged by its late copy"
-        )
+        yield writer, header, offset, length
     finally:
         writer.kill()
         writer.wait(10)
         writer.stdout.close()
+        header.close()
+
+
+def test_a_writer_stopped_mid_copy_keeps_its_range_from_other_objects_until_it_dies(cluster, stopped_writer):
+    writer, header, offset, length = stopped_writer
+    client = cluster.client()  # tcp: another host's engine, say
+    # when its put is reclaimed and its grant is long over (put timeout 1 s, grant 1 s, margin 2 s)
+    assert cluster.wait_for(lambda: releasing(client) >= length, timeout=15.0), "the range was not held"
+    time.sleep(2 * PUT_TIMEOUT_S + 2.0 + 1.0)
+    assert releasing(client) >= length, "a stopped writer's range went back to the free space"
+    fill_and_check(cluster, client, header, writer, offset, length)
     # once the writer is gone its block is released and the range comes back
+    writer.kill()
     assert cluster.wait_for(lambda: releasing(client) == 0, timeout=15.0), "the dead writer's range stayed held"
-    header.close()
+
+
+def test_a_master_restarted_while_a_writer_is_stopped_mid_copy_places_nothing_in_its_range(cluster, stopped_writer):
+    writer, header, offset, length = stopped_writer
+    # the new master's books have the range free: the segment names the copy when it mounts there
+    cluster.restart_master("--put-timeout-s", str(PUT_TIMEOUT_S), "--lease-s", str(PUT_TIMEOUT_S))
+    client = cluster.client()
+    assert cluster.wait_for(lambda: releasing(client) >= length, timeout=20.0), "the range was not held"
+    fill_and_check(cluster, client, header, writer, offset, length)
+    writer.kill()
+    assert cluster.wait_for(lambda: releasing(client) == 0, timeout=15.0), "the dead writer's range stayed held"
