@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvtier.master.config import MasterConfig
 from kvtier.master.records import PIN_HARD, PIN_NONE, replica_segment
 from kvtier.master.state import MasterState, ObjectState, PutOptions
+from kvtier.proto.auth import wall_ms
 from kvtier.proto.status import Status
 from tests.unit.master.accounting import assert_consistent
 
@@ -638,9 +639,31 @@ class MasterStateMachine(RuleBasedStateMachine):
         self.put_ids: list[int] = [0]
         self.leases: list[int] = []  # releasable read leases not handed back yet
 
-    @rule(name=st.sampled_from(["a", "b", "c"]), capacity=st.sampled_from([64, 1000, 4096]))
-    def mount(self, name, capacity):
-        assert self.state.mount_segment("unit", name, "h", ["tcp://x:1"], capacity).status == OK
+    @rule(name=st.sampled_from(["a", "b", "c"]), capacity=st.sampled_from([64, 1000, 4096]), slots=st.booleans())
+    def mount(self, name, capacity, slots):
+        result = self.state.mount_segment("unit", name, "h", ["tcp://x:1"], capacity)
+        assert result.status == OK
+        result.segment.writer_slots = slots  # it reports same-host writers (kvtier.master.range_book)
+
+    @rule(
+        pick=st.integers(0, 5),
+        offset=st.integers(0, 5000),
+        length=st.integers(1, 2000),
+        stalled=st.booleans(),
+        later=st.booleans(),
+    )
+    def writers_report(self, pick, offset, length, stalled, later):
+        if self.state.segments:
+            segment_id = sorted(self.state.segments)[pick % len(self.state.segments)]
+            sampled = wall_ms() + (60_000 if later else -60_000)
+            writers = [(offset, length)]
+            self.state.writers_reported(segment_id, sampled, writers, writers if stalled else [])
+
+    @rule(pick=st.integers(0, 5))
+    def writers_gone(self, pick):
+        if self.state.segments:
+            segment_id = sorted(self.state.segments)[pick % len(self.state.segments)]
+            self.state.writers_reported(segment_id, wall_ms() + 60_000, [])
 
     @rule(pick=st.integers(0, 5))
     def unmount(self, pick):
@@ -727,7 +750,10 @@ class MasterStateMachine(RuleBasedStateMachine):
         for segment_id, _, size in state.leases.parked():
             if segment_id in used:
                 used[segment_id] += state.segments[segment_id].allocator.aligned(size)
+        for segment_id, segment in state.segments.items():  # held while a writer may be in them
+            used[segment_id] += sum(segment.allocator.aligned(size) for _, _, _, size in segment.held)
         assert {s: seg.used for s, seg in state.segments.items()} == used
+        assert_consistent(state)
         assert {s: seg.objects for s, seg in state.segments.items()} == replicas
         assert state.object_count == records
         assert state.snapshot().pending_puts == pending == len(state._pending)
