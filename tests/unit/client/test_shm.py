@@ -53,13 +53,6 @@ def region(tmp_path: Path):
 
 
 @pytest.fixture
-def grants():
-    loop = GrantLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
 def region_url(region: DramRegion, grants: GrantLoop, tmp_path: Path) -> str:
     """The endpoint URL exactly as a segment server advertises it, its grant socket served."""
     url, _ = grants.serve(grant_socket_path(str(tmp_path), "tunit", "seg0"), region.fileno(), region.nonce)

@@ -44,13 +44,6 @@ def region(tmp_path: Path):
 
 
 @pytest.fixture
-def grants():
-    loop = GrantLoop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture
 def shm_url(region: DramRegion, grants: GrantLoop, tmp_path: Path) -> str:
     return grants.serve(grant_socket_path(str(tmp_path), "treg", "seg0"), region.fileno(), region.nonce)[0]
 

@@ -1,5 +1,5 @@
 """Fixtures of the shm grant tests (test_shm_grant.py, test_shm_writers.py; other modules here define
-their own `region`): a real region of 4 MiB, a grant loop serving listeners on a uvloop thread, and its socket path."""
+their own `region`): a real region of 4 MiB and its grant socket path (the grant loop: tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from kvtier.segment_server.region import DramRegion, grant_socket_path, region_path
-from tests.grants import GrantLoop
 
 REGION_BYTES = 4 << 20
 
@@ -18,13 +17,6 @@ def region(tmp_path: Path):
     region = DramRegion(region_path(str(tmp_path), "tg", "seg0"), REGION_BYTES, "tg", "seg0").open()
     yield region
     region.close()
-
-
-@pytest.fixture
-def grants():
-    loop = GrantLoop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture
