@@ -77,9 +77,10 @@ class RangeBook:
                 segment.releasing -= self.aligned(size)
 
     def held_for_writers(self, replicas: Iterable[int], size: int, wait_s: float) -> list[int]:
-        """Hold the DRAM ranges (`size` bytes each) of a put that never completed on segments that report
-        their same-host writers, until a report taken at least `wait_s` from now (its grant and the clock
-        skew margin) shows no writer in them (`writers_reported`). The replicas not held (other segments)."""
+        """Hold the DRAM ranges (`size` bytes each) of a put that never completed (or a migration target
+        never filled) on segments that report their same-host writers, until a report taken at least
+        `wait_s` from now (its grant and the clock skew margin) shows no writer in them
+        (`writers_reported`). The replicas not held (other segments, or nothing to hold)."""
         rest = []
         wait_s = max(wait_s, 0.0)
         reuse_at, due_ms = self.clock() + wait_s, wall_ms() + int(wait_s * 1000) + 1

@@ -61,8 +61,7 @@ class SegmentRecord:
     # MountSegmentRequest.writer_slots): the range of a put that never completed is `held` until a
     # report taken after its grant shows no writer in it (kvtier.master.range_book). Entries are
     # (reuse_at on the master's clock, due_ms on the segment's wall clock, offset, size), their bytes
-    # counted in `releasing`; `writer_ranges` is the last
-    # report's (offset, length) of copies in progress.
+    # counted in `releasing`; `writer_ranges` is the last report's (offset, length) of copies in progress.
     writer_slots: bool = False
     held: list[tuple[float, int, int, int]] = field(default_factory=list)
     writer_ranges: tuple[tuple[int, int], ...] = ()
